@@ -1,0 +1,36 @@
+"""`make demo`: load the built-in model, generate for a few prompts, print text and metrics."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import specjax
+
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "Explain in two sentences why the sky is blue.",
+    "Rewrite this sentence in the past tense: The cat sits on the mat and watches the birds.",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    model = specjax.load(args.model)
+    print(f"loaded {model} in {time.perf_counter() - start:.1f} s")
+
+    result = specjax.generate(model, PROMPTS, max_new_tokens=args.max_new_tokens, chat=True)
+    for prompt, text in zip(PROMPTS, result.texts, strict=True):
+        print(f"\n>>> {prompt}\n{text.strip()}")
+    print(f"\nplain greedy decoding, batch {len(PROMPTS)}: {result.metrics}")
+    print(json.dumps(result.metrics.summary(), indent=None))
+
+
+if __name__ == "__main__":
+    main()

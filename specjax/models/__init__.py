@@ -1,0 +1,24 @@
+"""Models: configs, the pure-functional transformer, its KV cache and checkpoint loading."""
+
+from specjax.models.cache import KVCache, cache_bytes, init_cache
+from specjax.models.config import LlamaConfig, RopeScaling
+from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
+from specjax.models.loading import BUILTIN_MODELS, load
+from specjax.models.model import Model
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "KVCache",
+    "LayerParams",
+    "LlamaConfig",
+    "LlamaParams",
+    "Model",
+    "RopeScaling",
+    "cache_bytes",
+    "forward",
+    "forward_hidden",
+    "init_cache",
+    "init_params",
+    "lm_head",
+    "load",
+]

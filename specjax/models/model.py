@@ -1,0 +1,36 @@
+"""`Model`: a config, its params and (optionally) a tokenizer, handed around as one value."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import LlamaParams
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A loaded or built model. `tokenizer` is an HF tokenizer, or None for token-id-only use."""
+
+    config: LlamaConfig
+    params: LlamaParams
+    tokenizer: Any = None
+    name: str = "custom"
+
+    def __post_init__(self):
+        if not isinstance(self.config, LlamaConfig):
+            raise ValueError(
+                f"Model config must be a specjax.models.LlamaConfig, got {type(self.config).__name__}"
+            )
+        if not isinstance(self.params, LlamaParams):
+            raise ValueError(
+                f"Model params must be specjax.models.LlamaParams, got {type(self.params).__name__}"
+            )
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Model({self.name!r}, layers={c.num_layers}, hidden={c.hidden_size}, "
+            f"heads={c.num_heads}/{c.num_kv_heads}, vocab={c.vocab_size})"
+        )

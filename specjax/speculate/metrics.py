@@ -1,0 +1,128 @@
+"""Metrics: counters accumulated inside the compiled loop, and their host-side summary.
+
+Names follow vLLM's speculative-decoding metrics where one exists (num_drafts, num_draft_tokens,
+num_accepted_tokens, mean acceptance length = 1 + accepted / drafts), so numbers compare across
+systems.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@flax.struct.dataclass
+class MetricCounters:
+    """Per-row counters carried through the loop. K is the number of speculative tokens (0 when
+    decoding plainly, which leaves the per-position arrays empty)."""
+
+    steps: jax.Array  # [B] loop steps in which the row was still running
+    target_forwards: jax.Array  # [B] target forward passes that scored the row (prefill included)
+    drafted: jax.Array  # [B] draft tokens proposed (valid ones only)
+    accepted: jax.Array  # [B] draft tokens accepted
+    emitted: jax.Array  # [B] tokens appended to the output
+    accepted_at: jax.Array  # [B, K] drafts accepted at each position (unconditional rate numerator)
+    reached_at: jax.Array  # [B, K] positions verified, i.e. all earlier drafts accepted
+    accept_hist: jax.Array  # [B, K+1] how often 0..K drafts were accepted in one step
+    expected_accept_at: jax.Array  # [B, K] sum over steps of sum_v min(p, q) at each position
+
+    @classmethod
+    def zeros(cls, batch_size: int, k: int) -> MetricCounters:
+        def z(*shape, dtype=jnp.int32):
+            return jnp.zeros((batch_size, *shape), dtype)
+
+        return cls(
+            steps=z(),
+            target_forwards=z(),
+            drafted=z(),
+            accepted=z(),
+            emitted=z(),
+            accepted_at=z(k),
+            reached_at=z(k),
+            accept_hist=z(k + 1),
+            expected_accept_at=z(k, dtype=jnp.float32),
+        )
+
+
+@dataclasses.dataclass
+class SpecMetrics:
+    """What one `generate` call did, per row (numpy arrays) and as totals via `summary()`."""
+
+    num_speculative_tokens: int
+    steps: np.ndarray
+    target_forwards: np.ndarray
+    drafted: np.ndarray
+    accepted: np.ndarray
+    emitted: np.ndarray
+    accepted_at: np.ndarray
+    reached_at: np.ndarray
+    accept_hist: np.ndarray
+    expected_accept_at: np.ndarray
+    compile_time_s: float = 0.0
+    run_time_s: float = 0.0
+
+    @classmethod
+    def from_counters(cls, counters: MetricCounters, k: int, compile_time_s: float, run_time_s: float):
+        host = {f.name: np.asarray(getattr(counters, f.name)) for f in dataclasses.fields(counters)}
+        return cls(num_speculative_tokens=k, compile_time_s=compile_time_s, run_time_s=run_time_s, **host)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return float(self.emitted.sum() / self.run_time_s) if self.run_time_s > 0 else float("nan")
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = self.drafted.sum()
+        return float(self.accepted.sum() / drafted) if drafted else float("nan")
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per step that drafted, counting the bonus token (vLLM's definition).
+
+        1 + accepted / steps: a step that drafts nothing still emits one token.
+        """
+        steps = self.steps.sum()
+        return float(1 + self.accepted.sum() / steps) if steps else float("nan")
+
+    def summary(self) -> dict:
+        """Totals over the batch as plain Python numbers (JSON-ready)."""
+        reached = self.reached_at.sum(0)
+        accepted_at = self.accepted_at.sum(0)
+        steps = max(int(self.steps.sum()), 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            conditional = np.where(reached > 0, accepted_at / np.maximum(reached, 1), np.nan)
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "steps": int(self.steps.sum()),
+            "target_forwards": int(self.target_forwards.sum()),
+            "num_draft_tokens": int(self.drafted.sum()),
+            "num_accepted_tokens": int(self.accepted.sum()),
+            "num_emitted_tokens": int(self.emitted.sum()),
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_per_position": (accepted_at / steps).tolist(),
+            "conditional_acceptance_per_position": conditional.tolist(),
+            "expected_acceptance_per_position": (self.expected_accept_at.sum(0) / steps).tolist(),
+            "acceptance_length_histogram": self.accept_hist.sum(0).tolist(),
+            "tokens_per_second": self.tokens_per_second,
+            "compile_time_s": self.compile_time_s,
+            "run_time_s": self.run_time_s,
+        }
+
+    def __str__(self) -> str:
+        s = self.summary()
+        line = (
+            f"{s['num_emitted_tokens']} tokens in {s['run_time_s']:.2f} s "
+            f"({s['tokens_per_second']:.1f} tok/s, compile {s['compile_time_s']:.1f} s), "
+            f"{s['steps']} steps"
+        )
+        if self.num_speculative_tokens:
+            line += (
+                f", k={self.num_speculative_tokens}, acceptance rate {s['acceptance_rate']:.3f}, "
+                f"mean acceptance length {s['mean_acceptance_length']:.2f}"
+            )
+        return line

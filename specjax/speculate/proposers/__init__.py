@@ -1,0 +1,48 @@
+"""Proposers: cheap guesses of the next k tokens.
+
+The user-facing objects (NGram, DraftModel, SelfDraft) resolve, per call, to a frozen, hashable
+*proposer spec* that the compiled loop holds as a static value, plus a params pytree (or None)
+passed as an argument. A spec provides:
+
+    k: int                         number of speculative tokens
+    deterministic: bool            True when q is one-hot on the draft token
+    init(target_params, params, prompt_tokens, prompt_lengths, capacity) -> state
+    propose(target_params, params, state, tokens, lengths, key, sampling) -> (Proposal, state)
+
+`propose` sees the committed sequence (`tokens[b, :lengths[b]]`) and returns a Proposal; the
+loop verifies it, commits what was accepted, and calls `propose` again.
+"""
+
+from __future__ import annotations
+
+from specjax.models.model import Model
+from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal
+from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
+from specjax.speculate.proposers.ngram import NGram, ngram_propose
+from specjax.speculate.sampling import WarpSpec
+
+PROPOSER_TYPES = (NGram, DraftModel, SelfDraft)
+
+
+def resolve(proposer, target: Model, warp: WarpSpec):
+    """(spec, params) for a user-facing proposer; (None, None) for plain decoding."""
+    if proposer is None:
+        return None, None
+    if isinstance(proposer, NGram):
+        return proposer, None
+    if isinstance(proposer, DraftModel | SelfDraft):
+        return proposer.spec(target, warp), proposer.params(target)
+    names = ", ".join(t.__name__ for t in PROPOSER_TYPES)
+    raise ValueError(f"proposer must be None or one of specjax.{{{names}}}, got {type(proposer).__name__}")
+
+
+__all__ = [
+    "MAX_SPECULATIVE_TOKENS",
+    "DraftModel",
+    "DraftSpec",
+    "NGram",
+    "Proposal",
+    "SelfDraft",
+    "ngram_propose",
+    "resolve",
+]

@@ -1,0 +1,27 @@
+"""What every proposer returns, and the checks all proposers share."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+
+MAX_SPECULATIVE_TOKENS = 16  # k above this buys nothing measurable and bloats the verify pass
+
+
+@flax.struct.dataclass
+class Proposal:
+    """Up to K draft tokens per row.
+
+    draft_probs is the exact (warped) distribution each draft token was drawn from, or None for a
+    deterministic proposer (its q is one-hot on the draft token). valid is a prefix mask: a row
+    may draft fewer than K tokens, or none.
+    """
+
+    draft_tokens: jax.Array  # [B, K] int32
+    valid: jax.Array  # [B, K] bool
+    draft_probs: jax.Array | None = None  # [B, K, V] float32
+
+
+def check_k(owner: str, k) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        raise ValueError(f"{owner} k must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")

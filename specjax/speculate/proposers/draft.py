@@ -1,0 +1,151 @@
+"""Drafting with a model: a separate small model (DraftModel) or the target's first layers
+(SelfDraft, early exit), each with its own KV cache.
+
+Cache bookkeeping: at every propose, row b's draft cache is trusted up to slot L - 2 (L the
+sequence length), and the first draft pass feeds the last two tokens. Slot L - 2 is then
+rewritten with the same token, which costs one extra token of work but means the draft never
+needs a separate catch-up pass: after a full acceptance the last draft token, never fed to the
+draft, is simply the second-to-last token of the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax.models.cache import KVCache, init_cache
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import forward_hidden, lm_head
+from specjax.models.model import Model
+from specjax.speculate.proposers.base import Proposal, check_k
+from specjax.speculate.sampling import SamplingParams, WarpSpec, sample_tokens, warp_logits
+
+
+@flax.struct.dataclass
+class DraftState:
+    cache: KVCache
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftSpec:
+    """The static, hashable part of a model-based proposer."""
+
+    config: LlamaConfig  # the draft's config (for SelfDraft: the target's)
+    k: int
+    num_layers: int  # layers the draft runs (SelfDraft: an early exit)
+    shares_target_params: bool
+    warp: WarpSpec = WarpSpec()
+    deterministic: bool = False  # set per call: greedy drafting has a one-hot q
+
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
+        params = target_params if self.shares_target_params else params
+        B, T = prompt_tokens.shape
+        cache = init_cache(self.config, B, capacity, num_layers=self.num_layers)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        _, cache = forward_hidden(params, self.config, prompt_tokens, positions, cache)
+        return DraftState(cache=cache.advance(prompt_lengths))
+
+    def propose(
+        self, target_params, params, state: DraftState, tokens, lengths, key, sampling: SamplingParams
+    ):
+        params = target_params if self.shares_target_params else params
+        B = tokens.shape[0]
+        rows = jnp.arange(B)[:, None]
+        cache = state.cache.replace(lengths=lengths - 2)
+
+        def draft_one(cache, fed, fed_positions, step_key):
+            hidden, cache = forward_hidden(params, self.config, fed, fed_positions, cache)
+            logits = lm_head(params, hidden[:, -1])  # [B, V]
+            cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
+            token = sample_tokens(step_key, logits, sampling, self.warp)
+            probs = None if self.warp.greedy else jnp.exp(warp_logits(logits, sampling, self.warp))
+            return cache, token, probs
+
+        keys = jax.random.split(key, self.k)
+        first_positions = lengths[:, None] - 2 + jnp.arange(2)[None, :]  # [B, 2]
+        cache, token, probs = draft_one(cache, tokens[rows, first_positions], first_positions, keys[0])
+
+        def later(carry, step_key):
+            cache, token, position = carry
+            cache, next_token, probs = draft_one(cache, token[:, None], position[:, None], step_key)
+            return (cache, next_token, position + 1), (next_token, probs)
+
+        (cache, _, _), (rest, rest_probs) = jax.lax.scan(later, (cache, token, lengths), keys[1:])
+        draft = jnp.concatenate([token[:, None], rest.T], axis=1)  # [B, K]
+        draft_probs = None
+        if probs is not None:
+            draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
+        proposal = Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool), draft_probs=draft_probs)
+        return proposal, DraftState(cache=cache)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DraftModel:
+    """Draft with a separate model that shares the target's vocabulary."""
+
+    model: Model
+    k: int = 4
+
+    def __post_init__(self):
+        if not isinstance(self.model, Model):
+            raise ValueError(f"DraftModel model must be a specjax.Model, got {type(self.model).__name__}")
+        check_k("DraftModel", self.k)
+
+    def spec(self, target: Model, warp: WarpSpec) -> DraftSpec:
+        check_same_vocabulary(target, self.model)
+        return DraftSpec(
+            config=self.model.config,
+            k=self.k,
+            num_layers=self.model.config.num_layers,
+            shares_target_params=False,
+            warp=warp,
+            deterministic=warp.greedy,
+        )
+
+    def params(self, target: Model):
+        return self.model.params
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfDraft:
+    """Early-exit self-drafting: the target's first `layers` layers, its final norm and its head."""
+
+    layers: int = 8
+    k: int = 4
+
+    def __post_init__(self):
+        check_k("SelfDraft", self.k)
+        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
+            raise ValueError(f"SelfDraft layers must be an integer >= 1, got {self.layers!r}")
+
+    def spec(self, target: Model, warp: WarpSpec) -> DraftSpec:
+        if not 1 <= self.layers <= target.config.num_layers - 1:
+            raise ValueError(
+                f"SelfDraft layers must be in 1..{target.config.num_layers - 1} for a target of "
+                f"{target.config.num_layers} layers, got {self.layers}"
+            )
+        return DraftSpec(
+            config=target.config,
+            k=self.k,
+            num_layers=self.layers,
+            shares_target_params=True,
+            warp=warp,
+            deterministic=warp.greedy,
+        )
+
+    def params(self, target: Model):
+        return None
+
+
+def check_same_vocabulary(target: Model, draft: Model) -> None:
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"DraftModel model has vocab_size {draft.config.vocab_size}, the target "
+            f"{target.config.vocab_size}: a draft must share the target's vocabulary"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+            raise ValueError("DraftModel model's tokenizer differs from the target's: a draft must share it")

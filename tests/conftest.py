@@ -1,0 +1,95 @@
+"""Shared fixtures: the built-in model (loaded once per session), its transformers reference,
+and the prompt data sets in ../shared/data."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def data_dir() -> Path:
+    """Where the prompt sets live: $SPECJAX_DATA, else <repo>/../shared/data."""
+    return Path(os.environ.get("SPECJAX_DATA") or REPO.parent / "shared" / "data")
+
+
+def data_file(name: str) -> Path:
+    """The path of a prompt set, or skip the test saying where it was looked for."""
+    path = data_dir() / name
+    if not path.is_file():
+        pytest.skip(f"prompt set {name} not found in {path.parent} (set SPECJAX_DATA to its folder)")
+    return path
+
+
+def read_jsonl(name: str) -> list[dict]:
+    with open(data_file(name)) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def spec_bench() -> list[dict]:
+    """The Spec-Bench questions (480 records with 1-2 user turns each). List it before other
+    fixtures in a test's arguments, so a missing file skips before any model loads."""
+    return read_jsonl("spec_bench_question.jsonl")
+
+
+@pytest.fixture(scope="session")
+def humaneval() -> list[dict]:
+    """The HumanEval problems (164 records; the "prompt" field is the model input)."""
+    return read_jsonl("humaneval.jsonl")
+
+
+@pytest.fixture(scope="session")
+def smollm2_cache_dir(tmp_path_factory) -> Path:
+    """A fresh cache folder, so each session tests the GGUF conversion as well as the cache."""
+    return tmp_path_factory.mktemp("specjax-cache")
+
+
+@pytest.fixture(scope="session")
+def smollm2_load(smollm2_cache_dir):
+    """(model, seconds) of the first load of the built-in model, which converts the GGUF."""
+    from specjax.models import load
+
+    start = time.perf_counter()
+    model = load("smollm2-135m", cache_dir=smollm2_cache_dir)
+    return model, time.perf_counter() - start
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_load):
+    """The built-in SmolLM2-135M-Instruct as a specjax Model (float32)."""
+    return smollm2_load[0]
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """(folder, file name) of the built-in model's GGUF, as transformers' gguf_file wants them."""
+    from specjax.models.loading import builtin_path
+
+    path = builtin_path("smollm2-135m")
+    return str(path.parent), path.name
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """transformers' own float32 load of the same GGUF: the logits reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = smollm2_gguf
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2_tokenizer(smollm2_gguf):
+    """transformers' tokenizer built from the same GGUF: the tokenizer reference."""
+    from transformers import AutoTokenizer
+
+    folder, name = smollm2_gguf
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)

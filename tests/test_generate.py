@@ -1,0 +1,180 @@
+"""Plain (non-speculative) generation on tiny random models: the loop, its compiled form, stops."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import specjax
+from specjax.api import compiled_program_count, prompt_bucket
+from specjax.models import forward, init_cache
+
+
+def reference_greedy(model, prompt, num_tokens, width=64):
+    """Greedy tokens by re-running the whole sequence each step through an empty cache. The
+    sequence is zero-padded to `width` (causal attention: padding after it changes nothing)."""
+
+    @jax.jit
+    def logits_of(tokens):
+        positions = jnp.arange(width, dtype=jnp.int32)[None]
+        return forward(model.params, model.config, tokens, positions, init_cache(model.config, 1, width))[0]
+
+    seq = list(prompt)
+    for _ in range(num_tokens):
+        padded = jnp.zeros((1, width), jnp.int32).at[0, : len(seq)].set(jnp.asarray(seq))
+        seq.append(int(jnp.argmax(logits_of(padded)[0, len(seq) - 1])))
+    return seq[len(prompt) :]
+
+
+def test_greedy_matches_uncached_reference_with_ragged_batch():
+    model = tiny_model(seed=1)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42], list(range(20, 37))]
+    result = specjax.generate(model, prompts, max_new_tokens=12)
+    for prompt, tokens in zip(prompts, result.tokens, strict=True):
+        assert tokens == reference_greedy(model, prompt, 12)
+    assert result.texts is None
+    m = result.metrics
+    assert m.emitted.tolist() == [12] * 4
+    assert m.steps.tolist() == [11] * 4  # the first token comes from the prefill
+    assert m.target_forwards.tolist() == [12] * 4
+
+
+def test_batch_rows_do_not_interact():
+    model = tiny_model(seed=2)
+    prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17]]
+    together = specjax.generate(model, prompts, max_new_tokens=10).tokens
+    alone = [specjax.generate(model, [p], max_new_tokens=10).tokens[0] for p in prompts]
+    assert together == alone
+
+
+def test_per_row_eos_stops_only_that_row():
+    model = tiny_model(seed=3)
+    prompts = [[1, 2, 3], [50, 51]]
+    free = specjax.generate(model, prompts, max_new_tokens=10).tokens
+    eos = free[0][4]  # row 0 emits this token at step 5: make it the EOS
+    assert eos not in free[0][:4]
+    stopped_model = tiny_model(seed=3, eos_token_ids=(eos,))
+    result = specjax.generate(stopped_model, prompts, max_new_tokens=10)
+    assert result.tokens[0] == free[0][:5]  # EOS included, nothing after it
+    expected_row1 = free[1][: free[1].index(eos) + 1] if eos in free[1] else free[1]
+    assert result.tokens[1] == expected_row1
+    assert result.metrics.emitted.tolist() == [5, len(expected_row1)]
+
+
+def test_new_prompt_length_in_same_bucket_does_not_recompile():
+    model = tiny_model(seed=4, num_layers=3)  # a config no other test compiles
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda name, *a, **k: (
+            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
+        )
+    )
+    first = specjax.generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=8)
+    programs, backend_compiles = compiled_program_count(), len(compiles)
+    assert prompt_bucket(5) == prompt_bucket(11)
+    second = specjax.generate(model, [[7, 7, 7, 1, 2, 3, 4, 5, 6, 7, 8]], max_new_tokens=8)
+    third = specjax.generate(model, [[9, 8]], max_new_tokens=8, sampling=specjax.Sampling())
+    assert compiled_program_count() == programs
+    assert len(compiles) == backend_compiles  # not one XLA compilation for the new lengths
+    assert second.metrics.compile_time_s == 0 and third.metrics.compile_time_s == 0
+    assert first.metrics.compile_time_s > 0
+
+
+def test_compiled_generate_is_one_top_level_while_loop():
+    from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
+    from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
+
+    model = tiny_model()
+    spec = LoopSpec(model.config, 2, 16, 128, WarpSpec.of(Sampling(temperature=0.7, top_k=3)), ())
+    inputs = GenerationInputs(
+        prompt_tokens=jnp.zeros((2, 16), jnp.int32),
+        prompt_lengths=jnp.array([3, 5], jnp.int32),
+        max_new_tokens=jnp.array([8, 8], jnp.int32),
+        sampling=SamplingParams.of(Sampling(0.7, 3), 2),
+        key=jax.random.key(0),
+    )
+    jaxpr = jax.make_jaxpr(generate_program, static_argnums=0)(spec, model.params, None, inputs)
+    top_level = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+    assert top_level.count("while") == 1
+    assert not any("callback" in name for name in top_level)
+
+
+def test_max_new_tokens_and_texts_with_sampling():
+    model = tiny_model(seed=5)
+    sampling = specjax.Sampling(temperature=0.8, top_k=10, top_p=0.9, min_p=0.01)
+    a = specjax.generate(
+        model, [[1, 2], [3, 4, 5]], sampling=sampling, max_new_tokens=7, key=jax.random.key(3)
+    )
+    b = specjax.generate(
+        model, [[1, 2], [3, 4, 5]], sampling=sampling, max_new_tokens=7, key=jax.random.key(3)
+    )
+    c = specjax.generate(
+        model, [[1, 2], [3, 4, 5]], sampling=sampling, max_new_tokens=7, key=jax.random.key(4)
+    )
+    assert [len(t) for t in a.tokens] == [7, 7]
+    assert a.tokens == b.tokens  # same key, same tokens
+    assert a.tokens != c.tokens
+    assert all(0 <= t < model.config.vocab_size for row in a.tokens for t in row)
+
+
+def test_sampled_first_token_follows_warped_distribution():
+    """Many rows of one prompt: the first sampled token's counts match the exact warped law."""
+    from specjax.speculate.sampling import SamplingParams, WarpSpec, warp_logits
+
+    model = tiny_model(seed=6)
+    prompt = [4, 8, 15, 16, 23, 42]
+    sampling = specjax.Sampling(temperature=0.7, top_k=12, top_p=0.8)
+    rows = 4000
+    result = specjax.generate(
+        model, [prompt] * rows, sampling=sampling, max_new_tokens=1, key=jax.random.key(7)
+    )
+    counts = np.bincount([t[0] for t in result.tokens], minlength=model.config.vocab_size)
+
+    tokens = jnp.asarray([prompt], jnp.int32)
+    positions = jnp.arange(len(prompt), dtype=jnp.int32)[None]
+    logits, _, _ = forward(model.params, model.config, tokens, positions, init_cache(model.config, 1, 16))
+    probs = np.exp(
+        np.asarray(warp_logits(logits[:, -1], SamplingParams.of(sampling, 1), WarpSpec.of(sampling))[0])
+    )
+    probs = probs.astype(np.float64)
+    assert (counts[probs == 0] == 0).all()  # filtered tokens never appear
+    sigma = np.sqrt(rows * probs * (1 - probs))
+    assert (np.abs(counts - rows * probs) <= 6 * sigma + 3).all()
+    assert (probs > 0).sum() > 2  # the test exercises a real spread, not a single token
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompts=[]), "prompts must not be empty"),
+        (dict(prompts=[[1, 2], []]), r"prompts\[1\] is empty"),
+        (dict(prompts=[[1, 2, 1000]]), "token id 1000 outside the vocabulary"),
+        (dict(prompts=["hello"]), "has no tokenizer"),
+        (dict(prompts=[1.5]), r"prompts\[0\] must be a str"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
+        (dict(prompts=[list(range(10)) * 50], max_new_tokens=20), "exceeds the model's context of 512"),
+        (dict(sampling=specjax.Sampling(temperature=0.5)), "key is required"),
+        (dict(proposer="ngram"), "proposer must be None or one of"),
+    ],
+)
+def test_bad_generate_arguments(kwargs, message):
+    model = tiny_model()
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=message):
+        specjax.generate(model, **args)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(temperature=-0.1), "temperature must be a finite number >= 0, got -0.1"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(top_k=-1), "top_k must be an integer >= 0"),
+        (dict(min_p=2.0), r"min_p must be in \[0, 1\]"),
+    ],
+)
+def test_bad_sampling_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        specjax.Sampling(**kwargs)

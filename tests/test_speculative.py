@@ -1,0 +1,201 @@
+"""Speculative decoding on tiny random models: lossless greedy and sampled output, the n-gram
+rule, metrics, bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import specjax
+from specjax.models import forward, init_cache
+from specjax.speculate.proposers import ngram_propose
+from specjax.speculate.sampling import SamplingParams, WarpSpec, warp_logits
+
+TARGET = tiny_model(seed=11)
+DRAFT = tiny_model(seed=12, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=48)
+# Prompts with repeats, so that n-gram lookup finds matches; different lengths in one batch.
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [3, 9],
+    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 10, 11, 12, 13],
+    [40, 41, 42, 40, 41],
+]
+
+
+def proposers(k):
+    return {
+        "ngram": specjax.NGram(k=k, n_max=3, n_min=1),
+        "draft": specjax.DraftModel(DRAFT, k=k),
+        "self": specjax.SelfDraft(layers=1, k=k),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    return specjax.generate(TARGET, PROMPTS, max_new_tokens=24).tokens
+
+
+@pytest.mark.parametrize("k", [1, 2, 4, 8])
+@pytest.mark.parametrize("name", ["ngram", "draft", "self"])
+def test_greedy_speculative_equals_plain(plain_greedy, name, k):
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposers(k)[name], max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    m = result.metrics
+    assert m.emitted.tolist() == [24] * 4
+    assert (m.accept_hist.sum(1) == m.steps).all()
+    assert (m.accepted <= m.drafted).all() and (m.drafted <= k * m.steps).all()
+    assert (m.accepted_at.sum(1) == m.accepted).all()
+    assert (m.reached_at >= m.accepted_at).all()
+
+
+def test_greedy_batch_of_one_equals_plain(plain_greedy):
+    for k, name in [(2, "ngram"), (4, "draft"), (8, "self")]:
+        result = specjax.generate(TARGET, PROMPTS[2:3], proposer=proposers(k)[name], max_new_tokens=24)
+        assert result.tokens == plain_greedy[2:3], (k, name)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_target_as_its_own_draft_accepts_everything(k):
+    result = specjax.generate(TARGET, PROMPTS, proposer=specjax.DraftModel(TARGET, k=k), max_new_tokens=30)
+    summary = result.metrics.summary()
+    assert summary["acceptance_rate"] == 1.0
+    assert summary["mean_acceptance_length"] == k + 1
+    assert summary["conditional_acceptance_per_position"] == [1.0] * k
+    assert summary["expected_acceptance_per_position"] == pytest.approx([1.0] * k)
+
+
+def exact_joint(model, prompt, sampling, num_tokens):
+    """P(first num_tokens tokens) by enumeration over the warped target distribution (float64)."""
+    spec, params = WarpSpec.of(sampling), SamplingParams.of(sampling, 1)
+
+    @jax.jit
+    def next_probs(seq):  # seq [1, T] -> [V]
+        T = seq.shape[1]
+        positions = jnp.arange(T, dtype=jnp.int32)[None]
+        logits = forward(model.params, model.config, seq, positions, init_cache(model.config, 1, T))[0]
+        return jnp.exp(warp_logits(logits[:, -1], params, spec))[0]
+
+    joint = {(): 1.0}
+    for _ in range(num_tokens):
+        grown = {}
+        for prefix, prob in joint.items():
+            p = np.asarray(next_probs(jnp.asarray([prompt + list(prefix)], jnp.int32)), np.float64)
+            for token in np.flatnonzero(p > 0):
+                grown[prefix + (int(token),)] = prob * p[token]
+        joint = grown
+    return joint
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft", "self"])
+def test_sampled_joint_law_of_first_tokens_matches_target(name):
+    """At temperature > 0 with top-k and top-p, the first three tokens (the first from the prefill,
+    the next two from speculative steps) follow the target's warped law exactly."""
+    sampling = specjax.Sampling(temperature=0.8, top_k=4, top_p=0.9)
+    prompt = [5, 6, 7, 5, 6]
+    rows = 6000
+    proposer = None if name == "none" else proposers(2)[name]
+    result = specjax.generate(
+        TARGET, [prompt] * rows, proposer=proposer, sampling=sampling, max_new_tokens=3, key=jax.random.key(5)
+    )
+    joint = exact_joint(TARGET, prompt, sampling, 3)
+    counts = {}
+    for tokens in result.tokens:
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    assert set(counts) <= set(joint), "a sequence of zero probability was sampled"
+    for seq, prob in joint.items():
+        sigma = np.sqrt(rows * prob * (1 - prob))
+        # 6 sigma per cell: with at most 64 cells the false-alarm rate is below 1e-7.
+        assert abs(counts.get(seq, 0) - rows * prob) <= 6 * sigma + 3, (seq, counts.get(seq, 0), rows * prob)
+    assert len(joint) > 8  # a real spread of sequences
+    if name != "none":
+        assert result.metrics.drafted.sum() > 0
+
+
+def test_ngram_rule_on_hand_made_sequences():
+    def propose(seq, k=3, n_max=3, n_min=1):
+        tokens = jnp.asarray([seq + [0] * (32 - len(seq))], jnp.int32)
+        p = ngram_propose(tokens, jnp.asarray([len(seq)], jnp.int32), k, n_max, n_min)
+        return [int(t) for t, v in zip(p.draft_tokens[0], p.valid[0], strict=True) if v]
+
+    # The longest match wins: the 2-gram (1, 2) continues with 3, 4, 5; the 1-gram 2 also with 9.
+    assert propose([1, 2, 3, 4, 5, 2, 9, 7, 1, 2]) == [3, 4, 5]
+    # Several occurrences of the same n-gram: the most recent one wins.
+    assert propose([1, 2, 7, 1, 2, 8, 6, 1, 2]) == [8, 6, 1]
+    # The continuation stops at the end of the sequence: fewer than k drafts.
+    assert propose([4, 5, 4, 5]) == [4, 5]
+    # No earlier occurrence of the last token: nothing drafted.
+    assert propose([1, 2, 3, 4]) == []
+    # n_min excludes short matches.
+    assert propose([1, 2, 3, 4, 5, 2, 9, 7, 6, 2], n_min=2) == []
+    assert propose([1, 2, 3, 4, 5, 2, 9, 7, 6, 2], n_min=1) == [9, 7, 6]
+    # n_max caps the length considered: with n_max 1, the most recent 2 wins.
+    assert propose([1, 2, 3, 4, 5, 2, 9, 7, 1, 2], n_max=1) == [9, 7, 1]
+
+
+def test_ngram_row_without_match_still_gains_a_token():
+    result = specjax.generate(TARGET, [[1, 2, 3, 4]], proposer=specjax.NGram(k=4), max_new_tokens=1)
+    assert len(result.tokens[0]) == 1
+
+
+def test_single_top_level_while_with_a_proposer():
+    from specjax.api import prompt_bucket
+    from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
+    from specjax.speculate.proposers import resolve
+
+    for proposer in proposers(3).values():
+        warp = WarpSpec.of(specjax.Sampling(temperature=0.5, top_p=0.9))
+        proposer_spec, proposer_params = resolve(proposer, TARGET, warp)
+        spec = LoopSpec(TARGET.config, 2, prompt_bucket(4), 128, warp, (), proposer_spec)
+        inputs = GenerationInputs(
+            prompt_tokens=jnp.zeros((2, 16), jnp.int32),
+            prompt_lengths=jnp.array([3, 5], jnp.int32),
+            max_new_tokens=jnp.array([8, 8], jnp.int32),
+            sampling=SamplingParams.of(specjax.Sampling(temperature=0.5, top_p=0.9), 2),
+            key=jax.random.key(0),
+        )
+        jaxpr = jax.make_jaxpr(generate_program, static_argnums=0)(
+            spec, TARGET.params, proposer_params, inputs
+        )
+        names = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+        assert names.count("while") == 1, type(proposer).__name__
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: specjax.NGram(k=0), r"NGram k must be an integer in 1..16, got 0"),
+        (lambda: specjax.NGram(k=17), r"NGram k must be an integer in 1..16, got 17"),
+        (lambda: specjax.NGram(n_min=0), "NGram n_min must be an integer >= 1, got 0"),
+        (lambda: specjax.NGram(n_min=3, n_max=2), r"NGram n_min \(3\) must not exceed n_max \(2\)"),
+        (lambda: specjax.DraftModel(DRAFT, k=0), "DraftModel k must be"),
+        (lambda: specjax.DraftModel("small", k=2), "DraftModel model must be a specjax.Model"),
+        (lambda: specjax.SelfDraft(layers=0), "SelfDraft layers must be an integer >= 1"),
+        (lambda: specjax.SelfDraft(k=20), "SelfDraft k must be"),
+    ],
+)
+def test_bad_proposer_arguments(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+@pytest.mark.parametrize(
+    "proposer, message",
+    [
+        (specjax.SelfDraft(layers=2), r"SelfDraft layers must be in 1..1 for a target of 2 layers, got 2"),
+        (specjax.DraftModel(tiny_model(vocab_size=50), k=2), "vocab_size 50, the target 97"),
+        (object(), "proposer must be None or one of"),
+    ],
+)
+def test_bad_proposer_for_this_target(proposer, message):
+    with pytest.raises(ValueError, match=message):
+        specjax.generate(TARGET, [[1, 2, 3]], proposer=proposer, max_new_tokens=4)
+
+
+def test_counts_are_consistent_across_rows():
+    result = specjax.generate(TARGET, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=16)
+    m = result.metrics
+    assert m.emitted.tolist() == [len(t) for t in result.tokens]
+    # every step emits between 1 and k+1 tokens, plus one from the prefill
+    assert ((m.emitted - 1 >= m.steps) & (m.emitted - 1 <= 4 * m.steps)).all()
+    assert m.target_forwards.tolist() == (m.steps + 1).tolist()
