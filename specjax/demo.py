@@ -11,7 +11,8 @@ import specjax
 PROMPTS = [
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue.",
-    "Rewrite this sentence in the past tense: The cat sits on the mat and watches the birds.",
+    "Rewrite this sentence in the past tense: The cat sits on the mat and watches the birds "
+    "while the dog sleeps by the door and the children play in the garden.",
 ]
 
 
@@ -25,11 +26,17 @@ def main() -> None:
     model = specjax.load(args.model)
     print(f"loaded {model} in {time.perf_counter() - start:.1f} s")
 
-    result = specjax.generate(model, PROMPTS, max_new_tokens=args.max_new_tokens, chat=True)
-    for prompt, text in zip(PROMPTS, result.texts, strict=True):
+    plain = specjax.generate(model, PROMPTS, max_new_tokens=args.max_new_tokens, chat=True)
+    for prompt, text in zip(PROMPTS, plain.texts, strict=True):
         print(f"\n>>> {prompt}\n{text.strip()}")
-    print(f"\nplain greedy decoding, batch {len(PROMPTS)}: {result.metrics}")
-    print(json.dumps(result.metrics.summary(), indent=None))
+    print(f"\nplain greedy decoding, batch {len(PROMPTS)}: {plain.metrics}")
+
+    proposer = specjax.NGram(k=4, n_max=4, n_min=1)
+    spec = specjax.generate(model, PROMPTS, proposer=proposer, max_new_tokens=args.max_new_tokens, chat=True)
+    same = "identical to" if spec.tokens == plain.tokens else "DIFFERENT from"
+    print(f"speculative ({proposer}), batch {len(PROMPTS)}: {spec.metrics}")
+    print(f"speculative output is {same} plain greedy output")
+    print(json.dumps(spec.metrics.summary()))
 
 
 if __name__ == "__main__":

@@ -17,25 +17,29 @@ from specjax.models.config import LlamaConfig
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, K, E]: layers, batch, slots, kv heads, head dim
-    v: jax.Array  # [L, B, S, K, E]
+    """One k and one v buffer per layer (separate buffers, as the layers' weights are: see
+    llama.py), each [B, S, K, E]: batch, slots, kv heads, head dim."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
     lengths: jax.Array  # [B] int32: committed slots per row
 
     @property
+    def num_layers(self) -> int:
+        return len(self.k)
+
+    @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        return self.k[0].shape[1]
 
-    def write(self, new_k: jax.Array, new_v: jax.Array) -> KVCache:
-        """Store T fresh entries per row at slots `lengths .. lengths + T - 1`; lengths stay put.
+    def write_slots(self, layer_cache: jax.Array, new: jax.Array) -> jax.Array:
+        """Store T fresh entries per row at slots `lengths .. lengths + T - 1` of one layer's
+        buffer [B, S, K, E]; new [B, T, K, E]. The caller decides how many to commit (advance)."""
 
-        new_k, new_v: [L, B, T, K, E]. The caller decides how many of them to commit (advance).
-        """
+        def write_row(row, new_row, start):  # [S, K, E], [T, K, E], []
+            return jax.lax.dynamic_update_slice(row, new_row, (start, 0, 0))
 
-        def write_row(cache_row, new_row, start):  # [L, S, K, E], [L, T, K, E], []
-            return jax.lax.dynamic_update_slice(cache_row, new_row, (0, start, 0, 0))
-
-        write = jax.vmap(write_row, in_axes=(1, 1, 0), out_axes=1)
-        return self.replace(k=write(self.k, new_k, self.lengths), v=write(self.v, new_v, self.lengths))
+        return jax.vmap(write_row)(layer_cache, new.astype(layer_cache.dtype), self.lengths)
 
     def advance(self, num_committed: jax.Array) -> KVCache:
         """Commit `num_committed[b]` more slots of each row (the ones `write` just filled)."""
@@ -48,9 +52,11 @@ def init_cache(
     """An empty cache of `capacity` slots per row, allocated with zeros; `num_layers` (default all)
     sizes it for an early-exit pass over the first layers only."""
     num_layers = config.num_layers if num_layers is None else num_layers
-    shape = (num_layers, batch_size, capacity, config.num_kv_heads, config.head_dim)
+    shape = (batch_size, capacity, config.num_kv_heads, config.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), lengths=jnp.zeros((batch_size,), jnp.int32)
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        lengths=jnp.zeros((batch_size,), jnp.int32),
     )
 
 

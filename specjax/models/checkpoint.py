@@ -16,25 +16,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import LayerParams, LlamaParams, param_shapes
+from specjax.models.llama import LayerParams, LlamaParams, layer_shapes, param_shapes, unstack_layers
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """{"embed": leaf, "layers.q": leaf, ...} for a params-shaped dataclass tree; None leaves dropped."""
+    """{"embed": leaf, "layers.0.q": leaf, ...} for a params-shaped dataclass tree; None leaves dropped."""
     flat = {}
     for field in dataclasses.fields(tree):
         value = getattr(tree, field.name)
         name = f"{prefix}{field.name}"
         if dataclasses.is_dataclass(value):
             flat.update(flatten(value, prefix=f"{name}."))
+        elif isinstance(value, tuple) and value and dataclasses.is_dataclass(value[0]):  # per-layer params
+            for i, item in enumerate(value):
+                flat.update(flatten(item, prefix=f"{name}.{i}."))
         elif value is not None:
             flat[name] = value
     return flat
 
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The flat name -> shape table a checkpoint for `config` must fill exactly."""
-    return flatten(param_shapes(config))
+    """The flat name -> shape table a checkpoint for `config` must fill exactly; per-layer
+    weights are stacked on a leading L axis under "layers.<field>"."""
+    shapes = param_shapes(config)
+    flat = {name: shape for name, shape in flatten(shapes.replace(layers=None)).items()}
+    for name, shape in flatten(layer_shapes(config), prefix="layers.").items():
+        flat[name] = (config.num_layers, *shape)
+    return flat
 
 
 def params_from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray], source: str) -> LlamaParams:
@@ -63,10 +71,14 @@ def params_from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray], sourc
     def get(name):
         return jnp.asarray(np.asarray(arrays[name], np.float32)) if name in expected else None
 
+    def get_stacked(name):
+        return np.asarray(arrays[name], np.float32) if name in expected else None
+
     layer_fields = [field.name for field in dataclasses.fields(LayerParams)]
+    stacked = LayerParams(**{name: get_stacked(f"layers.{name}") for name in layer_fields})
     return LlamaParams(
         embed=get("embed"),
-        layers=LayerParams(**{name: get(f"layers.{name}") for name in layer_fields}),
+        layers=unstack_layers(stacked, config.num_layers),
         final_norm=get("final_norm"),
         lm_head=get("lm_head"),
     )

@@ -4,10 +4,13 @@ Einsum letters, used throughout:
     B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
     G query heads per kv head (H = K * G), E head dim, F ffw hidden, V vocab, L layers.
 
-Every per-layer weight carries a leading L axis and the layers run under `lax.scan`, so compile
-time does not grow with depth. Projection weights are stored `[in, out]` and applied as `x @ W`:
-on XLA:CPU this layout keeps a product with a few rows (a verify step of k+1 tokens) about as
-cheap as one row (see ../shared/CPU_PERFORMANCE.md).
+Layers are a tuple, one `LayerParams` (and one cache buffer) per layer, run by a Python loop,
+not stacked on a leading axis and scanned. The reason is speed: XLA:CPU copies a slice of a
+stacked weight (dynamic or static) before it multiplies, which made a decoding step 1.8x slower
+for SmolLM2-135M (95 ms against 52 ms per token, measured here). The price is compile time that
+grows with depth (about 9 s instead of 5 s for 30 layers). Projection weights are stored
+`[in, out]` and applied as `x @ W`. Checkpoints and the disk cache keep the stacked layout
+(see checkpoint.py); `stack_layers` / `unstack_layers` convert.
 """
 
 from __future__ import annotations
@@ -25,63 +28,80 @@ from specjax.models.config import LlamaConfig
 
 @flax.struct.dataclass
 class LayerParams:
-    """Weights of all decoder layers, stacked on a leading L axis."""
+    """Weights of one decoder layer."""
 
-    attn_norm: jax.Array  # [L, D]
-    q: jax.Array  # [L, D, H*E]
-    k: jax.Array  # [L, D, K*E]
-    v: jax.Array  # [L, D, K*E]
-    o: jax.Array  # [L, H*E, D]
-    mlp_norm: jax.Array  # [L, D]
-    gate: jax.Array  # [L, D, F]
-    up: jax.Array  # [L, D, F]
-    down: jax.Array  # [L, F, D]
-    q_bias: jax.Array | None = None  # [L, H*E], only with config.qkv_bias
-    k_bias: jax.Array | None = None  # [L, K*E]
-    v_bias: jax.Array | None = None  # [L, K*E]
+    attn_norm: jax.Array  # [D]
+    q: jax.Array  # [D, H*E]
+    k: jax.Array  # [D, K*E]
+    v: jax.Array  # [D, K*E]
+    o: jax.Array  # [H*E, D]
+    mlp_norm: jax.Array  # [D]
+    gate: jax.Array  # [D, F]
+    up: jax.Array  # [D, F]
+    down: jax.Array  # [F, D]
+    q_bias: jax.Array | None = None  # [H*E], only with config.qkv_bias
+    k_bias: jax.Array | None = None  # [K*E]
+    v_bias: jax.Array | None = None  # [K*E]
 
 
 @flax.struct.dataclass
 class LlamaParams:
     embed: jax.Array  # [V, D]
-    layers: LayerParams
+    layers: tuple[LayerParams, ...]  # one per layer
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
 
 
-def param_shapes(config: LlamaConfig) -> LlamaParams:
-    """The params tree with a shape tuple at every leaf (loaders check against it)."""
-    L, D, F, V = config.num_layers, config.hidden_size, config.intermediate_size, config.vocab_size
+def layer_shapes(config: LlamaConfig) -> LayerParams:
+    """One layer's params with a shape tuple at every leaf."""
+    D, F = config.hidden_size, config.intermediate_size
     q, kv = config.q_size, config.kv_size
     bias = config.qkv_bias
-    return LlamaParams(
-        embed=(V, D),
-        layers=LayerParams(
-            attn_norm=(L, D),
-            q=(L, D, q),
-            k=(L, D, kv),
-            v=(L, D, kv),
-            o=(L, q, D),
-            mlp_norm=(L, D),
-            gate=(L, D, F),
-            up=(L, D, F),
-            down=(L, F, D),
-            q_bias=(L, q) if bias else None,
-            k_bias=(L, kv) if bias else None,
-            v_bias=(L, kv) if bias else None,
-        ),
-        final_norm=(D,),
-        lm_head=None if config.tie_word_embeddings else (D, V),
+    return LayerParams(
+        attn_norm=(D,),
+        q=(D, q),
+        k=(D, kv),
+        v=(D, kv),
+        o=(q, D),
+        mlp_norm=(D,),
+        gate=(D, F),
+        up=(D, F),
+        down=(F, D),
+        q_bias=(q,) if bias else None,
+        k_bias=(kv,) if bias else None,
+        v_bias=(kv,) if bias else None,
     )
+
+
+def param_shapes(config: LlamaConfig) -> LlamaParams:
+    """The params tree with a shape tuple at every leaf."""
+    return LlamaParams(
+        embed=(config.vocab_size, config.hidden_size),
+        layers=(layer_shapes(config),) * config.num_layers,
+        final_norm=(config.hidden_size,),
+        lm_head=None if config.tie_word_embeddings else (config.hidden_size, config.vocab_size),
+    )
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
+
+
+def stack_layers(layers: tuple[LayerParams, ...]) -> LayerParams:
+    """Per-layer params -> one LayerParams with a leading L axis (the checkpoint layout)."""
+    return jax.tree.map(lambda *ws: np.stack([np.asarray(w) for w in ws]), *layers)
+
+
+def unstack_layers(stacked: LayerParams, num_layers: int) -> tuple[LayerParams, ...]:
+    """A LayerParams with a leading L axis -> one device buffer per layer and weight."""
+    return tuple(jax.tree.map(lambda w, i=i: jnp.asarray(w[i]), stacked) for i in range(num_layers))
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
     """Random params for tests: unit-variance activations, norms and biases away from trivial
     values, so that a wrong use of any weight shows in the logits."""
     shapes = param_shapes(config)
-    paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(
-        shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
+    paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
     keys = jax.random.split(key, len(paths_and_shapes))
     values = []
     for leaf_key, (path, shape) in zip(keys, paths_and_shapes, strict=True):
@@ -146,30 +166,31 @@ def causal_mask(num_tokens: int) -> jax.Array:
 def attention(q, k_new, v_new, k_cache, v_cache, cache_lengths, fresh_mask):
     """Attend T fresh queries to the committed cache slots and to the T fresh keys.
 
-    q [B, T, H, E]; k_new, v_new [B, T, K, E]; k_cache, v_cache [B, S, K, E]; cache_lengths [B];
-    fresh_mask [T, T] (which fresh tokens each fresh token sees). Fresh keys are kept apart from
-    the cache so the cache is only read here, never copied; the caller writes them afterwards.
+    q [B, T, H, E]; k_new, v_new [B, T, K, E]; k_cache, v_cache [B, S, K, E] or None when the
+    cache is known to be empty (a prefill); cache_lengths [B]; fresh_mask [T, T] (which fresh
+    tokens each fresh token sees). Fresh keys are kept apart from the cache so the cache is only
+    read here, never copied; the caller writes them afterwards.
     """
     B, T, H, E = q.shape
     K = k_new.shape[2]
-    q = q.reshape(B, T, K, H // K, E) * (1.0 / math.sqrt(E))
-    scores_cache = jnp.einsum("btkge,bske->bkgts", q, k_cache)
-    scores_fresh = jnp.einsum("btkge,buke->bkgtu", q, k_new)
-    committed = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, S]
     neg = jnp.finfo(jnp.float32).min
-    scores_cache = jnp.where(committed[:, None, None, None, :], scores_cache, neg)
-    scores_fresh = jnp.where(fresh_mask[None, None, None], scores_fresh, neg)
-    scores = jnp.concatenate([scores_cache, scores_fresh], axis=-1).astype(jnp.float32)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
-    S = k_cache.shape[1]
-    out = jnp.einsum("bkgts,bske->btkge", probs[..., :S], v_cache)
-    out = out + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)
+    q = q.reshape(B, T, K, H // K, E) * (1.0 / math.sqrt(E))
+    scores = jnp.einsum("btkge,buke->bkgtu", q, k_new)
+    scores = jnp.where(fresh_mask[None, None, None], scores, neg)
+    if k_cache is not None:
+        scores_cache = jnp.einsum("btkge,bske->bkgts", q, k_cache)
+        committed = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, S]
+        scores_cache = jnp.where(committed[:, None, None, None, :], scores_cache, neg)
+        scores = jnp.concatenate([scores, scores_cache], axis=-1)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgtu,buke->btkge", probs[..., :T], v_new)
+    if k_cache is not None:
+        out = out + jnp.einsum("bkgts,bske->btkge", probs[..., T:], v_cache)
     return out.reshape(B, T, H * E)
 
 
-def _layer(config: LlamaConfig, inv_freq, positions, cache_lengths, fresh_mask, x, layer):
-    """One decoder layer. x [B, T, D]; returns the new x and this layer's fresh (k, v)."""
-    lp, k_cache, v_cache = layer
+def _layer(config: LlamaConfig, inv_freq, positions, cache_lengths, fresh_mask, x, lp, k_cache, v_cache):
+    """One decoder layer. x [B, T, D]; returns the new x and this layer's fresh k, v [B, T, K, E]."""
     B, T, _ = x.shape
     h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
     q, k, v = h @ lp.q, h @ lp.k, h @ lp.v
@@ -181,7 +202,7 @@ def _layer(config: LlamaConfig, inv_freq, positions, cache_lengths, fresh_mask, 
     x = x + attention(q, k, v, k_cache, v_cache, cache_lengths, fresh_mask) @ lp.o
     h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
     x = x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
-    return x, (k, v)
+    return x, k, v
 
 
 def forward_hidden(
@@ -191,30 +212,35 @@ def forward_hidden(
     positions: jax.Array,
     cache: KVCache,
     fresh_mask: jax.Array | None = None,
+    empty_cache: bool = False,
 ) -> tuple[jax.Array, KVCache]:
     """Run T new tokens per row through the model and its final norm.
 
     tokens, positions [B, T] int32. The tokens' keys and values are written into the cache at
     slots `cache.lengths + t`; `cache.lengths` is left for the caller to advance. A cache with
     fewer layers than the model runs only the first layers (an early-exit self-draft).
-    Returns the final-normed hidden states [B, T, D] and the cache.
+    `empty_cache=True` (a prefill into a fresh cache) skips reading the cache: besides saving the
+    work, it keeps XLA from constant-folding attention over the all-zero buffers, which took
+    minutes of compile time. Returns the final-normed hidden states [B, T, D] and the cache.
     """
-    num_layers = cache.k.shape[0]
+    num_layers = cache.num_layers
     if num_layers > config.num_layers:
         raise ValueError(f"cache has {num_layers} layers, the model only {config.num_layers}")
     T = tokens.shape[1]
     fresh_mask = causal_mask(T) if fresh_mask is None else fresh_mask
     inv_freq = rope_inverse_frequencies(config)
-    layers = params.layers
-    if num_layers < config.num_layers:
-        layers = jax.tree.map(lambda w: w[:num_layers], layers)
-
-    def step(x, layer):
-        return _layer(config, inv_freq, positions, cache.lengths, fresh_mask, x, layer)
 
     x = params.embed[tokens]  # [B, T, D]
-    x, (new_k, new_v) = jax.lax.scan(step, x, (layers, cache.k, cache.v))  # new_k [L, B, T, K, E]
-    return rms_norm(x, params.final_norm, config.rms_norm_eps), cache.write(new_k, new_v)
+    new_k, new_v = [], []
+    for i in range(num_layers):
+        k_cache, v_cache = (None, None) if empty_cache else (cache.k[i], cache.v[i])
+        x, k, v = _layer(
+            config, inv_freq, positions, cache.lengths, fresh_mask, x, params.layers[i], k_cache, v_cache
+        )
+        new_k.append(cache.write_slots(cache.k[i], k))
+        new_v.append(cache.write_slots(cache.v[i], v))
+    cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
+    return rms_norm(x, params.final_norm, config.rms_norm_eps), cache
 
 
 def lm_head(params: LlamaParams, hidden: jax.Array) -> jax.Array:

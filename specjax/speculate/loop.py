@@ -92,7 +92,9 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, cache = forward_hidden(params, spec.config, inputs.prompt_tokens, positions, cache)
+    hidden, cache = forward_hidden(
+        params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
+    )
     # Only each row's last prompt position needs logits (right padding follows it).
     logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1])  # [B, V]
     cache = cache.advance(inputs.prompt_lengths)

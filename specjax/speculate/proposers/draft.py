@@ -45,7 +45,7 @@ class DraftSpec:
         B, T = prompt_tokens.shape
         cache = init_cache(self.config, B, capacity, num_layers=self.num_layers)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        _, cache = forward_hidden(params, self.config, prompt_tokens, positions, cache)
+        _, cache = forward_hidden(params, self.config, prompt_tokens, positions, cache, empty_cache=True)
         return DraftState(cache=cache.advance(prompt_lengths))
 
     def propose(

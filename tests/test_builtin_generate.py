@@ -1,0 +1,125 @@
+"""Generation with the real built-in model: plain greedy equals HF transformers' greedy generate,
+and every proposer's greedy output equals plain greedy output (lossless), on Spec-Bench prompts."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import specjax
+from specjax.models import forward, init_cache
+
+NEW_TOKENS = 64
+CATEGORIES = ("writing", "coding", "extraction", "translation", "qa", "math_reasoning", "roleplay", "stem")
+
+
+@pytest.fixture(scope="module")
+def prompts(spec_bench):
+    """The first question of each of 8 categories, first turn."""
+    return [next(r["turns"][0] for r in spec_bench if r["category"] == c) for c in CATEGORIES]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(prompts, smollm2):
+    return specjax.generate(smollm2, prompts, max_new_tokens=1, chat=True).prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def plain(smollm2, prompt_ids):
+    """Plain greedy tokens, batch 1 (one call per prompt)."""
+    return [specjax.generate(smollm2, [ids], max_new_tokens=NEW_TOKENS).tokens[0] for ids in prompt_ids]
+
+
+def assert_equal_or_near_tie(model, prompt, got, expected, tolerance=1e-4):
+    """got == expected, or they part where the target's two best logits are a float rounding apart
+    (relative gap <= tolerance): then either token is the greedy choice. Nothing else passes."""
+    if got == expected:
+        return
+    n = min(len(got), len(expected))
+    first = next((i for i in range(n) if got[i] != expected[i]), n)
+    assert first < n, f"one output is a prefix of the other: {len(got)} vs {len(expected)} tokens"
+    seq = list(prompt) + list(expected[:first])
+    tokens = jnp.asarray([seq], jnp.int32)
+    positions = jnp.arange(len(seq), dtype=jnp.int32)[None]
+    logits = forward(model.params, model.config, tokens, positions, init_cache(model.config, 1, len(seq)))[0]
+    last = np.asarray(logits[0, -1], np.float64)
+    top2 = np.sort(last)[-2:]
+    gap = (top2[1] - top2[0]) / np.abs(last).max()
+    assert {got[first], expected[first]} <= set(np.argsort(last)[-2:].tolist()), "not the two best tokens"
+    assert gap <= tolerance, (
+        f"outputs differ at new token {first} with a clear winner (relative gap {gap:.2e})"
+    )
+
+
+@pytest.mark.data
+def test_plain_greedy_equals_hf_generate(smollm2, hf_smollm2, prompt_ids, plain):
+    for ids, ours in zip(prompt_ids, plain, strict=True):
+        with torch.no_grad():
+            out = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        theirs = out[0, len(ids) :].tolist()
+        assert_equal_or_near_tie(smollm2, ids, ours, theirs)
+
+
+@pytest.mark.data
+def test_plain_greedy_batch_of_four_equals_batch_of_one(smollm2, prompt_ids, plain):
+    for start in (0, 4):
+        batch = specjax.generate(smollm2, prompt_ids[start : start + 4], max_new_tokens=NEW_TOKENS)
+        for ids, got, expected in zip(
+            prompt_ids[start : start + 4], batch.tokens, plain[start : start + 4], strict=True
+        ):
+            assert_equal_or_near_tie(smollm2, ids, got, expected)
+
+
+def truncated_draft(model, num_layers):
+    """A separate, smaller model with the target's vocabulary: its first layers, copied."""
+    config = dataclasses.replace(model.config, num_layers=num_layers)
+    params = model.params.replace(layers=tuple(model.params.layers[:num_layers]))
+    return specjax.Model(config, params, model.tokenizer, name=f"{model.name}-first-{num_layers}")
+
+
+def make_proposer(name, k, model):
+    if name == "ngram":
+        return specjax.NGram(k=k, n_max=4, n_min=1)
+    if name == "self":
+        return specjax.SelfDraft(layers=8, k=k)
+    return specjax.DraftModel(truncated_draft(model, 6), k=k)
+
+
+def check_lossless(model, prompt_ids, plain, proposer, batch_size):
+    for start in range(0, len(prompt_ids), batch_size):
+        rows = prompt_ids[start : start + batch_size]
+        result = specjax.generate(model, rows, proposer=proposer, max_new_tokens=NEW_TOKENS)
+        for ids, got, expected in zip(rows, result.tokens, plain[start : start + batch_size], strict=True):
+            assert_equal_or_near_tie(model, ids, got, expected)
+        assert result.metrics.drafted.sum() > 0
+
+
+# The fast default set: each proposer once at batch 4 and once at batch 1; `make test-all` runs
+# the whole grid of k in {1, 2, 4, 8} by batch {1, 4}.
+FAST = {("ngram", 4, 4), ("draft", 2, 4), ("self", 4, 4), ("ngram", 8, 1), ("self", 1, 1)}
+GRID = [
+    pytest.param(name, k, batch, marks=() if (name, k, batch) in FAST else pytest.mark.slow)
+    for name in ("ngram", "draft", "self")
+    for k in (1, 2, 4, 8)
+    for batch in (1, 4)
+]
+
+
+@pytest.mark.data
+@pytest.mark.parametrize("name, k, batch_size", GRID)
+def test_speculative_greedy_equals_plain(smollm2, prompt_ids, plain, name, k, batch_size):
+    ids = prompt_ids if batch_size == 4 else prompt_ids[:2]
+    check_lossless(smollm2, ids, plain[: len(ids)], make_proposer(name, k, smollm2), batch_size)
+
+
+@pytest.mark.data
+def test_target_as_its_own_draft(smollm2, prompt_ids):
+    k = 3
+    result = specjax.generate(
+        smollm2, prompt_ids[:4], proposer=specjax.DraftModel(smollm2, k=k), max_new_tokens=32
+    )
+    summary = result.metrics.summary()
+    assert summary["acceptance_rate"] == 1.0
+    assert summary["mean_acceptance_length"] == k + 1
