@@ -62,6 +62,8 @@ def test_target_as_its_own_draft_accepts_everything(k):
     assert summary["acceptance_rate"] == 1.0
     assert summary["mean_acceptance_length"] == k + 1
     assert summary["conditional_acceptance_per_position"] == [1.0] * k
+    assert summary["acceptance_per_position"] == [1.0] * k
+    assert summary["acceptance_length_histogram"][-1] == summary["num_drafts"]
     assert summary["expected_acceptance_per_position"] == pytest.approx([1.0] * k)
 
 
@@ -199,3 +201,43 @@ def test_counts_are_consistent_across_rows():
     # every step emits between 1 and k+1 tokens, plus one from the prefill
     assert ((m.emitted - 1 >= m.steps) & (m.emitted - 1 <= 4 * m.steps)).all()
     assert m.target_forwards.tolist() == (m.steps + 1).tolist()
+
+
+class _Vocab:
+    """Stands in for a tokenizer: the vocabulary check only compares get_vocab()."""
+
+    def __init__(self, vocab):
+        self.vocab = vocab
+        self.eos_token_id = None
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_draft_with_another_tokenizer_is_refused():
+    target = specjax.Model(TARGET.config, TARGET.params, _Vocab({"a": 0, "b": 1}))
+    draft = specjax.Model(DRAFT.config, DRAFT.params, _Vocab({"a": 1, "b": 0}))
+    with pytest.raises(ValueError, match="tokenizer differs from the target's"):
+        specjax.generate(target, [[1, 2, 3]], proposer=specjax.DraftModel(draft, k=2), max_new_tokens=4)
+
+
+def test_ngram_misses_are_not_counted_as_drafts():
+    # This random target never repeats a token in 12 steps here: every lookup misses.
+    missing = specjax.generate(
+        TARGET, [[7, 8, 9, 7, 8], [1, 2, 3, 4]], proposer=specjax.NGram(k=3), max_new_tokens=12
+    )
+    m = missing.metrics
+    assert m.steps.tolist() == [11, 11] and m.drafting_steps.tolist() == [0, 0] and m.drafted.sum() == 0
+    assert np.isnan(m.summary()["mean_acceptance_length"])  # no drafts: undefined, not 1.0
+    # A tied random model repeats its last token: every lookup after the first step matches.
+    repeating = tiny_model(seed=11, tie_word_embeddings=True)
+    result = specjax.generate(
+        repeating, [[7, 8, 9, 7, 8], [1, 2, 3, 4]], proposer=specjax.NGram(k=3), max_new_tokens=12
+    )
+    m = result.metrics
+    assert (m.drafting_steps > 0).all() and (m.drafting_steps <= m.steps).all()
+    assert m.drafted_at.sum() == m.drafted.sum()
+    assert (m.drafted_at[:, 0] == m.drafting_steps).all()  # a draft always has a valid first token
+    summary = m.summary()
+    assert summary["num_drafts"] == int(m.drafting_steps.sum())
+    assert summary["mean_acceptance_length"] == pytest.approx(1 + m.accepted.sum() / m.drafting_steps.sum())

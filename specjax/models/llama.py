@@ -166,7 +166,7 @@ def causal_mask(num_tokens: int) -> jax.Array:
 def attention(q, k_new, v_new, k_cache, v_cache, cache_lengths, fresh_mask):
     """Attend T fresh queries to the committed cache slots and to the T fresh keys.
 
-    q [B, T, H, E]; k_new, v_new [B, T, K, E]; k_cache, v_cache [B, S, K, E] or None when the
+    q [B, T, H, E]; k_new, v_new [B, T, K, E]; k_cache, v_cache [B, K, S, E] or None when the
     cache is known to be empty (a prefill); cache_lengths [B]; fresh_mask [T, T] (which fresh
     tokens each fresh token sees). Fresh keys are kept apart from the cache so the cache is only
     read here, never copied; the caller writes them afterwards.
@@ -178,14 +178,14 @@ def attention(q, k_new, v_new, k_cache, v_cache, cache_lengths, fresh_mask):
     scores = jnp.einsum("btkge,buke->bkgtu", q, k_new)
     scores = jnp.where(fresh_mask[None, None, None], scores, neg)
     if k_cache is not None:
-        scores_cache = jnp.einsum("btkge,bske->bkgts", q, k_cache)
-        committed = jnp.arange(k_cache.shape[1])[None, :] < cache_lengths[:, None]  # [B, S]
+        scores_cache = jnp.einsum("btkge,bkse->bkgts", q, k_cache)
+        committed = jnp.arange(k_cache.shape[2])[None, :] < cache_lengths[:, None]  # [B, S]
         scores_cache = jnp.where(committed[:, None, None, None, :], scores_cache, neg)
         scores = jnp.concatenate([scores, scores_cache], axis=-1)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgtu,buke->btkge", probs[..., :T], v_new)
     if k_cache is not None:
-        out = out + jnp.einsum("bkgts,bske->btkge", probs[..., T:], v_cache)
+        out = out + jnp.einsum("bkgts,bkse->btkge", probs[..., T:], v_cache)
     return out.reshape(B, T, H * E)
 
 

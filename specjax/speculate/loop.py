@@ -206,8 +206,10 @@ def speculative_step(
     reached_at = live & valid & (position <= num_accepted[:, None])
     metrics = m.replace(
         steps=m.steps + running,
+        drafting_steps=m.drafting_steps + (running & valid[:, 0]),
         target_forwards=m.target_forwards + running,
         drafted=m.drafted + jnp.sum(live & valid, axis=1),
+        drafted_at=m.drafted_at + (live & valid),
         accepted=m.accepted + jnp.where(running, num_accepted, 0),
         emitted=m.emitted + num_emitted,
         accepted_at=m.accepted_at + accepted_at,

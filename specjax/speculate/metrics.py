@@ -21,10 +21,12 @@ class MetricCounters:
     decoding plainly, which leaves the per-position arrays empty)."""
 
     steps: jax.Array  # [B] loop steps in which the row was still running
+    drafting_steps: jax.Array  # [B] of those, steps with at least one valid draft (vLLM's num_drafts)
     target_forwards: jax.Array  # [B] target forward passes that scored the row (prefill included)
     drafted: jax.Array  # [B] draft tokens proposed (valid ones only)
     accepted: jax.Array  # [B] draft tokens accepted
     emitted: jax.Array  # [B] tokens appended to the output
+    drafted_at: jax.Array  # [B, K] valid drafts at each position
     accepted_at: jax.Array  # [B, K] drafts accepted at each position (unconditional rate numerator)
     reached_at: jax.Array  # [B, K] positions verified, i.e. all earlier drafts accepted
     accept_hist: jax.Array  # [B, K+1] how often 0..K drafts were accepted in one step
@@ -37,10 +39,12 @@ class MetricCounters:
 
         return cls(
             steps=z(),
+            drafting_steps=z(),
             target_forwards=z(),
             drafted=z(),
             accepted=z(),
             emitted=z(),
+            drafted_at=z(k),
             accepted_at=z(k),
             reached_at=z(k),
             accept_hist=z(k + 1),
@@ -54,10 +58,12 @@ class SpecMetrics:
 
     num_speculative_tokens: int
     steps: np.ndarray
+    drafting_steps: np.ndarray
     target_forwards: np.ndarray
     drafted: np.ndarray
     accepted: np.ndarray
     emitted: np.ndarray
+    drafted_at: np.ndarray
     accepted_at: np.ndarray
     reached_at: np.ndarray
     accept_hist: np.ndarray
@@ -81,32 +87,43 @@ class SpecMetrics:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Tokens emitted per step that drafted, counting the bonus token (vLLM's definition).
+        """1 + accepted / drafts: tokens per verified draft, counting the bonus token (vLLM's
+        definition). Steps where a row drafted nothing (an n-gram miss) are not drafts."""
+        drafts = self.drafting_steps.sum()
+        return float(1 + self.accepted.sum() / drafts) if drafts else float("nan")
 
-        1 + accepted / steps: a step that drafts nothing still emits one token.
-        """
-        steps = self.steps.sum()
-        return float(1 + self.accepted.sum() / steps) if steps else float("nan")
+    @property
+    def tokens_per_target_forward(self) -> float:
+        """Emitted tokens per target forward pass (prefill included): the speedup's upper bound."""
+        forwards = self.target_forwards.sum()
+        return float(self.emitted.sum() / forwards) if forwards else float("nan")
 
     def summary(self) -> dict:
         """Totals over the batch as plain Python numbers (JSON-ready)."""
         reached = self.reached_at.sum(0)
         accepted_at = self.accepted_at.sum(0)
-        steps = max(int(self.steps.sum()), 1)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            conditional = np.where(reached > 0, accepted_at / np.maximum(reached, 1), np.nan)
+        drafted_at = self.drafted_at.sum(0)
+        drafts = max(int(self.drafting_steps.sum()), 1)
+
+        def ratio(num, den):
+            return np.where(den > 0, num / np.maximum(den, 1), np.nan).tolist()
+
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
             "steps": int(self.steps.sum()),
+            "num_drafts": int(self.drafting_steps.sum()),
             "target_forwards": int(self.target_forwards.sum()),
             "num_draft_tokens": int(self.drafted.sum()),
             "num_accepted_tokens": int(self.accepted.sum()),
             "num_emitted_tokens": int(self.emitted.sum()),
             "acceptance_rate": self.acceptance_rate,
             "mean_acceptance_length": self.mean_acceptance_length,
-            "acceptance_per_position": (accepted_at / steps).tolist(),
-            "conditional_acceptance_per_position": conditional.tolist(),
-            "expected_acceptance_per_position": (self.expected_accept_at.sum(0) / steps).tolist(),
+            "tokens_per_target_forward": self.tokens_per_target_forward,
+            # Unconditional: accepted at position i per draft; conditional: per draft that reached i
+            # (all earlier drafts accepted, EAGLE's definition); expected: mean of sum_v min(p, q).
+            "acceptance_per_position": (accepted_at / drafts).tolist(),
+            "conditional_acceptance_per_position": ratio(accepted_at, reached),
+            "expected_acceptance_per_position": ratio(self.expected_accept_at.sum(0), drafted_at),
             "acceptance_length_histogram": self.accept_hist.sum(0).tolist(),
             "tokens_per_second": self.tokens_per_second,
             "compile_time_s": self.compile_time_s,

@@ -5,12 +5,12 @@ The user-facing objects (NGram, DraftModel, SelfDraft) resolve, per call, to a f
 passed as an argument. A spec provides:
 
     k: int                         number of speculative tokens
-    deterministic: bool            True when q is one-hot on the draft token
     init(target_params, params, prompt_tokens, prompt_lengths, capacity) -> state
     propose(target_params, params, state, tokens, lengths, key, sampling) -> (Proposal, state)
 
-`propose` sees the committed sequence (`tokens[b, :lengths[b]]`) and returns a Proposal; the
-loop verifies it, commits what was accepted, and calls `propose` again.
+`propose` sees the committed sequence (`tokens[b, :lengths[b]]`) and returns a Proposal (its
+draft_probs None for a deterministic proposer, whose q is one-hot); the loop verifies it, commits
+what was accepted, and calls `propose` again.
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ class DraftSpec:
     num_layers: int  # layers the draft runs (SelfDraft: an early exit)
     shares_target_params: bool
     warp: WarpSpec = WarpSpec()
-    deterministic: bool = False  # set per call: greedy drafting has a one-hot q
 
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         params = target_params if self.shares_target_params else params
@@ -102,7 +101,6 @@ class DraftModel:
             num_layers=self.model.config.num_layers,
             shares_target_params=False,
             warp=warp,
-            deterministic=warp.greedy,
         )
 
     def params(self, target: Model):
@@ -133,7 +131,6 @@ class SelfDraft:
             num_layers=self.layers,
             shares_target_params=True,
             warp=warp,
-            deterministic=warp.greedy,
         )
 
     def params(self, target: Model):

@@ -35,8 +35,6 @@ class NGram:
             raise ValueError(f"NGram n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
 
     # The proposer protocol (see proposers/__init__.py); NGram keeps no state and has no params.
-    deterministic = True
-
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         return None
 
