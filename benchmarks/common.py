@@ -27,6 +27,34 @@ MT_BENCH_CATEGORIES = {
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 
+def common_arguments(description: str):
+    """The options every benchmark takes; returns an argparse parser to add to."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA or ../shared/data)"
+    )
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
+    return parser
+
+
+def load_hf_reference():
+    """HF transformers' float32 load of the built-in model's GGUF (torch: benchmark-only)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specjax.models.loading import builtin_path
+
+    path = builtin_path("smollm2-135m")
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+
+
 def data_dir(option: str | None = None) -> Path:
     folder = Path(option or os.environ.get("SPECJAX_DATA") or REPO.parent / "shared" / "data")
     if not (folder / "spec_bench_question.jsonl").exists():

@@ -10,14 +10,21 @@ measured read bandwidth (a 1-row XLA product over a 453 MB matrix, as decoding d
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import data_dir, machine, markdown_table, median_time, spec_bench_prompts
+from common import (
+    common_arguments,
+    data_dir,
+    load_hf_reference,
+    machine,
+    markdown_table,
+    median_time,
+    spec_bench_prompts,
+)
 
 import specjax
 
@@ -37,33 +44,16 @@ def read_bandwidth_gbs(repeats: int = 20) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA or ../shared/data)"
-    )
-    parser.add_argument("--per-category", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    parser = common_arguments(__doc__)
     args = parser.parse_args()
 
     prompts = spec_bench_prompts(data_dir(args.data), args.per_category)
     model = specjax.load("smollm2-135m")
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model.params))
 
-    hf = None
-    if not args.no_hf:
+    hf = None if args.no_hf else load_hf_reference()
+    if hf is not None:
         import torch
-        from transformers import AutoModelForCausalLM
-
-        from specjax.models.loading import builtin_path
-
-        path = builtin_path("smollm2-135m")
-        hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
 
     per_category: dict[str, list] = {}
     compile_times = []

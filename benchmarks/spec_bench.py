@@ -14,28 +14,26 @@ prompts and token ids. Every speculative output is checked against plain greedy 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from common import data_dir, machine, markdown_table, median_time, spec_bench_prompts
+from common import (
+    common_arguments,
+    data_dir,
+    load_hf_reference,
+    machine,
+    markdown_table,
+    median_time,
+    spec_bench_prompts,
+)
 
 import specjax
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA or ../shared/data)"
-    )
-    parser.add_argument("--per-category", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = common_arguments(__doc__)
     parser.add_argument("--ngram-k", type=int, default=5)
     parser.add_argument("--self-draft-layers", type=int, default=8)
     parser.add_argument("--self-draft-k", type=int, default=3)
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     args = parser.parse_args()
 
     prompts = spec_bench_prompts(data_dir(args.data), args.per_category)
@@ -47,17 +45,10 @@ def main() -> None:
             layers=args.self_draft_layers, k=args.self_draft_k
         ),
     }
-    hf = None
-    if not args.no_hf:
+    hf = None if args.no_hf else load_hf_reference()
+    if hf is not None:
         import torch
-        from transformers import AutoModelForCausalLM
 
-        from specjax.models.loading import builtin_path
-
-        path = builtin_path("smollm2-135m")
-        hf = AutoModelForCausalLM.from_pretrained(
-            path.parent, gguf_file=path.name, dtype=torch.float32
-        ).eval()
         hf_methods = {
             "HF plain": {},
             f"HF prompt lookup ({args.ngram_k})": {"prompt_lookup_num_tokens": args.ngram_k},

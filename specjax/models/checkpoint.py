@@ -35,6 +35,26 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def collect_layers(
+    per_layer: dict[str, dict[int, np.ndarray]], unknown: list[str], num_layers: int, source: str
+) -> dict[str, np.ndarray]:
+    """Refuse tensors a loader did not recognise, check every layer is present, and stack each
+    field's per-layer arrays into the flat "layers.<field>" [L, ...] of the checkpoint layout."""
+    if unknown:
+        more = " ..." if len(unknown) > 8 else ""
+        raise ValueError(
+            f"{source} has tensors a Llama-family model does not use: {sorted(unknown)[:8]}{more}"
+        )
+    arrays = {}
+    for field, layers in per_layer.items():
+        if sorted(layers) != list(range(num_layers)):
+            raise ValueError(
+                f"{source}: {field} found for layers {sorted(layers)}, expected 0..{num_layers - 1}"
+            )
+        arrays[f"layers.{field}"] = np.stack([layers[i] for i in range(num_layers)])
+    return arrays
+
+
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The flat name -> shape table a checkpoint for `config` must fill exactly; per-layer
     weights are stacked on a leading L axis under "layers.<field>"."""

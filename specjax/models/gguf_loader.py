@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models.checkpoint import params_from_arrays
+from specjax.models.checkpoint import collect_layers, params_from_arrays
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.llama import LlamaParams
 
@@ -208,18 +208,7 @@ def _convert_tensors(config: LlamaConfig, tensors: dict[str, Any], path) -> dict
             per_layer.setdefault(ours, {})[int(match.group(1))] = value.T  # -> [in, out]; no-op on 1-D
         else:
             unknown.append(name)
-    if unknown:
-        raise ValueError(
-            f"GGUF file {path} has tensors a Llama model does not use: {sorted(unknown)[:8]}"
-            + (" ..." if len(unknown) > 8 else "")
-        )
-    for ours, layers in per_layer.items():
-        if sorted(layers) != list(range(config.num_layers)):
-            raise ValueError(
-                f"GGUF file {path}: {ours} found for layers {sorted(layers)}, "
-                f"expected 0..{config.num_layers - 1}"
-            )
-        arrays[f"layers.{ours}"] = np.stack([layers[i] for i in range(config.num_layers)])
+    arrays.update(collect_layers(per_layer, unknown, config.num_layers, f"GGUF file {path}"))
     return arrays
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models.checkpoint import params_from_arrays
+from specjax.models.checkpoint import collect_layers, params_from_arrays
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
 
@@ -106,18 +106,7 @@ def _convert_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], folder
             per_layer.setdefault(ours, {})[int(match.group(1))] = f32(value).T if transpose else f32(value)
         elif not _IGNORED.fullmatch(name):
             unknown.append(name)
-    if unknown:
-        raise ValueError(
-            f"checkpoint {folder} has tensors a {config.model_type} model does not use: {sorted(unknown)[:8]}"
-            + (" ..." if len(unknown) > 8 else "")
-        )
-    for ours, layers in per_layer.items():
-        if sorted(layers) != list(range(config.num_layers)):
-            raise ValueError(
-                f"checkpoint {folder}: {ours} found for layers {sorted(layers)}, "
-                f"expected 0..{config.num_layers - 1}"
-            )
-        arrays[f"layers.{ours}"] = np.stack([layers[i] for i in range(config.num_layers)])
+    arrays.update(collect_layers(per_layer, unknown, config.num_layers, f"checkpoint {folder}"))
     return arrays
 
 
