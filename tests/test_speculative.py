@@ -241,3 +241,32 @@ def test_ngram_misses_are_not_counted_as_drafts():
     summary = m.summary()
     assert summary["num_drafts"] == int(m.drafting_steps.sum())
     assert summary["mean_acceptance_length"] == pytest.approx(1 + m.accepted.sum() / m.drafting_steps.sum())
+
+
+def test_sampled_law_when_no_row_drafts():
+    """Steps where no row drafts take a one-token pass (a batch-wide branch): its sampled
+    tokens must follow the same law. The prompt is chosen so that no first token can be found
+    in it, so every row misses its lookup at the first speculative step."""
+    sampling = specjax.Sampling(temperature=0.8, top_k=4, top_p=0.9)
+    for start in range(20, 90, 7):
+        prompt = [start, start + 1, start + 2]
+        joint = exact_joint(TARGET, prompt, sampling, 2)
+        if not {seq[0] for seq in joint} & set(prompt):
+            break
+    rows = 6000
+    result = specjax.generate(
+        TARGET,
+        [prompt] * rows,
+        proposer=specjax.NGram(k=3),
+        sampling=sampling,
+        max_new_tokens=2,
+        key=jax.random.key(9),
+    )
+    assert result.metrics.drafting_steps.sum() == 0 and result.metrics.steps.sum() == rows
+    counts = {}
+    for tokens in result.tokens:
+        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
+    assert set(counts) <= set(joint)
+    for seq, prob in joint.items():
+        sigma = np.sqrt(rows * prob * (1 - prob))
+        assert abs(counts.get(seq, 0) - rows * prob) <= 6 * sigma + 3, (seq, counts.get(seq, 0), rows * prob)

@@ -143,16 +143,23 @@ def _commit(spec: LoopSpec, state: DecodeState, candidates: jax.Array, num_candi
     return tokens, lengths, done, num_emitted
 
 
+def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, key):
+    """Feed each row's last token and sample the next: a step without drafts.
+    Returns (new tokens [B], logits [B, 1, V], cache)."""
+    B = state.tokens.shape[0]
+    last = state.tokens[jnp.arange(B), state.lengths - 1]
+    logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    return sample_tokens(key, logits[:, 0], sampling, spec.warp), logits, cache
+
+
 def plain_step(
     spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling: SamplingParams
 ) -> DecodeState:
     """One token per running row: feed the last token, sample the next."""
     B = state.tokens.shape[0]
     running = ~state.done
-    last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
     step = state.step + 1
-    new = sample_tokens(jax.random.fold_in(state.key, step), logits[:, 0], sampling, spec.warp)
+    new, logits, cache = _score_last_token(spec, params, state, sampling, jax.random.fold_in(state.key, step))
     tokens, lengths, done, num_emitted = _commit(spec, state, new[:, None], jnp.ones((B,), jnp.int32))
 
     m, grow = state.metrics, running.astype(jnp.int32)
@@ -169,18 +176,10 @@ def plain_step(
     )
 
 
-def speculative_step(
-    spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, sampling: SamplingParams
-) -> DecodeState:
-    """Propose k tokens, score all k+1 positions in one target pass, verify, commit."""
+def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, key):
+    """Score the last token and the K drafts in one target pass and verify them.
+    Returns (candidates [B, K+1], num_accepted [B], expected acceptance [B, K], finite [B], cache)."""
     B, K = state.tokens.shape[0], spec.k
-    running = ~state.done
-    step = state.step + 1
-    draft_key, verify_key = jax.random.split(jax.random.fold_in(state.key, step))
-
-    proposal, proposer_state = spec.proposer.propose(
-        params, proposer_params, state.proposer_state, state.tokens, state.lengths, draft_key, sampling
-    )
     draft, valid = proposal.draft_tokens, proposal.valid
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     fed = jnp.concatenate([last[:, None], draft], axis=1)  # [B, K+1]
@@ -195,8 +194,51 @@ def speculative_step(
         draft_probs = proposal.draft_probs
         if draft_probs is None:  # a deterministic proposer: q is one-hot on the draft token
             draft_probs = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
-        candidates, num_accepted = rejection_sample(verify_key, target_probs, draft_probs, draft, valid)
+        candidates, num_accepted = rejection_sample(key, target_probs, draft_probs, draft, valid)
         expected = expected_acceptance(target_probs, draft_probs)
+    return candidates, num_accepted, expected, _all_finite(logits), cache
+
+
+def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, key):
+    """What `_verify_drafts` returns when no row drafted anything, at the cost of a one-token pass:
+    the target's own token, which is what verification emits for an empty draft."""
+    B, K = state.tokens.shape[0], spec.k
+    new, logits, cache = _score_last_token(spec, params, state, sampling, key)
+    candidates = jnp.concatenate([new[:, None], jnp.full((B, K), -1, jnp.int32)], axis=1)
+    zeros = jnp.zeros((B,), jnp.int32)
+    return candidates, zeros, jnp.zeros((B, K), jnp.float32), _all_finite(logits), cache
+
+
+def speculative_step(
+    spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, sampling: SamplingParams
+) -> DecodeState:
+    """Propose k tokens, score all k+1 positions in one target pass, verify, commit.
+
+    A proposer that may draft nothing (an n-gram miss) gets a one-token pass on the steps where
+    no row of the batch drafted: a batch-wide `lax.cond`, since the k+1-token pass costs 1.5x a
+    one-token pass on CPU. Rows never branch individually.
+    """
+    K = spec.k
+    running = ~state.done
+    step = state.step + 1
+    draft_key, verify_key = jax.random.split(jax.random.fold_in(state.key, step))
+
+    proposal, proposer_state = spec.proposer.propose(
+        params, proposer_params, state.proposer_state, state.tokens, state.lengths, draft_key, sampling
+    )
+    valid = proposal.valid
+
+    def verify(state):
+        return _verify_drafts(spec, params, state, proposal, sampling, verify_key)
+
+    def skip(state):
+        return _no_drafts(spec, params, state, sampling, verify_key)
+
+    if spec.proposer.always_drafts:
+        candidates, num_accepted, expected, finite, cache = verify(state)
+    else:
+        any_draft = jnp.any(valid & running[:, None])
+        candidates, num_accepted, expected, finite, cache = jax.lax.cond(any_draft, verify, skip, state)
     tokens, lengths, done, num_emitted = _commit(spec, state, candidates, num_accepted + 1)
 
     m = state.metrics
@@ -225,7 +267,7 @@ def speculative_step(
         proposer_state=proposer_state,
         step=step,
         metrics=metrics,
-        nonfinite=state.nonfinite | (running & ~_all_finite(logits)),
+        nonfinite=state.nonfinite | (running & ~finite),
     )
 
 

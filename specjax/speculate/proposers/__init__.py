@@ -5,6 +5,7 @@ The user-facing objects (NGram, DraftModel, SelfDraft) resolve, per call, to a f
 passed as an argument. A spec provides:
 
     k: int                         number of speculative tokens
+    always_drafts: bool            True when every row drafts k tokens every step
     init(target_params, params, prompt_tokens, prompt_lengths, capacity) -> state
     propose(target_params, params, state, tokens, lengths, key, sampling) -> (Proposal, state)
 

@@ -38,6 +38,7 @@ class DraftSpec:
     num_layers: int  # layers the draft runs (SelfDraft: an early exit)
     shares_target_params: bool
     warp: WarpSpec = WarpSpec()
+    always_drafts = True  # every row drafts k tokens every step
 
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         params = target_params if self.shares_target_params else params

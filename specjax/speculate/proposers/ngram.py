@@ -35,6 +35,8 @@ class NGram:
             raise ValueError(f"NGram n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
 
     # The proposer protocol (see proposers/__init__.py); NGram keeps no state and has no params.
+    always_drafts = False  # a row with no match drafts nothing
+
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         return None
 
