@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.model import Model
-from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
+from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
+from specjax.speculate.stops import build_stop_strings, cut_text
 
 MIN_BUCKET = 16  # shortest prompt bucket; buckets double from here up to BUCKET_STEP
 BUCKET_STEP = 64  # longer prompts round up to a multiple of this
@@ -28,8 +29,8 @@ CAPACITY_GRANULE = 128  # cache capacity rounds up to a multiple of this
 
 @dataclasses.dataclass
 class GenerateResult:
-    tokens: list[list[int]]  # new tokens per row, ending at EOS (included) or max_new_tokens
-    texts: list[str] | None  # decoded new tokens (None without a tokenizer)
+    tokens: list[list[int]]  # new tokens per row, ending at a stop (its token included) or the limit
+    texts: list[str] | None  # decoded new tokens, cut before a stop string (None without a tokenizer)
     metrics: SpecMetrics
     prompt_tokens: list[list[int]]  # the token ids each row was fed
 
@@ -118,37 +119,138 @@ def _eos_ids(model: Model) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _per_row_sampling(sampling, num_rows: int) -> list[Sampling]:
+    """One Sampling per prompt, from one for all or a list of them."""
+    if sampling is None:
+        return [Sampling()] * num_rows
+    if isinstance(sampling, Sampling):
+        return [sampling] * num_rows
+    if not isinstance(sampling, Sequence) or isinstance(sampling, str):
+        raise ValueError(
+            "sampling must be a specjax.Sampling or a list of them (one per prompt), "
+            f"got {type(sampling).__name__}"
+        )
+    rows = list(sampling)
+    if len(rows) != num_rows:
+        raise ValueError(
+            f"sampling: a list of {len(rows)} Sampling values for {num_rows} prompts; give one per prompt"
+        )
+    for i, row in enumerate(rows):
+        if not isinstance(row, Sampling):
+            raise ValueError(f"sampling[{i}] must be a specjax.Sampling, got {type(row).__name__}")
+    return rows
+
+
+def _check_token_options(rows: list[Sampling], model: Model) -> None:
+    """Token ids in logit_bias and stop_token_ids must be in the vocabulary; stop strings need a
+    tokenizer."""
+    vocab = model.config.vocab_size
+    for i, row in enumerate(rows):
+        where = "sampling" if len(rows) == 1 else f"sampling[{i}]"
+        for token in row.logit_bias or {}:
+            if token >= vocab:
+                raise ValueError(
+                    f"{where}.logit_bias has token id {token} outside the vocabulary [0, {vocab})"
+                )
+        for token in row.stop_token_ids:
+            if token >= vocab:
+                raise ValueError(
+                    f"{where}.stop_token_ids has token id {token} outside the vocabulary [0, {vocab})"
+                )
+        if row.stop and model.tokenizer is None:
+            raise ValueError(f"{where}.stop needs a tokenizer to read token texts; the model has none")
+
+
+def _key(key, rows: list[Sampling]) -> jax.Array:
+    needs_key = [s for s in rows if not s.greedy and s.seed is None]
+    if key is None:
+        if needs_key:
+            raise ValueError(
+                f"key is required when sampling with temperature={needs_key[0].temperature} > 0 and no "
+                "seed: pass key=jax.random.key(seed), or a seed in each Sampling"
+            )
+        return jax.random.key(0)
+    if (
+        isinstance(key, jax.Array)
+        and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and key.shape == ()
+    ):
+        return key
+    if isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == (2,):  # jax.random.PRNGKey
+        return jax.random.wrap_key_data(key)
+    raise ValueError(f"key must be one jax PRNG key (jax.random.key(seed)), got {key!r}")
+
+
+def _stop_token_ids(model: Model, rows: list[Sampling]) -> np.ndarray:
+    """[B, M] int32: EOS and each row's stop token ids, padded with -1 (M a multiple of 4, so
+    that a few more ids rarely compile a new program)."""
+    eos = _eos_ids(model)
+    per_row = [sorted(set(eos) | set(s.stop_token_ids)) for s in rows]
+    width = max(4, -(-max(len(ids) for ids in per_row) // 4) * 4)
+    out = np.full((len(rows), width), -1, np.int32)
+    for b, ids in enumerate(per_row):
+        out[b, : len(ids)] = ids
+    return out
+
+
+def available_memory_bytes() -> int | None:
+    """Free memory of the default device: the allocator's limit minus its use on an accelerator,
+    the host's available memory on CPU; None when unknown."""
+    device = jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
+    needed, available = memory_bytes(spec), available_memory_bytes()
+    if available is not None and needed > available:
+        gib = 1 << 30
+        raise ValueError(
+            f"prompts and max_new_tokens={max_new_tokens}: the KV caches and buffers for a batch of "
+            f"{spec.batch_size} rows of {spec.capacity} slots need about {needed / gib:.2f} GiB, but the "
+            f"device has {available / gib:.2f} GiB free; use fewer prompts per call or a smaller "
+            "max_new_tokens"
+        )
+
+
 def generate(
     model: Model,
     prompts: str | Sequence[str] | Sequence[Sequence[int]],
     proposer=None,
-    sampling: Sampling | None = None,
+    sampling: Sampling | Sequence[Sampling] | None = None,
     max_new_tokens: int = 128,
     key: jax.Array | None = None,
     chat: bool = False,
     mesh=None,
 ) -> GenerateResult:
-    """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3."""
+    """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
+
+    `sampling` is one Sampling for every row or a list with one per prompt; rows may mix greedy
+    and sampled decoding and any options in one compiled program.
+    """
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
     if mesh is not None:
         raise ValueError("mesh is not supported yet: pass mesh=None")
-    sampling = Sampling() if sampling is None else sampling
-    if not isinstance(sampling, Sampling):
-        raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not sampling.greedy and key is None:
-        raise ValueError(
-            f"key is required when sampling with temperature={sampling.temperature} > 0: "
-            "pass key=jax.random.key(seed)"
-        )
-    key = jax.random.key(0) if key is None else key
-    warp = WarpSpec.of(sampling)
+    rows = _tokenize(model, prompts, chat)
+    samplings = _per_row_sampling(sampling, len(rows))
+    _check_token_options(samplings, model)
+    key = _key(key, samplings)
+    warp = WarpSpec.of(samplings)
     proposer_spec, proposer_params = resolve(proposer, model, warp)
     k = 0 if proposer_spec is None else proposer_spec.k
 
-    rows = _tokenize(model, prompts, chat)
     longest = max(len(r) for r in rows)
     context = model.config.max_position_embeddings
     if longest + max_new_tokens > context:
@@ -164,33 +266,51 @@ def generate(
         prompt_bucket=bucket,
         capacity=capacity,
         warp=warp,
-        eos_token_ids=_eos_ids(model),
         proposer=proposer_spec,
     )
+    _check_memory(spec, max_new_tokens)
     padded = np.zeros((B, bucket), np.int32)
     for b, row in enumerate(rows):
         padded[b, : len(row)] = row
+    stop_strings = None
+    if any(s.stop for s in samplings):
+        stop_strings = build_stop_strings(
+            model.tokenizer, model.config.vocab_size, [s.stop for s in samplings]
+        )
     inputs = GenerationInputs(
         prompt_tokens=jnp.asarray(padded),
         prompt_lengths=jnp.asarray([len(r) for r in rows], jnp.int32),
         max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
-        sampling=SamplingParams.of(sampling, B),
+        sampling=SamplingParams.of(samplings, B, model.config.vocab_size),
         key=key,
+        seeds=jnp.asarray([s.seed or 0 for s in samplings], jnp.uint32),
+        seeded=jnp.asarray([s.seed is not None for s in samplings]),
+        stop_token_ids=jnp.asarray(_stop_token_ids(model, samplings)),
+        stop_strings=stop_strings,
     )
     program, compile_time = _compiled(spec, model.params, proposer_params, inputs)
     start = time.perf_counter()
     state = program(model.params, proposer_params, inputs)
-    tokens, lengths, nonfinite, counters = jax.device_get(
-        (state.tokens, state.lengths, state.nonfinite, state.metrics)
+    tokens, lengths, nonfinite_step, counters = jax.device_get(
+        (state.tokens, state.lengths, state.nonfinite_step, state.metrics)
     )
     run_time = time.perf_counter() - start
 
-    if nonfinite.any():
-        bad = [int(b) for b in np.flatnonzero(nonfinite)]
-        raise FloatingPointError(f"the model produced non-finite logits for rows {bad}: check its weights")
+    if (nonfinite_step >= 0).any():
+        bad = ", ".join(
+            f"row {b} at step {nonfinite_step[b]}" + (" (the prefill)" if nonfinite_step[b] == 0 else "")
+            for b in np.flatnonzero(nonfinite_step >= 0)
+        )
+        raise FloatingPointError(
+            f"the model produced non-finite logits (NaN or inf) for {bad}: check its weights "
+            f"(model {model.name!r})"
+        )
     new_tokens = [tokens[b, len(row) : lengths[b]].tolist() for b, row in enumerate(rows)]
     texts = None
     if model.tokenizer is not None:
-        texts = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+        texts = [
+            cut_text(model.tokenizer.decode(t, skip_special_tokens=True), s.stop)
+            for t, s in zip(new_tokens, samplings, strict=True)
+        ]
     metrics = SpecMetrics.from_counters(counters, k=k, compile_time_s=compile_time, run_time_s=run_time)
     return GenerateResult(tokens=new_tokens, texts=texts, metrics=metrics, prompt_tokens=rows)

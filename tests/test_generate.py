@@ -86,12 +86,13 @@ def test_compiled_generate_is_one_top_level_while_loop():
     from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
 
     model = tiny_model()
-    spec = LoopSpec(model.config, 2, 16, 128, WarpSpec.of(Sampling(temperature=0.7, top_k=3)), ())
-    inputs = GenerationInputs(
+    sampling = [Sampling(0.7, 3, repetition_penalty=1.2), Sampling(logit_bias={3: 1.0})]
+    spec = LoopSpec(model.config, 2, 16, 128, WarpSpec.of(sampling))
+    inputs = GenerationInputs.simple(
         prompt_tokens=jnp.zeros((2, 16), jnp.int32),
         prompt_lengths=jnp.array([3, 5], jnp.int32),
         max_new_tokens=jnp.array([8, 8], jnp.int32),
-        sampling=SamplingParams.of(Sampling(0.7, 3), 2),
+        sampling=SamplingParams.of(sampling, 2, model.config.vocab_size),
         key=jax.random.key(0),
     )
     jaxpr = jax.make_jaxpr(generate_program, static_argnums=0)(spec, model.params, None, inputs)

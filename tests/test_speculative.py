@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from tiny import tiny_model
 
 import specjax
@@ -89,29 +91,8 @@ def exact_joint(model, prompt, sampling, num_tokens):
     return joint
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "draft", "self"])
-def test_sampled_joint_law_of_first_tokens_matches_target(name):
-    """At temperature > 0 with top-k and top-p, the first three tokens (the first from the prefill,
-    the next two from speculative steps) follow the target's warped law exactly."""
-    sampling = specjax.Sampling(temperature=0.8, top_k=4, top_p=0.9)
-    prompt = [5, 6, 7, 5, 6]
-    rows = 6000
-    proposer = None if name == "none" else proposers(2)[name]
-    result = specjax.generate(
-        TARGET, [prompt] * rows, proposer=proposer, sampling=sampling, max_new_tokens=3, key=jax.random.key(5)
-    )
-    joint = exact_joint(TARGET, prompt, sampling, 3)
-    counts = {}
-    for tokens in result.tokens:
-        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    assert set(counts) <= set(joint), "a sequence of zero probability was sampled"
-    for seq, prob in joint.items():
-        sigma = np.sqrt(rows * prob * (1 - prob))
-        # 6 sigma per cell: with at most 64 cells the false-alarm rate is below 1e-7.
-        assert abs(counts.get(seq, 0) - rows * prob) <= 6 * sigma + 3, (seq, counts.get(seq, 0), rows * prob)
-    assert len(joint) > 8  # a real spread of sequences
-    if name != "none":
-        assert result.metrics.drafted.sum() > 0
+# The sampled law with top-k and top-p (and every other option) under each proposer is tested
+# in test_sampling_options.py::test_mixed_batch_follows_the_reference_law.
 
 
 def test_ngram_rule_on_hand_made_sequences():
@@ -148,8 +129,8 @@ def test_single_top_level_while_with_a_proposer():
     for proposer in proposers(3).values():
         warp = WarpSpec.of(specjax.Sampling(temperature=0.5, top_p=0.9))
         proposer_spec, proposer_params = resolve(proposer, TARGET, warp)
-        spec = LoopSpec(TARGET.config, 2, prompt_bucket(4), 128, warp, (), proposer_spec)
-        inputs = GenerationInputs(
+        spec = LoopSpec(TARGET.config, 2, prompt_bucket(4), 128, warp, proposer_spec)
+        inputs = GenerationInputs.simple(
             prompt_tokens=jnp.zeros((2, 16), jnp.int32),
             prompt_lengths=jnp.array([3, 5], jnp.int32),
             max_new_tokens=jnp.array([8, 8], jnp.int32),
@@ -270,3 +251,39 @@ def test_sampled_law_when_no_row_drafts():
     for seq, prob in joint.items():
         sigma = np.sqrt(rows * prob * (1 - prob))
         assert abs(counts.get(seq, 0) - rows * prob) <= 6 * sigma + 3, (seq, counts.get(seq, 0), rows * prob)
+
+
+def ngram_reference(seq, k, n_max, n_min):
+    """The rule, written out: the longest n-gram ending at the last token that occurs earlier,
+    its most recent earlier occurrence, and the (up to k) tokens after that occurrence."""
+    last = len(seq) - 1
+    for n in range(min(n_max, len(seq)), n_min - 1, -1):
+        suffix = seq[last - n + 1 :]
+        for end in range(last - 1, n - 2, -1):  # most recent first
+            if seq[end - n + 1 : end + 1] == suffix:
+                return seq[end + 1 : end + 1 + k]
+    return []
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=24), min_size=1, max_size=4),
+    k=st.integers(1, 6),
+    n_max=st.integers(1, 4),
+    n_min=st.integers(1, 4),
+)
+def test_ngram_invariants(rows, k, n_max, n_min):
+    """On random sequences over a small vocabulary (so that matches abound): the valid mask is a
+    prefix, drafted tokens come from the sequence and equal the rule's reference, and padding
+    beyond a row's length never leaks into a draft."""
+    n_min = min(n_min, n_max)
+    tokens = np.full((len(rows), 32), 7, np.int32)  # 7: a token no sequence holds
+    for b, seq in enumerate(rows):
+        tokens[b, : len(seq)] = seq
+    proposal = ngram_propose(jnp.asarray(tokens), jnp.asarray([len(r) for r in rows]), k, n_max, n_min)
+    draft, valid = np.asarray(proposal.draft_tokens), np.asarray(proposal.valid)
+    for b, seq in enumerate(rows):
+        count = int(valid[b].sum())
+        assert valid[b, :count].all() and not valid[b, count:].any()  # a prefix
+        assert draft[b, :count].tolist() == ngram_reference(seq, k, n_max, n_min)
+        assert set(draft[b, :count].tolist()) <= set(seq)

@@ -380,3 +380,32 @@ def test_rejection_sample_invariants(k, v, seed, draft_kind, drafts_from_q):
         assert_layout(tokens[row : row + 1], n[row : row + 1], drafts[row : row + 1], p[row])
     acceptance = np.asarray(expected_acceptance(jnp.asarray(p), jnp.asarray(q)))
     assert np.isfinite(acceptance).all() and (acceptance >= 0).all() and (acceptance <= 1 + 1e-6).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(k=st.integers(1, 5), v=st.integers(2, MAX_VOCAB), seed=st.integers(0, 2**31 - 1))
+def test_greedy_verify_invariants(k, v, seed):
+    """The accepted prefix equals the drafts and the target's argmax; the next token is the argmax
+    at the stop position; nothing is accepted past an invalid draft; every token is in the
+    vocabulary (padding tokens of the vocabulary are -inf and never chosen)."""
+    b = 4
+    rng = np.random.default_rng(seed)
+    logits = np.full((b, k + 1, MAX_VOCAB), -np.inf, np.float32)
+    logits[..., :v] = rng.normal(size=(b, k + 1, v))
+    argmax = logits.argmax(-1)
+    # drafts agree with the argmax for a random stretch, then are random
+    agree = rng.integers(0, k + 1, size=b)
+    drafts = np.where(np.arange(k) < agree[:, None], argmax[:, :k], rng.integers(v, size=(b, k)))
+    lengths = rng.integers(0, k + 1, size=b)
+    valid = np.arange(k) < lengths[:, None]
+    tokens, n = _greedy_verify(jnp.asarray(logits), jnp.asarray(drafts, jnp.int32), jnp.asarray(valid))
+    tokens, n = np.asarray(tokens), np.asarray(n)
+    for row in range(b):
+        expected_n = 0
+        while expected_n < lengths[row] and drafts[row, expected_n] == argmax[row, expected_n]:
+            expected_n += 1
+        assert n[row] == expected_n
+        assert (tokens[row, : n[row]] == drafts[row, : n[row]]).all()
+        assert tokens[row, n[row]] == argmax[row, n[row]]
+        assert (tokens[row, n[row] + 1 :] == -1).all()
+        assert (tokens[row, : n[row] + 1] < v).all()

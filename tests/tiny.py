@@ -26,3 +26,18 @@ def tiny_config(**overrides) -> LlamaConfig:
 def tiny_model(seed: int = 0, **overrides) -> Model:
     config = tiny_config(**overrides)
     return Model(config, init_params(config, jax.random.key(seed)), name=f"tiny-{seed}")
+
+
+def tiny_tokenizer():
+    """A 97-token character tokenizer for tiny models: ids 0..94 are the printable ASCII
+    characters, 95 is the two-character token "ab", 96 is "<eos>" (special). Decoding joins token
+    texts, so stop strings can end inside a token or span several."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {chr(c): i for i, c in enumerate(range(32, 127))}
+    vocab |= {"ab": 95, "<eos>": 96}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="?"))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")

@@ -63,6 +63,9 @@ def init_cache(
     )
 
 
-def cache_bytes(config: LlamaConfig, batch_size: int, capacity: int, itemsize: int = 4) -> int:
+def cache_bytes(
+    config: LlamaConfig, batch_size: int, capacity: int, itemsize: int = 4, num_layers: int | None = None
+) -> int:
     """Bytes the k and v arrays of a cache take, to check before allocating."""
-    return 2 * config.num_layers * batch_size * capacity * config.kv_size * itemsize
+    num_layers = config.num_layers if num_layers is None else num_layers
+    return 2 * num_layers * batch_size * capacity * config.kv_size * itemsize

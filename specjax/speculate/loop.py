@@ -6,7 +6,11 @@ feeds in. Everything is a per-row mask or `where`; nothing leaves the device unt
 
 How recompilation is avoided: prompts are right-padded to a length bucket and the cache capacity
 is rounded up (both in `LoopSpec`, the static part); per-row prompt lengths, `max_new_tokens` and
-sampling values are arrays, so a new prompt or limit inside the same bucket reuses the program.
+sampling values (per row: temperature, filters, penalties, bias, stop ids, seeds) are arrays, so a
+new prompt, limit or option value inside the same bucket reuses the program.
+
+Randomness is per row: row b draws from its own key (its seed, or the call's key folded with b),
+folded with the step number, so a seeded row's output does not depend on the rest of the batch.
 """
 
 from __future__ import annotations
@@ -18,11 +22,20 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cache import KVCache, init_cache
+from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams, forward, forward_hidden, lm_head
+from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
-from specjax.speculate.sampling import SamplingParams, WarpSpec, sample_tokens, warp_logits
+from specjax.speculate.sampling import (
+    SamplingParams,
+    WarpSpec,
+    adjust_logits,
+    choose_tokens,
+    is_greedy,
+    warp_logits,
+)
+from specjax.speculate.stops import StopStrings
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
 
 
@@ -35,12 +48,27 @@ class LoopSpec:
     prompt_bucket: int  # prompts are right-padded to this many tokens
     capacity: int  # slots per row in the token buffer and the KV cache
     warp: WarpSpec
-    eos_token_ids: tuple[int, ...]
     proposer: Any = None  # a proposer spec (see speculate/proposers), None for plain decoding
 
     @property
     def k(self) -> int:
         return 0 if self.proposer is None else self.proposer.k
+
+
+def memory_bytes(spec: LoopSpec) -> int:
+    """Device memory the program allocates beyond the weights, estimated before allocating: the
+    KV caches (target and proposer), the token buffer, the penalty counts, and the largest
+    temporaries (one verify pass's logits and probabilities, the prefill's activations)."""
+    c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.k
+    V, T = c.vocab_size, spec.prompt_bucket
+    total = cache_bytes(c, B, S) + B * S * 4
+    if spec.proposer is not None:
+        total += spec.proposer.state_bytes(B, S)
+    if spec.warp.penalties:
+        total += B * V * 5 + B * (K + 1) * V * 4  # counts, prompt mask, counts at the drafts
+    total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
+    total += B * T * (2 * c.intermediate_size + 4 * c.hidden_size) * 4  # prefill activations
+    return total
 
 
 @flax.struct.dataclass
@@ -49,13 +77,15 @@ class DecodeState:
     lengths: jax.Array  # [B] int32: tokens in the row's sequence
     prompt_lengths: jax.Array  # [B] int32
     max_lengths: jax.Array  # [B] int32: prompt length + max_new_tokens
-    done: jax.Array  # [B] bool: stopped at EOS or at max_new_tokens
+    done: jax.Array  # [B] bool: stopped (EOS, stop token or string, max_new_tokens, bad logits)
     cache: KVCache  # the target's; holds every token of the sequence but the last
     proposer_state: Any  # the proposer's own (its KV cache, ...), None for plain decoding
-    key: jax.Array  # PRNG key; each step folds in its step number
+    keys: jax.Array  # [B] PRNG keys, one per row; each step folds in its step number
     step: jax.Array  # [] int32
     metrics: MetricCounters
-    nonfinite: jax.Array  # [B] bool: the target produced a NaN or inf logit for this row
+    history: TokenHistory | None  # token counts for the penalties; None when no row has one
+    stop_states: jax.Array | None  # [B] int32 stop-string automaton states; None without stops
+    nonfinite_step: jax.Array  # [B] int32: first step with NaN / inf target logits, -1 if none
 
 
 @flax.struct.dataclass
@@ -66,17 +96,56 @@ class GenerationInputs:
     prompt_lengths: jax.Array  # [B] int32
     max_new_tokens: jax.Array  # [B] int32
     sampling: SamplingParams
-    key: jax.Array
+    key: jax.Array  # the call's PRNG key
+    seeds: jax.Array  # [B] uint32: a row's own seed ...
+    seeded: jax.Array  # [B] bool: ... where it has one
+    stop_token_ids: jax.Array  # [B, M] int32: EOS and the row's stop token ids, padded with -1
+    stop_strings: StopStrings | None = None
+
+    @classmethod
+    def simple(cls, prompt_tokens, prompt_lengths, max_new_tokens, sampling, key, stop_token_ids=()):
+        """Inputs with no seeds and the same stop token ids for every row (tests use this)."""
+        B = prompt_tokens.shape[0]
+        stop = jnp.asarray([list(stop_token_ids) or [-1]] * B, jnp.int32)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            prompt_lengths=prompt_lengths,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            key=key,
+            seeds=jnp.zeros((B,), jnp.uint32),
+            seeded=jnp.zeros((B,), bool),
+            stop_token_ids=stop,
+        )
 
 
-def _is_eos(spec: LoopSpec, tokens: jax.Array) -> jax.Array:
-    eos = jnp.asarray(spec.eos_token_ids or (-1,), jnp.int32)
-    return jnp.any(tokens[..., None] == eos, axis=-1)
+def row_keys(inputs: GenerationInputs) -> jax.Array:
+    """[B] keys: jax.random.key(seed) for a seeded row, the call's key folded with b otherwise."""
+    B = inputs.seeds.shape[0]
+    impl = jax.random.key_impl(inputs.key)
+    derived = jax.vmap(lambda b: jax.random.fold_in(inputs.key, b))(jnp.arange(B))
+    own = jax.vmap(lambda seed: jax.random.key(seed, impl=impl))(inputs.seeds)
+    derived, own = jax.random.key_data(derived), jax.random.key_data(own)
+    seeded = inputs.seeded.reshape((B,) + (1,) * (own.ndim - 1))
+    return jax.random.wrap_key_data(jnp.where(seeded, own, derived), impl=impl)
+
+
+def _step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
 
 
 def _all_finite(logits: jax.Array) -> jax.Array:
     """[B, ..., V] -> [B]: no NaN or inf anywhere in the row."""
     return jnp.all(jnp.isfinite(logits).reshape(logits.shape[0], -1), axis=-1)
+
+
+def _flag_nonfinite(state: DecodeState, finite: jax.Array, running: jax.Array) -> DecodeState:
+    """Record the first step at which a running row's logits went bad, and stop the row there."""
+    bad = running & ~finite
+    first = bad & (state.nonfinite_step < 0)
+    return state.replace(
+        nonfinite_step=jnp.where(first, state.step, state.nonfinite_step), done=state.done | bad
+    )
 
 
 def _write_rows(tokens: jax.Array, starts: jax.Array, new: jax.Array) -> jax.Array:
@@ -86,8 +155,51 @@ def _write_rows(tokens: jax.Array, starts: jax.Array, new: jax.Array) -> jax.Arr
     )
 
 
+def _adjust(spec: LoopSpec, sampling: SamplingParams, logits, history: TokenHistory | None, counts=None):
+    """Logit bias and penalties; counts default to the history's (the next position's)."""
+    if history is None:
+        return adjust_logits(logits, sampling, spec.warp)
+    counts = history.counts if counts is None else counts
+    return adjust_logits(logits, sampling, spec.warp, counts, history.in_prompt)
+
+
+def _commit(spec: LoopSpec, inputs: GenerationInputs, state: DecodeState, candidates, num_candidates):
+    """Append the first num_candidates[b] of candidates [B, T] to each running row, cut at the
+    first stop (EOS, a stop token id, the end of a stop string) and at the row's max length.
+
+    Tokens past a stop are neither written into the sequence nor counted. Returns the state with
+    tokens, lengths, done, history and stop states updated, and num_emitted [B]."""
+    running = ~state.done
+    B, T = candidates.shape
+    position = jnp.arange(T)[None, :]
+    real = position < num_candidates[:, None]
+    stop_at = jnp.any(candidates[..., None] == inputs.stop_token_ids[:, None, :], axis=-1)
+    if inputs.stop_strings is not None:
+        states_after, string_stop = inputs.stop_strings.advance(state.stop_states, candidates)
+        stop_at |= string_stop
+    first_stop = jnp.min(jnp.where(stop_at & real, position, T), axis=1)  # T when there is none
+    num_emitted = jnp.minimum(num_candidates, first_stop + 1)
+    num_emitted = jnp.minimum(num_emitted, state.max_lengths - state.lengths)
+    num_emitted = jnp.where(running, num_emitted, 0)
+    # Tokens past num_emitted land beyond the row's end: never read, later overwritten.
+    tokens = _write_rows(state.tokens, state.lengths, candidates)
+    lengths = state.lengths + num_emitted
+    done = state.done | (running & ((first_stop < num_emitted) | (lengths >= state.max_lengths)))
+    stop_states = state.stop_states
+    if inputs.stop_strings is not None:
+        last = states_after[jnp.arange(B), jnp.maximum(num_emitted - 1, 0)]
+        stop_states = jnp.where(num_emitted > 0, last, stop_states)
+    history = state.history
+    if history is not None:
+        history = history.add(candidates, num_emitted)
+    new_state = state.replace(
+        tokens=tokens, lengths=lengths, done=done, history=history, stop_states=stop_states
+    )
+    return new_state, num_emitted
+
+
 def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs) -> DecodeState:
-    """Run the prompts through the target (and the proposer) and sample each row's first token."""
+    """Run the prompts through the target (and the proposer) and pick each row's first token."""
     B, T = inputs.prompt_tokens.shape
     rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity)
@@ -98,86 +210,73 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     # Only each row's last prompt position needs logits (right padding follows it).
     logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1])  # [B, V]
     cache = cache.advance(inputs.prompt_lengths)
-    first = sample_tokens(jax.random.fold_in(inputs.key, 0), logits, inputs.sampling, spec.warp)
     proposer_state = None
     if spec.proposer is not None:
         proposer_state = spec.proposer.init(
             params, proposer_params, inputs.prompt_tokens, inputs.prompt_lengths, spec.capacity
         )
+    history = None
+    if spec.warp.penalties:
+        history = TokenHistory.of_prompts(inputs.prompt_tokens, inputs.prompt_lengths, spec.config.vocab_size)
+    keys = row_keys(inputs)
+    adjusted = _adjust(spec, inputs.sampling, logits, history)
+    first, _ = choose_tokens(_step_keys(keys, jnp.zeros((), jnp.int32)), adjusted, inputs.sampling, spec.warp)
 
-    tokens = jnp.zeros((B, spec.capacity), jnp.int32).at[:, :T].set(inputs.prompt_tokens)
-    tokens = _write_rows(tokens, inputs.prompt_lengths, first[:, None])
-    lengths = inputs.prompt_lengths + 1
-    max_lengths = inputs.prompt_lengths + inputs.max_new_tokens
-    ones = jnp.ones((B,), jnp.int32)
-    return DecodeState(
-        tokens=tokens,
-        lengths=lengths,
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = DecodeState(
+        tokens=jnp.zeros((B, spec.capacity), jnp.int32).at[:, :T].set(inputs.prompt_tokens),
+        lengths=inputs.prompt_lengths,
         prompt_lengths=inputs.prompt_lengths,
-        max_lengths=max_lengths,
-        done=_is_eos(spec, first) | (lengths >= max_lengths),
+        max_lengths=inputs.prompt_lengths + inputs.max_new_tokens,
+        done=jnp.zeros((B,), bool),
         cache=cache,
         proposer_state=proposer_state,
-        key=inputs.key,
+        keys=keys,
         step=jnp.zeros((), jnp.int32),
-        metrics=MetricCounters.zeros(B, spec.k).replace(target_forwards=ones, emitted=ones),
-        nonfinite=~_all_finite(logits),
+        metrics=MetricCounters.zeros(B, spec.k),
+        history=history,
+        stop_states=None if inputs.stop_strings is None else zeros,
+        nonfinite_step=zeros - 1,
     )
+    state = _flag_nonfinite(state, _all_finite(logits), jnp.ones((B,), bool))
+    state, num_emitted = _commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
+    ones = jnp.ones((B,), jnp.int32)
+    return state.replace(metrics=state.metrics.replace(target_forwards=ones, emitted=num_emitted))
 
 
-def _commit(spec: LoopSpec, state: DecodeState, candidates: jax.Array, num_candidates: jax.Array):
-    """Append the first num_candidates[b] of candidates [B, T] to each running row, cut at the
-    first EOS and at the row's max length. Returns (tokens, lengths, done, num_emitted)."""
-    running = ~state.done
-    T = candidates.shape[1]
-    position = jnp.arange(T)[None, :]
-    eos_at = _is_eos(spec, candidates) & (position < num_candidates[:, None])
-    first_eos = jnp.min(jnp.where(eos_at, position, T), axis=1)  # T when there is none
-    num_emitted = jnp.minimum(num_candidates, first_eos + 1)
-    num_emitted = jnp.minimum(num_emitted, state.max_lengths - state.lengths)
-    num_emitted = jnp.where(running, num_emitted, 0)
-    # Tokens past num_emitted land beyond the row's end: never read, later overwritten.
-    tokens = _write_rows(state.tokens, state.lengths, candidates)
-    lengths = state.lengths + num_emitted
-    done = state.done | (running & ((first_eos < num_emitted) | (lengths >= state.max_lengths)))
-    return tokens, lengths, done, num_emitted
-
-
-def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, key):
-    """Feed each row's last token and sample the next: a step without drafts.
-    Returns (new tokens [B], logits [B, 1, V], cache)."""
+def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
+    """Feed each row's last token and pick the next: a step without drafts.
+    Returns (new tokens [B], finite [B], cache)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
-    return sample_tokens(key, logits[:, 0], sampling, spec.warp), logits, cache
+    adjusted = _adjust(spec, sampling, logits[:, 0], state.history)
+    new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
+    return new, _all_finite(logits), cache
 
 
-def plain_step(
-    spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling: SamplingParams
-) -> DecodeState:
-    """One token per running row: feed the last token, sample the next."""
+def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: GenerationInputs):
+    """One token per running row: feed the last token, pick the next."""
     B = state.tokens.shape[0]
     running = ~state.done
-    step = state.step + 1
-    new, logits, cache = _score_last_token(spec, params, state, sampling, jax.random.fold_in(state.key, step))
-    tokens, lengths, done, num_emitted = _commit(spec, state, new[:, None], jnp.ones((B,), jnp.int32))
+    state = state.replace(step=state.step + 1)
+    keys = _step_keys(state.keys, state.step)
+    new, finite, cache = _score_last_token(spec, params, state, inputs.sampling, keys)
+    state, num_emitted = _commit(spec, inputs, state, new[:, None], jnp.ones((B,), jnp.int32))
+    state = _flag_nonfinite(state, finite, running)
 
     m, grow = state.metrics, running.astype(jnp.int32)
     return state.replace(
-        tokens=tokens,
-        lengths=lengths,
-        done=done,
         cache=cache.advance(num_emitted),
-        step=step,
         metrics=m.replace(
             steps=m.steps + grow, target_forwards=m.target_forwards + grow, emitted=m.emitted + num_emitted
         ),
-        nonfinite=state.nonfinite | (running & ~_all_finite(logits)),
     )
 
 
-def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, key):
-    """Score the last token and the K drafts in one target pass and verify them.
+def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
+    """Score the last token and the K drafts in one target pass and verify them, each row by its
+    own rule (greedy rows by argmax, sampled rows by rejection sampling).
     Returns (candidates [B, K+1], num_accepted [B], expected acceptance [B, K], finite [B], cache)."""
     B, K = state.tokens.shape[0], spec.k
     draft, valid = proposal.draft_tokens, proposal.valid
@@ -185,32 +284,62 @@ def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, prop
     fed = jnp.concatenate([last[:, None], draft], axis=1)  # [B, K+1]
     positions = (state.lengths - 1)[:, None] + jnp.arange(K + 1)[None, :]
     logits, _, cache = forward(params, spec.config, fed, positions, state.cache)  # [B, K+1, V]
+    finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K+1]
+    counts = None
+    if state.history is not None:  # penalties as they would be at each position
+        counts = state.history.counts_at_drafts(draft, valid)
+    logits = _adjust(spec, sampling, logits, state.history, counts)
+
+    candidates, num_accepted = greedy_verify(logits, draft, valid)
+    expected = (draft == jnp.argmax(logits[:, :K], axis=-1)).astype(jnp.float32)
+
+    def used_logits_finite(num_accepted):
+        # Positions after the stop position are never used: a bad value there (say, after an
+        # absurd draft token) is not an error of the output.
+        return jnp.all(finite_at | (jnp.arange(K + 1)[None, :] > num_accepted[:, None]), axis=1)
 
     if spec.warp.greedy:
-        candidates, num_accepted = greedy_verify(logits, draft, valid)
-        expected = (draft == jnp.argmax(logits[:, :K], axis=-1)).astype(jnp.float32)
-    else:
-        target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))
-        draft_probs = proposal.draft_probs
-        if draft_probs is None:  # a deterministic proposer: q is one-hot on the draft token
-            draft_probs = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
-        candidates, num_accepted = rejection_sample(key, target_probs, draft_probs, draft, valid)
-        expected = expected_acceptance(target_probs, draft_probs)
-    return candidates, num_accepted, expected, _all_finite(logits), cache
+        return candidates, num_accepted, expected, used_logits_finite(num_accepted), cache
+    target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, K+1, V]
+    draft_probs = proposal.draft_probs
+    if draft_probs is None:  # a deterministic proposer: q is one-hot on the draft token
+        draft_probs = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
+    sampled, sampled_accepted = rejection_sample(keys, target_probs, draft_probs, draft, valid)
+    greedy = is_greedy(sampling, num_accepted)  # [B]
+    candidates = jnp.where(greedy[:, None], candidates, sampled)
+    num_accepted = jnp.where(greedy, num_accepted, sampled_accepted)
+    expected = jnp.where(greedy[:, None], expected, expected_acceptance(target_probs, draft_probs))
+    return candidates, num_accepted, expected, used_logits_finite(num_accepted), cache
 
 
-def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, key):
+def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
     """What `_verify_drafts` returns when no row drafted anything, at the cost of a one-token pass:
-    the target's own token, which is what verification emits for an empty draft."""
+    the target's own token, which is what verification emits for an empty draft. A sampled row
+    draws it through `rejection_sample` with nothing drafted, consuming its key exactly as the
+    full pass would, so its random stream does not depend on whether other rows drafted."""
     B, K = state.tokens.shape[0], spec.k
-    new, logits, cache = _score_last_token(spec, params, state, sampling, key)
+    last = state.tokens[jnp.arange(B), state.lengths - 1]
+    logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    logits = _adjust(
+        spec,
+        sampling,
+        logits,
+        state.history,
+        None if state.history is None else state.history.counts[:, None],
+    )
+    new = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    if not spec.warp.greedy:
+        target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, 1, V]
+        nothing = jnp.zeros((B, 0), jnp.int32)
+        sampled, _ = rejection_sample(keys, target_probs, jnp.zeros((B, 0, logits.shape[-1])), nothing)
+        new = jnp.where(sampling.temperature == 0, new, sampled[:, 0])
     candidates = jnp.concatenate([new[:, None], jnp.full((B, K), -1, jnp.int32)], axis=1)
     zeros = jnp.zeros((B,), jnp.int32)
     return candidates, zeros, jnp.zeros((B, K), jnp.float32), _all_finite(logits), cache
 
 
 def speculative_step(
-    spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, sampling: SamplingParams
+    spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, inputs: GenerationInputs
 ) -> DecodeState:
     """Propose k tokens, score all k+1 positions in one target pass, verify, commit.
 
@@ -220,26 +349,35 @@ def speculative_step(
     """
     K = spec.k
     running = ~state.done
-    step = state.step + 1
-    draft_key, verify_key = jax.random.split(jax.random.fold_in(state.key, step))
+    state = state.replace(step=state.step + 1)
+    keys = jax.vmap(jax.random.split)(_step_keys(state.keys, state.step))  # [B, 2]
+    draft_keys, verify_keys = keys[:, 0], keys[:, 1]
 
     proposal, proposer_state = spec.proposer.propose(
-        params, proposer_params, state.proposer_state, state.tokens, state.lengths, draft_key, sampling
+        params,
+        proposer_params,
+        state.proposer_state,
+        state.tokens,
+        state.lengths,
+        draft_keys,
+        inputs.sampling,
+        state.history,
     )
     valid = proposal.valid
 
     def verify(state):
-        return _verify_drafts(spec, params, state, proposal, sampling, verify_key)
+        return _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys)
 
     def skip(state):
-        return _no_drafts(spec, params, state, sampling, verify_key)
+        return _no_drafts(spec, params, state, inputs.sampling, verify_keys)
 
     if spec.proposer.always_drafts:
         candidates, num_accepted, expected, finite, cache = verify(state)
     else:
         any_draft = jnp.any(valid & running[:, None])
         candidates, num_accepted, expected, finite, cache = jax.lax.cond(any_draft, verify, skip, state)
-    tokens, lengths, done, num_emitted = _commit(spec, state, candidates, num_accepted + 1)
+    state, num_emitted = _commit(spec, inputs, state, candidates, num_accepted + 1)
+    state = _flag_nonfinite(state, finite, running)
 
     m = state.metrics
     live = running[:, None]
@@ -259,16 +397,7 @@ def speculative_step(
         accept_hist=m.accept_hist + (live & (jnp.arange(K + 1)[None, :] == num_accepted[:, None])),
         expected_accept_at=m.expected_accept_at + jnp.where(live & valid, expected, 0.0),
     )
-    return state.replace(
-        tokens=tokens,
-        lengths=lengths,
-        done=done,
-        cache=cache.advance(num_emitted),
-        proposer_state=proposer_state,
-        step=step,
-        metrics=metrics,
-        nonfinite=state.nonfinite | (running & ~finite),
-    )
+    return state.replace(cache=cache.advance(num_emitted), proposer_state=proposer_state, metrics=metrics)
 
 
 def generate_program(
@@ -282,7 +411,7 @@ def generate_program(
 
     def body(state: DecodeState) -> DecodeState:
         if spec.proposer is None:
-            return plain_step(spec, params, state, inputs.sampling)
-        return speculative_step(spec, params, proposer_params, state, inputs.sampling)
+            return plain_step(spec, params, state, inputs)
+        return speculative_step(spec, params, proposer_params, state, inputs)
 
     return jax.lax.while_loop(cond, body, state)

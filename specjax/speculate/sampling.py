@@ -1,84 +1,184 @@
-"""Sampling options and logit warping: the one place where temperature, top-k, top-p and min-p
-turn logits into the distribution a token is drawn from. Target and draft use the same code, so
-a draft's `q` and the target's `p` are warped alike, as lossless verification requires.
+"""Sampling options and the one path from logits to a token.
+
+Every token the library emits or drafts goes through `adjust_logits` (logit bias, then the
+repetition, frequency and presence penalties, as vLLM orders them), then either the argmax
+(temperature 0) or `warp_logits` (temperature, top-k, top-p, min-p, in HF transformers' order)
+and a draw. Target and draft call the same functions, so a draft's `q` and the target's `p` are
+shaped alike, which lossless verification requires.
+
+Options are per row: `SamplingParams` holds one value per row ([B] arrays), so greedy and
+sampled rows, or rows with different penalties, share one compiled program. `WarpSpec` is the
+static part: which code paths any row needs. A row that does not use a path gets its neutral
+value (top_k 0, top_p 1, min_p 0, penalties 1 / 0 / 0, bias 0), which leaves its logits as they
+are.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+MAX_SEED = 2**32  # seeds become uint32 arrays
+
+
+def _is_number(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int | float | np.integer | np.floating)
+
+
+def _is_int(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int | np.integer)
 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How to pick tokens. temperature 0 is greedy (argmax); the filters then do nothing.
+    """How one row picks its tokens. temperature 0 is greedy: the argmax of the logits after
+    logit bias and penalties; the filters (top-k, top-p, min-p) then do nothing.
 
-    Filters apply in HF transformers' order: temperature, then top-k (0 = off), then top-p
-    (nucleus; 1.0 = off), then min-p (drop tokens below min_p times the top probability; 0 = off).
+    temperature, top_k (0 = off), top_p (1 = off), min_p (0 = off): as in HF transformers, applied
+      in that order to the adjusted logits.
+    repetition_penalty (1 = off, > 0): HF/CTRL style; a token seen in the prompt or the output so
+      far has its logit divided by it when positive and multiplied by it when negative.
+    frequency_penalty, presence_penalty (0 = off, in [-2, 2]): OpenAI style, over the output only;
+      subtract `frequency_penalty * count + presence_penalty * (count > 0)` from a token's logit.
+    logit_bias: {token id: bias} added to the logits before anything else.
+    stop: strings that end the row at their first occurrence in the output text; the returned text
+      stops before it, the returned tokens end with the token that completes it.
+    stop_token_ids: token ids that end the row like EOS (the token is returned).
+    seed: this row's own random stream; rows with a seed give the same output whatever `key`.
     """
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: Mapping[int, float] | None = None
+    stop: str | Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    seed: int | None = None
 
     def __post_init__(self):
+        def fail(name, allowed):
+            raise ValueError(f"Sampling {name} must be {allowed}, got {getattr(self, name)!r}")
+
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"Sampling temperature must be a finite number >= 0, got {t!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"Sampling top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
-        p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0 < p <= 1:
-            raise ValueError(f"Sampling top_p must be in (0, 1] (1 disables it), got {p!r}")
-        m = self.min_p
-        if isinstance(m, bool) or not isinstance(m, int | float) or not 0 <= m <= 1:
-            raise ValueError(f"Sampling min_p must be in [0, 1] (0 disables it), got {m!r}")
+        if not _is_number(t) or not math.isfinite(t) or t < 0:
+            fail("temperature", "a finite number >= 0")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "an integer >= 0 (0 disables it)")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "in (0, 1] (1 disables it)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", "in [0, 1] (0 disables it)")
+        r = self.repetition_penalty
+        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+            fail("repetition_penalty", "a finite number > 0 (1 disables it)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                fail(name, "a number in [-2, 2] (0 disables it)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                fail("logit_bias", "a dict {token id: bias} or None")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"Sampling logit_bias keys must be token ids >= 0, got {token!r}")
+                if not _is_number(bias) or not math.isfinite(bias):
+                    raise ValueError(f"Sampling logit_bias[{token}] must be a finite number, got {bias!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
+            fail("stop", "a non-empty string or a list of non-empty strings")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if (
+            not isinstance(ids, Sequence)
+            or isinstance(ids, str)
+            or not all(_is_int(i) and i >= 0 for i in ids)
+        ):
+            fail("stop_token_ids", "a list of token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            fail("seed", f"None or an integer in [0, 2**32), not {type(self.seed).__name__}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalized(self) -> bool:
+        return self.repetition_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
 
 @dataclasses.dataclass(frozen=True)
 class WarpSpec:
-    """The static part of sampling: which code paths the compiled program needs."""
+    """The static part of sampling: which code paths the rows of one call need."""
 
-    greedy: bool = True
+    greedy: bool = True  # every row is greedy: no random draws, no warping at all
     top_k: bool = False
     top_p: bool = False
     min_p: bool = False
+    penalties: bool = False  # some row has a repetition, frequency or presence penalty
+    logit_bias: bool = False
 
     @classmethod
-    def of(cls, sampling: Sampling) -> WarpSpec:
-        if sampling.greedy:
-            return cls(greedy=True)
-        return cls(greedy=False, top_k=sampling.top_k > 0, top_p=sampling.top_p < 1, min_p=sampling.min_p > 0)
+    def of(cls, sampling: Sampling | Sequence[Sampling]) -> WarpSpec:
+        rows = [sampling] if isinstance(sampling, Sampling) else list(sampling)
+        sampled = [s for s in rows if not s.greedy]
+        return cls(
+            greedy=not sampled,
+            top_k=any(s.top_k > 0 for s in sampled),
+            top_p=any(s.top_p < 1 for s in sampled),
+            min_p=any(s.min_p > 0 for s in sampled),
+            penalties=any(s.penalized for s in rows),
+            logit_bias=any(s.logit_bias for s in rows),
+        )
 
 
 @flax.struct.dataclass
 class SamplingParams:
-    """The dynamic part, one value per row ([B] arrays): changing a value never recompiles."""
+    """The dynamic part, one value per row: changing a value never recompiles."""
 
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
+    temperature: jax.Array  # [B] float32
+    top_k: jax.Array  # [B] int32
+    top_p: jax.Array  # [B] float32
+    min_p: jax.Array  # [B] float32
+    repetition_penalty: jax.Array  # [B] float32
+    frequency_penalty: jax.Array  # [B] float32
+    presence_penalty: jax.Array  # [B] float32
+    logit_bias: jax.Array | None  # [B, V] float32, None when no row has a bias
 
     @classmethod
-    def of(cls, sampling: Sampling, batch_size: int) -> SamplingParams:
-        def full(value, dtype):
-            return jnp.full((batch_size,), value, dtype)
+    def of(cls, sampling: Sampling | Sequence[Sampling], batch_size: int, vocab_size: int = 0):
+        """Per-row arrays from one Sampling (every row alike) or one per row."""
+        rows = [sampling] * batch_size if isinstance(sampling, Sampling) else list(sampling)
 
+        def column(name, dtype):
+            return jnp.asarray(np.array([getattr(s, name) for s in rows], dtype))
+
+        bias = None
+        if any(s.logit_bias for s in rows):
+            bias = np.zeros((len(rows), vocab_size), np.float32)
+            for b, s in enumerate(rows):
+                for token, value in (s.logit_bias or {}).items():
+                    bias[b, token] += value
+            bias = jnp.asarray(bias)
         return cls(
-            temperature=full(sampling.temperature, jnp.float32),
-            top_k=full(sampling.top_k, jnp.int32),
-            top_p=full(sampling.top_p, jnp.float32),
-            min_p=full(sampling.min_p, jnp.float32),
+            temperature=column("temperature", np.float32),
+            top_k=column("top_k", np.int32),
+            top_p=column("top_p", np.float32),
+            min_p=column("min_p", np.float32),
+            repetition_penalty=column("repetition_penalty", np.float32),
+            frequency_penalty=column("frequency_penalty", np.float32),
+            presence_penalty=column("presence_penalty", np.float32),
+            logit_bias=bias,
         )
 
 
@@ -87,12 +187,38 @@ def _per_row(values: jax.Array, like: jax.Array) -> jax.Array:
     return values.reshape(values.shape + (1,) * (like.ndim - 1))
 
 
+def adjust_logits(
+    logits: jax.Array, params: SamplingParams, spec: WarpSpec, counts=None, in_prompt=None
+) -> jax.Array:
+    """Logit bias and penalties, for greedy and sampled rows alike: logits [B, ..., V] float32.
+
+    counts [B, ..., V] int32 (broadcastable to logits) holds how often each token was generated
+    before the position being scored; in_prompt [B, V] bool which tokens the prompt holds. Both
+    are needed only when spec.penalties.
+    """
+    logits = logits.astype(jnp.float32)
+    if spec.logit_bias:
+        bias = params.logit_bias.reshape(logits.shape[:1] + (1,) * (logits.ndim - 2) + logits.shape[-1:])
+        logits = logits + bias
+    if spec.penalties:
+        in_prompt = in_prompt.reshape(logits.shape[:1] + (1,) * (logits.ndim - 2) + logits.shape[-1:])
+        seen = in_prompt | (counts > 0)
+        r = _per_row(params.repetition_penalty, logits)
+        logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+        counts = counts.astype(jnp.float32)
+        logits = logits - _per_row(params.frequency_penalty, logits) * counts
+        logits = logits - _per_row(params.presence_penalty, logits) * (counts > 0)
+    return logits
+
+
 def warp_logits(logits: jax.Array, params: SamplingParams, spec: WarpSpec) -> jax.Array:
     """Log-probabilities [B, ..., V] of the warped distribution; filtered tokens get -inf.
 
-    Not for greedy decoding (there the argmax of the raw logits is the token).
+    For sampled rows; a greedy row (temperature 0) is warped at temperature 1 here and its result
+    is not used (its token is the argmax).
     """
-    logits = logits.astype(jnp.float32) / _per_row(params.temperature, logits)
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    logits = logits.astype(jnp.float32) / _per_row(temperature, logits)
     if spec.top_k or spec.top_p:
         sorted_desc = -jnp.sort(-logits, axis=-1)
         rank = jnp.arange(logits.shape[-1])
@@ -103,8 +229,10 @@ def warp_logits(logits: jax.Array, params: SamplingParams, spec: WarpSpec) -> ja
         if spec.top_p:
             probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_desc, -jnp.inf), axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs
-            # Keep the smallest prefix holding top_p of the mass; the top token always stays.
-            keep_sorted &= (mass_before < _per_row(params.top_p, logits)) | (rank == 0)
+            top_p = _per_row(params.top_p, logits)
+            # Keep the smallest prefix holding top_p of the mass; the top token always stays, and
+            # top_p = 1 keeps everything (the cumulative sum may round to 1 before the tail).
+            keep_sorted &= (mass_before < top_p) | (rank == 0) | (top_p >= 1)
         # The smallest kept logit is the threshold; ties with it stay in, as in HF transformers.
         threshold = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
         logits = jnp.where(logits >= threshold, logits, -jnp.inf)
@@ -116,8 +244,23 @@ def warp_logits(logits: jax.Array, params: SamplingParams, spec: WarpSpec) -> ja
     return jax.nn.log_softmax(logits, axis=-1)
 
 
-def sample_tokens(key: jax.Array, logits: jax.Array, params: SamplingParams, spec: WarpSpec) -> jax.Array:
-    """Draw one token per position: logits [B, ..., V] -> int32 [B, ...]."""
+def is_greedy(params: SamplingParams, like: jax.Array) -> jax.Array:
+    """[B] temperatures -> bool broadcastable against `like` [B, ...]: which rows take the argmax."""
+    return _per_row(params.temperature == 0, like)
+
+
+def choose_tokens(
+    keys: jax.Array, logits: jax.Array, params: SamplingParams, spec: WarpSpec
+) -> tuple[jax.Array, jax.Array | None]:
+    """Pick one token per position from adjusted logits [B, ..., V] with one key per row ([B]).
+
+    Returns (tokens int32 [B, ...], probs [B, ..., V] float32 or None when every row is greedy):
+    probs is the exact distribution a sampled row's token was drawn from.
+    """
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     if spec.greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    return jax.random.categorical(key, warp_logits(logits, params, spec), axis=-1).astype(jnp.int32)
+        return greedy_tokens, None
+    log_probs = warp_logits(logits, params, spec)
+    sampled = jax.vmap(lambda key, row: jax.random.categorical(key, row, axis=-1))(keys, log_probs)
+    tokens = jnp.where(is_greedy(params, greedy_tokens), greedy_tokens, sampled.astype(jnp.int32))
+    return tokens, jnp.exp(log_probs)

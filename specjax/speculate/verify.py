@@ -32,6 +32,18 @@ def _check_shapes(target: jax.Array, draft_tokens: jax.Array, valid: jax.Array |
         raise ValueError(f"valid must be [B, K] = [{batch}, {k}], got shape {valid.shape}")
 
 
+def _keys_per_row(key: jax.Array, batch: int) -> jax.Array:
+    """[B] keys from one key (split) or from one per row (as they are); typed or raw uint32."""
+    typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if not typed:
+        key = jax.random.wrap_key_data(key)
+    if key.shape == (batch,):
+        return key
+    if key.shape != ():
+        raise ValueError(f"key must be one PRNG key or one per row ({batch}), got shape {key.shape}")
+    return jax.random.split(key, batch)
+
+
 def _prefix_length(keep: jax.Array) -> jax.Array:
     """keep [B, K] bool -> [B] int32: the length of each row's leading run of True."""
     return jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=-1), axis=-1, dtype=jnp.int32)
@@ -55,7 +67,8 @@ def rejection_sample(
     """Lossless verification of a chain of K drafts by rejection sampling.
 
     Args:
-      key: a PRNG key; split here into the acceptance uniforms and the stop-token draw.
+      key: a PRNG key, or one per row ([B]); split here into the acceptance uniforms and the
+        stop-token draw. With one key per row, a row's draws depend on its key alone.
       target_probs: [B, K+1, V] the target's warped distribution `p` at each draft position
         and at the bonus position K.
       draft_probs: [B, K, V] the exact distribution `q` each draft token was sampled from
@@ -84,14 +97,15 @@ def rejection_sample(
     q = draft_probs.astype(dtype)  # [B, K, V]
     draft_tokens = draft_tokens.astype(jnp.int32)
     valid = jnp.ones((batch, k), bool) if valid is None else valid.astype(bool)
-    accept_key, stop_key = jax.random.split(key)
+    keys = jax.vmap(jax.random.split)(_keys_per_row(key, batch))  # [B, 2]
+    accept_keys, stop_keys = keys[:, 0], keys[:, 1]
 
     # Accept iff u * q(x) < p(x) with u ~ U[0, 1): probability min(1, p/q), with no division.
     # The strict inequality never accepts a token with p(x) = 0; a token with q(x) = 0 (which a
     # correct proposer never drafts) is accepted exactly when p(x) > 0, the limit of p/q.
     p_draft = jnp.take_along_axis(p[:, :k], draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
     q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]  # [B, K]
-    u = jax.random.uniform(accept_key, (batch, k), dtype)  # independent per row and position
+    u = jax.vmap(lambda key: jax.random.uniform(key, (k,), dtype))(accept_keys)  # [B, K]
     num_accepted = _prefix_length(valid & (u * q_draft < p_draft))  # [B]
 
     # The distributions at each row's stop position n (gathers, not one-hot matmuls, so that
@@ -112,7 +126,7 @@ def rejection_sample(
     stop_probs = jnp.where(usable, residual, p_stop)
     # Gumbel-max over log-probabilities: -inf (probability 0) is never drawn and no
     # normalisation is needed, unlike an inverse-CDF draw whose rounding can overshoot.
-    stop_token = jax.random.categorical(stop_key, jnp.log(stop_probs), axis=-1)  # [B]
+    stop_token = jax.vmap(jax.random.categorical)(stop_keys, jnp.log(stop_probs))  # [B]
 
     prefix = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)  # [B, K+1]
     return _assemble(prefix, num_accepted, stop_token), num_accepted

@@ -6,12 +6,16 @@ passed as an argument. A spec provides:
 
     k: int                         number of speculative tokens
     always_drafts: bool            True when every row drafts k tokens every step
+    state_bytes(batch_size, capacity) -> int   device memory of its state (checked up front)
     init(target_params, params, prompt_tokens, prompt_lengths, capacity) -> state
-    propose(target_params, params, state, tokens, lengths, key, sampling) -> (Proposal, state)
+    propose(target_params, params, state, tokens, lengths, keys, sampling, history)
+        -> (Proposal, state)
 
-`propose` sees the committed sequence (`tokens[b, :lengths[b]]`) and returns a Proposal (its
-draft_probs None for a deterministic proposer, whose q is one-hot); the loop verifies it, commits
-what was accepted, and calls `propose` again.
+`propose` sees the committed sequence (`tokens[b, :lengths[b]]`), one PRNG key per row, the
+per-row sampling values and the penalty history (None when no row has a penalty), and returns a
+Proposal (its draft_probs None for a deterministic proposer, whose q is one-hot); the loop
+verifies it, commits what was accepted, and calls `propose` again. A drafting proposer adjusts
+and warps its logits with the same functions as the target (speculate/sampling.py).
 """
 
 from __future__ import annotations

@@ -16,12 +16,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cache import KVCache, init_cache
+from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import forward_hidden, lm_head
 from specjax.models.model import Model
+from specjax.speculate.history import TokenHistory
 from specjax.speculate.proposers.base import Proposal, check_k
-from specjax.speculate.sampling import SamplingParams, WarpSpec, sample_tokens, warp_logits
+from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, choose_tokens
 
 
 @flax.struct.dataclass
@@ -40,6 +41,10 @@ class DraftSpec:
     warp: WarpSpec = WarpSpec()
     always_drafts = True  # every row drafts k tokens every step
 
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        """Device memory of the state (the draft's KV cache), to check before allocating."""
+        return cache_bytes(self.config, batch_size, capacity, num_layers=self.num_layers)
+
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         params = target_params if self.shares_target_params else params
         B, T = prompt_tokens.shape
@@ -49,31 +54,53 @@ class DraftSpec:
         return DraftState(cache=cache.advance(prompt_lengths))
 
     def propose(
-        self, target_params, params, state: DraftState, tokens, lengths, key, sampling: SamplingParams
+        self,
+        target_params,
+        params,
+        state: DraftState,
+        tokens,
+        lengths,
+        keys,
+        sampling: SamplingParams,
+        history: TokenHistory | None,
     ):
+        """Draft k tokens per row, each drawn from the draft's logits adjusted and warped exactly as
+        the target's are (bias, penalties with the counts as they would stand after the drafts so
+        far, temperature and filters); draft_probs is that distribution (None if every row is
+        greedy)."""
         params = target_params if self.shares_target_params else params
         B = tokens.shape[0]
         rows = jnp.arange(B)[:, None]
         cache = state.cache.replace(lengths=lengths - 2)
 
-        def draft_one(cache, fed, fed_positions, step_key):
+        def draft_one(cache, counts, fed, fed_positions, step_keys):
             hidden, cache = forward_hidden(params, self.config, fed, fed_positions, cache)
             logits = lm_head(params, hidden[:, -1])  # [B, V]
             cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
-            token = sample_tokens(step_key, logits, sampling, self.warp)
-            probs = None if self.warp.greedy else jnp.exp(warp_logits(logits, sampling, self.warp))
-            return cache, token, probs
+            if history is not None:
+                logits = adjust_logits(logits, sampling, self.warp, counts, history.in_prompt)
+            else:
+                logits = adjust_logits(logits, sampling, self.warp)
+            token, probs = choose_tokens(step_keys, logits, sampling, self.warp)
+            if history is not None:
+                counts = counts.at[jnp.arange(B), token].add(1)
+            return cache, counts, token, probs
 
-        keys = jax.random.split(key, self.k)
+        keys = jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, self.k))(keys), 0, 1)  # [K, B]
+        counts = None if history is None else history.counts
         first_positions = lengths[:, None] - 2 + jnp.arange(2)[None, :]  # [B, 2]
-        cache, token, probs = draft_one(cache, tokens[rows, first_positions], first_positions, keys[0])
+        cache, counts, token, probs = draft_one(
+            cache, counts, tokens[rows, first_positions], first_positions, keys[0]
+        )
 
-        def later(carry, step_key):
-            cache, token, position = carry
-            cache, next_token, probs = draft_one(cache, token[:, None], position[:, None], step_key)
-            return (cache, next_token, position + 1), (next_token, probs)
+        def later(carry, step_keys):
+            cache, counts, token, position = carry
+            cache, counts, next_token, probs = draft_one(
+                cache, counts, token[:, None], position[:, None], step_keys
+            )
+            return (cache, counts, next_token, position + 1), (next_token, probs)
 
-        (cache, _, _), (rest, rest_probs) = jax.lax.scan(later, (cache, token, lengths), keys[1:])
+        (cache, _, _, _), (rest, rest_probs) = jax.lax.scan(later, (cache, counts, token, lengths), keys[1:])
         draft = jnp.concatenate([token[:, None], rest.T], axis=1)  # [B, K]
         draft_probs = None
         if probs is not None:

@@ -37,10 +37,13 @@ class NGram:
     # The proposer protocol (see proposers/__init__.py); NGram keeps no state and has no params.
     always_drafts = False  # a row with no match drafts nothing
 
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return 0
+
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         return None
 
-    def propose(self, target_params, params, state, tokens, lengths, key, sampling):
+    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
         return ngram_propose(tokens, lengths, self.k, self.n_max, self.n_min), state
 
 
