@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
 from specjax.models.model import Model
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
 from specjax.speculate.metrics import SpecMetrics
@@ -56,7 +57,8 @@ def compiled_program_count() -> int:
 
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
+    # The sharding too: a program is compiled for its inputs' placement.
+    return (treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))
 
 
 def _compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs) -> tuple[Any, float]:
@@ -132,7 +134,8 @@ def generate(
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
     if mesh is not None:
-        raise ValueError("mesh is not supported yet: pass mesh=None")
+        sharding.check_mesh(mesh)
+        sharding.check_model_split(mesh, model.config)
     sampling = Sampling() if sampling is None else sampling
     if not isinstance(sampling, Sampling):
         raise ValueError(f"sampling must be a specjax.Sampling, got {type(sampling).__name__}")
@@ -145,7 +148,7 @@ def generate(
         )
     key = jax.random.key(0) if key is None else key
     warp = WarpSpec.of(sampling)
-    proposer_spec, proposer_params = resolve(proposer, model, warp)
+    proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
     k = 0 if proposer_spec is None else proposer_spec.k
 
     rows = _tokenize(model, prompts, chat)
@@ -157,6 +160,8 @@ def generate(
             f"exceeds the model's context of {context} tokens"
         )
     B, bucket = len(rows), prompt_bucket(longest)
+    if mesh is not None:
+        sharding.check_batch_split(mesh, B)
     capacity = -(-(bucket + max_new_tokens + k + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
     spec = LoopSpec(
         config=model.config,
@@ -166,6 +171,7 @@ def generate(
         warp=warp,
         eos_token_ids=_eos_ids(model),
         proposer=proposer_spec,
+        mesh=mesh,
     )
     padded = np.zeros((B, bucket), np.int32)
     for b, row in enumerate(rows):
@@ -177,9 +183,17 @@ def generate(
         sampling=SamplingParams.of(sampling, B),
         key=key,
     )
-    program, compile_time = _compiled(spec, model.params, proposer_params, inputs)
+    params = model.params
+    if mesh is not None:  # no-ops for arrays already placed, e.g. by specjax.load(..., mesh=mesh)
+        params = sharding.shard_params(params, model.config, mesh)
+        if proposer_params is not None:  # a DraftModel's own weights, placed as it asks
+            proposer_params = sharding.shard_params(
+                proposer_params, proposer_spec.config, mesh, proposer_spec.tensor_parallel
+            )
+        inputs = sharding.shard_rows(inputs, mesh, B)
+    program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
-    state = program(model.params, proposer_params, inputs)
+    state = program(params, proposer_params, inputs)
     tokens, lengths, nonfinite, counters = jax.device_get(
         (state.tokens, state.lengths, state.nonfinite, state.metrics)
     )

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from specjax.models.cache import KVCache, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams, forward, forward_hidden, lm_head
+from specjax.models.llama import LlamaParams, lm_head
+from specjax.sharding import mesh_forward_hidden
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.sampling import SamplingParams, WarpSpec, sample_tokens, warp_logits
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
@@ -37,6 +38,7 @@ class LoopSpec:
     warp: WarpSpec
     eos_token_ids: tuple[int, ...]
     proposer: Any = None  # a proposer spec (see speculate/proposers), None for plain decoding
+    mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
 
     @property
     def k(self) -> int:
@@ -92,8 +94,8 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, cache = forward_hidden(
-        params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
+    hidden, cache = mesh_forward_hidden(
+        spec.mesh, params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
     )
     # Only each row's last prompt position needs logits (right padding follows it).
     logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1])  # [B, V]
@@ -143,12 +145,19 @@ def _commit(spec: LoopSpec, state: DecodeState, candidates: jax.Array, num_candi
     return tokens, lengths, done, num_emitted
 
 
+def _target_forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache):
+    """The target's logits [B, T, V] and cache after feeding tokens [B, T] in a decoding step;
+    its body runs under shard_map on `spec.mesh` when there is one."""
+    hidden, cache = mesh_forward_hidden(spec.mesh, params, spec.config, tokens, positions, cache)
+    return lm_head(params, hidden), cache
+
+
 def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, key):
     """Feed each row's last token and sample the next: a step without drafts.
     Returns (new tokens [B], logits [B, 1, V], cache)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    logits, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
     return sample_tokens(key, logits[:, 0], sampling, spec.warp), logits, cache
 
 
@@ -184,7 +193,7 @@ def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, prop
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     fed = jnp.concatenate([last[:, None], draft], axis=1)  # [B, K+1]
     positions = (state.lengths - 1)[:, None] + jnp.arange(K + 1)[None, :]
-    logits, _, cache = forward(params, spec.config, fed, positions, state.cache)  # [B, K+1, V]
+    logits, cache = _target_forward(spec, params, fed, positions, state.cache)  # [B, K+1, V]
 
     if spec.warp.greedy:
         candidates, num_accepted = greedy_verify(logits, draft, valid)
