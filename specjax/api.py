@@ -194,7 +194,8 @@ def generate(
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
     state = program(params, proposer_params, inputs)
-    tokens, lengths, nonfinite, counters = jax.device_get(
+    fetch = jax.device_get if mesh is None else sharding.fetch  # the latter spans hosts too
+    tokens, lengths, nonfinite, counters = fetch(
         (state.tokens, state.lengths, state.nonfinite, state.metrics)
     )
     run_time = time.perf_counter() - start

@@ -183,17 +183,27 @@ def test_param_and_cache_specs_follow_the_table():
 def test_load_places_each_weight_with_its_sharding(tmp_path, monkeypatch):
     torch_tiny_model(torch_tiny_config("qwen2")).save_pretrained(tmp_path)  # 4 / 2 heads, q/k/v biases
     mesh = sharding.make_mesh(model=2)  # data 4
-    placed = []
-    real_device_put = jax.device_put
+    served = []  # every slice a device received while loading: (type, shape, full shape)
+    real_make_array = jax.make_array_from_callback
 
-    def device_put(x, *args, **kwargs):  # every weight must come from host memory, not a device
-        placed.append(type(x))
-        return real_device_put(x, *args, **kwargs)
+    def make_array_from_callback(shape, sharding_, callback, *args, **kwargs):
+        def recorded(index):
+            data = callback(index)
+            served.append((type(data), data.shape, shape))
+            return data
 
-    monkeypatch.setattr(jax, "device_put", device_put)
+        return real_make_array(shape, sharding_, recorded, *args, **kwargs)
+
+    def no_default_device(name, array):
+        raise AssertionError(f"{name} went to the default device first")
+
+    monkeypatch.setattr(jax, "make_array_from_callback", make_array_from_callback)
+    monkeypatch.setattr(specjax.models.checkpoint, "_put_on_default_device", no_default_device)
     model = specjax.load(tmp_path, mesh=mesh)
     monkeypatch.undo()
-    assert placed and set(placed) == {np.ndarray}
+    assert {kind for kind, _, _ in served} == {np.ndarray}  # from host memory, never from a device
+    split = [(shape, full) for _, shape, full in served if shape != full]
+    assert split and all(shape[-1] * 2 == full[-1] or shape[0] * 2 == full[0] for shape, full in split)
 
     plain = specjax.load(tmp_path)
     specs = sharding.param_specs(model.config)

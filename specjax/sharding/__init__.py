@@ -21,6 +21,7 @@ from specjax.sharding.mesh import (
 from specjax.sharding.specs import (
     RULES,
     cache_specs,
+    fetch,
     logical_to_spec,
     param_placer,
     param_specs,
@@ -38,6 +39,7 @@ __all__ = [
     "check_batch_split",
     "check_mesh",
     "check_model_split",
+    "fetch",
     "logical_to_spec",
     "make_mesh",
     "mesh_forward_hidden",

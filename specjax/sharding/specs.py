@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -122,15 +123,21 @@ def shard_params(
 
 
 def param_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
-    """A `put(flat_name, host_array)` for the checkpoint loaders: sends each weight straight from
-    host memory to the devices of its sharding, each device receiving only its own slice, so that
-    no device ever holds a full copy of a split weight."""
+    """A `put(flat_name, host_array)` for the checkpoint loaders: builds each weight from host
+    memory slice by slice, each device receiving only its own slice, so that no device ever holds
+    a full copy of a split weight. With several hosts, each host fills only its own devices."""
     shardings = flatten(_named(mesh, param_specs(config)))
 
     def put(name: str, array: np.ndarray) -> jax.Array:
-        return jax.device_put(array, shardings[name])
+        return jax.make_array_from_callback(array.shape, shardings[name], lambda index: array[index])
 
     return put
+
+
+def fetch(tree):
+    """Device arrays -> host numpy arrays of their global shape. Unlike `jax.device_get` this also
+    works when an array spans several hosts (each host then receives the whole array)."""
+    return multihost_utils.process_allgather(tree, tiled=True)
 
 
 def shard_rows(tree, mesh: Mesh, batch_size: int):
