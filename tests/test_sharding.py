@@ -233,6 +233,15 @@ def builtin_mesh(data=1):
 
 
 @pytest.fixture(scope="module")
+def smollm2_on_mesh(smollm2_cache_dir, smollm2):
+    """The built-in model loaded onto a model-degree-3 mesh (from the session's converted cache)."""
+    model = specjax.load("smollm2-135m", cache_dir=smollm2_cache_dir, mesh=builtin_mesh())
+    q = model.params.layers[0].q  # [576, 9 * 64], 3 heads per device
+    assert q.addressable_shards[0].data.shape == (576, 192) and len(q.sharding.device_set) == 3
+    return model
+
+
+@pytest.fixture(scope="module")
 def builtin_greedy(smollm2):
     return specjax.generate(smollm2, BUILTIN_PROMPTS, max_new_tokens=12).tokens
 
@@ -247,7 +256,8 @@ def builtin_greedy(smollm2):
         pytest.param("draft-tp", 2, marks=pytest.mark.slow),
     ],
 )
-def test_builtin_model_degree_3(smollm2, builtin_greedy, name, data):
+def test_builtin_model_degree_3(request, smollm2, builtin_greedy, name, data):
+    """With data degree 1 the model is loaded onto the mesh; with 2, generate() places it."""
     draft = specjax.Model(  # the target's first 4 layers: 9 / 3 heads, so it splits over 3 too
         dataclasses.replace(smollm2.config, num_layers=4),
         smollm2.params.replace(layers=smollm2.params.layers[:4]),
@@ -260,8 +270,9 @@ def test_builtin_model_degree_3(smollm2, builtin_greedy, name, data):
         "draft": specjax.DraftModel(draft, k=3),
         "draft-tp": specjax.DraftModel(draft, k=3, tensor_parallel=True),
     }[name]
+    target = request.getfixturevalue("smollm2_on_mesh") if data == 1 else smollm2
     result = specjax.generate(
-        smollm2, BUILTIN_PROMPTS, proposer=proposer, max_new_tokens=12, mesh=builtin_mesh(data)
+        target, BUILTIN_PROMPTS, proposer=proposer, max_new_tokens=12, mesh=builtin_mesh(data)
     )
     assert result.tokens == builtin_greedy
 
