@@ -16,7 +16,9 @@ from specjax.sharding.mesh import (
     check_batch_split,
     check_mesh,
     check_model_split,
+    data_degree,
     make_mesh,
+    model_degree,
 )
 from specjax.sharding.specs import (
     RULES,
@@ -39,10 +41,12 @@ __all__ = [
     "check_batch_split",
     "check_mesh",
     "check_model_split",
+    "data_degree",
     "fetch",
     "logical_to_spec",
     "make_mesh",
     "mesh_forward_hidden",
+    "model_degree",
     "param_placer",
     "param_specs",
     "row_spec",

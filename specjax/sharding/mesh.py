@@ -78,10 +78,12 @@ def check_mesh(mesh) -> Mesh:
 
 
 def model_degree(mesh: Mesh) -> int:
+    """The tensor-parallel degree: devices that split each layer."""
     return mesh.shape[MODEL]
 
 
 def data_degree(mesh: Mesh) -> int:
+    """The data-parallel degree: groups that split the batch."""
     return mesh.shape[DATA]
 
 
