@@ -1,6 +1,6 @@
 """specjax: speculative decoding of language models as one compiled JAX loop."""
 
-from specjax import models, speculate
+from specjax import models, sharding, speculate
 from specjax.api import GenerateResult, generate
 from specjax.models import Model, load
 from specjax.speculate import DraftModel, NGram, Sampling, SelfDraft, SpecMetrics
@@ -18,5 +18,6 @@ __all__ = [
     "generate",
     "load",
     "models",
+    "sharding",
     "speculate",
 ]

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import sharding
 from specjax.models.model import Model
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes
 from specjax.speculate.metrics import SpecMetrics
@@ -57,7 +58,8 @@ def compiled_program_count() -> int:
 
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
-    return (treedef, tuple((x.shape, str(x.dtype)) for x in leaves))
+    # The sharding too: a program is compiled for its inputs' placement.
+    return (treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))
 
 
 def _compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs) -> tuple[Any, float]:
@@ -212,6 +214,8 @@ def available_memory_bytes() -> int | None:
 
 def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
     needed, available = memory_bytes(spec), available_memory_bytes()
+    if spec.mesh is not None:  # rows and caches split over the data axis; an upper bound per device
+        needed //= sharding.data_degree(spec.mesh)
     if available is not None and needed > available:
         gib = 1 << 30
         raise ValueError(
@@ -240,7 +244,8 @@ def generate(
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
     if mesh is not None:
-        raise ValueError("mesh is not supported yet: pass mesh=None")
+        sharding.check_mesh(mesh)
+        sharding.check_model_split(mesh, model.config)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     rows = _tokenize(model, prompts, chat)
@@ -248,7 +253,7 @@ def generate(
     _check_token_options(samplings, model)
     key = _key(key, samplings)
     warp = WarpSpec.of(samplings)
-    proposer_spec, proposer_params = resolve(proposer, model, warp)
+    proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
     k = 0 if proposer_spec is None else proposer_spec.k
 
     longest = max(len(r) for r in rows)
@@ -259,6 +264,8 @@ def generate(
             f"exceeds the model's context of {context} tokens"
         )
     B, bucket = len(rows), prompt_bucket(longest)
+    if mesh is not None:
+        sharding.check_batch_split(mesh, B)
     capacity = -(-(bucket + max_new_tokens + k + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
     spec = LoopSpec(
         config=model.config,
@@ -267,6 +274,7 @@ def generate(
         capacity=capacity,
         warp=warp,
         proposer=proposer_spec,
+        mesh=mesh,
     )
     _check_memory(spec, max_new_tokens)
     padded = np.zeros((B, bucket), np.int32)
@@ -288,10 +296,19 @@ def generate(
         stop_token_ids=jnp.asarray(_stop_token_ids(model, samplings)),
         stop_strings=stop_strings,
     )
-    program, compile_time = _compiled(spec, model.params, proposer_params, inputs)
+    params = model.params
+    if mesh is not None:  # no-ops for arrays already placed, e.g. by specjax.load(..., mesh=mesh)
+        params = sharding.shard_params(params, model.config, mesh)
+        if proposer_params is not None:  # a DraftModel's own weights, placed as it asks
+            proposer_params = sharding.shard_params(
+                proposer_params, proposer_spec.config, mesh, proposer_spec.tensor_parallel
+            )
+        inputs = sharding.shard_rows(inputs, mesh, B)
+    program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
-    state = program(model.params, proposer_params, inputs)
-    tokens, lengths, nonfinite_step, counters = jax.device_get(
+    state = program(params, proposer_params, inputs)
+    fetch = jax.device_get if mesh is None else sharding.fetch  # the latter spans hosts too
+    tokens, lengths, nonfinite_step, counters = fetch(
         (state.tokens, state.lengths, state.nonfinite_step, state.metrics)
     )
     run_time = time.perf_counter() - start

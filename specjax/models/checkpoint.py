@@ -10,13 +10,15 @@ way.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import LayerParams, LlamaParams, layer_shapes, param_shapes, unstack_layers
+from specjax.models.llama import LayerParams, LlamaParams, layer_shapes, param_shapes
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -65,10 +67,18 @@ def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return flat
 
 
-def params_from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray], source: str) -> LlamaParams:
+def params_from_arrays(
+    config: LlamaConfig,
+    arrays: dict[str, np.ndarray],
+    source: str,
+    put: Callable[[str, np.ndarray], jax.Array] | None = None,
+) -> LlamaParams:
     """Check flat arrays against `config` and build float32 `LlamaParams` from them.
 
-    Raises ValueError naming `source` and every missing, unexpected or misshapen tensor.
+    `put(name, host_array)` moves each weight to the devices, one per layer under its per-layer
+    name ("layers.3.q"); the default puts it on the default device, and
+    `specjax.sharding.param_placer` sends each device just its slice. Raises ValueError naming
+    `source` and every missing, unexpected or misshapen tensor.
     """
     expected = expected_shapes(config)
     missing = sorted(set(expected) - set(arrays))
@@ -87,21 +97,30 @@ def params_from_arrays(config: LlamaConfig, arrays: dict[str, np.ndarray], sourc
         if wrong:
             problems.append("wrong shapes: " + "; ".join(wrong))
         raise ValueError(f"checkpoint {source} does not match its config: " + ", ".join(problems))
+    put = _put_on_default_device if put is None else put
 
     def get(name):
-        return jnp.asarray(np.asarray(arrays[name], np.float32)) if name in expected else None
+        return put(name, np.asarray(arrays[name], np.float32)) if name in expected else None
 
-    def get_stacked(name):
-        return np.asarray(arrays[name], np.float32) if name in expected else None
+    def layer(i):
+        fields = [field.name for field in dataclasses.fields(LayerParams)]
+        return LayerParams(**{name: get_layer(f"layers.{name}", i) for name in fields})
 
-    layer_fields = [field.name for field in dataclasses.fields(LayerParams)]
-    stacked = LayerParams(**{name: get_stacked(f"layers.{name}") for name in layer_fields})
+    def get_layer(name, i):  # one layer's slice of the stacked [L, ...] array
+        if name not in expected:
+            return None
+        return put(name.replace("layers.", f"layers.{i}.", 1), np.asarray(arrays[name][i], np.float32))
+
     return LlamaParams(
         embed=get("embed"),
-        layers=unstack_layers(stacked, config.num_layers),
+        layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=get("final_norm"),
         lm_head=get("lm_head"),
     )
+
+
+def _put_on_default_device(name: str, array: np.ndarray) -> jax.Array:
+    return jnp.asarray(array)
 
 
 def config_to_dict(config: LlamaConfig) -> dict[str, Any]:

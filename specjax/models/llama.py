@@ -16,6 +16,7 @@ grows with depth (about 9 s instead of 5 s for 30 layers). Projection weights ar
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.struct
 import jax
@@ -189,20 +190,33 @@ def attention(q, k_new, v_new, k_cache, v_cache, cache_lengths, fresh_mask):
     return out.reshape(B, T, H * E)
 
 
-def _layer(config: LlamaConfig, inv_freq, positions, cache_lengths, fresh_mask, x, lp, k_cache, v_cache):
-    """One decoder layer. x [B, T, D]; returns the new x and this layer's fresh k, v [B, T, K, E]."""
+def _layer(
+    config: LlamaConfig, inv_freq, positions, cache_lengths, fresh_mask, x, lp, k_cache, v_cache, reduce
+):
+    """One decoder layer. x [B, T, D]; returns the new x and this layer's fresh k, v [B, T, K, E].
+
+    Head counts come from the weights' shapes, not the config, so that the same code runs on a
+    tensor-parallel slice holding H/m query and K/m kv heads; `reduce` then sums the partial
+    outputs of o and down over the slices (see specjax/sharding).
+    """
     B, T, _ = x.shape
+    E = config.head_dim
+    H, K = lp.q.shape[1] // E, lp.k.shape[1] // E
     h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
     q, k, v = h @ lp.q, h @ lp.k, h @ lp.v
     if config.qkv_bias:
         q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
-    q = apply_rope(q.reshape(B, T, config.num_heads, config.head_dim), positions, inv_freq)
-    k = apply_rope(k.reshape(B, T, config.num_kv_heads, config.head_dim), positions, inv_freq)
-    v = v.reshape(B, T, config.num_kv_heads, config.head_dim)
-    x = x + attention(q, k, v, k_cache, v_cache, cache_lengths, fresh_mask) @ lp.o
+    q = apply_rope(q.reshape(B, T, H, E), positions, inv_freq)
+    k = apply_rope(k.reshape(B, T, K, E), positions, inv_freq)
+    v = v.reshape(B, T, K, E)
+    x = x + reduce(attention(q, k, v, k_cache, v_cache, cache_lengths, fresh_mask) @ lp.o)
     h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down
+    x = x + reduce((jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down)
     return x, k, v
+
+
+def _identity(x: jax.Array) -> jax.Array:
+    return x
 
 
 def forward_hidden(
@@ -213,6 +227,7 @@ def forward_hidden(
     cache: KVCache,
     fresh_mask: jax.Array | None = None,
     empty_cache: bool = False,
+    reduce: Callable[[jax.Array], jax.Array] | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run T new tokens per row through the model and its final norm.
 
@@ -221,7 +236,9 @@ def forward_hidden(
     fewer layers than the model runs only the first layers (an early-exit self-draft).
     `empty_cache=True` (a prefill into a fresh cache) skips reading the cache: besides saving the
     work, it keeps XLA from constant-folding attention over the all-zero buffers, which took
-    minutes of compile time. Returns the final-normed hidden states [B, T, D] and the cache.
+    minutes of compile time. `reduce` (default: none) is applied to each layer's attention and MLP
+    outputs before they join the residual stream: under tensor parallelism, the sum over the model
+    axis of the partial products. Returns the final-normed hidden states [B, T, D] and the cache.
     """
     num_layers = cache.num_layers
     if num_layers > config.num_layers:
@@ -229,13 +246,23 @@ def forward_hidden(
     T = tokens.shape[1]
     fresh_mask = causal_mask(T) if fresh_mask is None else fresh_mask
     inv_freq = rope_inverse_frequencies(config)
+    reduce = _identity if reduce is None else reduce
 
     x = params.embed[tokens]  # [B, T, D]
     new_k, new_v = [], []
     for i in range(num_layers):
         k_cache, v_cache = (None, None) if empty_cache else (cache.k[i], cache.v[i])
         x, k, v = _layer(
-            config, inv_freq, positions, cache.lengths, fresh_mask, x, params.layers[i], k_cache, v_cache
+            config,
+            inv_freq,
+            positions,
+            cache.lengths,
+            fresh_mask,
+            x,
+            params.layers[i],
+            k_cache,
+            v_cache,
+            reduce,
         )
         new_k.append(cache.write_slots(cache.k[i], k))
         new_v.append(cache.write_slots(cache.v[i], v))

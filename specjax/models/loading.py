@@ -52,7 +52,10 @@ SUPPORTED_DTYPES = ("float32",)
 
 
 def load(
-    source: str | os.PathLike, dtype: Any = "float32", cache_dir: str | os.PathLike | None = None
+    source: str | os.PathLike,
+    dtype: Any = "float32",
+    cache_dir: str | os.PathLike | None = None,
+    mesh=None,
 ) -> Model:
     """Load a model with its tokenizer.
 
@@ -60,6 +63,9 @@ def load(
         safetensors), or a `.gguf` file. A built-in name wins over a folder of the same name.
     dtype: the parameter dtype; only "float32" for now.
     cache_dir: where converted GGUF weights are kept; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
+    mesh: a jax Mesh from `specjax.sharding.make_mesh`: each weight goes from host memory straight
+        to its devices with its sharding (each device gets only its slice), ready for
+        `generate(..., mesh=mesh)`. The model's heads and ffw size must divide the mesh's model axis.
     """
     _check_dtype(dtype)
     path, name = _resolve(source)
@@ -67,7 +73,14 @@ def load(
         config, arrays, tokenizer = hf_loader.read_hf_folder(path)
     else:
         config, arrays, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
-    params = params_from_arrays(config, arrays, source=str(path))
+    put = None
+    if mesh is not None:
+        from specjax import sharding  # imported here: specjax.sharding builds on this package
+
+        sharding.check_mesh(mesh)
+        sharding.check_model_split(mesh, config)
+        put = sharding.param_placer(config, mesh)
+    params = params_from_arrays(config, arrays, source=str(path), put=put)
     return Model(config, params, tokenizer, name=name)
 
 

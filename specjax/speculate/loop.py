@@ -24,7 +24,8 @@ import jax.numpy as jnp
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams, forward, forward_hidden, lm_head
+from specjax.models.llama import LlamaParams, lm_head
+from specjax.sharding import mesh_forward_hidden
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.sampling import (
@@ -49,6 +50,7 @@ class LoopSpec:
     capacity: int  # slots per row in the token buffer and the KV cache
     warp: WarpSpec
     proposer: Any = None  # a proposer spec (see speculate/proposers), None for plain decoding
+    mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
 
     @property
     def k(self) -> int:
@@ -204,8 +206,8 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, cache = forward_hidden(
-        params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
+    hidden, cache = mesh_forward_hidden(
+        spec.mesh, params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
     )
     # Only each row's last prompt position needs logits (right padding follows it).
     logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1])  # [B, V]
@@ -244,12 +246,19 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     return state.replace(metrics=state.metrics.replace(target_forwards=ones, emitted=num_emitted))
 
 
+def _target_forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache):
+    """The target's logits [B, T, V] and cache after feeding tokens [B, T] in a decoding step;
+    its body runs under shard_map on `spec.mesh` when there is one."""
+    hidden, cache = mesh_forward_hidden(spec.mesh, params, spec.config, tokens, positions, cache)
+    return lm_head(params, hidden), cache
+
+
 def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
     """Feed each row's last token and pick the next: a step without drafts.
     Returns (new tokens [B], finite [B], cache)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    logits, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
     adjusted = _adjust(spec, sampling, logits[:, 0], state.history)
     new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
     return new, _all_finite(logits), cache
@@ -283,7 +292,7 @@ def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, prop
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     fed = jnp.concatenate([last[:, None], draft], axis=1)  # [B, K+1]
     positions = (state.lengths - 1)[:, None] + jnp.arange(K + 1)[None, :]
-    logits, _, cache = forward(params, spec.config, fed, positions, state.cache)  # [B, K+1, V]
+    logits, cache = _target_forward(spec, params, fed, positions, state.cache)  # [B, K+1, V]
     finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K+1]
     counts = None
     if state.history is not None:  # penalties as they would be at each position
@@ -319,7 +328,7 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     full pass would, so its random stream does not depend on whether other rows drafted."""
     B, K = state.tokens.shape[0], spec.k
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, _, cache = forward(params, spec.config, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    logits, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
     logits = _adjust(
         spec,
         sampling,

@@ -29,14 +29,15 @@ from specjax.speculate.sampling import WarpSpec
 PROPOSER_TYPES = (NGram, DraftModel, SelfDraft)
 
 
-def resolve(proposer, target: Model, warp: WarpSpec):
-    """(spec, params) for a user-facing proposer; (None, None) for plain decoding."""
+def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
+    """(spec, params) for a user-facing proposer; (None, None) for plain decoding. With a jax Mesh,
+    a model-based proposer's spec runs its forward on it."""
     if proposer is None:
         return None, None
     if isinstance(proposer, NGram):
         return proposer, None
     if isinstance(proposer, DraftModel | SelfDraft):
-        return proposer.spec(target, warp), proposer.params(target)
+        return proposer.spec(target, warp, mesh), proposer.params(target)
     names = ", ".join(t.__name__ for t in PROPOSER_TYPES)
     raise ValueError(f"proposer must be None or one of specjax.{{{names}}}, got {type(proposer).__name__}")
 

@@ -11,6 +11,7 @@ draft, is simply the second-to-last token of the next step.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import flax.struct
 import jax
@@ -18,8 +19,9 @@ import jax.numpy as jnp
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import forward_hidden, lm_head
+from specjax.models.llama import lm_head
 from specjax.models.model import Model
+from specjax.sharding import check_model_split, mesh_forward_hidden
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.proposers.base import Proposal, check_k
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, choose_tokens
@@ -39,18 +41,25 @@ class DraftSpec:
     num_layers: int  # layers the draft runs (SelfDraft: an early exit)
     shares_target_params: bool
     warp: WarpSpec = WarpSpec()
+    mesh: Any = None  # a jax Mesh to run on, or None (one device)
+    tensor_parallel: bool = False  # heads split over the mesh like the target's; else replicated
     always_drafts = True  # every row drafts k tokens every step
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         """Device memory of the state (the draft's KV cache), to check before allocating."""
         return cache_bytes(self.config, batch_size, capacity, num_layers=self.num_layers)
 
+    def _forward(self, params, tokens, positions, cache, empty_cache=False):
+        return mesh_forward_hidden(
+            self.mesh, params, self.config, tokens, positions, cache, empty_cache, self.tensor_parallel
+        )
+
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
         params = target_params if self.shares_target_params else params
         B, T = prompt_tokens.shape
         cache = init_cache(self.config, B, capacity, num_layers=self.num_layers)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        _, cache = forward_hidden(params, self.config, prompt_tokens, positions, cache, empty_cache=True)
+        _, cache = self._forward(params, prompt_tokens, positions, cache, empty_cache=True)
         return DraftState(cache=cache.advance(prompt_lengths))
 
     def propose(
@@ -74,7 +83,7 @@ class DraftSpec:
         cache = state.cache.replace(lengths=lengths - 2)
 
         def draft_one(cache, counts, fed, fed_positions, step_keys):
-            hidden, cache = forward_hidden(params, self.config, fed, fed_positions, cache)
+            hidden, cache = self._forward(params, fed, fed_positions, cache)
             logits = lm_head(params, hidden[:, -1])  # [B, V]
             cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
             if history is not None:
@@ -111,24 +120,37 @@ class DraftSpec:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class DraftModel:
-    """Draft with a separate model that shares the target's vocabulary."""
+    """Draft with a separate model that shares the target's vocabulary.
+
+    On a mesh the draft is placed independently of the target: replicated by default (every
+    device holds it whole and drafts its rows with no communication, the better choice for a
+    draft small enough to be latency-bound), or with `tensor_parallel=True` split over the
+    mesh's model axis like the target (its heads and ffw size must divide the model degree).
+    """
 
     model: Model
     k: int = 4
+    tensor_parallel: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, Model):
             raise ValueError(f"DraftModel model must be a specjax.Model, got {type(self.model).__name__}")
         check_k("DraftModel", self.k)
+        if not isinstance(self.tensor_parallel, bool):
+            raise ValueError(f"DraftModel tensor_parallel must be a bool, got {self.tensor_parallel!r}")
 
-    def spec(self, target: Model, warp: WarpSpec) -> DraftSpec:
+    def spec(self, target: Model, warp: WarpSpec, mesh=None) -> DraftSpec:
         check_same_vocabulary(target, self.model)
+        if mesh is not None and self.tensor_parallel:
+            check_model_split(mesh, self.model.config, who="DraftModel(tensor_parallel=True) draft")
         return DraftSpec(
             config=self.model.config,
             k=self.k,
             num_layers=self.model.config.num_layers,
             shares_target_params=False,
             warp=warp,
+            mesh=mesh,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def params(self, target: Model):
@@ -147,7 +169,7 @@ class SelfDraft:
         if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
             raise ValueError(f"SelfDraft layers must be an integer >= 1, got {self.layers!r}")
 
-    def spec(self, target: Model, warp: WarpSpec) -> DraftSpec:
+    def spec(self, target: Model, warp: WarpSpec, mesh=None) -> DraftSpec:
         if not 1 <= self.layers <= target.config.num_layers - 1:
             raise ValueError(
                 f"SelfDraft layers must be in 1..{target.config.num_layers - 1} for a target of "
@@ -159,6 +181,8 @@ class SelfDraft:
             num_layers=self.layers,
             shares_target_params=True,
             warp=warp,
+            mesh=mesh,
+            tensor_parallel=True,  # the target's weights, split as they are
         )
 
     def params(self, target: Model):

@@ -1,0 +1,55 @@
+"""Tensor and data parallelism: the ("data", "model") mesh, partition specs for params and KV
+caches from one table of logical axes, and the model's forward under `jax.shard_map`.
+
+    mesh = specjax.sharding.make_mesh(model=2, data=4)
+    model = specjax.load("smollm2-135m", mesh=mesh)
+    result = specjax.generate(model, prompts, mesh=mesh)
+
+See docs/scaling.md for memory and traffic per device.
+"""
+
+from specjax.sharding.forward import mesh_forward_hidden
+from specjax.sharding.mesh import (
+    AXES,
+    DATA,
+    MODEL,
+    check_batch_split,
+    check_mesh,
+    check_model_split,
+    data_degree,
+    make_mesh,
+    model_degree,
+)
+from specjax.sharding.specs import (
+    RULES,
+    cache_specs,
+    fetch,
+    logical_to_spec,
+    param_placer,
+    param_specs,
+    row_spec,
+    shard_params,
+    shard_rows,
+)
+
+__all__ = [
+    "AXES",
+    "DATA",
+    "MODEL",
+    "RULES",
+    "cache_specs",
+    "check_batch_split",
+    "check_mesh",
+    "check_model_split",
+    "data_degree",
+    "fetch",
+    "logical_to_spec",
+    "make_mesh",
+    "mesh_forward_hidden",
+    "model_degree",
+    "param_placer",
+    "param_specs",
+    "row_spec",
+    "shard_params",
+    "shard_rows",
+]

@@ -1,0 +1,66 @@
+"""The model's forward under `jax.shard_map`: the one place the compiled loop meets the mesh.
+
+Inside the shard_map each device runs the ordinary forward (models/llama.py) on its own slice:
+its rows of the batch and of the KV cache, its H/m query and K/m kv heads, its F/m of the MLP.
+The forward takes its head counts from the weights' shapes, so it needs no local config; the
+only addition is the `reduce` hook, here a `psum` over "model" after attention's o projection and
+after the MLP's down projection, two all-reduces of [B/d, T, D] per layer.
+
+Only the transformer body is shard_map'd. The LM head, sampling, verification and n-gram lookup
+stay plain jnp on global arrays, which jit partitions by the shardings flowing out of here: the
+hidden states leave split by row, so those steps run on each data group's rows with no traffic.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from specjax.models import llama
+from specjax.models.cache import KVCache
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import LlamaParams
+from specjax.sharding.mesh import MODEL
+from specjax.sharding.specs import cache_specs, param_specs, row_spec
+
+
+def _sum_over_model(x: jax.Array) -> jax.Array:
+    return jax.lax.psum(x, MODEL)
+
+
+def mesh_forward_hidden(
+    mesh: Mesh | None,
+    params: LlamaParams,
+    config: LlamaConfig,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    empty_cache: bool = False,
+    tensor_parallel: bool = True,
+) -> tuple[jax.Array, KVCache]:
+    """`models.forward_hidden` on `mesh`; with mesh None, the plain single-device call.
+
+    tokens, positions [B, T]; returns hidden [B, T, D] (split by row) and the cache. With
+    `tensor_parallel=False` (a replicated draft) every device of a model group holds the whole
+    model and runs the same rows: no all-reduce, at the price of repeated compute.
+    """
+    if mesh is None:
+        return llama.forward_hidden(params, config, tokens, positions, cache, empty_cache=empty_cache)
+    params_spec = param_specs(config, tensor_parallel)
+    cache_spec = cache_specs(cache.num_layers, tensor_parallel)
+    rows = row_spec()
+    reduce = _sum_over_model if tensor_parallel else None
+
+    def local(params, tokens, positions, cache):  # each device's slice: [B/d, T], K/m kv heads ...
+        return llama.forward_hidden(
+            params, config, tokens, positions, cache, empty_cache=empty_cache, reduce=reduce
+        )
+
+    sharded = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(params_spec, rows, rows, cache_spec),
+        out_specs=(P(*rows, None, None), cache_spec),
+    )
+    return sharded(params, tokens, positions, cache)

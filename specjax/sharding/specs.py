@@ -1,0 +1,151 @@
+"""One table of logical axes, and the PartitionSpec trees and placements it yields.
+
+Every weight and cache dimension has a logical name; `RULES` maps each name to a mesh axis or to
+None (not split). Everything else (param specs, cache specs, placing arrays on a mesh while they
+load) is derived from these two tables, so a change of layout is a change of one line.
+
+Tensor parallelism is Megatron's: q, k, v, gate and up are split by column (heads, ffw), o and
+down by row, so each device computes a slice of the heads and of the MLP from the full residual
+stream, and one all-reduce after o and one after down restore the full stream.
+
+The embedding and the LM head are replicated, not split over the vocabulary. A vocab-split head
+gives each device a slice of the logits, but every consumer of the logits needs whole rows:
+top-k and top-p sort over the full vocabulary, rejection sampling normalizes max(p - q, 0) over
+it, and argmax compares all of it. Each step would then all-gather [B, k+1, V] logits (or
+implement a distributed top-k / top-p / rejection sampler); a vocab-split embedding also needs a
+masked lookup and one more all-reduce. Replication costs 2 * V * D weights per device (1 V * D
+with tied embeddings); docs/scaling.md puts numbers on that trade.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from specjax.models.cache import KVCache
+from specjax.models.checkpoint import flatten
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import LayerParams, LlamaParams, layer_shapes
+from specjax.sharding.mesh import DATA, MODEL
+
+# Logical axis -> mesh axis (None: every device holds all of it).
+RULES: dict[str, str | None] = {
+    "batch": DATA,
+    "heads": MODEL,  # query heads: the H*E columns of q, the H*E rows of o
+    "kv_heads": MODEL,  # kv heads: the K*E columns of k and v, the K axis of the cache
+    "ffw": MODEL,  # the F columns of gate and up, the F rows of down
+    "embed": None,  # the residual stream D: every device holds all of it
+    "vocab": None,  # replicated embedding and head (see the module docstring)
+    "slots": None,  # cache positions S
+    "head_dim": None,  # E
+}
+
+# The logical axes of each weight, in the weight's own dimension order.
+LAYER_AXES: dict[str, tuple[str, ...]] = {
+    "attn_norm": ("embed",),
+    "q": ("embed", "heads"),
+    "k": ("embed", "kv_heads"),
+    "v": ("embed", "kv_heads"),
+    "o": ("heads", "embed"),
+    "mlp_norm": ("embed",),
+    "gate": ("embed", "ffw"),
+    "up": ("embed", "ffw"),
+    "down": ("ffw", "embed"),
+    "q_bias": ("heads",),
+    "k_bias": ("kv_heads",),
+    "v_bias": ("kv_heads",),
+}
+MODEL_AXES: dict[str, tuple[str, ...]] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+}
+CACHE_AXES = ("batch", "kv_heads", "slots", "head_dim")  # each layer's k and v [B, K, S, E]
+ROW_AXES = ("batch",)  # cache lengths [B], and every per-row array of the loop
+
+
+def logical_to_spec(axes: tuple[str, ...], tensor_parallel: bool = True) -> P:
+    """The PartitionSpec for an array with these logical axes. Without tensor parallelism (a
+    replicated draft) nothing is split over "model"; rows still split over "data"."""
+    mesh_axes = [RULES[a] for a in axes]
+    if not tensor_parallel:
+        mesh_axes = [None if a == MODEL else a for a in mesh_axes]
+    return P(*mesh_axes)
+
+
+def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParams:
+    """A LlamaParams tree with a PartitionSpec where `init_params(config)` has an array."""
+    shapes = layer_shapes(config)  # None where the model has no such weight (biases)
+    layer = LayerParams(
+        **{
+            field.name: None
+            if getattr(shapes, field.name) is None
+            else logical_to_spec(LAYER_AXES[field.name], tensor_parallel)
+            for field in dataclasses.fields(LayerParams)
+        }
+    )
+    return LlamaParams(
+        embed=logical_to_spec(MODEL_AXES["embed"], tensor_parallel),
+        layers=(layer,) * config.num_layers,
+        final_norm=logical_to_spec(MODEL_AXES["final_norm"], tensor_parallel),
+        lm_head=None
+        if config.tie_word_embeddings
+        else logical_to_spec(MODEL_AXES["lm_head"], tensor_parallel),
+    )
+
+
+def cache_specs(num_layers: int, tensor_parallel: bool = True) -> KVCache:
+    """A KVCache tree of PartitionSpecs: rows on "data", kv heads on "model"."""
+    buffer = logical_to_spec(CACHE_AXES, tensor_parallel)
+    return KVCache(k=(buffer,) * num_layers, v=(buffer,) * num_layers, lengths=row_spec())
+
+
+def row_spec() -> P:
+    """[B, ...] arrays split by row over "data"."""
+    return logical_to_spec(ROW_AXES)
+
+
+def _named(mesh: Mesh, specs):
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(
+    params: LlamaParams, config: LlamaConfig, mesh: Mesh, tensor_parallel: bool = True
+) -> LlamaParams:
+    """Params placed on `mesh` (a no-op for arrays already placed so)."""
+    return jax.device_put(params, _named(mesh, param_specs(config, tensor_parallel)))
+
+
+def param_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
+    """A `put(flat_name, host_array)` for the checkpoint loaders: builds each weight from host
+    memory slice by slice, each device receiving only its own slice, so that no device ever holds
+    a full copy of a split weight. With several hosts, each host fills only its own devices."""
+    shardings = flatten(_named(mesh, param_specs(config)))
+
+    def put(name: str, array: np.ndarray) -> jax.Array:
+        return jax.make_array_from_callback(array.shape, shardings[name], lambda index: array[index])
+
+    return put
+
+
+def fetch(tree):
+    """Device arrays -> host numpy arrays of their global shape. Unlike `jax.device_get` this also
+    works when an array spans several hosts (each host then receives the whole array)."""
+    return multihost_utils.process_allgather(tree, tiled=True)
+
+
+def shard_rows(tree, mesh: Mesh, batch_size: int):
+    """Arrays with a leading batch dim split by row over "data"; other leaves (a PRNG key)
+    replicated."""
+
+    def place(x):
+        rows = x.ndim >= 1 and x.shape[0] == batch_size
+        return jax.device_put(x, NamedSharding(mesh, row_spec() if rows else P()))
+
+    return jax.tree.map(place, tree)
