@@ -116,6 +116,7 @@ def test_speculative_greedy_equals_plain(smollm2, prompt_ids, plain, name, k, ba
 
 
 @pytest.mark.data
+@pytest.mark.slow  # tests/test_speculative.py checks the same on tiny models in the fast set
 def test_target_as_its_own_draft(smollm2, prompt_ids):
     k = 3
     result = specjax.generate(
