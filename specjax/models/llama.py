@@ -10,7 +10,7 @@ stacked weight (dynamic or static) before it multiplies, which made a decoding s
 for SmolLM2-135M (95 ms against 52 ms per token, measured here). The price is compile time that
 grows with depth (about 9 s instead of 5 s for 30 layers). Projection weights are stored
 `[in, out]` and applied as `x @ W`. Checkpoints and the disk cache keep the stacked layout
-(see checkpoint.py); `stack_layers` / `unstack_layers` convert.
+(see checkpoint.py), which splits it per layer as it loads.
 """
 
 from __future__ import annotations
@@ -86,16 +86,6 @@ def param_shapes(config: LlamaConfig) -> LlamaParams:
 
 def _is_shape(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
-def stack_layers(layers: tuple[LayerParams, ...]) -> LayerParams:
-    """Per-layer params -> one LayerParams with a leading L axis (the checkpoint layout)."""
-    return jax.tree.map(lambda *ws: np.stack([np.asarray(w) for w in ws]), *layers)
-
-
-def unstack_layers(stacked: LayerParams, num_layers: int) -> tuple[LayerParams, ...]:
-    """A LayerParams with a leading L axis -> one device buffer per layer and weight."""
-    return tuple(jax.tree.map(lambda w, i=i: jnp.asarray(w[i]), stacked) for i in range(num_layers))
 
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
