@@ -14,6 +14,9 @@ import jax.numpy as jnp
 
 from specjax.models.config import LlamaConfig
 
+# Batches up to this many rows write their fresh keys and values row by row (see write_slots).
+UNROLLED_WRITE_ROWS = 16
+
 
 @flax.struct.dataclass
 class KVCache:
@@ -34,15 +37,30 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
-    def write_slots(self, layer_cache: jax.Array, new: jax.Array) -> jax.Array:
+    def write_slots(self, layer_cache: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
         """Store T fresh entries per row at slots `lengths .. lengths + T - 1` of one layer's
-        buffer [B, K, S, E]; new [B, T, K, E]. The caller decides how many to commit (advance)."""
+        buffer [B, K, S, E]; new [B, T, K, E]. The caller decides how many to commit (advance).
+        `fresh=True` promises an empty cache (every length 0, a prefill): one write at slot 0.
 
-        def write_row(row, new_row, start):  # [K, S, E], [K, T, E], []
-            return jax.lax.dynamic_update_slice(row, new_row, (0, start, 0))
-
+        A small batch writes each row with its own `dynamic_update_slice` (a scalar start), which
+        XLA does in place; the vmapped form becomes a scatter that also reads the old slots. Past
+        UNROLLED_WRITE_ROWS rows the vmapped form keeps the program small. The capacity leaves
+        room for T slots past every row's length (see LoopSpec), so no write is clamped.
+        """
         new = jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype)  # [B, K, T, E]
-        return jax.vmap(write_row)(layer_cache, new, self.lengths)
+        if fresh:
+            return jax.lax.dynamic_update_slice(layer_cache, new, (0, 0, 0, 0))
+        B = new.shape[0]
+        if B > UNROLLED_WRITE_ROWS:
+
+            def write_row(row, new_row, start):  # [K, S, E], [K, T, E], []
+                return jax.lax.dynamic_update_slice(row, new_row, (0, start, 0))
+
+            return jax.vmap(write_row)(layer_cache, new, self.lengths)
+        for b in range(B):
+            start = (b, 0, self.lengths[b], 0)
+            layer_cache = jax.lax.dynamic_update_slice(layer_cache, new[b : b + 1], start)
+        return layer_cache
 
     def advance(self, num_committed: jax.Array) -> KVCache:
         """Commit `num_committed[b]` more slots of each row (the ones `write` just filled)."""
