@@ -254,7 +254,7 @@ def generate(
     key = _key(key, samplings)
     warp = WarpSpec.of(samplings)
     proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
-    k = 0 if proposer_spec is None else proposer_spec.k
+    k = 0 if proposer_spec is None else proposer_spec.k  # draft positions (a tree's depth)
 
     longest = max(len(r) for r in rows)
     context = model.config.max_position_embeddings
@@ -266,7 +266,9 @@ def generate(
     B, bucket = len(rows), prompt_bucket(longest)
     if mesh is not None:
         sharding.check_batch_split(mesh, B)
-    capacity = -(-(bucket + max_new_tokens + k + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
+    # Room for a verify pass past the last committed token: k drafts, or a tree's nodes.
+    width = k if getattr(proposer_spec, "tree", None) is None else proposer_spec.tree.num_nodes
+    capacity = -(-(bucket + max_new_tokens + width + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
     spec = LoopSpec(
         config=model.config,
         batch_size=B,

@@ -156,7 +156,7 @@ def test_sampled_first_token_follows_warped_distribution():
         (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1, got 0"),
         (dict(prompts=[list(range(10)) * 50], max_new_tokens=20), "exceeds the model's context of 512"),
         (dict(sampling=specjax.Sampling(temperature=0.5)), "key is required"),
-        (dict(proposer="ngram"), "proposer must be None or one of"),
+        (dict(proposer="ngram"), "proposer must be None, one of"),
     ],
 )
 def test_bad_generate_arguments(kwargs, message):

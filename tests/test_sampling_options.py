@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracle import Oracle, references
 from tiny import tiny_model, tiny_tokenizer
 
 import specjax
-from specjax.models import forward, init_cache
+from specjax.models import MedusaHead, forward, init_cache
+from specjax.speculate.tree import TokenTree
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, warp_logits
 
 TARGET = tiny_model(seed=11)
@@ -153,17 +155,31 @@ def group_laws():
     return [reference_joint(TARGET, PROMPT, s, 3) for s in GROUPS]
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "draft", "self"])
+def tree_proposers(num_rows):
+    """Token trees: Medusa with random heads, and the oracle (tests/oracle.py) that knows the
+    greedy continuation and hides it among wrong siblings, so that sampled rows accept paths
+    through later siblings too."""
+    head = MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0), scale=0.5)
+    greedy = specjax.generate(TARGET, [PROMPT], max_new_tokens=8).tokens
+    reference = np.repeat(references([PROMPT], greedy), num_rows, axis=0)
+    return {
+        "medusa_tree": specjax.Medusa(head, tree=TokenTree.top_k((3, 2))),
+        "oracle_tree": Oracle(TokenTree.top_k((3, 2)), reference),
+    }
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft", "self", "medusa_tree", "oracle_tree"])
 def test_mixed_batch_follows_the_reference_law(group_laws, name):
     """The first three tokens of every row follow its own options' exact law (the first token from
     the prefill, the next two from speculative steps). Each count is bounded by 6 binomial
     standard deviations plus 3: over the at most 4 x 125 sequences the false-alarm rate is below
     1e-6."""
     samplings = [s for s in GROUPS for _ in range(ROWS_PER_GROUP)] + [GREEDY] * 4
+    proposer = tree_proposers(len(samplings))[name] if "tree" in name else proposers(2)[name]
     result = specjax.generate(
         TARGET,
         [PROMPT] * len(samplings),
-        proposer=proposers(2)[name],
+        proposer=proposer,
         sampling=samplings,
         max_new_tokens=3,
         key=jax.random.key(5),
@@ -183,6 +199,8 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     assert result.tokens[-4:] == [greedy] * 4
     if name != "none":
         assert result.metrics.drafted.sum() > 0
+    if name == "oracle_tree":  # the later-sibling paths were really taken
+        assert result.metrics.accept_hist[:, 2].sum() > 100
 
 
 def test_penalties_change_the_law():

@@ -167,7 +167,7 @@ def test_bad_proposer_arguments(make, message):
     [
         (specjax.SelfDraft(layers=2), r"SelfDraft layers must be in 1..1 for a target of 2 layers, got 2"),
         (specjax.DraftModel(tiny_model(vocab_size=50), k=2), "vocab_size 50, the target 97"),
-        (object(), "proposer must be None or one of"),
+        (object(), "proposer must be None, one of"),
     ],
 )
 def test_bad_proposer_for_this_target(proposer, message):

@@ -4,6 +4,7 @@ from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
 from specjax.models.loading import BUILTIN_MODELS, load
+from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams, medusa_logits, target_signature
 from specjax.models.model import Model
 
 __all__ = [
@@ -12,6 +13,9 @@ __all__ = [
     "LayerParams",
     "LlamaConfig",
     "LlamaParams",
+    "MedusaConfig",
+    "MedusaHead",
+    "MedusaParams",
     "Model",
     "RopeScaling",
     "cache_bytes",
@@ -21,4 +25,6 @@ __all__ = [
     "init_params",
     "lm_head",
     "load",
+    "medusa_logits",
+    "target_signature",
 ]

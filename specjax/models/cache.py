@@ -62,6 +62,18 @@ class KVCache:
             layer_cache = jax.lax.dynamic_update_slice(layer_cache, new[b : b + 1], start)
         return layer_cache
 
+    def move_slots(self, sources: jax.Array) -> KVCache:
+        """Copy, in every layer, slot `sources[b, d]` of row b to slot `lengths[b] + d`; sources
+        [B, D] int32 with every source at or after its destination (a token tree's accepted path,
+        fed at `lengths .. lengths + N`, moved to where a chain would have put it). Entries whose
+        source is their destination stay as they are."""
+        rows = jnp.arange(sources.shape[0])[:, None]
+
+        def move(buf):  # [B, K, S, E]; the gather reads every source before any write
+            return self.write_slots(buf, buf[rows, :, sources])  # [B, D, K, E] at lengths + d
+
+        return self.replace(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v))
+
     def advance(self, num_committed: jax.Array) -> KVCache:
         """Commit `num_committed[b]` more slots of each row (the ones `write` just filled)."""
         return self.replace(lengths=self.lengths + num_committed.astype(jnp.int32))

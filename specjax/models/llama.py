@@ -259,7 +259,7 @@ def forward_hidden(
     if num_layers > config.num_layers:
         raise ValueError(f"cache has {num_layers} layers, the model only {config.num_layers}")
     T = tokens.shape[1]
-    fresh_mask = causal_mask(T) if fresh_mask is None else fresh_mask
+    fresh_mask = causal_mask(T) if fresh_mask is None else jnp.asarray(fresh_mask, bool)
     inv_freq = rope_inverse_frequencies(config)
     reduce = _identity if reduce is None else reduce
 

@@ -38,15 +38,19 @@ def mesh_forward_hidden(
     cache: KVCache,
     empty_cache: bool = False,
     tensor_parallel: bool = True,
+    fresh_mask=None,
 ) -> tuple[jax.Array, KVCache]:
     """`models.forward_hidden` on `mesh`; with mesh None, the plain single-device call.
 
     tokens, positions [B, T]; returns hidden [B, T, D] (split by row) and the cache. With
     `tensor_parallel=False` (a replicated draft) every device of a model group holds the whole
-    model and runs the same rows: no all-reduce, at the price of repeated compute.
+    model and runs the same rows: no all-reduce, at the price of repeated compute. `fresh_mask`
+    [T, T] (a static numpy array, e.g. a token tree's) replaces the causal mask of the T tokens.
     """
     if mesh is None:
-        return llama.forward_hidden(params, config, tokens, positions, cache, empty_cache=empty_cache)
+        return llama.forward_hidden(
+            params, config, tokens, positions, cache, fresh_mask=fresh_mask, empty_cache=empty_cache
+        )
     params_spec = param_specs(config, tensor_parallel)
     cache_spec = cache_specs(cache.num_layers, tensor_parallel)
     rows = row_spec()
@@ -54,7 +58,14 @@ def mesh_forward_hidden(
 
     def local(params, tokens, positions, cache):  # each device's slice: [B/d, T], K/m kv heads ...
         return llama.forward_hidden(
-            params, config, tokens, positions, cache, empty_cache=empty_cache, reduce=reduce
+            params,
+            config,
+            tokens,
+            positions,
+            cache,
+            fresh_mask=fresh_mask,
+            empty_cache=empty_cache,
+            reduce=reduce,
         )
 
     sharded = jax.shard_map(

@@ -41,3 +41,13 @@ class TokenHistory:
         before = jnp.cumsum(drafted, axis=1)  # [B, K, V]: drafts 0..j
         before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)  # [B, K+1, V]
         return self.counts[:, None, :] + before
+
+    def counts_at_nodes(self, node_tokens: jax.Array, valid: jax.Array, sees: jax.Array) -> jax.Array:
+        """[B, N+1, V]: the counts after each node of a token tree (root first) = the counts plus
+        the drafted tokens on the path to it. node_tokens, valid [B, N]; sees [N+1, N+1] the tree's
+        attention mask (node i sees itself and its ancestors)."""
+        V = self.counts.shape[1]
+        drafted = jax.nn.one_hot(node_tokens, V, dtype=jnp.int32) * valid[..., None]  # [B, N, V]
+        drafted = jnp.concatenate([jnp.zeros_like(drafted[:, :1]), drafted], axis=1)  # [B, N+1, V]
+        on_path = jnp.einsum("ij,bjv->biv", sees.astype(jnp.int32), drafted)
+        return self.counts[:, None, :] + on_path

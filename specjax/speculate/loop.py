@@ -37,6 +37,12 @@ from specjax.speculate.sampling import (
     warp_logits,
 )
 from specjax.speculate.stops import StopStrings
+from specjax.speculate.tree import (
+    parents_by_depth,
+    tree_expected_acceptance,
+    tree_greedy_verify,
+    tree_rejection_sample,
+)
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
 
 
@@ -54,14 +60,25 @@ class LoopSpec:
 
     @property
     def k(self) -> int:
+        """Draft positions: the most drafts one step can accept (a tree's depth)."""
         return 0 if self.proposer is None else self.proposer.k
+
+    @property
+    def tree(self):
+        """The proposer's TokenTree, or None for a chain of k drafts."""
+        return getattr(self.proposer, "tree", None)
+
+    @property
+    def num_drafted(self) -> int:
+        """Tokens a verify pass scores after the last one: k for a chain, a tree's node count."""
+        return self.k if self.tree is None else self.tree.num_nodes
 
 
 def memory_bytes(spec: LoopSpec) -> int:
     """Device memory the program allocates beyond the weights, estimated before allocating: the
     KV caches (target and proposer), the token buffer, the penalty counts, and the largest
     temporaries (one verify pass's logits and probabilities, the prefill's activations)."""
-    c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.k
+    c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.num_drafted
     V, T = c.vocab_size, spec.prompt_bucket
     total = cache_bytes(c, B, S) + B * S * 4
     if spec.proposer is not None:
@@ -215,7 +232,7 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     proposer_state = None
     if spec.proposer is not None:
         proposer_state = spec.proposer.init(
-            params, proposer_params, inputs.prompt_tokens, inputs.prompt_lengths, spec.capacity
+            params, proposer_params, inputs.prompt_tokens, inputs.prompt_lengths, spec.capacity, hidden
         )
     history = None
     if spec.warp.penalties:
@@ -246,11 +263,14 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     return state.replace(metrics=state.metrics.replace(target_forwards=ones, emitted=num_emitted))
 
 
-def _target_forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache):
-    """The target's logits [B, T, V] and cache after feeding tokens [B, T] in a decoding step;
-    its body runs under shard_map on `spec.mesh` when there is one."""
-    hidden, cache = mesh_forward_hidden(spec.mesh, params, spec.config, tokens, positions, cache)
-    return lm_head(params, hidden), cache
+def _target_forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, fresh_mask=None):
+    """The target's logits [B, T, V], final-normed hidden states [B, T, D] and cache after feeding
+    tokens [B, T] in a decoding step (fresh_mask [T, T]: a tree's, or None for a chain); its body
+    runs under shard_map on `spec.mesh` when there is one."""
+    hidden, cache = mesh_forward_hidden(
+        spec.mesh, params, spec.config, tokens, positions, cache, fresh_mask=fresh_mask
+    )
+    return lm_head(params, hidden), hidden, cache
 
 
 def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
@@ -258,7 +278,7 @@ def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, s
     Returns (new tokens [B], finite [B], cache)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    logits, _, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
     adjusted = _adjust(spec, sampling, logits[:, 0], state.history)
     new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
     return new, _all_finite(logits), cache
@@ -283,16 +303,39 @@ def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: 
     )
 
 
+@flax.struct.dataclass
+class Verdict:
+    """What one verify pass decided, per row (K draft positions: a chain's k, a tree's depth)."""
+
+    candidates: jax.Array  # [B, K+1] accepted drafts, then the target's own token, then -1
+    num_accepted: jax.Array  # [B]
+    expected: jax.Array  # [B, K] analytic acceptance probability at each position
+    drafted_at: jax.Array  # [B, K] bool: a valid draft was tried at the position
+    finite: jax.Array  # [B] the logits that were used are finite
+    cache: KVCache  # the target's, with the accepted entries at slots lengths .. lengths + n
+    path_hidden: jax.Array  # [B, K+1, D] the target's hidden states at the last token and the
+    #                         accepted drafts (entry num_accepted: the state the next token came from)
+
+
+def _mixed_rows(sampling, greedy_result, sampled_result, num_accepted_greedy):
+    """Per row, the greedy verifier's result or the sampled one's (tuples of [B, ...] arrays)."""
+    greedy = is_greedy(sampling, num_accepted_greedy)  # [B]
+    return tuple(
+        jnp.where(greedy.reshape((-1,) + (1,) * (g.ndim - 1)), g, r)
+        for g, r in zip(greedy_result, sampled_result, strict=True)
+    )
+
+
 def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
     """Score the last token and the K drafts in one target pass and verify them, each row by its
-    own rule (greedy rows by argmax, sampled rows by rejection sampling).
-    Returns (candidates [B, K+1], num_accepted [B], expected acceptance [B, K], finite [B], cache)."""
+    own rule (greedy rows by argmax, sampled rows by rejection sampling). Returns a Verdict."""
     B, K = state.tokens.shape[0], spec.k
+    rows = jnp.arange(B)
     draft, valid = proposal.draft_tokens, proposal.valid
-    last = state.tokens[jnp.arange(B), state.lengths - 1]
+    last = state.tokens[rows, state.lengths - 1]
     fed = jnp.concatenate([last[:, None], draft], axis=1)  # [B, K+1]
     positions = (state.lengths - 1)[:, None] + jnp.arange(K + 1)[None, :]
-    logits, cache = _target_forward(spec, params, fed, positions, state.cache)  # [B, K+1, V]
+    logits, hidden, cache = _target_forward(spec, params, fed, positions, state.cache)  # [B, K+1, V]
     finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K+1]
     counts = None
     if state.history is not None:  # penalties as they would be at each position
@@ -301,24 +344,79 @@ def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, prop
 
     candidates, num_accepted = greedy_verify(logits, draft, valid)
     expected = (draft == jnp.argmax(logits[:, :K], axis=-1)).astype(jnp.float32)
+    if not spec.warp.greedy:
+        target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, K+1, V]
+        draft_probs = proposal.draft_probs
+        if draft_probs is None:  # a deterministic proposer: q is one-hot on the draft token
+            draft_probs = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
+        sampled, sampled_accepted = rejection_sample(keys, target_probs, draft_probs, draft, valid)
+        candidates, num_accepted, expected = _mixed_rows(
+            sampling,
+            (candidates, num_accepted, expected),
+            (sampled, sampled_accepted, expected_acceptance(target_probs, draft_probs)),
+            num_accepted,
+        )
+    # Positions after the stop position are never used: a bad value there (say, after an absurd
+    # draft token) is not an error of the output.
+    finite = jnp.all(finite_at | (jnp.arange(K + 1)[None, :] > num_accepted[:, None]), axis=1)
+    return Verdict(candidates, num_accepted, expected, valid, finite, cache, path_hidden=hidden)
 
-    def used_logits_finite(num_accepted):
-        # Positions after the stop position are never used: a bad value there (say, after an
-        # absurd draft token) is not an error of the output.
-        return jnp.all(finite_at | (jnp.arange(K + 1)[None, :] > num_accepted[:, None]), axis=1)
 
-    if spec.warp.greedy:
-        return candidates, num_accepted, expected, used_logits_finite(num_accepted), cache
-    target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, K+1, V]
-    draft_probs = proposal.draft_probs
-    if draft_probs is None:  # a deterministic proposer: q is one-hot on the draft token
-        draft_probs = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
-    sampled, sampled_accepted = rejection_sample(keys, target_probs, draft_probs, draft, valid)
-    greedy = is_greedy(sampling, num_accepted)  # [B]
-    candidates = jnp.where(greedy[:, None], candidates, sampled)
-    num_accepted = jnp.where(greedy, num_accepted, sampled_accepted)
-    expected = jnp.where(greedy[:, None], expected, expected_acceptance(target_probs, draft_probs))
-    return candidates, num_accepted, expected, used_logits_finite(num_accepted), cache
+def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
+    """Score the last token and every node of the proposer's token tree in one target pass (the
+    tree's attention mask and depths as positions), verify, and move the accepted path's keys and
+    values to the slots a chain would have written them to. Returns a Verdict."""
+    tree = spec.tree
+    B, N, D = state.tokens.shape[0], tree.num_nodes, tree.depth
+    rows = jnp.arange(B)
+    nodes, valid = proposal.draft_tokens, proposal.valid  # [B, N]
+    last = state.tokens[rows, state.lengths - 1]
+    fed = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
+    positions = (state.lengths - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
+    logits, hidden, cache = _target_forward(
+        spec, params, fed, positions, state.cache, fresh_mask=tree.attention_mask
+    )  # [B, N+1, V]
+    finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, N+1]
+    counts = None
+    if state.history is not None:  # penalties as they would be after each node's path
+        counts = state.history.counts_at_nodes(nodes, valid, jnp.asarray(tree.attention_mask))
+    logits = _adjust(spec, sampling, logits, state.history, counts)
+
+    candidates, num_accepted, path = tree_greedy_verify(tree, logits, nodes, valid)
+    argmax_probs = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    expected, drafted_at = tree_expected_acceptance(
+        tree, argmax_probs, None, nodes, valid, parents_by_depth(tree, path, num_accepted)
+    )
+    if not spec.warp.greedy:
+        target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, N+1, V]
+        draft_probs = proposal.draft_probs
+        sampled, sampled_accepted, sampled_path = tree_rejection_sample(
+            keys, tree, target_probs, draft_probs, nodes, valid
+        )
+        parents = parents_by_depth(tree, sampled_path, sampled_accepted)
+        sampled_expected, sampled_drafted = tree_expected_acceptance(
+            tree, target_probs, draft_probs, nodes, valid, parents
+        )
+        candidates, num_accepted, path, expected, drafted_at = _mixed_rows(
+            sampling,
+            (candidates, num_accepted, path, expected, drafted_at),
+            (sampled, sampled_accepted, sampled_path, sampled_expected, sampled_drafted),
+            num_accepted,
+        )
+    # Only the nodes on the accepted path are used; every other node's logits may be anything.
+    on_path = jnp.zeros((B, N + 1), bool).at[:, 0].set(True)
+    on_path = on_path.at[rows[:, None], jnp.where(path >= 0, path, 0)].set(True)
+    finite = jnp.all(finite_at | ~on_path, axis=1)
+    fed_index = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.maximum(path, 0)], axis=1)  # [B, D+1]
+    if not tree.is_chain:  # a chain's accepted nodes already sit where they belong
+        # Node i was written at slot (lengths - 1) + i; the path's node at depth d + 1 belongs at
+        # lengths + d. Past num_accepted the entries stay put (stale, never committed).
+        depth = jnp.arange(D)[None, :]
+        source = jnp.where(depth < num_accepted[:, None], fed_index[:, 1:], depth + 1)
+        cache = cache.replace(lengths=state.lengths).move_slots(state.lengths[:, None] - 1 + source)
+        cache = cache.replace(lengths=state.lengths - 1)
+    path_hidden = hidden[rows[:, None], fed_index]  # [B, D+1, D_model]
+    return Verdict(candidates, num_accepted, expected, drafted_at, finite, cache, path_hidden)
 
 
 def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
@@ -328,7 +426,9 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     full pass would, so its random stream does not depend on whether other rows drafted."""
     B, K = state.tokens.shape[0], spec.k
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    logits, hidden, cache = _target_forward(
+        spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache
+    )
     logits = _adjust(
         spec,
         sampling,
@@ -344,13 +444,15 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
         new = jnp.where(sampling.temperature == 0, new, sampled[:, 0])
     candidates = jnp.concatenate([new[:, None], jnp.full((B, K), -1, jnp.int32)], axis=1)
     zeros = jnp.zeros((B,), jnp.int32)
-    return candidates, zeros, jnp.zeros((B, K), jnp.float32), _all_finite(logits), cache
+    path_hidden = jnp.concatenate([hidden, jnp.zeros((B, K) + hidden.shape[2:], hidden.dtype)], axis=1)
+    no = jnp.zeros((B, K), bool)
+    return Verdict(candidates, zeros, no.astype(jnp.float32), no, _all_finite(logits), cache, path_hidden)
 
 
 def speculative_step(
     spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, inputs: GenerationInputs
 ) -> DecodeState:
-    """Propose k tokens, score all k+1 positions in one target pass, verify, commit.
+    """Propose, score all drafts in one target pass (a chain of k, or a token tree), verify, commit.
 
     A proposer that may draft nothing (an n-gram miss) gets a one-token pass on the steps where
     no row of the batch drafted: a batch-wide `lax.cond`, since the k+1-token pass costs 1.5x a
@@ -375,38 +477,44 @@ def speculative_step(
     valid = proposal.valid
 
     def verify(state):
+        if spec.tree is not None:
+            return _verify_tree(spec, params, state, proposal, inputs.sampling, verify_keys)
         return _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys)
 
     def skip(state):
         return _no_drafts(spec, params, state, inputs.sampling, verify_keys)
 
     if spec.proposer.always_drafts:
-        candidates, num_accepted, expected, finite, cache = verify(state)
+        verdict = verify(state)
     else:
-        any_draft = jnp.any(valid & running[:, None])
-        candidates, num_accepted, expected, finite, cache = jax.lax.cond(any_draft, verify, skip, state)
-    state, num_emitted = _commit(spec, inputs, state, candidates, num_accepted + 1)
-    state = _flag_nonfinite(state, finite, running)
+        verdict = jax.lax.cond(jnp.any(valid & running[:, None]), verify, skip, state)
+    num_accepted = verdict.num_accepted
+    state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
+    state = _flag_nonfinite(state, verdict.finite, running)
+    proposer_state = spec.proposer.update(proposer_state, verdict.path_hidden, num_accepted)
 
     m = state.metrics
     live = running[:, None]
     position = jnp.arange(K)[None, :]
+    drafted_at = live & verdict.drafted_at
     accepted_at = live & (position < num_accepted[:, None])
-    reached_at = live & valid & (position <= num_accepted[:, None])
+    reached_at = drafted_at & (position <= num_accepted[:, None])
     metrics = m.replace(
         steps=m.steps + running,
-        drafting_steps=m.drafting_steps + (running & valid[:, 0]),
+        drafting_steps=m.drafting_steps + (running & jnp.any(valid, axis=1)),
         target_forwards=m.target_forwards + running,
         drafted=m.drafted + jnp.sum(live & valid, axis=1),
-        drafted_at=m.drafted_at + (live & valid),
+        drafted_at=m.drafted_at + drafted_at,
         accepted=m.accepted + jnp.where(running, num_accepted, 0),
         emitted=m.emitted + num_emitted,
         accepted_at=m.accepted_at + accepted_at,
         reached_at=m.reached_at + reached_at,
         accept_hist=m.accept_hist + (live & (jnp.arange(K + 1)[None, :] == num_accepted[:, None])),
-        expected_accept_at=m.expected_accept_at + jnp.where(live & valid, expected, 0.0),
+        expected_accept_at=m.expected_accept_at + jnp.where(drafted_at, verdict.expected, 0.0),
     )
-    return state.replace(cache=cache.advance(num_emitted), proposer_state=proposer_state, metrics=metrics)
+    return state.replace(
+        cache=verdict.cache.advance(num_emitted), proposer_state=proposer_state, metrics=metrics
+    )
 
 
 def generate_program(

@@ -1,15 +1,22 @@
 """Proposers: cheap guesses of the next k tokens.
 
-The user-facing objects (NGram, DraftModel, SelfDraft) resolve, per call, to a frozen, hashable
+The user-facing objects (NGram, DraftModel, SelfDraft, Medusa, or a researcher's own object with
+`spec(target, warp, mesh)` and `params(target)` methods) resolve, per call, to a frozen, hashable
 *proposer spec* that the compiled loop holds as a static value, plus a params pytree (or None)
 passed as an argument. A spec provides:
 
     k: int                         number of speculative tokens
     always_drafts: bool            True when every row drafts k tokens every step
     state_bytes(batch_size, capacity) -> int   device memory of its state (checked up front)
-    init(target_params, params, prompt_tokens, prompt_lengths, capacity) -> state
+    init(target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden) -> state
     propose(target_params, params, state, tokens, lengths, keys, sampling, history)
         -> (Proposal, state)
+    update(state, path_hidden, num_accepted) -> state
+
+and, for a token tree, `tree` (a TokenTree: the Proposal then holds one token per tree node).
+`target_hidden [B, T, D]` is the target's final-normed hidden states over the prompt, and
+`path_hidden [B, K+1, D]` the target's hidden states at the last token and the accepted drafts
+of a step: trained heads (Medusa, EAGLE) draft from them.
 
 `propose` sees the committed sequence (`tokens[b, :lengths[b]]`), one PRNG key per row, the
 per-row sampling values and the penalty history (None when no row has a penalty), and returns a
@@ -23,10 +30,11 @@ from __future__ import annotations
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
+from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
-PROPOSER_TYPES = (NGram, DraftModel, SelfDraft)
+PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa)
 
 
 def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
@@ -36,16 +44,23 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return None, None
     if isinstance(proposer, NGram):
         return proposer, None
-    if isinstance(proposer, DraftModel | SelfDraft):
+    if isinstance(proposer, DraftModel | SelfDraft | Medusa):
         return proposer.spec(target, warp, mesh), proposer.params(target)
+    if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
+        return proposer.spec(target, warp, mesh), proposer.params(target)  # a custom proposer
     names = ", ".join(t.__name__ for t in PROPOSER_TYPES)
-    raise ValueError(f"proposer must be None or one of specjax.{{{names}}}, got {type(proposer).__name__}")
+    raise ValueError(
+        f"proposer must be None, one of specjax.{{{names}}} or an object with spec() and params() "
+        f"methods (see specjax/speculate/proposers), got {type(proposer).__name__}"
+    )
 
 
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "DraftModel",
     "DraftSpec",
+    "Medusa",
+    "MedusaSpec",
     "NGram",
     "Proposal",
     "SelfDraft",

@@ -54,13 +54,16 @@ class DraftSpec:
             self.mesh, params, self.config, tokens, positions, cache, empty_cache, self.tensor_parallel
         )
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         params = target_params if self.shares_target_params else params
         B, T = prompt_tokens.shape
         cache = init_cache(self.config, B, capacity, num_layers=self.num_layers)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         _, cache = self._forward(params, prompt_tokens, positions, cache, empty_cache=True)
         return DraftState(cache=cache.advance(prompt_lengths))
+
+    def update(self, state: DraftState, path_hidden, num_accepted) -> DraftState:
+        return state  # the draft catches up inside propose (see the module docstring)
 
     def propose(
         self,

@@ -40,8 +40,11 @@ class NGram:
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return 0
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity):
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         return None
+
+    def update(self, state, path_hidden, num_accepted):
+        return state
 
     def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
         return ngram_propose(tokens, lengths, self.k, self.n_max, self.n_min), state

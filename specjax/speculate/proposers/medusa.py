@@ -1,0 +1,95 @@
+"""Medusa: draft a token tree from the target's own last hidden state with trained heads.
+
+The proposer's state is one hidden state per row: the target's, at the token before the last
+committed one (the state the last token was predicted from). Head i reads it and ranks its
+candidates for the token i + 1 places after the last committed one; a tree node at depth d with
+rank r drafts head d - 1's r-th best token. The drafts are deterministic candidates (q one-hot),
+so the tree's recursive rejection sampling keeps the output lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from specjax.models.medusa import MedusaHead, medusa_logits
+from specjax.models.model import Model
+from specjax.speculate.proposers.base import Proposal
+from specjax.speculate.tree import TokenTree
+
+
+@flax.struct.dataclass
+class MedusaState:
+    hidden: jax.Array  # [B, D] the target's final-normed hidden state the last token came from
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaSpec:
+    """The static part of a Medusa proposer: its tree."""
+
+    tree: TokenTree
+    hidden_size: int
+    always_drafts = True
+
+    @property
+    def k(self) -> int:
+        return self.tree.depth
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return batch_size * self.hidden_size * 4
+
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+        rows = jnp.arange(prompt_tokens.shape[0])
+        return MedusaState(hidden=target_hidden[rows, prompt_lengths - 1])
+
+    def update(self, state: MedusaState, path_hidden, num_accepted) -> MedusaState:
+        rows = jnp.arange(path_hidden.shape[0])
+        return MedusaState(hidden=path_hidden[rows, num_accepted])
+
+    def propose(self, target_params, params, state: MedusaState, tokens, lengths, keys, sampling, history):
+        tree = self.tree
+        logits = medusa_logits(params, target_params, state.hidden)  # [B, M, V]
+        _, candidates = jax.lax.top_k(logits[:, : tree.depth], max(tree.widths))  # [B, D, W]
+        depth, rank = tree.depths[1:] - 1, tree.ranks[1:]  # per drafted node
+        draft = candidates[:, depth, rank].astype(jnp.int32)  # [B, N]
+        return Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool)), state
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Medusa:
+    """Medusa heads drafting a token tree (default: a chain, one token per head).
+
+    `tree` is a TokenTree, a list of paths (Medusa's choice lists: `[(0,), (1,), (0, 0), ...]`,
+    rank r at depth d being head d's r-th best token), or None for the chain over every head.
+    """
+
+    head: MedusaHead
+    tree: TokenTree | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.head, MedusaHead):
+            raise ValueError(
+                f"Medusa head must be a specjax.models.MedusaHead (see specjax.train.load_head), "
+                f"got {type(self.head).__name__}"
+            )
+        tree = self.tree
+        if tree is None:
+            tree = TokenTree.chain(self.head.config.num_heads)
+        elif not isinstance(tree, TokenTree):
+            tree = TokenTree(tree)
+        if tree.depth > self.head.config.num_heads:
+            raise ValueError(
+                f"Medusa tree has depth {tree.depth}, more than the head's {self.head.config.num_heads} "
+                "heads (one head per depth)"
+            )
+        object.__setattr__(self, "tree", tree)
+
+    def spec(self, target: Model, warp=None, mesh=None) -> MedusaSpec:
+        self.head.check_target(target)
+        return MedusaSpec(tree=self.tree, hidden_size=target.config.hidden_size)
+
+    def params(self, target: Model):
+        return self.head.params

@@ -1,0 +1,159 @@
+"""Token trees inside the compiled loop, on tiny random models: Medusa heads (chain and trees),
+an oracle tree proposer whose right answers sit at varying ranks (so accepted paths run through
+later siblings and their keys and values must be moved into place), and a chain driven through
+the tree code, which must give the chain code's tokens bit for bit."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from oracle import Oracle, references
+from tiny import tiny_model
+
+import specjax
+from specjax.models import MedusaHead
+from specjax.speculate.proposers import Proposal, ngram_propose
+from specjax.speculate.tree import TokenTree
+
+TARGET = tiny_model(seed=11)
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [3, 9],
+    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 10, 11, 12, 13],
+    [40, 41, 42, 40, 41],
+]
+HEAD = MedusaHead.init(TARGET, num_heads=3, key=jax.random.key(0), scale=0.5)
+TREES = {
+    "chain": None,
+    "top_k": TokenTree.top_k((3, 2)),
+    "sparse": [(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1)],
+}
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    return specjax.generate(TARGET, PROMPTS, max_new_tokens=24).tokens
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_medusa_greedy_equals_plain(plain_greedy, tree):
+    proposer = specjax.Medusa(HEAD, tree=TREES[tree])
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    one = specjax.generate(TARGET, PROMPTS[2:3], proposer=proposer, max_new_tokens=24)
+    assert one.tokens == plain_greedy[2:3]
+    m = result.metrics
+    assert (m.accept_hist.sum(1) == m.steps).all()
+    assert (m.accepted_at.sum(1) == m.accepted).all()
+    assert (m.reached_at >= m.accepted_at).all()
+    assert m.drafted.sum() == m.steps.sum() * proposer.tree.num_nodes
+
+
+def test_oracle_full_tree_accepts_later_siblings_and_stays_exact(plain_greedy):
+    """Every step accepts a whole path, mostly through siblings of rank > 0: their keys and values
+    were written elsewhere and had to be moved, or the tokens after them would be wrong."""
+    tree = TokenTree.top_k((3, 2, 2))
+    oracle = Oracle(tree, references(PROMPTS, plain_greedy))
+    result = specjax.generate(TARGET, PROMPTS, proposer=oracle, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    summary = result.metrics.summary()
+    assert summary["conditional_acceptance_per_position"] == [1.0] * tree.depth
+    # Up to the rows' last steps (cut by max_new_tokens), every step accepts the full depth.
+    assert summary["mean_acceptance_length"] > tree.depth + 0.5
+    assert summary["expected_acceptance_per_position"] == pytest.approx([1.0] * tree.depth)
+
+
+def test_oracle_sparse_tree_stays_exact(plain_greedy):
+    """A sparse tree: the right token is often missing, so paths end at every depth."""
+    tree = TokenTree([(0,), (1,), (1, 0), (1, 1), (1, 1, 0)])
+    oracle = Oracle(tree, references(PROMPTS, plain_greedy))
+    result = specjax.generate(TARGET, PROMPTS, proposer=oracle, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    histogram = result.metrics.summary()["acceptance_length_histogram"]
+    assert all(count > 0 for count in histogram[1:]), histogram
+
+
+def test_wrong_tree_tokens_are_never_accepted(plain_greedy):
+    """The oracle with a shifted reference is always wrong: nothing accepted, output unchanged."""
+    shifted = references(PROMPTS, [[(t + 1) % 97 for t in row] for row in plain_greedy])
+    oracle = Oracle(TokenTree.top_k((2, 2)), shifted)
+    result = specjax.generate(TARGET, PROMPTS, proposer=oracle, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    assert result.metrics.accepted.sum() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# A chain through the tree code against the chain code, at temperature > 0 (same keys).
+
+
+@dataclasses.dataclass(frozen=True)
+class LookupSpec:
+    k: int
+    as_tree: bool
+    always_drafts = True
+
+    @property
+    def tree(self):
+        return TokenTree.chain(self.k) if self.as_tree else None
+
+    def state_bytes(self, batch_size, capacity):
+        return 0
+
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+        return None
+
+    def update(self, state, path_hidden, num_accepted):
+        return state
+
+    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
+        proposal = ngram_propose(tokens, lengths, self.k, 3, 1)
+        return Proposal(proposal.draft_tokens, jnp.ones_like(proposal.valid)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class Lookup:
+    k: int
+    as_tree: bool
+
+    def spec(self, target, warp, mesh):
+        return LookupSpec(self.k, self.as_tree)
+
+    def params(self, target):
+        return None
+
+
+def test_chain_through_the_tree_code_equals_the_chain_code():
+    sampling = [specjax.Sampling(temperature=0.9, top_k=6, repetition_penalty=1.3), specjax.Sampling()] * 2
+    runs = [
+        specjax.generate(
+            TARGET,
+            PROMPTS,
+            proposer=Lookup(3, as_tree),
+            sampling=sampling,
+            key=jax.random.key(3),
+            max_new_tokens=30,
+        )
+        for as_tree in (False, True)
+    ]
+    assert runs[0].tokens == runs[1].tokens
+    a, b = runs[0].metrics.summary(), runs[1].metrics.summary()
+    for name in ("num_accepted_tokens", "acceptance_length_histogram", "conditional_acceptance_per_position"):
+        assert a[name] == b[name], name
+    assert a["expected_acceptance_per_position"] == pytest.approx(b["expected_acceptance_per_position"])
+    assert a["num_accepted_tokens"] > 0
+
+
+def test_bad_medusa_arguments():
+    with pytest.raises(ValueError, match="Medusa head must be"):
+        specjax.Medusa("heads")
+    with pytest.raises(ValueError, match="depth 4, more than the head's 3"):
+        specjax.Medusa(HEAD, tree=TokenTree.chain(4))
+    with pytest.raises(ValueError, match="needs its parent"):
+        specjax.Medusa(HEAD, tree=[(0,), (1, 0)])
+    other = tiny_model(seed=12)
+    with pytest.raises(ValueError, match="Medusa head was trained for target"):
+        specjax.generate(other, PROMPTS[:1], proposer=specjax.Medusa(HEAD), max_new_tokens=2)
+    smaller = tiny_model(seed=11, hidden_size=32)
+    with pytest.raises(ValueError, match="Medusa head is for hidden size 64"):
+        specjax.generate(smaller, PROMPTS[:1], proposer=specjax.Medusa(HEAD), max_new_tokens=2)
