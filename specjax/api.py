@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sharding
+from specjax.models.llama import LlamaParams
 from specjax.models.model import Model
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes
 from specjax.speculate.metrics import SpecMetrics
@@ -301,10 +302,12 @@ def generate(
     params = model.params
     if mesh is not None:  # no-ops for arrays already placed, e.g. by specjax.load(..., mesh=mesh)
         params = sharding.shard_params(params, model.config, mesh)
-        if proposer_params is not None:  # a DraftModel's own weights, placed as it asks
+        if isinstance(proposer_params, LlamaParams):  # a DraftModel's own weights, placed as it asks
             proposer_params = sharding.shard_params(
                 proposer_params, proposer_spec.config, mesh, proposer_spec.tensor_parallel
             )
+        elif proposer_params is not None:  # heads (Medusa) or a custom proposer's: replicated
+            proposer_params = sharding.replicate(proposer_params, mesh)
         inputs = sharding.shard_rows(inputs, mesh, B)
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()

@@ -51,6 +51,9 @@ PROMPTS = [  # repeats for n-gram matches, different lengths in one batch
 NEW_TOKENS = 20
 
 
+MEDUSA = specjax.models.MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0), scale=0.5)
+
+
 def make_proposer(name, k=3):
     return {
         "none": None,
@@ -58,6 +61,7 @@ def make_proposer(name, k=3):
         "draft": specjax.DraftModel(DRAFT, k=k),
         "draft-tp": specjax.DraftModel(DRAFT, k=k, tensor_parallel=True),
         "self": specjax.SelfDraft(layers=1, k=k),
+        "medusa-tree": specjax.Medusa(MEDUSA, tree=specjax.TokenTree.top_k((3, 2))),
     }[name]
 
 
@@ -79,12 +83,19 @@ def check_on_mesh(model, data, name, expected, prompts=PROMPTS, **kwargs):
 
 
 # A replicated draft on 2 x 2 is in the default set through test_sampled_on_mesh_equals_one_device.
-FAST = {(2, 2, "none"), (2, 2, "ngram"), (2, 2, "self"), (8, 1, "self"), (2, 2, "draft-tp")}
+FAST = {
+    (2, 2, "none"),
+    (2, 2, "ngram"),
+    (2, 2, "self"),
+    (8, 1, "self"),
+    (2, 2, "draft-tp"),
+    (4, 2, "medusa-tree"),
+}
 GRID = [
     pytest.param(model, data, name, marks=() if (model, data, name) in FAST else pytest.mark.slow)
     for model in (1, 2, 4, 8)
     for data in (1, 2)
-    for name in ("none", "ngram", "draft", "self", "draft-tp")
+    for name in ("none", "ngram", "draft", "self", "draft-tp", "medusa-tree")
     if model * data <= 8 and (name != "draft-tp" or model <= 2)  # the draft's 2 kv heads
 ]
 
@@ -94,7 +105,7 @@ def test_greedy_on_mesh_equals_one_device(one_device_greedy, model, data, name):
     check_on_mesh(model, data, name, one_device_greedy)
 
 
-@pytest.mark.parametrize("name", ["draft", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["draft", "medusa-tree", pytest.param("none", marks=pytest.mark.slow)])
 def test_sampled_on_mesh_equals_one_device(name):
     """Same key, same tokens (see the module docstring for why equality is the right test)."""
     sampling = specjax.Sampling(temperature=0.8, top_k=20, top_p=0.95)

@@ -27,6 +27,7 @@ from specjax.sharding.specs import (
     logical_to_spec,
     param_placer,
     param_specs,
+    replicate,
     row_spec,
     shard_params,
     shard_rows,
@@ -50,6 +51,7 @@ __all__ = [
     "param_placer",
     "param_specs",
     "row_spec",
+    "replicate",
     "shard_params",
     "shard_rows",
 ]

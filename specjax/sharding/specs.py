@@ -122,6 +122,11 @@ def shard_params(
     return jax.device_put(params, _named(mesh, param_specs(config, tensor_parallel)))
 
 
+def replicate(tree, mesh: Mesh):
+    """Every array of `tree` whole on every device of `mesh` (small proposer params: heads)."""
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
 def param_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
     """A `put(flat_name, host_array)` for the checkpoint loaders: builds each weight from host
     memory slice by slice, each device receiving only its own slice, so that no device ever holds
