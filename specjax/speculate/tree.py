@@ -55,9 +55,12 @@ def _check_paths(paths) -> tuple[tuple[int, ...], ...]:
     if not paths:
         raise ValueError("tree paths must hold at least one path, got none")
     for path in paths:
-        ok = len(path) >= 1 and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in path)
+        ok = len(path) >= 1 and all(
+            isinstance(r, int | np.integer) and not isinstance(r, bool) and r >= 0 for r in path
+        )
         if not ok:
             raise ValueError(f"tree paths: each path must be a non-empty tuple of ranks >= 0, got {path!r}")
+    paths = tuple(tuple(int(r) for r in path) for path in paths)  # numpy integers welcome
     if len(set(paths)) != len(paths):
         raise ValueError("tree paths: a path appears more than once")
     known = set(paths)
