@@ -7,6 +7,16 @@ from specjax.speculate import DraftModel, Medusa, NGram, Sampling, SelfDraft, Sp
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    # specjax.train (optax, orbax) loads on first use: generation alone does not need it.
+    if name == "train":
+        import importlib
+
+        return importlib.import_module("specjax.train")
+    raise AttributeError(f"module 'specjax' has no attribute {name!r}")
+
+
 __all__ = [
     "DraftModel",
     "GenerateResult",
@@ -22,4 +32,5 @@ __all__ = [
     "models",
     "sharding",
     "speculate",
+    "train",
 ]

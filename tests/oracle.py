@@ -8,12 +8,12 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers import Proposal
+from specjax.speculate.proposers import Proposal, Stateless
 from specjax.speculate.tree import TokenTree
 
 
 @dataclasses.dataclass(frozen=True)
-class OracleSpec:
+class OracleSpec(Stateless):
     tree: TokenTree
     vocab_size: int
     always_drafts = True
@@ -21,15 +21,6 @@ class OracleSpec:
     @property
     def k(self):
         return self.tree.depth
-
-    def state_bytes(self, batch_size, capacity):
-        return 0
-
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
-        return None
-
-    def update(self, state, path_hidden, num_accepted):
-        return state
 
     def propose(self, target_params, reference, state, tokens, lengths, keys, sampling, history):
         tree = self.tree
@@ -60,5 +51,3 @@ def references(prompts, continuations, width=160):
     for b, (p, c) in enumerate(zip(prompts, continuations, strict=True)):
         out[b, : len(p) + len(c)] = p + c
     return out
-
-

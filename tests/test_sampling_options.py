@@ -14,8 +14,8 @@ from tiny import tiny_model, tiny_tokenizer
 
 import specjax
 from specjax.models import MedusaHead, forward, init_cache
-from specjax.speculate.tree import TokenTree
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, warp_logits
+from specjax.speculate.tree import TokenTree
 
 TARGET = tiny_model(seed=11)
 DRAFT = tiny_model(seed=12, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=48)

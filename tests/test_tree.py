@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from laws import assert_law
 
 from specjax.speculate import MAX_SPECULATIVE_TOKENS, greedy_verify, rejection_sample
 from specjax.speculate.tree import (
@@ -76,24 +77,6 @@ def draw(rng: np.random.Generator, probs) -> np.ndarray:
     cdf = np.cumsum(np.asarray(probs, np.float64), -1)
     u = rng.uniform(size=cdf.shape[:-1]) * cdf[..., -1]
     return (u[..., None] >= cdf).sum(-1).astype(np.int32)
-
-
-def assert_law(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
-    """Counts of each outcome 0..len(probs)-1 agree with probs (as in tests/test_verify.py)."""
-    probs = np.asarray(probs, np.float64)
-    total = len(samples)
-    assert samples.min(initial=0) >= 0 and samples.max(initial=0) < len(probs), f"{what}: out of range"
-    counts = np.bincount(samples, minlength=len(probs))
-    expected = total * probs
-    bound = 6 * np.sqrt(total * probs * (1 - probs)) + 3
-    impossible = probs == 0
-    drawn = np.flatnonzero(counts * impossible)
-    assert not drawn.size, f"{what}: outcomes of probability 0 drawn: {drawn} ({counts[drawn]} times)"
-    bad = np.abs(counts - expected) > bound
-    assert not bad.any(), (
-        f"{what} (n={total}): counts {counts[bad]} vs expected {expected[bad].round(1)} "
-        f"(bound {bound[bad].round(1)}) at outcomes {np.flatnonzero(bad)}"
-    )
 
 
 def tree_law(tree: TokenTree, p: np.ndarray, q: np.ndarray, valid=None):

@@ -13,7 +13,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax.models import MedusaHead
-from specjax.speculate.proposers import Proposal, ngram_propose
+from specjax.speculate.proposers import Proposal, Stateless, ngram_propose
 from specjax.speculate.tree import TokenTree
 
 TARGET = tiny_model(seed=11)
@@ -88,7 +88,7 @@ def test_wrong_tree_tokens_are_never_accepted(plain_greedy):
 
 
 @dataclasses.dataclass(frozen=True)
-class LookupSpec:
+class LookupSpec(Stateless):
     k: int
     as_tree: bool
     always_drafts = True
@@ -96,15 +96,6 @@ class LookupSpec:
     @property
     def tree(self):
         return TokenTree.chain(self.k) if self.as_tree else None
-
-    def state_bytes(self, batch_size, capacity):
-        return 0
-
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
-        return None
-
-    def update(self, state, path_hidden, num_accepted):
-        return state
 
     def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
         proposal = ngram_propose(tokens, lengths, self.k, 3, 1)

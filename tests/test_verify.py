@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from laws import assert_law
 
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
 
@@ -62,23 +63,6 @@ def normalize(x: np.ndarray) -> np.ndarray:
 
 def residual(p: np.ndarray, q: np.ndarray) -> np.ndarray:
     return normalize(np.maximum(np.float64(p) - np.float64(q), 0.0))
-
-
-def assert_law(samples: np.ndarray, probs: np.ndarray, what: str) -> None:
-    """Counts of each outcome 0..len(probs)-1 in samples agree with probs."""
-    probs = np.asarray(probs, np.float64)
-    total = len(samples)
-    assert samples.min(initial=0) >= 0 and samples.max(initial=0) < len(probs), f"{what}: out of range"
-    counts = np.bincount(samples, minlength=len(probs))
-    expected = total * probs
-    bound = 6 * np.sqrt(total * probs * (1 - probs)) + 3
-    impossible = probs == 0
-    assert (counts[impossible] == 0).all(), f"{what}: outcomes of probability 0 drawn: {counts[impossible]}"
-    bad = np.abs(counts - expected) > bound
-    assert not bad.any(), (
-        f"{what} (n={total}): counts {counts[bad]} vs expected {expected[bad].round(1)} "
-        f"(bound {bound[bad].round(1)}) at outcomes {np.flatnonzero(bad)}"
-    )
 
 
 def replicate(x: np.ndarray, rows: int = ROWS) -> jax.Array:

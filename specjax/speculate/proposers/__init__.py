@@ -13,7 +13,8 @@ passed as an argument. A spec provides:
         -> (Proposal, state)
     update(state, path_hidden, num_accepted) -> state
 
-and, for a token tree, `tree` (a TokenTree: the Proposal then holds one token per tree node).
+(`Stateless` supplies state_bytes, init and update for a proposer without state) and, for a token
+tree, `tree` (a TokenTree: the Proposal then holds one token per tree node).
 `target_hidden [B, T, D]` is the target's final-normed hidden states over the prompt, and
 `path_hidden [B, K+1, D]` the target's hidden states at the last token and the accepted drafts
 of a step: trained heads (Medusa, EAGLE) draft from them.
@@ -28,7 +29,7 @@ and warps its logits with the same functions as the target (speculate/sampling.p
 from __future__ import annotations
 
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal
+from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Stateless
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
@@ -64,6 +65,7 @@ __all__ = [
     "NGram",
     "Proposal",
     "SelfDraft",
+    "Stateless",
     "ngram_propose",
     "resolve",
 ]

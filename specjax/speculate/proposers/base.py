@@ -25,3 +25,18 @@ class Proposal:
 def check_k(owner: str, k) -> None:
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
         raise ValueError(f"{owner} k must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+
+
+class Stateless:
+    """Defaults for a proposer spec that keeps no state of its own (NGram, or a researcher's own
+    rule over the tokens): no memory, nothing to set up after the prefill, nothing to catch up on.
+    A subclass supplies `k`, `always_drafts` and `propose` (see proposers/__init__.py)."""
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return 0
+
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+        return None
+
+    def update(self, state, path_hidden, num_accepted):
+        return state

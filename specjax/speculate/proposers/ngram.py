@@ -14,11 +14,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specjax.speculate.proposers.base import Proposal, check_k
+from specjax.speculate.proposers.base import Proposal, Stateless, check_k
 
 
 @dataclasses.dataclass(frozen=True)
-class NGram:
+class NGram(Stateless):
     """Prompt-lookup proposer: `k` draft tokens from the longest n_max..n_min-gram match."""
 
     k: int = 5
@@ -36,15 +36,6 @@ class NGram:
 
     # The proposer protocol (see proposers/__init__.py); NGram keeps no state and has no params.
     always_drafts = False  # a row with no match drafts nothing
-
-    def state_bytes(self, batch_size: int, capacity: int) -> int:
-        return 0
-
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
-        return None
-
-    def update(self, state, path_hidden, num_accepted):
-        return state
 
     def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
         return ngram_propose(tokens, lengths, self.k, self.n_max, self.n_min), state
