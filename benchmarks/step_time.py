@@ -1,6 +1,11 @@
 """Milliseconds per plain decoding step, apart from prefill, at several cache lengths and batch sizes.
 
     .venv/bin/python benchmarks/step_time.py [--repeats 3] [--long-steps 136]
+    .venv/bin/python benchmarks/step_time.py --cases 1x100 --proposers plain medusa-chain3 medusa-top32
+
+--proposers times verify steps too: `medusa-*` uses untrained (identity) Medusa heads, which
+accept almost nothing, so every step is one full verify pass over the tree: chain3 scores 4 tokens,
+top32 (`TokenTree.top_k((3, 2))`) 10, top421 21. Steps are counted by the metrics either way.
 
 Each case times whole `generate` calls at two lengths, --short-steps and --long-steps new tokens,
 on the same prompts (median of --repeats after a warm-up), and divides the difference by the
@@ -16,6 +21,19 @@ import argparse
 from common import machine, markdown_table, median_time
 
 import specjax
+from specjax.models import MedusaHead
+
+TREES = {
+    "medusa-chain3": specjax.TokenTree.chain(3),
+    "medusa-top32": specjax.TokenTree.top_k((3, 2)),
+    "medusa-top421": specjax.TokenTree.top_k((4, 2, 1)),
+}
+
+
+def make_proposer(name: str, model):
+    if name == "plain":
+        return None
+    return specjax.Medusa(MedusaHead.init(model, num_heads=3), tree=TREES[name])
 
 
 def filler_prompt(approx_tokens: int) -> str:
@@ -34,16 +52,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--short-steps", type=int, default=8)
     parser.add_argument("--long-steps", type=int, default=136)
+    parser.add_argument(
+        "--cases", nargs="+", default=["1x100", "1x1000", "4x100"], help="BATCHxPROMPT_TOKENS each"
+    )
+    parser.add_argument("--proposers", nargs="+", default=["plain"], choices=["plain", *TREES])
     args = parser.parse_args()
 
     model = specjax.load("smollm2-135m")
-    cases = [(1, 100), (1, 1000), (4, 100)]
+    cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
     rows = []
-    for batch, prompt_tokens in cases:
+    for (batch, prompt_tokens), name in [(c, p) for c in cases for p in args.proposers]:
         prompts = [filler_prompt(prompt_tokens)] * batch
+        proposer = make_proposer(name, model)
 
-        def run(n, prompts=prompts):
-            return specjax.generate(model, prompts, max_new_tokens=n)
+        def run(n, prompts=prompts, proposer=proposer):
+            return specjax.generate(model, prompts, proposer=proposer, max_new_tokens=n)
 
         times, steps = {}, {}
         for n in (args.short_steps, args.long_steps):
@@ -53,13 +76,11 @@ def main() -> None:
         extra_steps = steps[args.long_steps] - steps[args.short_steps]
         step_ms = (times[args.long_steps] - times[args.short_steps]) / extra_steps * 1e3
         prompt_len = len(result.prompt_tokens[0])
-        rows.append([batch, prompt_len, step_ms, 1e3 / step_ms * batch])
+        rows.append([name, batch, prompt_len, step_ms, 1e3 / step_ms * batch])
     print(f"\nmachine: {machine()}")
-    print(
-        f"plain greedy decoding, {args.long_steps} - {args.short_steps} new tokens, "
-        f"median of {args.repeats}\n"
-    )
-    print(markdown_table(["batch", "prompt tokens", "ms per step", "tokens/s in decoding"], rows))
+    print(f"greedy decoding, {args.long_steps} - {args.short_steps} new tokens, median of {args.repeats}\n")
+    header = ["proposer", "batch", "prompt tokens", "ms per step", "steps/s x batch"]
+    print(markdown_table(header, rows))
 
 
 if __name__ == "__main__":
