@@ -18,7 +18,7 @@ import numpy as np
 from specjax import sharding
 from specjax.models.llama import LlamaParams
 from specjax.models.model import Model
-from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes
+from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes, num_drafted
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
@@ -268,7 +268,7 @@ def generate(
     if mesh is not None:
         sharding.check_batch_split(mesh, B)
     # Room for a verify pass past the last committed token: k drafts, or a tree's nodes.
-    width = k if getattr(proposer_spec, "tree", None) is None else proposer_spec.tree.num_nodes
+    width = num_drafted(proposer_spec)
     capacity = -(-(bucket + max_new_tokens + width + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
     spec = LoopSpec(
         config=model.config,

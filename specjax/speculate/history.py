@@ -2,9 +2,9 @@
 tokens the prompt holds.
 
 The counts live in the loop state and grow only by committed tokens, so a rejected draft never
-leaves a trace. To score K drafts in one pass, `counts_at_drafts` gives the counts as they would
-be at each of the K+1 positions if the drafts before it were accepted: exactly the state plain
-decoding would have there.
+leaves a trace. To score drafts in one pass, `counts_at_nodes` gives the counts as they would be
+after each drafted token if the drafts on its path (a chain's earlier drafts, a tree node's
+ancestors) were accepted: exactly the state plain decoding would have there.
 """
 
 from __future__ import annotations
@@ -33,14 +33,6 @@ class TokenHistory:
         taken = (jnp.arange(T)[None, :] < num_tokens[:, None]).astype(jnp.int32)
         safe = jnp.where(taken > 0, tokens, 0)
         return self.replace(counts=self.counts.at[jnp.arange(B)[:, None], safe].add(taken))
-
-    def counts_at_drafts(self, draft_tokens: jax.Array, valid: jax.Array) -> jax.Array:
-        """[B, K+1, V]: the counts at the scored position j = the counts plus drafts 0..j-1."""
-        V = self.counts.shape[1]
-        drafted = jax.nn.one_hot(draft_tokens, V, dtype=jnp.int32) * valid[..., None]  # [B, K, V]
-        before = jnp.cumsum(drafted, axis=1)  # [B, K, V]: drafts 0..j
-        before = jnp.concatenate([jnp.zeros_like(before[:, :1]), before], axis=1)  # [B, K+1, V]
-        return self.counts[:, None, :] + before
 
     def counts_at_nodes(self, node_tokens: jax.Array, valid: jax.Array, sees: jax.Array) -> jax.Array:
         """[B, N+1, V]: the counts after each node of a token tree (root first) = the counts plus

@@ -21,6 +21,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
@@ -70,8 +71,16 @@ class LoopSpec:
 
     @property
     def num_drafted(self) -> int:
-        """Tokens a verify pass scores after the last one: k for a chain, a tree's node count."""
-        return self.k if self.tree is None else self.tree.num_nodes
+        return num_drafted(self.proposer)
+
+
+def num_drafted(proposer) -> int:
+    """Tokens a verify pass scores after the last one (so cache slots it writes past a row's
+    length, less one): k for a chain, a tree's node count, 0 for plain decoding."""
+    if proposer is None:
+        return 0
+    tree = getattr(proposer, "tree", None)
+    return proposer.k if tree is None else tree.num_nodes
 
 
 def memory_bytes(spec: LoopSpec) -> int:
@@ -326,21 +335,32 @@ def _mixed_rows(sampling, greedy_result, sampled_result, num_accepted_greedy):
     )
 
 
+def _score(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, depths, fresh_mask):
+    """Feed each row's last token and its N drafts (a chain's or a tree's nodes) in one target pass.
+
+    depths [N+1] (numpy) are the position offsets, fresh_mask [N+1, N+1] (numpy) what each fed
+    token sees of the others: for a chain, 0..K and the causal mask. Returns the adjusted logits
+    [B, N+1, V] (penalties count the drafts on each token's path), finite [B, N+1] of the raw
+    logits, the hidden states [B, N+1, D] and the cache with every fed token written."""
+    B = state.tokens.shape[0]
+    last = state.tokens[jnp.arange(B), state.lengths - 1]
+    fed = jnp.concatenate([last[:, None], proposal.draft_tokens], axis=1)  # [B, N+1]
+    positions = (state.lengths - 1)[:, None] + jnp.asarray(depths)[None, :]
+    logits, hidden, cache = _target_forward(spec, params, fed, positions, state.cache, fresh_mask)
+    finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, N+1]
+    counts = None
+    if state.history is not None:  # penalties as they would be after each fed token's path
+        counts = state.history.counts_at_nodes(proposal.draft_tokens, proposal.valid, jnp.asarray(fresh_mask))
+    return _adjust(spec, sampling, logits, state.history, counts), finite_at, hidden, cache
+
+
 def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
     """Score the last token and the K drafts in one target pass and verify them, each row by its
     own rule (greedy rows by argmax, sampled rows by rejection sampling). Returns a Verdict."""
-    B, K = state.tokens.shape[0], spec.k
-    rows = jnp.arange(B)
+    K = spec.k
     draft, valid = proposal.draft_tokens, proposal.valid
-    last = state.tokens[rows, state.lengths - 1]
-    fed = jnp.concatenate([last[:, None], draft], axis=1)  # [B, K+1]
-    positions = (state.lengths - 1)[:, None] + jnp.arange(K + 1)[None, :]
-    logits, hidden, cache = _target_forward(spec, params, fed, positions, state.cache)  # [B, K+1, V]
-    finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, K+1]
-    counts = None
-    if state.history is not None:  # penalties as they would be at each position
-        counts = state.history.counts_at_drafts(draft, valid)
-    logits = _adjust(spec, sampling, logits, state.history, counts)
+    depths, fresh_mask = np.arange(K + 1), np.tril(np.ones((K + 1, K + 1), bool))
+    logits, finite_at, hidden, cache = _score(spec, params, state, proposal, sampling, depths, fresh_mask)
 
     candidates, num_accepted = greedy_verify(logits, draft, valid)
     expected = (draft == jnp.argmax(logits[:, :K], axis=-1)).astype(jnp.float32)
@@ -370,17 +390,9 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
     B, N, D = state.tokens.shape[0], tree.num_nodes, tree.depth
     rows = jnp.arange(B)
     nodes, valid = proposal.draft_tokens, proposal.valid  # [B, N]
-    last = state.tokens[rows, state.lengths - 1]
-    fed = jnp.concatenate([last[:, None], nodes], axis=1)  # [B, N+1]
-    positions = (state.lengths - 1)[:, None] + jnp.asarray(tree.depths)[None, :]
-    logits, hidden, cache = _target_forward(
-        spec, params, fed, positions, state.cache, fresh_mask=tree.attention_mask
-    )  # [B, N+1, V]
-    finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, N+1]
-    counts = None
-    if state.history is not None:  # penalties as they would be after each node's path
-        counts = state.history.counts_at_nodes(nodes, valid, jnp.asarray(tree.attention_mask))
-    logits = _adjust(spec, sampling, logits, state.history, counts)
+    logits, finite_at, hidden, cache = _score(
+        spec, params, state, proposal, sampling, tree.depths, tree.attention_mask
+    )
 
     candidates, num_accepted, path = tree_greedy_verify(tree, logits, nodes, valid)
     argmax_probs = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS
+from specjax.speculate.verify import keys_per_row, residual_floor
 
 MAX_TREE_NODES = 128  # drafted nodes; a verify pass over more costs more than it can win back
 
@@ -266,8 +267,6 @@ def tree_rejection_sample(
     Returns:
       (tokens [B, D+1], num_accepted [B], path [B, D]) as in `tree_greedy_verify`.
     """
-    from specjax.speculate.verify import _keys_per_row  # one key convention for both verifiers
-
     _check_tree_shapes(tree, target_probs, node_tokens, valid, "target_probs")
     B, N = node_tokens.shape
     V = target_probs.shape[2]
@@ -277,12 +276,13 @@ def tree_rejection_sample(
     p = target_probs.astype(dtype)
     node_tokens = node_tokens.astype(jnp.int32)
     valid = jnp.ones((B, N), bool) if valid is None else valid.astype(bool)
-    keys = jax.vmap(jax.random.split)(_keys_per_row(key, B))
+    # Keys are used as rejection_sample uses them, so a chain gives its tokens bit for bit.
+    keys = jax.vmap(jax.random.split)(keys_per_row(key, B))
     accept_keys, stop_keys = keys[:, 0], keys[:, 1]
     u = jax.vmap(lambda k: jax.random.uniform(k, (N,), dtype))(accept_keys)  # [B, N]: one per node
     rows = jnp.arange(B)
     children = jnp.asarray(tree.children)  # [N+1, C]
-    floor = 16 * jnp.finfo(dtype).eps
+    floor = residual_floor(dtype)
 
     def q_of(node):  # [B] node index (>= 1) -> [B, V], the distribution its token was drawn from
         if draft_probs is None:
@@ -359,7 +359,7 @@ def tree_expected_acceptance(
     V = target_probs.shape[2]
     rows = jnp.arange(B)
     children = jnp.asarray(tree.children)
-    floor = 16 * jnp.finfo(jnp.float32).eps
+    floor = residual_floor(jnp.float32)
     expected, drafted = [], []
     for d in range(tree.depth):
         parent = parents[:, d]

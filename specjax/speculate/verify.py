@@ -32,7 +32,7 @@ def _check_shapes(target: jax.Array, draft_tokens: jax.Array, valid: jax.Array |
         raise ValueError(f"valid must be [B, K] = [{batch}, {k}], got shape {valid.shape}")
 
 
-def _keys_per_row(key: jax.Array, batch: int) -> jax.Array:
+def keys_per_row(key: jax.Array, batch: int) -> jax.Array:
     """[B] keys from one key (split) or from one per row (as they are); typed or raw uint32."""
     typed = jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
     if not typed:
@@ -42,6 +42,11 @@ def _keys_per_row(key: jax.Array, batch: int) -> jax.Array:
     if key.shape != ():
         raise ValueError(f"key must be one PRNG key or one per row ({batch}), got shape {key.shape}")
     return jax.random.split(key, batch)
+
+
+def residual_floor(dtype) -> jax.Array:
+    """Below this total mass a rejection residual is float rounding noise (see rejection_sample)."""
+    return 16 * jnp.finfo(dtype).eps
 
 
 def _prefix_length(keep: jax.Array) -> jax.Array:
@@ -97,7 +102,7 @@ def rejection_sample(
     q = draft_probs.astype(dtype)  # [B, K, V]
     draft_tokens = draft_tokens.astype(jnp.int32)
     valid = jnp.ones((batch, k), bool) if valid is None else valid.astype(bool)
-    keys = jax.vmap(jax.random.split)(_keys_per_row(key, batch))  # [B, 2]
+    keys = jax.vmap(jax.random.split)(keys_per_row(key, batch))  # [B, 2]
     accept_keys, stop_keys = keys[:, 0], keys[:, 1]
 
     # Accept iff u * q(x) < p(x) with u ~ U[0, 1): probability min(1, p/q), with no division.
@@ -121,8 +126,7 @@ def rejection_sample(
     # normalise. Below a few ulps of 1 the residual is noise: draw from p instead. For normalised
     # p and q the rejection has probability sum(residual) <= floor, so this changes the law by at
     # most the floor in total variation; and a 0/0 can never arise.
-    floor = 16 * jnp.finfo(dtype).eps
-    usable = jnp.sum(residual, axis=-1, keepdims=True) > floor
+    usable = jnp.sum(residual, axis=-1, keepdims=True) > residual_floor(dtype)
     stop_probs = jnp.where(usable, residual, p_stop)
     # Gumbel-max over log-probabilities: -inf (probability 0) is never drawn and no
     # normalisation is needed, unlike an inverse-CDF draw whose rounding can overshoot.
