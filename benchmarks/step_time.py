@@ -1,11 +1,14 @@
 """Milliseconds per plain decoding step, apart from prefill, at several cache lengths and batch sizes.
 
     .venv/bin/python benchmarks/step_time.py [--repeats 3] [--long-steps 136]
-    .venv/bin/python benchmarks/step_time.py --cases 1x100 --proposers plain medusa-chain3 medusa-top32
+    .venv/bin/python benchmarks/step_time.py --cases 1x100 \
+        --proposers plain medusa-chain3 medusa-top32 eagle-chain4 eagle-tree11
 
 --proposers times verify steps too: `medusa-*` uses untrained (identity) Medusa heads, which
 accept almost nothing, so every step is one full verify pass over the tree: chain3 scores 4 tokens,
-top32 (`TokenTree.top_k((3, 2))`) 10, top421 21. Steps are counted by the metrics either way.
+top32 (`TokenTree.top_k((3, 2))`) 10, top421 21. `eagle-*` uses a random EAGLE head with an
+8192-token draft vocabulary: its drafting passes (one per depth) come on top. Steps are counted
+by the metrics either way.
 
 Each case times whole `generate` calls at two lengths, --short-steps and --long-steps new tokens,
 on the same prompts (median of --repeats after a warm-up), and divides the difference by the
@@ -18,21 +21,43 @@ from __future__ import annotations
 
 import argparse
 
+import jax
+import numpy as np
 from common import machine, markdown_table, median_time
 
 import specjax
-from specjax.models import MedusaHead
+from specjax.models import EagleHead, MedusaHead
 
 TREES = {
     "medusa-chain3": specjax.TokenTree.chain(3),
     "medusa-top32": specjax.TokenTree.top_k((3, 2)),
     "medusa-top421": specjax.TokenTree.top_k((4, 2, 1)),
+    "eagle-chain4": specjax.TokenTree.chain(4),
+    "eagle-tree11": specjax.TokenTree(
+        [
+            (0,),
+            (1,),
+            (2,),
+            (0, 0),
+            (0, 1),
+            (1, 0),
+            (0, 0, 0),
+            (0, 0, 1),
+            (0, 1, 0),
+            (0, 0, 0, 0),
+            (0, 0, 0, 0, 0),
+        ]
+    ),
 }
+EAGLE_DRAFT_VOCAB = 8192  # what `make heads` trains
 
 
 def make_proposer(name: str, model):
     if name == "plain":
         return None
+    if name.startswith("eagle"):  # a random head drafting from the first 8192 token ids
+        head = EagleHead.init(model, jax.random.key(0), vocab=np.arange(EAGLE_DRAFT_VOCAB))
+        return specjax.Eagle(head, tree=TREES[name])
     return specjax.Medusa(MedusaHead.init(model, num_heads=3), tree=TREES[name])
 
 

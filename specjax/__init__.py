@@ -3,7 +3,7 @@
 from specjax import models, sharding, speculate
 from specjax.api import GenerateResult, generate
 from specjax.models import Model, load
-from specjax.speculate import DraftModel, Medusa, NGram, Sampling, SelfDraft, SpecMetrics, TokenTree
+from specjax.speculate import DraftModel, Eagle, Medusa, NGram, Sampling, SelfDraft, SpecMetrics, TokenTree
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "DraftModel",
+    "Eagle",
     "GenerateResult",
     "Medusa",
     "Model",

@@ -13,7 +13,7 @@ from oracle import Oracle, references
 from tiny import tiny_model, tiny_tokenizer
 
 import specjax
-from specjax.models import MedusaHead, forward, init_cache
+from specjax.models import EagleHead, MedusaHead, forward, init_cache
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, warp_logits
 from specjax.speculate.tree import TokenTree
 
@@ -156,19 +156,23 @@ def group_laws():
 
 
 def tree_proposers(num_rows):
-    """Token trees: Medusa with random heads, and the oracle (tests/oracle.py) that knows the
+    """Token trees: Medusa and EAGLE with random heads, and the oracle (tests/oracle.py) that knows the
     greedy continuation and hides it among wrong siblings, so that sampled rows accept paths
     through later siblings too."""
     head = MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0), scale=0.5)
+    eagle = EagleHead.init(TARGET, jax.random.key(0))
     greedy = specjax.generate(TARGET, [PROMPT], max_new_tokens=8).tokens
     reference = np.repeat(references([PROMPT], greedy), num_rows, axis=0)
     return {
         "medusa_tree": specjax.Medusa(head, tree=TokenTree.top_k((3, 2))),
         "oracle_tree": Oracle(TokenTree.top_k((3, 2)), reference),
+        "eagle_tree": specjax.Eagle(eagle, tree=TokenTree.top_k((3, 2))),
     }
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "draft", "self", "medusa_tree", "oracle_tree"])
+@pytest.mark.parametrize(
+    "name", ["none", "ngram", "draft", "self", "medusa_tree", "oracle_tree", "eagle_tree"]
+)
 def test_mixed_batch_follows_the_reference_law(group_laws, name):
     """The first three tokens of every row follow its own options' exact law (the first token from
     the prefill, the next two from speculative steps). Each count is bounded by 6 binomial

@@ -52,6 +52,7 @@ NEW_TOKENS = 20
 
 
 MEDUSA = specjax.models.MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0), scale=0.5)
+EAGLE = specjax.models.EagleHead.init(TARGET, jax.random.key(0))
 
 
 def make_proposer(name, k=3):
@@ -62,6 +63,7 @@ def make_proposer(name, k=3):
         "draft-tp": specjax.DraftModel(DRAFT, k=k, tensor_parallel=True),
         "self": specjax.SelfDraft(layers=1, k=k),
         "medusa-tree": specjax.Medusa(MEDUSA, tree=specjax.TokenTree.top_k((3, 2))),
+        "eagle-tree": specjax.Eagle(EAGLE, tree=specjax.TokenTree.top_k((3, 2))),
     }[name]
 
 
@@ -90,12 +92,13 @@ FAST = {
     (8, 1, "self"),
     (2, 2, "draft-tp"),
     (4, 2, "medusa-tree"),
+    (2, 2, "eagle-tree"),
 }
 GRID = [
     pytest.param(model, data, name, marks=() if (model, data, name) in FAST else pytest.mark.slow)
     for model in (1, 2, 4, 8)
     for data in (1, 2)
-    for name in ("none", "ngram", "draft", "self", "draft-tp", "medusa-tree")
+    for name in ("none", "ngram", "draft", "self", "draft-tp", "medusa-tree", "eagle-tree")
     if model * data <= 8 and (name != "draft-tp" or model <= 2)  # the draft's 2 kv heads
 ]
 

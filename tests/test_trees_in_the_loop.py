@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from oracle import Oracle, references
 from tiny import tiny_model
@@ -24,6 +25,10 @@ PROMPTS = [
     [40, 41, 42, 40, 41],
 ]
 HEAD = MedusaHead.init(TARGET, num_heads=3, key=jax.random.key(0), scale=0.5)
+# Heads drafting from a 40-token subset of the vocabulary, in a shuffled order.
+SUBSET_HEAD = MedusaHead.init(
+    TARGET, num_heads=3, key=jax.random.key(0), scale=0.5, vocab=np.random.default_rng(1).permutation(97)[:40]
+)
 TREES = {
     "chain": None,
     "top_k": TokenTree.top_k((3, 2)),
@@ -36,9 +41,11 @@ def plain_greedy():
     return specjax.generate(TARGET, PROMPTS, max_new_tokens=24).tokens
 
 
-@pytest.mark.parametrize("tree", TREES)
-def test_medusa_greedy_equals_plain(plain_greedy, tree):
-    proposer = specjax.Medusa(HEAD, tree=TREES[tree])
+@pytest.mark.parametrize(
+    "tree, head", [(name, HEAD) for name in TREES] + [("top_k", SUBSET_HEAD)], ids=[*TREES, "top_k-subset"]
+)
+def test_medusa_greedy_equals_plain(plain_greedy, tree, head):
+    proposer = specjax.Medusa(head, tree=TREES[tree])
     result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
     assert result.tokens == plain_greedy
     one = specjax.generate(TARGET, PROMPTS[2:3], proposer=proposer, max_new_tokens=24)
@@ -148,3 +155,20 @@ def test_bad_medusa_arguments():
     smaller = tiny_model(seed=11, hidden_size=32)
     with pytest.raises(ValueError, match="Medusa head is for hidden size 64"):
         specjax.generate(smaller, PROMPTS[:1], proposer=specjax.Medusa(HEAD), max_new_tokens=2)
+
+
+def test_subset_heads_draft_only_their_vocabulary():
+    """A Medusa head with a draft vocabulary proposes nothing outside it, and ranks its tokens by
+    the target's head columns for them."""
+    proposer = specjax.Medusa(SUBSET_HEAD, tree=TokenTree.top_k((3, 2)))
+    spec, params = proposer.spec(TARGET), proposer.params(TARGET)
+    hidden = jax.random.normal(jax.random.key(2), (3, TARGET.config.hidden_size))
+    state = specjax.speculate.proposers.medusa.MedusaState(hidden=hidden)
+    proposal, _ = spec.propose(TARGET.params, params, state, None, None, None, None, None)
+    drafted = np.asarray(proposal.draft_tokens)
+    assert set(drafted.ravel().tolist()) <= set(SUBSET_HEAD.vocab.tolist())
+    features = specjax.models.medusa.medusa_hidden(SUBSET_HEAD.params, hidden)  # [3, M, D]
+    full = np.asarray(specjax.models.lm_head(TARGET.params, features))[:, :, SUBSET_HEAD.vocab]
+    best = SUBSET_HEAD.vocab[np.argmax(full, axis=-1)]  # [3, M]: each head's best subset token
+    assert (drafted[:, 0] == best[:, 0]).all()  # node (0,): head 0's best
+    assert (drafted[:, 3] == best[:, 1]).all()  # node (0, 0): head 1's best

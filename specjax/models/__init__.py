@@ -2,13 +2,19 @@
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig, RopeScaling
+from specjax.models.draft_vocab import frequent_tokens
+from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
 from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
 from specjax.models.loading import BUILTIN_MODELS, load
-from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams, medusa_logits, target_signature
+from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.model import Model
+from specjax.models.signature import target_signature
 
 __all__ = [
     "BUILTIN_MODELS",
+    "EagleConfig",
+    "EagleHead",
+    "EagleParams",
     "KVCache",
     "LayerParams",
     "LlamaConfig",
@@ -20,11 +26,11 @@ __all__ = [
     "RopeScaling",
     "cache_bytes",
     "forward",
+    "frequent_tokens",
     "forward_hidden",
     "init_cache",
     "init_params",
     "lm_head",
     "load",
-    "medusa_logits",
     "target_signature",
 ]

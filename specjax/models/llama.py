@@ -255,35 +255,41 @@ def forward_hidden(
     outputs before they join the residual stream: under tensor parallelism, the sum over the model
     axis of the partial products. Returns the final-normed hidden states [B, T, D] and the cache.
     """
-    num_layers = cache.num_layers
-    if num_layers > config.num_layers:
-        raise ValueError(f"cache has {num_layers} layers, the model only {config.num_layers}")
-    T = tokens.shape[1]
+    if cache.num_layers > config.num_layers:
+        raise ValueError(f"cache has {cache.num_layers} layers, the model only {config.num_layers}")
+    x = params.embed[tokens]  # [B, T, D]
+    layers = params.layers[: cache.num_layers]
+    x, cache = decoder_layers(layers, config, x, positions, cache, fresh_mask, empty_cache, reduce)
+    return rms_norm(x, params.final_norm, config.rms_norm_eps), cache
+
+
+def decoder_layers(
+    layers: tuple[LayerParams, ...],
+    config: LlamaConfig,
+    x: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    fresh_mask: jax.Array | None = None,
+    empty_cache: bool = False,
+    reduce: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[jax.Array, KVCache]:
+    """Run the residual stream x [B, T, D] through `layers` (one cache buffer each), writing the
+    fresh keys and values at slots `cache.lengths + t`. The body of `forward_hidden`, and the
+    decoder layer of an EAGLE head (which feeds its own inputs rather than token embeddings).
+    Returns x after the last layer (not normed) and the cache."""
+    T = x.shape[1]
     fresh_mask = causal_mask(T) if fresh_mask is None else jnp.asarray(fresh_mask, bool)
     inv_freq = rope_inverse_frequencies(config)
     reduce = _identity if reduce is None else reduce
-
-    x = params.embed[tokens]  # [B, T, D]
     visible = None if empty_cache else visible_slots(cache.lengths, fresh_mask, cache.capacity)
     new_k, new_v = [], []
-    for i in range(num_layers):
+    for i, layer in enumerate(layers):
         x, k_buf, v_buf = _layer(
-            config,
-            inv_freq,
-            positions,
-            cache,
-            visible,
-            fresh_mask,
-            x,
-            params.layers[i],
-            cache.k[i],
-            cache.v[i],
-            reduce,
+            config, inv_freq, positions, cache, visible, fresh_mask, x, layer, cache.k[i], cache.v[i], reduce
         )
         new_k.append(k_buf)
         new_v.append(v_buf)
-    cache = cache.replace(k=tuple(new_k), v=tuple(new_v))
-    return rms_norm(x, params.final_norm, config.rms_norm_eps), cache
+    return x, cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
 def lm_head(params: LlamaParams, hidden: jax.Array) -> jax.Array:

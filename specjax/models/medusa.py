@@ -11,15 +11,16 @@ Einsum letters: M heads, D hidden, V vocab.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from specjax.models.llama import LlamaParams, lm_head
+from specjax.models.draft_vocab import check_draft_vocab
 from specjax.models.model import Model
+from specjax.models.signature import check_signature, target_signature
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,12 +30,20 @@ class MedusaConfig:
     num_heads: int
     hidden_size: int
     vocab_size: int  # the target's: heads read tokens through its LM head
+    draft_vocab_size: int | None = None  # tokens the heads draft from (models/draft_vocab.py); None: all
 
     def __post_init__(self):
         for name in ("num_heads", "hidden_size", "vocab_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MedusaConfig {name} must be an integer >= 1, got {value!r}")
+        if self.draft_vocab_size is None:
+            object.__setattr__(self, "draft_vocab_size", self.vocab_size)
+        W = self.draft_vocab_size
+        if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size:
+            raise ValueError(
+                f"MedusaConfig draft_vocab_size must be an integer in 1..{self.vocab_size}, got {W!r}"
+            )
 
 
 @flax.struct.dataclass
@@ -59,46 +68,48 @@ def medusa_hidden(params: MedusaParams, hidden: jax.Array) -> jax.Array:
     return hidden[..., None, :] + jax.nn.silu(pre)
 
 
-def medusa_logits(params: MedusaParams, target_params: LlamaParams, hidden: jax.Array) -> jax.Array:
-    """hidden [..., D] (the target's final-normed states) -> logits [..., M, V] in float32."""
-    return lm_head(target_params, medusa_hidden(params, hidden))
-
-
-def target_signature(model: Model) -> dict:
-    """What identifies the model a head was trained on: its name, the config fields the head
-    depends on, and a digest of a few of its weights (two random models of one config differ)."""
-    c = model.config
-    params = jax.device_get((model.params.embed[:4], model.params.final_norm))
-    sample = b"".join(a.tobytes() for a in params)
-    return {
-        "name": model.name,
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "num_layers": c.num_layers,
-        "weights_digest": hashlib.sha256(sample).hexdigest()[:16],
-    }
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class MedusaHead:
     """Trained (or freshly initialised) Medusa heads and the target they belong to.
 
     `target` is `target_signature` of that model; `meta` records how the heads were made
-    (training data, steps, seed), for the checkpoint's metadata file.
+    (training data, steps, seed), for the checkpoint's metadata file; `vocab [W]` the token ids
+    the heads draft from (None: all of them, in order; see models/draft_vocab.py).
     """
 
     config: MedusaConfig
     params: MedusaParams
     target: dict
     meta: dict = dataclasses.field(default_factory=dict)
+    vocab: np.ndarray | None = None
+
+    def __post_init__(self):
+        if self.vocab is None:
+            object.__setattr__(self, "vocab", np.arange(self.config.draft_vocab_size, dtype=np.int32))
+        vocab = check_draft_vocab("Medusa", self.vocab, self.config.vocab_size)
+        if len(vocab) != self.config.draft_vocab_size:
+            raise ValueError(
+                f"Medusa head vocab holds {len(vocab)} tokens, its config draft_vocab_size "
+                f"{self.config.draft_vocab_size}"
+            )
+        object.__setattr__(self, "vocab", vocab)
 
     @classmethod
     def init(
-        cls, target: Model, num_heads: int, key: jax.Array | None = None, scale: float = 0.0, **meta: Any
+        cls,
+        target: Model,
+        num_heads: int,
+        key: jax.Array | None = None,
+        scale: float = 0.0,
+        vocab=None,
+        **meta: Any,
     ) -> MedusaHead:
-        """Fresh heads for `target` (identity heads, or noisy ones with scale > 0: tests)."""
-        config = MedusaConfig(num_heads, target.config.hidden_size, target.config.vocab_size)
-        return cls(config, init_medusa(config, key, scale), target_signature(target), dict(meta))
+        """Fresh heads for `target` (identity heads, or noisy ones with scale > 0: tests), drafting
+        from `vocab` (token ids; default: all)."""
+        V = target.config.vocab_size
+        vocab = np.arange(V, dtype=np.int32) if vocab is None else check_draft_vocab("Medusa", vocab, V)
+        config = MedusaConfig(num_heads, target.config.hidden_size, V, len(vocab))
+        return cls(config, init_medusa(config, key, scale), target_signature(target), dict(meta), vocab)
 
     def check_target(self, model: Model) -> None:
         """Refuse a model the heads were not trained for, naming both."""
@@ -108,12 +119,4 @@ class MedusaHead:
                 f"Medusa head is for hidden size {self.config.hidden_size} and vocab "
                 f"{self.config.vocab_size}, the target {model.name!r} has {c.hidden_size} and {c.vocab_size}"
             )
-        theirs = target_signature(model)
-        same = {k: v for k, v in theirs.items() if k != "name"} == {
-            k: v for k, v in self.target.items() if k != "name"
-        }  # the name is for people: one model loaded from two paths has two names
-        if not same:
-            raise ValueError(
-                f"Medusa head was trained for target {self.target}, not for {theirs}: train a head for "
-                "this model (specjax.train.train_medusa)"
-            )
+        check_signature("Medusa", self.target, model, "specjax.train.train_medusa")

@@ -1,9 +1,14 @@
-"""Saving and loading Medusa heads, and the training checkpoints `train_medusa` resumes from.
+"""Saving and loading trained heads (Medusa, EAGLE), and the training checkpoints the trainers
+resume from.
 
-A saved head is a directory: `params/` (orbax: w [M, D, D], b [M, D]) and `head.json` (kind
-"medusa", the MedusaConfig fields, the target signature, how the head was made, the specjax
-version). Training checkpoints are an orbax CheckpointManager directory of params, optimizer state
-and step, with `train.json` recording the run's settings so a resume cannot mix two runs.
+A saved head is a directory: `head.json` (its kind, "medusa" or "eagle", the config fields, the
+target signature, how the head was made, the specjax version) and `params/`, an orbax checkpoint of
+the params as a dict of arrays: for Medusa w [M, D, D] and b [M, D]; for EAGLE fc [2D, D],
+fc_bias [D] and layer (the decoder layer's weights; q_bias, k_bias, v_bias only with qkv_bias);
+and for both vocab [W] int32, the draft vocabulary (Medusa heads saved before they had one lack
+it). Training checkpoints are an orbax CheckpointManager
+directory of params, optimizer state and step, with `train.json` recording the run's settings so a
+resume cannot mix two runs.
 """
 
 from __future__ import annotations
@@ -18,23 +23,27 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
+from specjax.models.llama import LayerParams, layer_shapes
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.model import Model
 
 HEAD_FILE = "head.json"
 RUN_FILE = "train.json"
+CONFIGS = {"medusa": MedusaConfig, "eagle": EagleConfig}  # by head.json's kind
 
 
-def save_head(path: str | Path, head: MedusaHead) -> None:
+def save_head(path: str | Path, head: MedusaHead | EagleHead) -> None:
     """Write `head` to the directory `path` (created; an existing head there is replaced)."""
-    if not isinstance(head, MedusaHead):
-        raise ValueError(f"head must be a specjax.models.MedusaHead, got {type(head).__name__}")
+    kind = "medusa" if isinstance(head, MedusaHead) else "eagle" if isinstance(head, EagleHead) else None
+    if kind is None:
+        raise ValueError(f"head must be a specjax.models.MedusaHead or EagleHead, got {type(head).__name__}")
     path = Path(path).absolute()  # orbax wants absolute paths
     import specjax
 
     metadata = {
-        "kind": "medusa",
-        "config": dataclasses.asdict(head.config),
+        "kind": kind,
+        "config": dataclasses.asdict(head.config),  # EAGLE's rope_scaling: a dict or None
         "target": head.target,
         "meta": head.meta,
         "specjax_version": specjax.__version__,
@@ -44,53 +53,88 @@ def save_head(path: str | Path, head: MedusaHead) -> None:
     except TypeError as e:
         raise ValueError(f"head.meta must hold JSON values only (numbers, strings, lists, dicts): {e}") from e
     path.mkdir(parents=True, exist_ok=True)
-    arrays = {"w": np.asarray(head.params.w), "b": np.asarray(head.params.b)}
+    arrays = _eagle_arrays(head) if kind == "eagle" else {"w": head.params.w, "b": head.params.b}
+    if getattr(head, "vocab", None) is not None:
+        arrays["vocab"] = np.asarray(head.vocab, np.int32)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(path / "params", arrays, force=True)
+        checkpointer.save(path / "params", jax.tree.map(np.asarray, arrays), force=True)
     (path / HEAD_FILE).write_text(text + "\n")
 
 
-def load_head(path: str | Path, target: Model | None = None) -> MedusaHead:
-    """Read a head written by `save_head`; with `target`, refuse it unless it was trained for that
-    model (`MedusaHead.check_target`)."""
+def _eagle_arrays(head: EagleHead) -> dict:
+    params = head.params
+    return {"fc": params.fc, "fc_bias": params.fc_bias, "layer": _fields(params.layer)}
+
+
+def _abstract_arrays(config: MedusaConfig | EagleConfig, has_vocab: bool) -> dict:
+    """The shapes and dtypes `save_head` wrote for a head of `config`, on the first device."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+    def like(shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+
+    D = config.hidden_size
+    if isinstance(config, MedusaConfig):
+        arrays = {"w": like((config.num_heads, D, D)), "b": like((config.num_heads, D))}
+    else:
+        layer = layer_shapes(config.layer_config)
+        arrays = {
+            "fc": like((2 * D, D)),
+            "fc_bias": like((D,)),
+            "layer": {name: like(shape) for name, shape in _fields(layer).items()},
+        }
+    if has_vocab:
+        arrays["vocab"] = like((config.draft_vocab_size,), jnp.int32)
+    return arrays
+
+
+def _fields(layer: LayerParams) -> dict:
+    """A layer's fields by name, the absent biases (None without qkv_bias) left out."""
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerParams)}
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def load_head(path: str | Path, target: Model | None = None) -> MedusaHead | EagleHead:
+    """Read a head written by `save_head`, of either kind; with `target`, refuse it unless it was
+    trained for that model (`check_target`)."""
     path = Path(path).absolute()
     meta_file = path / HEAD_FILE
     if not path.is_dir():
-        raise ValueError(f"Medusa head path {str(path)!r} is not a directory (save one with save_head)")
+        raise ValueError(f"head path {str(path)!r} is not a directory (save one with save_head)")
     if not meta_file.is_file() or not (path / "params").is_dir():
-        raise ValueError(f"{str(path)!r} is not a saved Medusa head: it has no {HEAD_FILE} and params/")
+        raise ValueError(f"{str(path)!r} is not a saved head: it has no {HEAD_FILE} and params/")
     try:
         metadata = json.loads(meta_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(meta_file)!r} is not valid JSON: {e}") from e
     kind = metadata.get("kind") if isinstance(metadata, dict) else None
-    if kind != "medusa":
-        raise ValueError(f"{str(path)!r} holds a head of kind {kind!r}, expected 'medusa'")
+    if kind not in CONFIGS:
+        raise ValueError(f"{str(path)!r} holds a head of kind {kind!r}, expected 'medusa' or 'eagle'")
+    config_class = CONFIGS[kind]
     try:
-        config = MedusaConfig(**metadata["config"])
+        config = config_class(**metadata["config"])
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{str(meta_file)!r} has no valid MedusaConfig: {e}") from e
-    M, D = config.num_heads, config.hidden_size
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = {
-        "w": jax.ShapeDtypeStruct((M, D, D), jnp.float32, sharding=device),
-        "b": jax.ShapeDtypeStruct((M, D), jnp.float32, sharding=device),
-    }
+        raise ValueError(f"{str(meta_file)!r} has no valid {config_class.__name__}: {e}") from e
+    # every EAGLE head has a draft vocab; Medusa heads saved before theirs had one have neither
+    # that array nor draft_vocab_size in head.json
+    has_vocab = "draft_vocab_size" in metadata["config"]
     with ocp.StandardCheckpointer() as checkpointer:
-        arrays = checkpointer.restore(path / "params", abstract)
-    head = MedusaHead(
-        config,
-        MedusaParams(w=arrays["w"], b=arrays["b"]),
-        metadata.get("target", {}),
-        metadata.get("meta", {}),
-    )
+        arrays = checkpointer.restore(path / "params", _abstract_arrays(config, has_vocab))
+    about = {"target": metadata.get("target", {}), "meta": metadata.get("meta", {})}
+    if has_vocab:
+        about["vocab"] = np.asarray(arrays.pop("vocab"))
+    if kind == "medusa":
+        head = MedusaHead(config=config, params=MedusaParams(**arrays), **about)
+    else:
+        layer = LayerParams(**arrays["layer"])
+        head = EagleHead(config=config, params=EagleParams(arrays["fc"], arrays["fc_bias"], layer), **about)
     if target is not None:
         head.check_target(target)
     return head
 
 
 class TrainingCheckpoints:
-    """Params, optimizer state and step of a `train_medusa` run, every few steps."""
+    """Params, optimizer state and step of a training run, every few steps."""
 
     def __init__(self, directory: Path):
         options = ocp.CheckpointManagerOptions(max_to_keep=2, enable_async_checkpointing=False)

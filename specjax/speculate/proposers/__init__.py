@@ -1,6 +1,6 @@
 """Proposers: cheap guesses of the next k tokens.
 
-The user-facing objects (NGram, DraftModel, SelfDraft, Medusa, or a researcher's own object with
+The user-facing objects (NGram, DraftModel, SelfDraft, Medusa, Eagle, or a researcher's own object with
 `spec(target, warp, mesh)` and `params(target)` methods) resolve, per call, to a frozen, hashable
 *proposer spec* that the compiled loop holds as a static value, plus a params pytree (or None)
 passed as an argument. A spec provides:
@@ -31,11 +31,12 @@ from __future__ import annotations
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Stateless
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
+from specjax.speculate.proposers.eagle import Eagle, EagleSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
-PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa)
+PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle)
 
 
 def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
@@ -45,7 +46,7 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return None, None
     if isinstance(proposer, NGram):
         return proposer, None
-    if isinstance(proposer, DraftModel | SelfDraft | Medusa):
+    if isinstance(proposer, DraftModel | SelfDraft | Medusa | Eagle):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
         return proposer.spec(target, warp, mesh), proposer.params(target)  # a custom proposer
@@ -60,6 +61,8 @@ __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "DraftModel",
     "DraftSpec",
+    "Eagle",
+    "EagleSpec",
     "Medusa",
     "MedusaSpec",
     "NGram",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.struct
 import jax
 
@@ -40,3 +42,13 @@ class Stateless:
 
     def update(self, state, path_hidden, num_accepted):
         return state
+
+
+@flax.struct.dataclass
+class HeadInputs:
+    """The params of a trained-head proposer (Medusa, EAGLE): the head's own, and the target's LM
+    head restricted to the head's draft vocabulary (models/draft_vocab.py), gathered once per call."""
+
+    head: Any  # MedusaParams or EagleParams
+    head_matrix: jax.Array  # [D, W]
+    vocab: jax.Array  # [W] int32: draft-vocabulary index -> token id

@@ -15,9 +15,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.models.medusa import MedusaHead, medusa_logits
+from specjax.models.draft_vocab import draft_head_matrix, draft_logits
+from specjax.models.medusa import MedusaHead, medusa_hidden
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import Proposal
+from specjax.speculate.proposers.base import HeadInputs, Proposal
 from specjax.speculate.tree import TokenTree
 
 
@@ -51,10 +52,10 @@ class MedusaSpec:
 
     def propose(self, target_params, params, state: MedusaState, tokens, lengths, keys, sampling, history):
         tree = self.tree
-        logits = medusa_logits(params, target_params, state.hidden)  # [B, M, V]
-        _, candidates = jax.lax.top_k(logits[:, : tree.depth], max(tree.widths))  # [B, D, W]
+        features = medusa_hidden(params.head, state.hidden)[:, : tree.depth]  # [B, D, hidden]
+        _, candidates = jax.lax.top_k(draft_logits(params.head_matrix, features), max(tree.widths))
         depth, rank = tree.depths[1:] - 1, tree.ranks[1:]  # per drafted node
-        draft = candidates[:, depth, rank].astype(jnp.int32)  # [B, N]
+        draft = params.vocab[candidates[:, depth, rank]]  # [B, N] token ids
         return Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool)), state
 
 
@@ -91,5 +92,6 @@ class Medusa:
         self.head.check_target(target)
         return MedusaSpec(tree=self.tree, hidden_size=target.config.hidden_size)
 
-    def params(self, target: Model):
-        return self.head.params
+    def params(self, target: Model) -> HeadInputs:
+        vocab = jnp.asarray(self.head.vocab)
+        return HeadInputs(self.head.params, draft_head_matrix(target.params, vocab), vocab)

@@ -1,0 +1,207 @@
+"""EAGLE heads (Li et al. 2024, version 1) as pure functions over a params pytree.
+
+An EAGLE head drafts in the target's feature space. Its input at position t is the target's
+final-normed hidden state f_t fused with the embedding of the token x_{t+1} that followed
+(`fc`: [2D] -> [D]); one decoder layer, shaped like the target's and run with the target's
+rotary settings over the head's own KV cache, turns it into a prediction of f_{t+1}, and the
+target's frozen LM head reads the token x_{t+2} from that. Drafting continues from its own
+predictions: (f^_{t+1}, x^_{t+2}) -> f^_{t+2}, and so on.
+
+A head may draft from a subset of the vocabulary (models/draft_vocab.py): a small target's LM
+head costs more to read than the head's own layer.
+
+Einsum letters: B batch, T positions, D hidden, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.cache import KVCache
+from specjax.models.config import LlamaConfig, RopeScaling
+from specjax.models.draft_vocab import check_draft_vocab, draft_head_matrix, frequent_tokens  # noqa: F401  TEMP until the helper is done
+from specjax.models.draft_vocab import draft_logits as eagle_logits  # noqa: F401  TEMP
+from specjax.models.llama import LayerParams, decoder_layers, layer_shapes
+from specjax.models.model import Model
+from specjax.models.signature import check_signature, target_signature
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Static shape of an EAGLE head: the target's layer shape and rotary settings, its vocabulary
+    size, and how many tokens the head drafts from."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int  # tokens the head can draft (<= vocab_size)
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        for name in (
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EagleConfig {name} must be an integer >= 1, got {value!r}")
+        W = self.draft_vocab_size
+        if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size:
+            raise ValueError(
+                f"EagleConfig draft_vocab_size must be an integer in 1..{self.vocab_size}, got {W!r}"
+            )
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
+
+    @classmethod
+    def for_target(cls, config: LlamaConfig, draft_vocab_size: int | None = None) -> EagleConfig:
+        return cls(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            vocab_size=config.vocab_size,
+            draft_vocab_size=config.vocab_size if draft_vocab_size is None else draft_vocab_size,
+            rope_theta=config.rope_theta,
+            rope_scaling=config.rope_scaling,
+            rms_norm_eps=config.rms_norm_eps,
+            qkv_bias=config.qkv_bias,
+        )
+
+    @property
+    def layer_config(self) -> LlamaConfig:
+        """A one-layer LlamaConfig with the head's shapes: what the decoder layer code runs on."""
+        return LlamaConfig(
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=1,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            qkv_bias=self.qkv_bias,
+        )
+
+    def matches(self, config: LlamaConfig) -> bool:
+        """Whether a target of `config` has the shapes and rotary settings this head was built for."""
+        return (
+            dataclasses.replace(EagleConfig.for_target(config), draft_vocab_size=self.draft_vocab_size)
+            == self
+        )
+
+
+@flax.struct.dataclass
+class EagleParams:
+    fc: jax.Array  # [2D, D]: (hidden state, next token's embedding) -> the layer's input
+    fc_bias: jax.Array  # [D]
+    layer: LayerParams  # one decoder layer shaped like the target's
+
+
+def init_eagle(config: EagleConfig, key: jax.Array, scale: float = 1.0) -> EagleParams:
+    """A fresh head. `fc` starts as the identity on the hidden state plus a little noise, and the
+    layer's output projections (o, down) small, so an untrained head predicts f_{t+1} ~ f_t and
+    training starts from a stable point. `scale` multiplies every random part (tests use larger
+    ones to make heads that draft something other than the target's own guess)."""
+    D = config.hidden_size
+    fc_key, layer_key = jax.random.split(key)
+    fc = jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))], axis=0)
+    fc = fc + scale * 0.02 * jax.random.normal(fc_key, (2 * D, D), jnp.float32)
+    shapes = layer_shapes(config.layer_config)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(layer_key, len(leaves))
+    values = []
+    for leaf_key, (path, shape) in zip(keys, leaves, strict=True):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            values.append(jnp.ones(shape, jnp.float32))
+        elif "bias" in name:
+            values.append(jnp.zeros(shape, jnp.float32))
+        else:
+            small = 0.1 if name.endswith((".o", ".down")) else 1.0
+            values.append(
+                scale * small * jax.random.normal(leaf_key, shape, jnp.float32) / math.sqrt(shape[0])
+            )
+    layer = jax.tree.unflatten(treedef, values)
+    return EagleParams(fc=fc, fc_bias=jnp.zeros((D,), jnp.float32), layer=layer)
+
+
+def eagle_features(
+    params: EagleParams,
+    config: EagleConfig,
+    embed: jax.Array,
+    hidden: jax.Array,
+    next_tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    fresh_mask=None,
+    empty_cache: bool = False,
+) -> tuple[jax.Array, KVCache]:
+    """Predicted features [B, T, D] for inputs (hidden [B, T, D], next_tokens [B, T]) at positions
+    [B, T]; the head's one-layer cache gets their keys and values at slots `cache.lengths + t`
+    (advancing is the caller's). `embed` is the target's embedding table [V, D]."""
+    x = jnp.concatenate([hidden, embed[next_tokens]], axis=-1) @ params.fc + params.fc_bias
+    return decoder_layers((params.layer,), config.layer_config, x, positions, cache, fresh_mask, empty_cache)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class EagleHead:
+    """A trained (or freshly initialised) EAGLE head, its draft vocabulary and its target.
+
+    `vocab [W]` holds the token ids the head drafts from (all of them, in order, by default);
+    `target` is `target_signature` of the model it belongs to; `meta` records how it was made.
+    """
+
+    config: EagleConfig
+    params: EagleParams
+    vocab: np.ndarray
+    target: dict
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        vocab = check_draft_vocab("EAGLE", self.vocab, self.config.vocab_size)
+        if len(vocab) != self.config.draft_vocab_size:
+            raise ValueError(
+                f"EAGLE head vocab holds {len(vocab)} tokens, its config draft_vocab_size "
+                f"{self.config.draft_vocab_size}"
+            )
+        object.__setattr__(self, "vocab", vocab)
+
+    @classmethod
+    def init(cls, target: Model, key: jax.Array, vocab=None, scale: float = 1.0, **meta: Any) -> EagleHead:
+        """A fresh head for `target`, drafting from `vocab` (token ids; default: all)."""
+        V = target.config.vocab_size
+        vocab = np.arange(V, dtype=np.int32) if vocab is None else check_draft_vocab("EAGLE", vocab, V)
+        config = EagleConfig.for_target(target.config, len(vocab))
+        return cls(config, init_eagle(config, key, scale), vocab, target_signature(target), dict(meta))
+
+    def check_target(self, model: Model) -> None:
+        """Refuse a model the head was not trained for, naming both."""
+        if not self.config.matches(model.config):
+            raise ValueError(
+                f"EAGLE head has hidden size {self.config.hidden_size}, vocab {self.config.vocab_size} "
+                f"and a layer of {self.config.num_heads}/{self.config.num_kv_heads} heads; the target "
+                f"{model.name!r} has {model.config.hidden_size}, {model.config.vocab_size} and "
+                f"{model.config.num_heads}/{model.config.num_kv_heads}"
+            )
+        check_signature("EAGLE", self.target, model, "specjax.train.train_eagle")

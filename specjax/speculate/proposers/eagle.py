@@ -1,0 +1,213 @@
+"""EAGLE: draft in the target's feature space with a trained one-layer head (models/eagle.py).
+
+State per row: the head's own one-layer KV cache, and the target hidden states it has not fed
+yet ("pending"). Pair p of the head is (f_p, x_{p+1}): the target's hidden state at position p
+and the token that followed. With L tokens committed, the target has computed f_0 .. f_{L-2};
+the head's cache holds pairs 0 .. L-2-c, and the last c hidden states wait in `pending`:
+
+- after the prefill, c = 1 (f_{T-1} of the prompt: the first generated token x_T is its partner);
+- after a step that accepted n drafts, c = n + 1: the target's hidden states at the last token
+  and the accepted drafts, partnered with the accepted drafts and the bonus token.
+
+`propose` feeds the pending pairs as one block (padded to k + 1, each row its own count), whose
+last output predicts f_{L-1}; the head's LM-head read of it ranks the first draft tokens. Later
+depths feed the head its own predictions. Drafting follows a token tree (a chain is the
+one-branch tree): pass d feeds every node at once under the tree's ancestor mask and reads the
+nodes at depth d, whose children take their ranked candidates. Deeper nodes ride along in every
+pass with placeholder inputs; the mask keeps them from touching shallower ones, and the head is
+small enough that feeding all nodes costs the same as feeding one on this hardware.
+
+Drafts are deterministic (each node is its parent's rank-r candidate, q one-hot): verification
+keeps the output lossless at any temperature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.cache import KVCache, cache_bytes, init_cache
+from specjax.models.draft_vocab import draft_head_matrix, draft_logits
+from specjax.models.eagle import EagleConfig, EagleHead, eagle_features
+from specjax.models.model import Model
+from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k
+from specjax.speculate.tree import TokenTree
+
+
+@flax.struct.dataclass
+class EagleState:
+    cache: KVCache  # the head's, one layer
+    pending: jax.Array  # [B, k+1, D] target hidden states not yet fed to the head
+    num_pending: jax.Array  # [B] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Levels:
+    """Static tables for drafting a tree level by level (all numpy, from the TokenTree)."""
+
+    nodes_at: tuple[np.ndarray, ...]  # per depth d = 1..D: the drafted nodes (0-based) there
+    parent_slot: tuple[np.ndarray, ...]  # per depth d: each node's parent, as an index into depth d-1's nodes
+    ranks_at: tuple[np.ndarray, ...]  # per depth d: each node's rank among its siblings
+    widths: tuple[int, ...]  # per depth d: candidates needed per parent (max rank + 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _levels(tree: TokenTree) -> _Levels:
+    depths, parents, ranks = tree.depths[1:], tree.parents[1:] - 1, tree.ranks[1:]  # parent -1: root
+    nodes_at, parent_slot, ranks_at, widths = [], [], [], []
+    for d in range(1, tree.depth + 1):
+        nodes = np.nonzero(depths == d)[0]
+        previous = nodes_at[-1] if nodes_at else np.array([-1])
+        slot_of = {int(n): i for i, n in enumerate(previous)}
+        nodes_at.append(nodes)
+        parent_slot.append(np.array([slot_of[int(parents[n])] for n in nodes], np.int32))
+        ranks_at.append(ranks[nodes])
+        widths.append(int(ranks[nodes].max()) + 1)
+    return _Levels(tuple(nodes_at), tuple(parent_slot), tuple(ranks_at), tuple(widths))
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleSpec:
+    """The static part of an EAGLE proposer: the head's config, k, and the draft tree (None: a
+    chain of k, verified by the chain code)."""
+
+    config: EagleConfig
+    k: int
+    tree: TokenTree | None = None
+    always_drafts = True
+
+    @property
+    def drafting_tree(self) -> TokenTree:
+        return TokenTree.chain(self.k) if self.tree is None else self.tree
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        pending = batch_size * (self.k + 1) * self.config.hidden_size * 4
+        return cache_bytes(self.config.layer_config, batch_size, capacity) + pending
+
+    def init(self, target_params, params: HeadInputs, prompt_tokens, prompt_lengths, capacity, target_hidden):
+        """Feed the prompt's pairs (f_p, x_{p+1}), p < T - 1; f_{T-1} waits for the first token."""
+        B, T = prompt_tokens.shape
+        rows = jnp.arange(B)
+        cache = init_cache(self.config.layer_config, B, capacity)
+        next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        _, cache = eagle_features(
+            params.head,
+            self.config,
+            target_params.embed,
+            target_hidden,
+            next_tokens,
+            positions,
+            cache,
+            empty_cache=True,
+        )  # pair T-1 (padding as its token) sits past the length: stale, overwritten by the first step
+        pending = jnp.zeros((B, self.k + 1, target_hidden.shape[-1]), target_hidden.dtype)
+        pending = pending.at[:, 0].set(target_hidden[rows, prompt_lengths - 1])
+        return EagleState(
+            cache=cache.replace(lengths=prompt_lengths - 1),
+            pending=pending,
+            num_pending=jnp.ones((B,), jnp.int32),
+        )
+
+    def update(self, state: EagleState, path_hidden, num_accepted) -> EagleState:
+        return state.replace(pending=path_hidden.astype(state.pending.dtype), num_pending=num_accepted + 1)
+
+    def propose(
+        self, target_params, params: HeadInputs, state: EagleState, tokens, lengths, keys, sampling, history
+    ):
+        B, S = tokens.shape
+        rows = jnp.arange(B)
+        embed = target_params.embed
+        tree, levels = self.drafting_tree, _levels(self.drafting_tree)
+        N = tree.num_nodes
+
+        # The pending pairs: hidden states at positions L-1-c .. L-2, tokens at L-c .. L-1.
+        P = self.k + 1
+        start = lengths - 1 - state.num_pending
+        offsets = jnp.arange(P)[None, :]
+        block_tokens = tokens[rows[:, None], jnp.minimum(start[:, None] + 1 + offsets, S - 1)]
+        cache = state.cache.replace(lengths=start)
+        features, cache = eagle_features(
+            params.head, self.config, embed, state.pending, block_tokens, start[:, None] + offsets, cache
+        )
+        cache = cache.advance(state.num_pending)  # lengths - 1: pairs 0 .. L-2 are in
+        root = features[rows, state.num_pending - 1]  # [B, D] predicts f_{L-1}
+
+        def candidates(parent_features, width):  # [B, n, D] -> token ids [B, n, width]
+            _, index = jax.lax.top_k(draft_logits(params.head_matrix, parent_features), width)
+            return params.vocab[index]
+
+        node_tokens = jnp.zeros((B, N), jnp.int32)
+        node_inputs = jnp.zeros((B, N, root.shape[-1]), root.dtype)  # each node's parent's features
+        parent_features = root[:, None]  # [B, 1, D]: the level above depth 1
+        node_positions = (lengths - 2)[:, None] + jnp.asarray(tree.depths[1:])[None, :]
+        node_mask = tree.attention_mask[1:, 1:]
+        for d in range(tree.depth):  # fill depth d + 1 from the features of depth d
+            nodes, parent_slot, ranks = levels.nodes_at[d], levels.parent_slot[d], levels.ranks_at[d]
+            ranked = candidates(parent_features, levels.widths[d])  # [B, n_d, W_d]
+            node_tokens = node_tokens.at[:, nodes].set(ranked[:, parent_slot, ranks])
+            node_inputs = node_inputs.at[:, nodes].set(parent_features[:, parent_slot])
+            if d + 1 < tree.depth:  # the last level's features are not needed
+                features, cache = eagle_features(
+                    params.head,
+                    self.config,
+                    embed,
+                    node_inputs,
+                    node_tokens,
+                    node_positions,
+                    cache,
+                    fresh_mask=node_mask,
+                )  # written past the length: scratch, never committed
+                parent_features = features[:, nodes]
+        proposal = Proposal(draft_tokens=node_tokens, valid=jnp.ones((B, N), bool))
+        return proposal, state.replace(cache=cache)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Eagle:
+    """An EAGLE head drafting a chain of k tokens, or a token tree (`tree`: a TokenTree or a list
+    of paths, e.g. `TokenTree.top_k((4, 2, 2))`; k is then the tree's depth and must not be given
+    otherwise). Each node drafts its parent's rank-r candidate, from the head's own prediction at
+    the parent."""
+
+    head: EagleHead
+    k: int | None = None
+    tree: TokenTree | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.head, EagleHead):
+            raise ValueError(
+                f"Eagle head must be a specjax.models.EagleHead (see specjax.train.load_head), "
+                f"got {type(self.head).__name__}"
+            )
+        tree = self.tree
+        if tree is not None and not isinstance(tree, TokenTree):
+            tree = TokenTree(tree)
+        if tree is None:
+            k = 4 if self.k is None else self.k
+            check_k("Eagle", k)
+        else:
+            if self.k is not None and self.k != tree.depth:
+                raise ValueError(
+                    f"Eagle k={self.k!r} disagrees with the tree's depth {tree.depth}: give one of them"
+                )
+            k = tree.depth
+            if tree.is_chain:
+                tree = None  # a chain is verified by the chain code
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "tree", tree)
+
+    def spec(self, target: Model, warp=None, mesh=None) -> EagleSpec:
+        self.head.check_target(target)
+        return EagleSpec(config=self.head.config, k=self.k, tree=self.tree)
+
+    def params(self, target: Model) -> HeadInputs:
+        vocab = jnp.asarray(self.head.vocab)
+        return HeadInputs(
+            head=self.head.params, head_matrix=draft_head_matrix(target.params, vocab), vocab=vocab
+        )

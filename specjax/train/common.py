@@ -1,0 +1,164 @@
+"""What the head trainers (Medusa, EAGLE) share: argument checks, the optimizer and its jitted
+step, the seeded batch order, the progress bar and the checkpointed training loop."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_number(name: str, value, allow_zero: bool = False) -> None:
+    """A finite real > 0 (or >= 0 with `allow_zero`)."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        allowed = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")
+
+
+def optimizer_settings(
+    steps: int,
+    batch_size: int,
+    learning_rate: float,
+    warmup_steps: int | None,
+    weight_decay: float,
+    clip_norm: float,
+    seed: int,
+    checkpoint_every: int,
+) -> dict:
+    """Check the arguments every trainer takes; returns them as the run's settings (JSON values),
+    `warmup_steps` resolved (default: steps // 10)."""
+    check_int("steps", steps, 1)
+    check_int("batch_size", batch_size, 1)
+    check_number("learning_rate", learning_rate)
+    warmup_steps = steps // 10 if warmup_steps is None else warmup_steps
+    check_int("warmup_steps", warmup_steps, 0)
+    if warmup_steps >= steps:
+        raise ValueError(f"warmup_steps must be less than steps={steps}, got {warmup_steps}")
+    check_number("weight_decay", weight_decay, allow_zero=True)
+    check_number("clip_norm", clip_norm)
+    check_int("seed", seed, 0)
+    check_int("checkpoint_every", checkpoint_every, 1)
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "learning_rate": float(learning_rate),
+        "warmup_steps": warmup_steps,
+        "weight_decay": float(weight_decay),
+        "clip_norm": float(clip_norm),
+        "seed": seed,
+    }
+
+
+@functools.lru_cache(maxsize=8)
+def optimizer_and_step(loss: Callable, learning_rate, warmup_steps, steps, weight_decay, clip_norm):
+    """AdamW with global-norm clipping and a warmup-cosine schedule, and its jitted step
+    `step(params, opt_state, *loss_args) -> (params, opt_state, loss, metrics)` for
+    `loss(params, *loss_args) -> (loss, metrics)`. Cached, so repeated runs with one setting (and
+    one `loss` object) compile once."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps, decay_steps=steps
+    )
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(clip_norm), optax.adamw(schedule, weight_decay=weight_decay)
+    )
+
+    @jax.jit
+    def step(params, opt_state, *loss_args):
+        (value, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params, *loss_args)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value, metrics
+
+    return optimizer, step
+
+
+def batch_order(seed: int, num_sequences: int, steps: int, batch_size: int) -> np.ndarray:
+    """Row indices of every step's batch [steps, batch_size]: shuffled epochs from the seed, so a
+    resumed run draws the batches an uninterrupted one would."""
+    rng = np.random.default_rng(seed)
+    needed = steps * batch_size
+    epochs = [rng.permutation(num_sequences) for _ in range(-(-needed // num_sequences))]
+    return np.concatenate(epochs)[:needed].reshape(steps, batch_size)
+
+
+class Progress:
+    """A one-line progress bar on stderr, redrawn at most every 0.2 s (each redraw waits for the
+    device to finish the step it shows). `metrics["accuracy"]` is one number or one per head."""
+
+    def __init__(self, label: str, total: int, enabled: bool):
+        self.label, self.total, self.enabled, self.last, self.width = label, total, enabled, 0.0, 0
+
+    def update(self, step: int, loss, metrics) -> None:
+        now = time.monotonic()
+        if not self.enabled or (now - self.last < 0.2 and step != self.total):
+            return
+        self.last = now
+        accuracy = " ".join(f"{a:.2f}" for a in np.atleast_1d(np.asarray(metrics["accuracy"])))
+        width = 20
+        filled = width * step // self.total
+        bar = "#" * filled + "." * (width - filled)
+        line = f"{self.label} [{bar}] {step}/{self.total} loss {float(loss):.4f} acc {accuracy}"
+        sys.stderr.write("\r" + line.ljust(self.width))  # padded over a longer previous line
+        self.width = len(line)
+        if step == self.total:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def run_training(
+    label: str,
+    step: Callable,
+    optimizer: optax.GradientTransformation,
+    params,
+    batch: Callable[[int], tuple],
+    steps: int,
+    run_info: dict,
+    checkpoint_dir: str | Path | None,
+    checkpoint_every: int,
+    resume: bool,
+    progress: bool,
+):
+    """Train `params` for `steps` steps of `step(params, opt_state, *batch(i))` and return them.
+
+    With `checkpoint_dir`, params, optimizer state and step are saved every `checkpoint_every`
+    steps and at the end, and `resume` continues from the latest checkpoint there; `run_info`
+    (settings, data, target) keeps two different runs from sharing one directory.
+    """
+    opt_state = optimizer.init(params)
+    start, manager = 0, None
+    if checkpoint_dir is not None:
+        from specjax.train.checkpoint import open_training_checkpoints
+
+        manager, restored = open_training_checkpoints(checkpoint_dir, run_info, params, opt_state, resume)
+        if restored is not None:
+            params, opt_state, start = restored
+    bar = Progress(label, steps, progress)
+    try:
+        for i in range(start, steps):
+            params, opt_state, loss, metrics = step(params, opt_state, *batch(i))
+            bar.update(i + 1, loss, metrics)
+            if manager is not None and ((i + 1) % checkpoint_every == 0 or i + 1 == steps):
+                manager.save(i + 1, params, opt_state)
+    finally:
+        if manager is not None:
+            manager.close()
+    return params
+
+
+def head_meta(trainer: str, settings: dict, data_summary: dict) -> dict:
+    """How a head was made, as host JSON values (what the saved head's metadata file holds)."""
+    meta = {"trainer": trainer, **settings, "steps_done": settings["steps"], "data": data_summary}
+    return json.loads(json.dumps(meta))  # host scalars only

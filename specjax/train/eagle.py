@@ -1,0 +1,245 @@
+"""Training EAGLE heads (Li et al. 2024) by self-distillation on the target's own continuations.
+
+The data (`specjax.train.distill_data`) are the target's own continuations and its final-normed
+hidden states f along them; the target stays frozen. Training is teacher-forced, every position
+of a sequence at once: the head's input at t is (f_t + uniform noise, x_{t+1}) and its prediction
+is scored against f_{t+1} twice, as EAGLE-1 does: a smooth-L1 regression on the features, and a
+soft cross-entropy between the tokens both read through the target's LM head (restricted to the
+head's draft vocabulary) - the second is what drafting needs, the first keeps the features usable
+as the next step's input. The noise stands in for the errors of the head's own predictions,
+which replace f when it drafts.
+
+Einsum letters: B batch, T positions, D hidden, V vocab, W draft vocab.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from specjax.models.cache import init_cache
+from specjax.models.draft_vocab import draft_head_matrix, draft_logits
+from specjax.models.eagle import EagleConfig, EagleHead, EagleParams, eagle_features, init_eagle
+from specjax.models.llama import LlamaParams
+from specjax.models.model import Model
+from specjax.models.signature import target_signature
+from specjax.train.common import (
+    batch_order,
+    check_int,
+    check_number,
+    head_meta,
+    optimizer_and_step,
+    optimizer_settings,
+    run_training,
+)
+from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab
+
+
+def eagle_loss(
+    params: EagleParams,
+    config: EagleConfig,
+    target_params: LlamaParams,
+    head_matrix: jax.Array,
+    hidden: jax.Array,
+    tokens: jax.Array,
+    mask: jax.Array,
+    noise_key: jax.Array,
+    noise: float | jax.Array,
+    reg_weight: float | jax.Array = 1.0,
+    cls_weight: float | jax.Array = 0.1,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """EAGLE-1's teacher-forced loss on a batch.
+
+    hidden [B, T, D], tokens [B, T], mask [B, T]; head_matrix [D, W] (`draft_head_matrix`). The
+    input at t = 0..T-2 is (hidden[:, t] + U(-noise, noise), tokens[:, t+1]); the prediction there
+    targets hidden[:, t+1], scored where both tokens t and t+1 are in the sequence. Returns
+    reg_weight * regression + cls_weight * classification and {"loss", "regression",
+    "classification", "accuracy"} (top-1 agreement with the target over the draft vocabulary).
+    """
+    B, T, _ = hidden.shape
+    inputs = hidden[:, :-1] + jax.random.uniform(noise_key, hidden[:, :-1].shape, minval=-noise, maxval=noise)
+    positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+    cache = init_cache(config.layer_config, B, T - 1)  # fresh: causal attention among the inputs
+    predicted, _ = eagle_features(
+        params, config, target_params.embed, inputs, tokens[:, 1:], positions, cache, empty_cache=True
+    )  # [B, T-1, D]
+    wanted = hidden[:, 1:]  # [B, T-1, D]
+    valid = (mask[:, :-1] & mask[:, 1:]).astype(jnp.float32)  # [B, T-1]
+    count = jnp.maximum(valid.sum(), 1.0)
+
+    regression = optax.huber_loss(predicted, wanted, delta=1.0).mean(axis=-1)  # smooth L1, [B, T-1]
+    logits = draft_logits(head_matrix, predicted)  # [B, T-1, W]
+    wanted_logits = jax.lax.stop_gradient(draft_logits(head_matrix, wanted))
+    classification = optax.softmax_cross_entropy(logits, jax.nn.softmax(wanted_logits))  # [B, T-1]
+    agree = (jnp.argmax(logits, axis=-1) == jnp.argmax(wanted_logits, axis=-1)).astype(jnp.float32)
+
+    metrics = {
+        "regression": (regression * valid).sum() / count,
+        "classification": (classification * valid).sum() / count,
+        "accuracy": (agree * valid).sum() / count,
+    }
+    loss = reg_weight * metrics["regression"] + cls_weight * metrics["classification"]
+    return loss, {"loss": loss, **metrics}
+
+
+_loss_jit = jax.jit(eagle_loss, static_argnums=1)
+
+
+@functools.lru_cache(maxsize=8)
+def _objective(config: EagleConfig, reg_weight: float, cls_weight: float):
+    """`eagle_loss` with its static parts bound: one function object per setting, so the cached
+    optimizer step (`optimizer_and_step`) compiles once for it."""
+
+    def loss(params, target_params, head_matrix, hidden, tokens, mask, noise_key, noise):
+        return eagle_loss(
+            params,
+            config,
+            target_params,
+            head_matrix,
+            hidden,
+            tokens,
+            mask,
+            noise_key,
+            noise,
+            reg_weight,
+            cls_weight,
+        )
+
+    return loss
+
+
+def evaluate_eagle(head: EagleHead, target: Model, data: DistillationData, batch_size: int = 8) -> dict:
+    """The loss (default weights), its two parts and top-1 accuracy of `head` over all of `data`,
+    without noise: {"loss", "regression", "classification", "accuracy"}, host floats, every batch
+    weighted by the positions it scores."""
+    if not isinstance(head, EagleHead):
+        raise ValueError(f"head must be a specjax.models.EagleHead, got {type(head).__name__}")
+    head.check_target(target)
+    check_int("batch_size", batch_size, 1)
+    head_matrix = draft_head_matrix(target.params, jnp.asarray(head.vocab))
+    key = jax.random.key(0)  # unused: no noise
+    totals = dict.fromkeys(("loss", "regression", "classification", "accuracy"), 0.0)
+    count = 0
+    for start in range(0, data.num_sequences, batch_size):
+        rows = slice(start, start + batch_size)
+        mask = data.mask[rows]
+        _, metrics = _loss_jit(
+            head.params,
+            head.config,
+            target.params,
+            head_matrix,
+            data.hidden[rows],
+            data.tokens[rows],
+            mask,
+            key,
+            0.0,
+        )
+        n = int((mask[:, :-1] & mask[:, 1:]).sum())
+        for name in totals:
+            totals[name] += float(metrics[name]) * n
+        count += n
+    return {name: total / max(count, 1) for name, total in totals.items()}
+
+
+def train_eagle(
+    target: Model,
+    data: DistillationData,
+    draft_vocab_size: int | None = None,
+    steps: int = 1000,
+    batch_size: int = 8,
+    learning_rate: float = 3e-4,
+    warmup_steps: int | None = None,
+    weight_decay: float = 0.0,
+    clip_norm: float = 0.5,
+    noise: float = 0.1,
+    reg_weight: float = 1.0,
+    cls_weight: float = 0.1,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 100,
+    resume: bool = True,
+    progress: bool = True,
+) -> EagleHead:
+    """Train an EAGLE head for `target` on `data` (from `distill_data`).
+
+    The head drafts from the `draft_vocab_size` most frequent tokens of the data (default: the
+    whole vocabulary) and starts from `init_eagle` with `jax.random.key(seed)`. AdamW with
+    gradient clipping and a warmup-cosine schedule (`warmup_steps` default: steps // 10); inputs
+    get uniform noise in [-noise, noise]; the loss is `eagle_loss` with `reg_weight` and
+    `cls_weight` (EAGLE-1's 1.0 and 0.1). Deterministic given `seed`, which fixes the init, the
+    batch order and the noise. With `checkpoint_dir`, params, optimizer state and step are saved
+    every `checkpoint_every` steps and at the end; `resume=True` continues from the latest one
+    there (a resumed run ends with the params of an uninterrupted one).
+    """
+    check_training_data(target, data)
+    vocab = choose_draft_vocab(target, data, draft_vocab_size)
+    if data.tokens.shape[1] < 2:
+        raise ValueError(f"data sequences must span at least 2 positions, got {data.tokens.shape[1]}")
+    settings = optimizer_settings(
+        steps, batch_size, learning_rate, warmup_steps, weight_decay, clip_norm, seed, checkpoint_every
+    )
+    check_number("noise", noise, allow_zero=True)
+    check_number("reg_weight", reg_weight, allow_zero=True)
+    check_number("cls_weight", cls_weight, allow_zero=True)
+    if reg_weight == cls_weight == 0:
+        raise ValueError("reg_weight and cls_weight must not both be 0")
+
+    settings = {
+        "draft_vocab_size": len(vocab),
+        **settings,
+        "noise": float(noise),
+        "reg_weight": float(reg_weight),
+        "cls_weight": float(cls_weight),
+    }
+    config = EagleConfig.for_target(target.config, len(vocab))
+    optimizer, train_step = optimizer_and_step(
+        _objective(config, settings["reg_weight"], settings["cls_weight"]),
+        settings["learning_rate"],
+        settings["warmup_steps"],
+        steps,
+        settings["weight_decay"],
+        settings["clip_norm"],
+    )
+    head_matrix = draft_head_matrix(target.params, jnp.asarray(vocab))  # [D, W], once per run
+    order = batch_order(seed, data.num_sequences, steps, batch_size)
+    noise_root = jax.random.fold_in(jax.random.key(seed), 1)  # apart from the init's key
+
+    def batch(step: int) -> tuple:
+        rows = order[step]
+        noise_key = jax.random.fold_in(noise_root, step)
+        return (
+            target.params,
+            head_matrix,
+            data.hidden[rows],
+            data.tokens[rows],
+            data.mask[rows],
+            noise_key,
+            noise,
+        )
+
+    run_info = {
+        "settings": settings,
+        "vocab_digest": hashlib.sha256(vocab.tobytes()).hexdigest()[:16],
+        "data": data.summary(),
+        "target": target_signature(target),
+    }
+    params = run_training(
+        "eagle",
+        train_step,
+        optimizer,
+        init_eagle(config, jax.random.key(seed)),
+        batch,
+        steps=steps,
+        run_info=run_info,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        progress=progress,
+    )
+    meta = head_meta("specjax.train.train_eagle", settings, data.summary())
+    return EagleHead(config, params, vocab, target_signature(target), meta)

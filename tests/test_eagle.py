@@ -1,0 +1,170 @@
+"""EAGLE heads on tiny random models: the proposer's cached, block-fed drafting equals a from-scratch
+reference at every step (pending hidden states, ragged acceptance, chain and tree), greedy EAGLE
+decoding equals plain decoding (chain and trees, batch 1 and 4), and bad arguments are refused."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import specjax
+from specjax.models import EagleHead, init_cache
+from specjax.models.draft_vocab import draft_head_matrix, draft_logits
+from specjax.models.eagle import eagle_features
+from specjax.models.llama import forward_hidden
+from specjax.speculate.tree import TokenTree
+
+TARGET = tiny_model(seed=11)
+HEAD = EagleHead.init(TARGET, jax.random.key(0), scale=1.0)
+# A head drafting from a 40-token subset of the vocabulary, in a shuffled order.
+SUBSET = np.random.default_rng(1).permutation(TARGET.config.vocab_size)[:40]
+SUBSET_HEAD = EagleHead.init(TARGET, jax.random.key(1), vocab=SUBSET, scale=1.0)
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [3, 9],
+    [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 10, 11, 12, 13],
+    [40, 41, 42, 40, 41],
+]
+TREES = {
+    "chain1": dict(k=1),
+    "chain4": dict(k=4),
+    "top_k": dict(tree=TokenTree.top_k((3, 2))),
+    "sparse": dict(tree=[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]),
+}
+
+
+# -- The drafting bookkeeping against a from-scratch reference ---------------------------------
+
+
+@functools.partial(jax.jit, static_argnames="config")
+def _scratch_features(head_params, config, embed, hidden, next_tokens):
+    """The head over pairs (hidden[t], next_tokens[t]), t = 0..T-1, from an empty cache: [1, T, D]."""
+    T = next_tokens.shape[1]
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    cache = init_cache(config.layer_config, 1, T)
+    features, _ = eagle_features(
+        head_params, config, embed, hidden, next_tokens, positions, cache, empty_cache=True
+    )
+    return features
+
+
+def reference_drafts(head, tree, hidden, sequence, length):
+    """Every node's token for a row whose committed sequence is sequence[:length], recomputing the
+    head from scratch for each path: pairs (f_p, x_{p+1}) for p < length - 1 from the target, then
+    the head's own predicted features along the path."""
+    matrix = draft_head_matrix(TARGET.params, jnp.asarray(head.vocab))
+    base_h = hidden[: length - 1]
+    base_x = sequence[1:length]
+
+    def features_along(extra_h, extra_x):
+        h = jnp.concatenate([base_h] + extra_h)[None]
+        x = jnp.asarray(np.concatenate([base_x, np.asarray(extra_x, np.int32)]), jnp.int32)[None]
+        return _scratch_features(head.params, head.config, TARGET.params.embed, h, x)[0, -1]
+
+    tokens = {}
+
+    def expand(path, feature, extra_h, extra_x):
+        order = np.argsort(-np.asarray(draft_logits(matrix, feature)), kind="stable")
+        for child in [p for p in tree.paths if len(p) == len(path) + 1 and p[:-1] == path]:
+            token = int(head.vocab[order[child[-1]]])
+            tokens[child] = token
+            if any(len(p) > len(child) and p[: len(child)] == child for p in tree.paths):
+                h, x = extra_h + [feature[None]], extra_x + [token]
+                expand(child, features_along(h, x), h, x)
+
+    expand((), features_along([], []), [], [])
+    return [tokens[p] for p in tree.paths]
+
+
+@pytest.mark.parametrize("head", [HEAD, SUBSET_HEAD], ids=["full_vocab", "subset"])
+@pytest.mark.parametrize("shape", ["chain3", "tree"])
+def test_drafts_equal_a_from_scratch_reference(head, shape):
+    """Drive the proposer's init / propose / update by hand over a few steps with ragged acceptance
+    (0, some, all) and compare every drafted node with the reference."""
+    proposer = (
+        specjax.Eagle(head, k=3)
+        if shape == "chain3"
+        else specjax.Eagle(head, tree=TokenTree.top_k((2, 2, 1)))
+    )
+    spec, params = proposer.spec(TARGET), proposer.params(TARGET)
+    tree = spec.drafting_tree
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
+    sequences = [np.asarray(p + t, np.int32) for p, t in zip(prompts, plain, strict=True)]
+    S = 64
+    tokens = np.zeros((2, S), np.int32)
+    for b, seq in enumerate(sequences):
+        tokens[b, : len(seq)] = seq
+    tokens = jnp.asarray(tokens)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
+    hidden, _ = forward_hidden(
+        TARGET.params, TARGET.config, tokens, positions, init_cache(TARGET.config, 2, S), empty_cache=True
+    )
+
+    bucket = 12
+    prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    state = spec.init(TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, hidden[:, :bucket])
+    lengths = prompt_lengths + 1  # the first token came from the prefill
+    propose = jax.jit(spec.propose)
+    schedule = [(0, 2), (3, 1), (1, 0), (2, 3), (0, 0)]  # accepted drafts per row and step
+    for accepted in schedule:
+        proposal, state = propose(TARGET.params, params, state, tokens, lengths, None, None, None)
+        for b in range(2):
+            expected = reference_drafts(head, tree, hidden[b], np.asarray(tokens[b]), int(lengths[b]))
+            assert np.asarray(proposal.draft_tokens[b]).tolist() == expected, (accepted, b)
+        n = jnp.asarray(accepted, jnp.int32)
+        rows = jnp.arange(2)[:, None]
+        path_hidden = hidden[rows, (lengths - 1)[:, None] + jnp.arange(spec.k + 1)[None, :]]
+        state = spec.update(state, path_hidden, n)
+        lengths = lengths + n + 1
+
+
+# -- In the loop --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    return specjax.generate(TARGET, PROMPTS, max_new_tokens=24).tokens
+
+
+@pytest.mark.parametrize("shape", TREES)
+@pytest.mark.parametrize("head", [HEAD, SUBSET_HEAD], ids=["full_vocab", "subset"])
+def test_eagle_greedy_equals_plain(plain_greedy, shape, head):
+    proposer = specjax.Eagle(head, **TREES[shape])
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    one = specjax.generate(TARGET, PROMPTS[2:3], proposer=proposer, max_new_tokens=24)
+    assert one.tokens == plain_greedy[2:3]
+    m = result.metrics
+    assert (m.accept_hist.sum(1) == m.steps).all()
+    assert (m.accepted_at.sum(1) == m.accepted).all()
+
+
+def test_a_chain_tree_is_the_chain():
+    assert specjax.Eagle(HEAD, tree=TokenTree.chain(3)).tree is None
+    assert specjax.Eagle(HEAD, tree=TokenTree.chain(3)).k == 3
+    assert specjax.Eagle(HEAD).k == 4
+
+
+def test_bad_eagle_arguments():
+    with pytest.raises(ValueError, match="Eagle head must be"):
+        specjax.Eagle("head")
+    with pytest.raises(ValueError, match="Eagle k must be an integer in 1..16, got 0"):
+        specjax.Eagle(HEAD, k=0)
+    with pytest.raises(ValueError, match="disagrees with the tree's depth 2"):
+        specjax.Eagle(HEAD, k=3, tree=TokenTree.top_k((2, 2)))
+    with pytest.raises(ValueError, match="needs its parent"):
+        specjax.Eagle(HEAD, tree=[(0,), (1, 0)])
+    other = tiny_model(seed=12)
+    with pytest.raises(ValueError, match="EAGLE head was trained for target"):
+        specjax.generate(other, PROMPTS[:1], proposer=specjax.Eagle(HEAD), max_new_tokens=2)
+    smaller = tiny_model(seed=11, hidden_size=32)
+    with pytest.raises(ValueError, match="EAGLE head has hidden size 64"):
+        specjax.generate(smaller, PROMPTS[:1], proposer=specjax.Eagle(HEAD), max_new_tokens=2)
+    with pytest.raises(ValueError, match="must not repeat a token id"):
+        EagleHead.init(TARGET, jax.random.key(0), vocab=[1, 2, 2])
+    with pytest.raises(ValueError, match=r"token ids in \[0, 97\)"):
+        EagleHead.init(TARGET, jax.random.key(0), vocab=[1, 97])
