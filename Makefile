@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-all bench lint
+.PHONY: demo test test-all bench lint heads
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,3 +29,13 @@ bench: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specjax tests benchmarks
 	$(VENV)/bin/ruff format --check specjax tests benchmarks
+
+# Medusa and EAGLE heads for the built-in model (see README, "Trained heads"): one distillation
+# set from Spec-Bench without its MT-bench questions (held out for evaluation), then each head.
+DATA ?= $(or $(SPECJAX_DATA),../shared/data)
+HEADS_SET := --prompts $(DATA)/spec_bench_question.jsonl --exclude $(DATA)/mt_bench_question.jsonl \
+	--data heads/distill.npz --new-tokens 128 --max-len 256 --batch-size 8 --draft-vocab 8192
+
+heads: $(STAMP)
+	$(VENV)/bin/specjax train-medusa $(HEADS_SET) --out heads/medusa --heads 3 --steps 300
+	$(VENV)/bin/specjax train-eagle $(HEADS_SET) --out heads/eagle --steps 400

@@ -24,6 +24,21 @@ MT_BENCH_CATEGORIES = {
     "stem",
     "humanities",
 }
+# A sparse EAGLE tree for SmolLM2: wide at the first draft position, where acceptance is highest,
+# then deeper along the best candidates (11 nodes, depth 5).
+EAGLE_TREE = (
+    (0,),
+    (1,),
+    (2,),
+    (0, 0),
+    (0, 1),
+    (1, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 1, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 0, 0),
+)
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 from common import (
+    EAGLE_TREE,
     SPEC_BENCH_CATEGORIES,
     common_arguments,
     data_dir,
@@ -39,21 +40,6 @@ from common import (
 import specjax
 
 METHODS = ("plain", "ngram", "selfdraft", "medusa", "medusa-tree", "eagle", "eagle-tree")
-# A sparse EAGLE tree: wide at the first draft position, where acceptance is highest, then deep
-# along the best candidates (11 nodes, depth 5).
-EAGLE_TREE = [
-    (0,),
-    (1,),
-    (2,),
-    (0, 0),
-    (0, 1),
-    (1, 0),
-    (0, 0, 0),
-    (0, 0, 1),
-    (0, 1, 0),
-    (0, 0, 0, 0),
-    (0, 0, 0, 0, 0),
-]
 
 
 def widths(text: str) -> tuple[int, ...]:

@@ -23,7 +23,7 @@ import argparse
 
 import jax
 import numpy as np
-from common import machine, markdown_table, median_time
+from common import EAGLE_TREE, machine, markdown_table, median_time
 
 import specjax
 from specjax.models import EagleHead, MedusaHead
@@ -33,21 +33,7 @@ TREES = {
     "medusa-top32": specjax.TokenTree.top_k((3, 2)),
     "medusa-top421": specjax.TokenTree.top_k((4, 2, 1)),
     "eagle-chain4": specjax.TokenTree.chain(4),
-    "eagle-tree11": specjax.TokenTree(
-        [
-            (0,),
-            (1,),
-            (2,),
-            (0, 0),
-            (0, 1),
-            (1, 0),
-            (0, 0, 0),
-            (0, 0, 1),
-            (0, 1, 0),
-            (0, 0, 0, 0),
-            (0, 0, 0, 0, 0),
-        ]
-    ),
+    "eagle-tree11": specjax.TokenTree(EAGLE_TREE),
 }
 EAGLE_DRAFT_VOCAB = 8192  # what `make heads` trains
 

@@ -6,6 +6,7 @@ the result once, detokenize. All per-step work happens on the device inside that
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -49,12 +50,22 @@ def prompt_bucket(length: int) -> int:
 
 
 # Compiled programs by (LoopSpec, params structure): a repeated call skips tracing and compiling.
-_COMPILED: dict[tuple, Any] = {}
+# The most recently used MAX_PROGRAMS are kept: each XLA:CPU executable holds memory maps of its
+# code, and a process that kept every program (a long sweep, or the test suite) ran into the
+# kernel's limit of 65,530 maps per process, which XLA answers with an abort.
+MAX_PROGRAMS = 32
+_COMPILED: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+_NUM_COMPILED = 0
 
 
 def compiled_program_count() -> int:
     """How many generation programs have been compiled in this process (tests use this)."""
-    return len(_COMPILED)
+    return _NUM_COMPILED
+
+
+def clear_compiled_programs() -> None:
+    """Drop every kept program (the next call of each kind compiles again)."""
+    _COMPILED.clear()
 
 
 def _signature(tree) -> tuple:
@@ -65,13 +76,18 @@ def _signature(tree) -> tuple:
 
 def _compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs) -> tuple[Any, float]:
     key = (spec, _signature(params), _signature(proposer_params), _signature(inputs))
+    global _NUM_COMPILED
     if key in _COMPILED:
+        _COMPILED.move_to_end(key)
         return _COMPILED[key], 0.0
     start = time.perf_counter()
     program = (
         jax.jit(generate_program, static_argnums=0).lower(spec, params, proposer_params, inputs).compile()
     )
     _COMPILED[key] = program
+    _NUM_COMPILED += 1
+    while len(_COMPILED) > MAX_PROGRAMS:
+        _COMPILED.popitem(last=False)  # the least recently used
     return program, time.perf_counter() - start
 
 

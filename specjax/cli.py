@@ -101,52 +101,41 @@ def save_trained_head(args: argparse.Namespace, head, num_prompts: int) -> Path:
     return Path(args.out) / "head"
 
 
-def train_medusa_command(args: argparse.Namespace) -> None:
+def train_head(args: argparse.Namespace, trainer, **options) -> Path:
+    """Load the model, build or read the distillation set, train with `trainer` (train_medusa or
+    train_eagle; `options` are its own) and save the head; returns where."""
     import specjax
-    from specjax.train import train_medusa
 
     prompts = training_prompts(args)
     model = specjax.load(args.model)
     check_draft_vocab_option(args, model)
     data = distillation_set(args, model, prompts)
-    head = train_medusa(
+    head = trainer(
         model,
         data,
-        num_heads=args.heads,
         draft_vocab_size=args.draft_vocab,
         steps=args.steps,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
         seed=args.seed,
         checkpoint_dir=Path(args.out) / "checkpoints",
+        **options,
     )
-    path = save_trained_head(args, head, len(prompts))
-    print(
-        f"saved {args.heads} Medusa heads drafting from {args.draft_vocab} tokens to {path}", file=sys.stderr
-    )
+    return save_trained_head(args, head, len(prompts))
+
+
+def train_medusa_command(args: argparse.Namespace) -> None:
+    from specjax.train import train_medusa
+
+    path = train_head(args, train_medusa, num_heads=args.heads)
+    print(f"saved {args.heads} Medusa heads ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
 
 
 def train_eagle_command(args: argparse.Namespace) -> None:
-    import specjax
     from specjax.train import train_eagle
 
-    prompts = training_prompts(args)
-    model = specjax.load(args.model)
-    check_draft_vocab_option(args, model)
-    data = distillation_set(args, model, prompts)
-    head = train_eagle(
-        model,
-        data,
-        draft_vocab_size=args.draft_vocab,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        noise=args.noise,
-        seed=args.seed,
-        checkpoint_dir=Path(args.out) / "checkpoints",
-    )
-    path = save_trained_head(args, head, len(prompts))
-    print(f"saved an EAGLE head drafting from {args.draft_vocab} tokens to {path}", file=sys.stderr)
+    path = train_head(args, train_eagle, noise=args.noise)
+    print(f"saved an EAGLE head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
 
 
 def add_training_options(command: argparse.ArgumentParser, learning_rate: float) -> None:

@@ -105,3 +105,17 @@ def hf_smollm2_tokenizer(smollm2_gguf):
 
     folder, name = smollm2_gguf
     return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """After each test module, drop its compiled programs and jax's caches. Every XLA:CPU
+    executable holds memory maps of its code; the whole suite compiles hundreds of programs, and a
+    process that kept them all ran out of the kernel's 65,530 maps and aborted mid-suite."""
+    yield
+    import jax
+
+    from specjax.api import clear_compiled_programs
+
+    clear_compiled_programs()
+    jax.clear_caches()

@@ -18,8 +18,9 @@ import numpy as np
 from specjax.models.llama import LlamaParams
 
 
-def check_draft_vocab(owner: str, vocab, vocab_size: int) -> np.ndarray:
-    """A draft vocabulary as int32 numpy: distinct token ids in [0, vocab_size)."""
+def check_draft_vocab(owner: str, vocab, vocab_size: int, size: int | None = None) -> np.ndarray:
+    """A draft vocabulary as int32 numpy: distinct token ids in [0, vocab_size), `size` of them
+    when given (a head's config says how many)."""
     array = np.asarray(vocab)
     if array.ndim != 1 or array.size == 0 or not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"{owner} draft vocab must be a non-empty 1-D array of token ids, got {array!r:.80}")
@@ -30,6 +31,8 @@ def check_draft_vocab(owner: str, vocab, vocab_size: int) -> np.ndarray:
         )
     if len(np.unique(array)) != len(array):
         raise ValueError(f"{owner} draft vocab must not repeat a token id")
+    if size is not None and len(array) != size:
+        raise ValueError(f"{owner} head vocab holds {len(array)} tokens, its config draft_vocab_size {size}")
     return array.astype(np.int32)
 
 

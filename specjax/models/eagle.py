@@ -179,12 +179,7 @@ class EagleHead:
     meta: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        vocab = check_draft_vocab("EAGLE", self.vocab, self.config.vocab_size)
-        if len(vocab) != self.config.draft_vocab_size:
-            raise ValueError(
-                f"EAGLE head vocab holds {len(vocab)} tokens, its config draft_vocab_size "
-                f"{self.config.draft_vocab_size}"
-            )
+        vocab = check_draft_vocab("EAGLE", self.vocab, self.config.vocab_size, self.config.draft_vocab_size)
         object.__setattr__(self, "vocab", vocab)
 
     @classmethod

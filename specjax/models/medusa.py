@@ -86,12 +86,7 @@ class MedusaHead:
     def __post_init__(self):
         if self.vocab is None:
             object.__setattr__(self, "vocab", np.arange(self.config.draft_vocab_size, dtype=np.int32))
-        vocab = check_draft_vocab("Medusa", self.vocab, self.config.vocab_size)
-        if len(vocab) != self.config.draft_vocab_size:
-            raise ValueError(
-                f"Medusa head vocab holds {len(vocab)} tokens, its config draft_vocab_size "
-                f"{self.config.draft_vocab_size}"
-            )
+        vocab = check_draft_vocab("Medusa", self.vocab, self.config.vocab_size, self.config.draft_vocab_size)
         object.__setattr__(self, "vocab", vocab)
 
     @classmethod
