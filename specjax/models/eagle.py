@@ -32,6 +32,21 @@ from specjax.models.llama import LayerParams, decoder_layers, layer_shapes
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
 
+# The fields an EAGLE head shares with its target's LlamaConfig: its layer's shapes, rotary
+# settings and the vocabulary it reads tokens from.
+_LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+    "qkv_bias",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class EagleConfig:
@@ -72,36 +87,13 @@ class EagleConfig:
 
     @classmethod
     def for_target(cls, config: LlamaConfig, draft_vocab_size: int | None = None) -> EagleConfig:
-        return cls(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            vocab_size=config.vocab_size,
-            draft_vocab_size=config.vocab_size if draft_vocab_size is None else draft_vocab_size,
-            rope_theta=config.rope_theta,
-            rope_scaling=config.rope_scaling,
-            rms_norm_eps=config.rms_norm_eps,
-            qkv_bias=config.qkv_bias,
-        )
+        draft = config.vocab_size if draft_vocab_size is None else draft_vocab_size
+        return cls(draft_vocab_size=draft, **{name: getattr(config, name) for name in _LAYER_FIELDS})
 
     @property
     def layer_config(self) -> LlamaConfig:
         """A one-layer LlamaConfig with the head's shapes: what the decoder layer code runs on."""
-        return LlamaConfig(
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_layers=1,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling,
-            rms_norm_eps=self.rms_norm_eps,
-            qkv_bias=self.qkv_bias,
-        )
+        return LlamaConfig(num_layers=1, **{name: getattr(self, name) for name in _LAYER_FIELDS})
 
     def matches(self, config: LlamaConfig) -> bool:
         """Whether a target of `config` has the shapes and rotary settings this head was built for."""
