@@ -1,7 +1,18 @@
 """The compiled decoding loop, proposers, sampling, verification and metrics."""
 
 from specjax.speculate.metrics import SpecMetrics
-from specjax.speculate.proposers import MAX_SPECULATIVE_TOKENS, DraftModel, Eagle, Medusa, NGram, SelfDraft
+from specjax.speculate.proposers import (
+    MAX_SPECULATIVE_TOKENS,
+    DraftModel,
+    Dynamic,
+    Eagle,
+    ForcedAcceptance,
+    GoodputSchedule,
+    HeuristicSchedule,
+    Medusa,
+    NGram,
+    SelfDraft,
+)
 from specjax.speculate.sampling import Sampling, warp_logits
 from specjax.speculate.tree import TokenTree, tree_greedy_verify, tree_rejection_sample
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
@@ -9,6 +20,10 @@ from specjax.speculate.verify import expected_acceptance, greedy_verify, rejecti
 __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "DraftModel",
+    "Dynamic",
+    "ForcedAcceptance",
+    "GoodputSchedule",
+    "HeuristicSchedule",
     "Eagle",
     "Medusa",
     "NGram",

@@ -16,6 +16,7 @@ folded with the step number, so a seeded row's output does not depend on the res
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.struct
@@ -29,6 +30,7 @@ from specjax.models.llama import LlamaParams, lm_head
 from specjax.sharding import mesh_forward_hidden
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
+from specjax.speculate.proposers.forced import forced_num_accepted
 from specjax.speculate.sampling import (
     SamplingParams,
     WarpSpec,
@@ -44,7 +46,7 @@ from specjax.speculate.tree import (
     tree_greedy_verify,
     tree_rejection_sample,
 )
-from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
+from specjax.speculate.verify import assemble, expected_acceptance, greedy_verify, rejection_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,8 +359,8 @@ def _score(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sa
 def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
     """Score the last token and the K drafts in one target pass and verify them, each row by its
     own rule (greedy rows by argmax, sampled rows by rejection sampling). Returns a Verdict."""
-    K = spec.k
     draft, valid = proposal.draft_tokens, proposal.valid
+    K = draft.shape[1]  # spec.k, or fewer when a Dynamic proposer drafts a narrower step
     depths, fresh_mask = np.arange(K + 1), np.tril(np.ones((K + 1, K + 1), bool))
     logits, finite_at, hidden, cache = _score(spec, params, state, proposal, sampling, depths, fresh_mask)
 
@@ -376,10 +378,26 @@ def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, prop
             (sampled, sampled_accepted, expected_acceptance(target_probs, draft_probs)),
             num_accepted,
         )
+    rates = forced_rates(spec)
+    if rates is not None:  # synthetic acceptance (a measurement tool): overrides the verdict
+        num_accepted = forced_num_accepted(_fold(keys, 1), rates[:K], valid)
+        own = choose_tokens(
+            _fold(keys, 2), logits[jnp.arange(draft.shape[0]), num_accepted], sampling, spec.warp
+        )[0]
+        candidates = assemble(jnp.concatenate([draft, own[:, None]], axis=1), num_accepted, own)
     # Positions after the stop position are never used: a bad value there (say, after an absurd
     # draft token) is not an error of the output.
     finite = jnp.all(finite_at | (jnp.arange(K + 1)[None, :] > num_accepted[:, None]), axis=1)
     return Verdict(candidates, num_accepted, expected, valid, finite, cache, path_hidden=hidden)
+
+
+def forced_rates(spec: LoopSpec) -> tuple[float, ...] | None:
+    """The forced acceptance rates of a ForcedAcceptance proposer (possibly wrapped), else None."""
+    return getattr(spec.proposer, "forced_acceptance", None)
+
+
+def _fold(keys: jax.Array, data: int) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, data)
 
 
 def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
@@ -415,6 +433,15 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
             (sampled, sampled_accepted, sampled_path, sampled_expected, sampled_drafted),
             num_accepted,
         )
+    rates = forced_rates(spec)
+    if rates is not None:  # synthetic acceptance along the first-ranked path (a measurement tool)
+        first = tree.first_ranked_path  # [D0] node indices
+        num_accepted = forced_num_accepted(_fold(keys, 1), rates[: len(first)], valid[:, first - 1])
+        path = jnp.where(jnp.arange(D)[None, :] < num_accepted[:, None], _pad_nodes(first, D), -1)
+        at = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.asarray(first)])[num_accepted]  # [B]
+        own = choose_tokens(_fold(keys, 2), logits[rows, at], sampling, spec.warp)[0]
+        along = jnp.concatenate([nodes[:, _pad_nodes(first, D) - 1], own[:, None]], axis=1)
+        candidates = assemble(along, num_accepted, own)
     # Only the nodes on the accepted path are used; every other node's logits may be anything.
     on_path = jnp.zeros((B, N + 1), bool).at[:, 0].set(True)
     on_path = on_path.at[rows[:, None], jnp.where(path >= 0, path, 0)].set(True)
@@ -429,6 +456,12 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
         cache = cache.replace(lengths=state.lengths - 1)
     path_hidden = hidden[rows[:, None], fed_index]  # [B, D+1, D_model]
     return Verdict(candidates, num_accepted, expected, drafted_at, finite, cache, path_hidden)
+
+
+def _pad_nodes(first: np.ndarray, D: int) -> np.ndarray:
+    """[D] the first-ranked path's nodes, its last repeated past its end (those are never used)."""
+    fill = first[-1] if len(first) else 1
+    return np.concatenate([first, np.full(D - len(first), fill, np.int32)]).astype(np.int32)
 
 
 def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
@@ -461,21 +494,31 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     return Verdict(candidates, zeros, no.astype(jnp.float32), no, _all_finite(logits), cache, path_hidden)
 
 
-def speculative_step(
-    spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, inputs: GenerationInputs
-) -> DecodeState:
-    """Propose, score all drafts in one target pass (a chain of k, or a token tree), verify, commit.
+def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
+    """A verdict over fewer draft positions, padded to K (nothing drafted or accepted there)."""
+    width = verdict.expected.shape[1]
+    if width == K:
+        return verdict
 
-    A proposer that may draft nothing (an n-gram miss) gets a one-token pass on the steps where
-    no row of the batch drafted: a batch-wide `lax.cond`, since the k+1-token pass costs 1.5x a
-    one-token pass on CPU. Rows never branch individually.
-    """
-    K = spec.k
+    def pad(x, value):
+        return jnp.concatenate([x, jnp.full((x.shape[0], K - width) + x.shape[2:], value, x.dtype)], axis=1)
+
+    return verdict.replace(
+        candidates=pad(verdict.candidates, -1),
+        expected=pad(verdict.expected, 0.0),
+        drafted_at=pad(verdict.drafted_at, False),
+        path_hidden=pad(verdict.path_hidden, 0.0),
+    )
+
+
+def _propose_and_verify(
+    spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, width=None
+):
+    """Draft (at `width` for a Dynamic proposer that switches widths), score and verify.
+    Returns (Verdict padded to spec.k positions, proposer state, valid [B, K])."""
     running = ~state.done
-    state = state.replace(step=state.step + 1)
-    keys = jax.vmap(jax.random.split)(_step_keys(state.keys, state.step))  # [B, 2]
     draft_keys, verify_keys = keys[:, 0], keys[:, 1]
-
+    extra = {} if width is None else {"width": width}
     proposal, proposer_state = spec.proposer.propose(
         params,
         proposer_params,
@@ -485,21 +528,62 @@ def speculative_step(
         draft_keys,
         inputs.sampling,
         state.history,
+        **extra,
     )
     valid = proposal.valid
+    if width is not None and spec.tree is None:  # verify only the drafted width
+        proposal = jax.tree.map(lambda x: x[:, : max(width, 1)], proposal)
 
     def verify(state):
         if spec.tree is not None:
             return _verify_tree(spec, params, state, proposal, inputs.sampling, verify_keys)
-        return _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys)
+        return _pad_verdict(
+            _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys), spec.k
+        )
 
     def skip(state):
         return _no_drafts(spec, params, state, inputs.sampling, verify_keys)
 
-    if spec.proposer.always_drafts:
+    if width == 0:
+        verdict = skip(state)
+    elif spec.proposer.always_drafts:
         verdict = verify(state)
     else:
         verdict = jax.lax.cond(jnp.any(valid & running[:, None]), verify, skip, state)
+    return verdict, proposer_state, valid
+
+
+def speculative_step(
+    spec: LoopSpec, params: LlamaParams, proposer_params, state: DecodeState, inputs: GenerationInputs
+) -> DecodeState:
+    """Propose, score all drafts in one target pass (a chain of k, or a token tree), verify, commit.
+
+    A proposer that may draft nothing (an n-gram miss) gets a one-token pass on the steps where
+    no row of the batch drafted: a batch-wide `lax.cond`, since the k+1-token pass costs 1.5x a
+    one-token pass on CPU. Likewise a Dynamic proposer with `widths` drafts and verifies only as
+    many tokens as its running rows' largest k needs: a batch-wide `lax.switch` over those widths.
+    Rows never branch individually.
+    """
+    K = spec.k
+    running = ~state.done
+    state = state.replace(step=state.step + 1)
+    keys = jax.vmap(jax.random.split)(_step_keys(state.keys, state.step))  # [B, 2]
+
+    widths = getattr(spec.proposer, "widths", None)
+    if widths is None:
+        verdict, proposer_state, valid = _propose_and_verify(
+            spec, params, proposer_params, state, inputs, keys
+        )
+    else:
+        need = spec.proposer.needed_width(state.proposer_state, running)
+        branch = jnp.searchsorted(jnp.asarray(widths), need)  # the smallest width >= need
+        branches = [
+            functools.partial(
+                _propose_and_verify, spec, params, proposer_params, inputs=inputs, keys=keys, width=w
+            )
+            for w in widths
+        ]
+        verdict, proposer_state, valid = jax.lax.switch(branch, branches, state)
     num_accepted = verdict.num_accepted
     state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
     state = _flag_nonfinite(state, verdict.finite, running)
@@ -510,10 +594,11 @@ def speculative_step(
     position = jnp.arange(K)[None, :]
     drafted_at = live & verdict.drafted_at
     accepted_at = live & (position < num_accepted[:, None])
+    drafting = running & jnp.any(valid, axis=1)  # the step verified a draft of the row
     reached_at = drafted_at & (position <= num_accepted[:, None])
     metrics = m.replace(
         steps=m.steps + running,
-        drafting_steps=m.drafting_steps + (running & jnp.any(valid, axis=1)),
+        drafting_steps=m.drafting_steps + drafting,
         target_forwards=m.target_forwards + running,
         drafted=m.drafted + jnp.sum(live & valid, axis=1),
         drafted_at=m.drafted_at + drafted_at,
@@ -521,7 +606,8 @@ def speculative_step(
         emitted=m.emitted + num_emitted,
         accepted_at=m.accepted_at + accepted_at,
         reached_at=m.reached_at + reached_at,
-        accept_hist=m.accept_hist + (live & (jnp.arange(K + 1)[None, :] == num_accepted[:, None])),
+        accept_hist=m.accept_hist
+        + (drafting[:, None] & (jnp.arange(K + 1)[None, :] == num_accepted[:, None])),
         expected_accept_at=m.expected_accept_at + jnp.where(drafted_at, verdict.expected, 0.0),
     )
     return state.replace(

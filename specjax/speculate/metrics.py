@@ -29,7 +29,7 @@ class MetricCounters:
     drafted_at: jax.Array  # [B, K] valid drafts at each position
     accepted_at: jax.Array  # [B, K] drafts accepted at each position (unconditional rate numerator)
     reached_at: jax.Array  # [B, K] positions verified, i.e. all earlier drafts accepted
-    accept_hist: jax.Array  # [B, K+1] how often 0..K drafts were accepted in one step
+    accept_hist: jax.Array  # [B, K+1] drafting steps that accepted 0..K drafts (sums to drafting_steps)
     expected_accept_at: jax.Array  # [B, K] sum over steps of sum_v min(p, q) at each position
 
     @classmethod
@@ -97,6 +97,44 @@ class SpecMetrics:
         """Emitted tokens per target forward pass (prefill included): the speedup's upper bound."""
         forwards = self.target_forwards.sum()
         return float(self.emitted.sum() / forwards) if forwards else float("nan")
+
+    def counterfactual_mean_acceptance_length(self, k: int, continuation: bool = False) -> float:
+        """The mean acceptance length this run would have had at `k` <= K speculative tokens, from
+        its acceptance-length histogram (n = drafts accepted in a drafting step at K).
+
+        The why: one run at K answers "what would a smaller k have given?" without a run per k.
+        The first k drafts of a step and their verdicts do not depend on the later ones, so a step
+        that accepted n drafts at K accepts min(n, k) at k:
+
+            default:       1 + E[min(n, k)]         (per drafting step, as mean_acceptance_length)
+
+        That is exact in expectation when acceptance is i.i.d. per position (ForcedAcceptance). A
+        copying proposer (prompt lookup) is not: at k, a step that accepted all k drafts drafts the
+        rest of the same match next step, so the n + 1 tokens of a step at K take
+        s = ceil((n + 1) / (k + 1)) steps of up to k accepted drafts each. `continuation=True`
+        assumes that:
+
+            continuation:  1 + E[n + 1 - s] / (1 + E[s - 1])
+
+        The default runs low for such proposers (it counts a long match as one step of k); the
+        continuation estimate runs a little low for i.i.d. acceptance (it ends a step at each
+        bonus token of the run at K, where a real step at k would go on). Both equal
+        mean_acceptance_length at k = K; each approximates a real run at k, whose steps start at
+        other tokens.
+        """
+        K = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 1 <= k <= K:
+            raise ValueError(f"k must be an integer in [1, {K}] (this run's k), got {k!r}")
+        drafts = self.drafting_steps.sum()
+        if not drafts:
+            return float("nan")
+        hist = self.accept_hist.sum(0)  # [K+1]: steps that accepted 0..K drafts
+        n = np.arange(K + 1)
+        # Steps that drafted nothing (where hist[0] counts them) add nothing to either sum.
+        if not continuation:
+            return float(1 + (np.minimum(n, k) * hist).sum() / drafts)
+        steps = -(-(n + 1) // (k + 1))  # [K+1] steps at k per step at K
+        return float(1 + ((n + 1 - steps) * hist).sum() / (drafts + ((steps - 1) * hist).sum()))
 
     def summary(self) -> dict:
         """Totals over the batch as plain Python numbers (JSON-ready)."""

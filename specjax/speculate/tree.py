@@ -173,6 +173,16 @@ class TokenTree:
         """Candidates needed per depth: 1 + the largest rank used at depth d + 1."""
         return tuple(1 + max(p[d] for p in self.paths if len(p) > d) for d in range(self.depth))
 
+    @functools.cached_property
+    def first_ranked_path(self) -> np.ndarray:
+        """[D0] int32: the nodes reached by taking the rank-0 child from the root while there is
+        one (synthetic acceptance forces this path)."""
+        path, node = [], 0
+        while self.children[node, 0] >= 0 and self.ranks[self.children[node, 0]] == 0:
+            node = int(self.children[node, 0])
+            path.append(node)
+        return np.array(path, np.int32)
+
     def __repr__(self) -> str:
         return f"TokenTree(num_nodes={self.num_nodes}, depth={self.depth})"
 

@@ -54,7 +54,7 @@ def _prefix_length(keep: jax.Array) -> jax.Array:
     return jnp.sum(jnp.cumprod(keep.astype(jnp.int32), axis=-1), axis=-1, dtype=jnp.int32)
 
 
-def _assemble(prefix: jax.Array, num_accepted: jax.Array, stop_token: jax.Array) -> jax.Array:
+def assemble(prefix: jax.Array, num_accepted: jax.Array, stop_token: jax.Array) -> jax.Array:
     """prefix [B, K+1] before n, stop_token [B] at n, -1 after: int32 [B, K+1]."""
     positions = jnp.arange(prefix.shape[1])
     n = num_accepted[:, None]
@@ -133,7 +133,7 @@ def rejection_sample(
     stop_token = jax.vmap(jax.random.categorical)(stop_keys, jnp.log(stop_probs))  # [B]
 
     prefix = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)  # [B, K+1]
-    return _assemble(prefix, num_accepted, stop_token), num_accepted
+    return assemble(prefix, num_accepted, stop_token), num_accepted
 
 
 def greedy_verify(
@@ -157,7 +157,7 @@ def greedy_verify(
     num_accepted = _prefix_length(valid & (draft_tokens == target_tokens[:, :k]))
     # Accepted drafts equal the argmax, so the row is the argmax up to and including n.
     stop_token = target_tokens[jnp.arange(batch), num_accepted]
-    return _assemble(target_tokens, num_accepted, stop_token), num_accepted
+    return assemble(target_tokens, num_accepted, stop_token), num_accepted
 
 
 def expected_acceptance(target_probs: jax.Array, draft_probs: jax.Array) -> jax.Array:

@@ -31,12 +31,14 @@ from __future__ import annotations
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Stateless
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
+from specjax.speculate.proposers.dynamic import Dynamic, DynamicSpec, GoodputSchedule, HeuristicSchedule
 from specjax.speculate.proposers.eagle import Eagle, EagleSpec
+from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
-PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle)
+PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle, Dynamic, ForcedAcceptance)
 
 
 def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
@@ -46,7 +48,7 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return None, None
     if isinstance(proposer, NGram):
         return proposer, None
-    if isinstance(proposer, DraftModel | SelfDraft | Medusa | Eagle):
+    if isinstance(proposer, DraftModel | SelfDraft | Medusa | Eagle | Dynamic | ForcedAcceptance):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
         return proposer.spec(target, warp, mesh), proposer.params(target)  # a custom proposer
@@ -61,6 +63,12 @@ __all__ = [
     "MAX_SPECULATIVE_TOKENS",
     "DraftModel",
     "DraftSpec",
+    "Dynamic",
+    "DynamicSpec",
+    "ForcedAcceptance",
+    "ForcedSpec",
+    "GoodputSchedule",
+    "HeuristicSchedule",
     "Eagle",
     "EagleSpec",
     "Medusa",

@@ -1,0 +1,299 @@
+"""Dynamic speculation length per row, with no recompilation.
+
+`Dynamic(proposer, schedule)` keeps one k per row in the proposer state, between 0 and the
+proposer's k (K_max, static). Each step the wrapped proposer drafts and each row's drafts past its
+own k are masked out, so verification stays lossless whatever the schedule picks (masking only
+drops drafts). A row at k = 0 has speculation off: it gains the target's one token per step.
+
+Cost follows the batch's largest k, not K_max: for a chain proposer whose state does not depend on
+k (NGram, DraftModel, SelfDraft) the loop chooses, by a batch-wide `lax.switch`, among programs
+that draft and verify 0, 1, 2, 4, ... K_max tokens (`widths`), the smallest that covers every
+running row's k. All of them are compiled into the one program. Other proposers (EAGLE, trees)
+draft K_max and are masked.
+
+Schedules (a schedule is a frozen config with `init(B, K)` and `update(state, num_accepted,
+num_drafted, K)` over a `ScheduleState`):
+
+- `HeuristicSchedule`: HF transformers' "heuristic" schedule for assisted generation: +2 after a
+  step whose drafts were all accepted, -1 otherwise, within 1..K_max.
+- `GoodputSchedule`: picks the k that maximises expected tokens per unit of time,
+  E(k) / cost(k), from the row's running conditional acceptance alpha (exponentially decayed
+  counts of accepted and reached drafts, started from a prior) and the measured costs of a draft
+  token and of a verified token relative to one plain decoding step. With i.i.d. acceptance alpha,
+  E(k) = 1 + alpha + ... + alpha^k and cost(k) = 1 + (draft_cost + verify_cost) * k. A row at
+  k = 0 drafts one token every `probe_every` steps, so it notices when drafts start to pay again.
+  `GoodputSchedule.measure(model, proposer, prompts)` measures the two costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.speculate.proposers.base import Proposal
+
+
+@flax.struct.dataclass
+class ScheduleState:
+    k: jax.Array  # [B] int32: drafts each row may use next step
+    accepted: jax.Array  # [B] float32: decayed count of accepted drafts
+    reached: jax.Array  # [B] float32: decayed count of drafts verified (reached)
+    idle: jax.Array  # [B] int32: steps since the row last drafted
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _check_initial_k(owner: str, initial_k, minimum: int) -> None:
+    if initial_k is not None and (not _is_int(initial_k) or initial_k < minimum):
+        raise ValueError(
+            f"{owner} initial_k must be None (the proposer's k) or an integer >= {minimum}, got {initial_k!r}"
+        )
+
+
+def _start(initial_k, B: int, K: int) -> ScheduleState:
+    k = K if initial_k is None else min(initial_k, K)
+    zeros = jnp.zeros((B,), jnp.float32)
+    idle = jnp.zeros((B,), jnp.int32)
+    return ScheduleState(k=jnp.full((B,), k, jnp.int32), accepted=zeros, reached=zeros, idle=idle)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeuristicSchedule:
+    """HF's heuristic: k + 2 after a step whose drafts were all accepted, k - 1 otherwise, within
+    1..K_max. A step in which the row drafted nothing (an n-gram miss) leaves k as it is."""
+
+    initial_k: int | None = None  # None: start at K_max
+
+    def __post_init__(self):
+        _check_initial_k("HeuristicSchedule", self.initial_k, 1)
+
+    def init(self, B: int, K: int) -> ScheduleState:
+        return _start(self.initial_k, B, K)
+
+    def update(self, state: ScheduleState, num_accepted, num_drafted, K: int) -> ScheduleState:
+        all_accepted = num_accepted >= num_drafted
+        k = jnp.clip(jnp.where(all_accepted, state.k + 2, state.k - 1), 1, K)
+        return state.replace(k=jnp.where(num_drafted > 0, k, state.k))
+
+
+@dataclasses.dataclass(frozen=True)
+class GoodputSchedule:
+    """Per row, the k in 0..K_max with the most expected tokens per unit of time (module doc).
+
+    draft_cost: time of drafting one token, in plain decoding steps (NGram ~0, a small draft
+      model or early exit more); verify_cost: extra time of scoring one more token in the
+      target's pass, in plain decoding steps. `GoodputSchedule.measure` gives both.
+    decay: weight of the past per drafting step in the acceptance estimate (0.9: about the last
+      10 drafting steps).
+    prior, prior_weight: the estimate before any evidence: `prior_weight` drafts at rate `prior`.
+    probe_every: a row at k = 0 drafts one token after this many steps without drafts.
+    """
+
+    draft_cost: float = 0.0
+    verify_cost: float = 0.1
+    decay: float = 0.9
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    probe_every: int = 16
+    initial_k: int | None = None
+
+    def __post_init__(self):
+        def check(name, low, high, closed_high=True):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            ok = ok and low <= value and (value <= high if closed_high else value < high)
+            if not ok:
+                bracket = "]" if closed_high else ")"
+                raise ValueError(f"GoodputSchedule {name} must be in [{low}, {high}{bracket}, got {value!r}")
+
+        check("draft_cost", 0.0, math.inf)
+        check("verify_cost", 0.0, math.inf)
+        check("decay", 0.0, 1.0, closed_high=False)
+        check("prior", 0.0, 1.0)
+        if not (isinstance(self.prior_weight, int | float) and self.prior_weight > 0):
+            raise ValueError(f"GoodputSchedule prior_weight must be a number > 0, got {self.prior_weight!r}")
+        _check_initial_k("GoodputSchedule", self.initial_k, 0)
+        if not _is_int(self.probe_every) or self.probe_every < 1:
+            raise ValueError(f"GoodputSchedule probe_every must be an integer >= 1, got {self.probe_every!r}")
+
+    def init(self, B: int, K: int) -> ScheduleState:
+        state = _start(self.initial_k, B, K)
+        if self.initial_k is None:  # the best k for the prior
+            state = state.replace(k=self.best_k(self.alpha(state), K))
+        return state
+
+    def alpha(self, state: ScheduleState) -> jax.Array:
+        """[B] the running conditional acceptance estimate."""
+        w = self.prior_weight
+        return (state.accepted + self.prior * w) / (state.reached + w)
+
+    def best_k(self, alpha: jax.Array, K: int) -> jax.Array:
+        """[B] argmax over k in 0..K of E(k) / cost(k)."""
+        k = jnp.arange(K + 1, dtype=jnp.float32)
+        expected = jnp.cumsum(alpha[:, None] ** k[None, :], axis=1)  # [B, K+1]: 1 + a + ... + a^k
+        cost = 1.0 + (self.draft_cost + self.verify_cost) * k
+        return jnp.argmax(expected / cost[None, :], axis=1).astype(jnp.int32)
+
+    def update(self, state: ScheduleState, num_accepted, num_drafted, K: int) -> ScheduleState:
+        drafted = num_drafted > 0
+        reached = jnp.minimum(num_accepted + 1, num_drafted)
+        # The estimate moves only with evidence: a step without drafts leaves it as it was.
+        state = state.replace(
+            accepted=jnp.where(drafted, self.decay * state.accepted + num_accepted, state.accepted),
+            reached=jnp.where(drafted, self.decay * state.reached + reached, state.reached),
+            idle=jnp.where(drafted, 0, state.idle + 1),
+        )
+        k = self.best_k(self.alpha(state), K)
+        probe = (k == 0) & (state.idle + 1 >= self.probe_every)
+        return state.replace(k=jnp.where(probe, 1, k))
+
+    @classmethod
+    def measure(cls, model, proposer, prompts, max_new_tokens: int = 64, **options) -> GoodputSchedule:
+        """A GoodputSchedule with draft_cost and verify_cost timed on this machine (see
+        specjax/speculate/costs.py); `options` are the schedule's other fields."""
+        from specjax.speculate.costs import measure_step_costs
+
+        costs = measure_step_costs(model, proposer, prompts, max_new_tokens=max_new_tokens)
+        return cls(draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"], **options)
+
+
+SCHEDULES = (HeuristicSchedule, GoodputSchedule)
+
+
+@flax.struct.dataclass
+class DynamicState:
+    inner: Any  # the wrapped proposer's state
+    schedule: ScheduleState
+    num_drafted: jax.Array  # [B] int32: valid draft positions of the step in flight
+
+
+def narrowed(inner, k: int):
+    """The inner spec drafting k tokens with the same state, or None if it cannot (module doc)."""
+    from specjax.speculate.proposers.draft import DraftSpec
+    from specjax.speculate.proposers.forced import ForcedSpec, FreeDrafts
+    from specjax.speculate.proposers.ngram import NGram
+
+    if isinstance(inner, NGram | DraftSpec | FreeDrafts):
+        return dataclasses.replace(inner, k=k)
+    if isinstance(inner, ForcedSpec):
+        narrow = narrowed(inner.inner, k)
+        return None if narrow is None else ForcedSpec(narrow, inner.forced_acceptance[:k])
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicSpec:
+    inner: Any
+    schedule: Any
+    always_drafts = False  # a row at k = 0 drafts nothing
+
+    @property
+    def k(self) -> int:
+        return self.inner.k
+
+    @property
+    def tree(self):
+        return getattr(self.inner, "tree", None)
+
+    @property
+    def forced_acceptance(self):
+        return getattr(self.inner, "forced_acceptance", None)
+
+    @property
+    def widths(self) -> tuple[int, ...] | None:
+        """Draft widths the loop switches between (0, 1, 2, 4, ..., K), or None: always K."""
+        if narrowed(self.inner, 1) is None:
+            return None
+        return tuple(sorted({0, self.k} | {1 << i for i in range(self.k.bit_length()) if 1 << i < self.k}))
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return self.inner.state_bytes(batch_size, capacity)
+
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+        inner = self.inner.init(target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden)
+        B = prompt_tokens.shape[0]
+        return DynamicState(inner, self.schedule.init(B, self.k), jnp.zeros((B,), jnp.int32))
+
+    def needed_width(self, state: DynamicState, running: jax.Array) -> jax.Array:
+        """[] the largest k of a running row."""
+        return jnp.max(jnp.where(running, state.schedule.k, 0))
+
+    def propose(
+        self, target_params, params, state: DynamicState, tokens, lengths, keys, sampling, history, width=None
+    ):
+        """The inner proposal with each row's drafts past its k masked out; at `width` (from
+        `widths`) the inner proposer drafts only that many, padded back to K."""
+        inner = self.inner
+        if width is not None:  # width 0 still runs the proposer (k=1) so a draft model catches up
+            inner = narrowed(inner, max(width, 1))
+        proposal, inner_state = inner.propose(
+            target_params, params, state.inner, tokens, lengths, keys, sampling, history
+        )
+        proposal = _pad(proposal, self.k, keep=width if width is not None else self.k)
+        depth = np.arange(1, self.k + 1) if self.tree is None else self.tree.depths[1:]
+        valid = proposal.valid & (jnp.asarray(depth)[None, :] <= state.schedule.k[:, None])
+        num_drafted = jnp.max(jnp.where(valid, jnp.asarray(depth)[None, :], 0), axis=1).astype(jnp.int32)
+        return proposal.replace(valid=valid), DynamicState(inner_state, state.schedule, num_drafted)
+
+    def update(self, state: DynamicState, path_hidden, num_accepted) -> DynamicState:
+        inner = self.inner.update(state.inner, path_hidden, num_accepted)
+        schedule = self.schedule.update(state.schedule, num_accepted, state.num_drafted, self.k)
+        return DynamicState(inner, schedule, state.num_drafted)
+
+
+def _pad(proposal: Proposal, K: int, keep: int) -> Proposal:
+    """The first `keep` positions of a proposal, padded (invalid) to K."""
+    B, width = proposal.draft_tokens.shape
+    if width == K and keep == K:
+        return proposal
+    keep = min(keep, width)
+    extra = K - keep
+
+    def pad(x, value):
+        x = x[:, :keep]
+        return jnp.concatenate([x, jnp.full((B, extra) + x.shape[2:], value, x.dtype)], axis=1)
+
+    probs = None if proposal.draft_probs is None else pad(proposal.draft_probs, 0.0)
+    return Proposal(pad(proposal.draft_tokens, 0), pad(proposal.valid, False), probs)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Dynamic:
+    """A proposer whose k changes per row as a schedule decides, never above the proposer's own k.
+
+    Lossless like the proposer itself: the schedule only chooses how many drafts to verify."""
+
+    proposer: Any
+    schedule: Any = dataclasses.field(default_factory=HeuristicSchedule)
+
+    def __post_init__(self):
+        if self.proposer is None or isinstance(self.proposer, Dynamic):
+            raise ValueError(
+                f"Dynamic proposer must be a proposer (NGram, DraftModel, ...), not {self.proposer!r}"
+            )
+        if not isinstance(self.schedule, SCHEDULES):
+            names = ", ".join(f"specjax.{s.__name__}" for s in SCHEDULES)
+            raise ValueError(f"Dynamic schedule must be one of {names}, got {self.schedule!r}")
+
+    @property
+    def k(self) -> int:
+        from specjax.speculate.proposers.forced import _draft_positions
+
+        return _draft_positions(self.proposer)
+
+    def spec(self, target, warp, mesh=None) -> DynamicSpec:
+        from specjax.speculate.proposers import resolve
+
+        return DynamicSpec(resolve(self.proposer, target, warp, mesh)[0], self.schedule)
+
+    def params(self, target):
+        params = getattr(self.proposer, "params", None)
+        return params(target) if callable(params) else None

@@ -1,0 +1,155 @@
+"""Synthetic acceptance: a measurement tool that forces how many drafts each step accepts.
+
+NOT lossless, and not meant to produce text: a forced step commits drafts the target may not
+agree with. What it is for: separating system overhead from draft quality. With the drafts free
+(`proposer=None`), tokens/s against the forced rate is the ceiling the loop itself allows (the
+cost of scoring k+1 tokens, of verification and bookkeeping); with a real proposer it adds that
+proposer's drafting cost at a known acceptance. A row accepts position i, once reached, with the
+conditional probability `acceptance[i]`, independently per step; the token after the accepted
+drafts is the target's own choice there, as in real verification. The step's work is exactly a
+real step's: the same proposer, the same target pass, the same commit.
+
+Set a stop-token bias (e.g. `Sampling(logit_bias={eos: -1e9})`) when measuring speed, or rows may
+end early on a target token emitted after nonsense drafts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax.speculate.proposers.base import Proposal, Stateless, check_k
+
+
+def _check_rates(acceptance) -> tuple[float, ...]:
+    rates = (acceptance,) if not isinstance(acceptance, Sequence) else tuple(acceptance)
+    if not rates or not all(
+        isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and 0 <= r <= 1
+        for r in rates
+    ):
+        raise ValueError(
+            "ForcedAcceptance acceptance must be a number in [0, 1] or a non-empty list of them (one "
+            f"conditional rate per draft position), got {acceptance!r}"
+        )
+    return tuple(float(r) for r in rates)
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeDrafts(Stateless):
+    """Drafts that cost nothing: the row's last token, k times. Only ForcedAcceptance uses them."""
+
+    k: int
+    always_drafts = True
+
+    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
+        last = tokens[jnp.arange(tokens.shape[0]), lengths - 1]
+        draft = jnp.broadcast_to(last[:, None], (tokens.shape[0], self.k))
+        return Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool)), state
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedSpec:
+    """The static part: the proposer that drafts (its spec) and the forced rates, one per position."""
+
+    inner: Any
+    forced_acceptance: tuple[float, ...]  # [k] conditional acceptance per draft position
+
+    @property
+    def k(self) -> int:
+        return self.inner.k
+
+    @property
+    def tree(self):
+        return getattr(self.inner, "tree", None)
+
+    @property
+    def always_drafts(self) -> bool:
+        return self.inner.always_drafts
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return self.inner.state_bytes(batch_size, capacity)
+
+    def init(self, *args):
+        return self.inner.init(*args)
+
+    def propose(self, *args):
+        return self.inner.propose(*args)
+
+    def update(self, state, path_hidden, num_accepted):
+        return self.inner.update(state, path_hidden, num_accepted)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ForcedAcceptance:
+    """Force the acceptance of drafts (a measurement tool, never lossless; see the module doc).
+
+    acceptance: the conditional rate of every draft position (one number), or one per position.
+    proposer: the proposer whose drafts (and drafting cost) to use; None drafts for free.
+    k: draft positions; defaults to the proposer's k, or to len(acceptance) without a proposer.
+    A token tree is forced along its first-ranked path.
+    """
+
+    acceptance: float | Sequence[float]
+    proposer: Any = None
+    k: int | None = None
+
+    def __post_init__(self):
+        rates = _check_rates(self.acceptance)
+        if isinstance(self.proposer, ForcedAcceptance):
+            raise ValueError("ForcedAcceptance proposer must not itself be a ForcedAcceptance")
+        k = self.k
+        if k is None and self.proposer is not None:
+            k = _draft_positions(self.proposer)
+        if k is None:
+            k = len(rates)
+        check_k("ForcedAcceptance", k)
+        if len(rates) not in (1, k):
+            raise ValueError(
+                f"ForcedAcceptance acceptance has {len(rates)} rates for k={k} draft positions; give one "
+                "rate for all or one per position"
+            )
+        object.__setattr__(self, "k", k)
+        object.__setattr__(self, "acceptance", rates * k if len(rates) == 1 else rates)
+
+    def with_k(self, k: int) -> ForcedAcceptance:
+        from specjax.speculate.proposers.named import with_k
+
+        rates = self.acceptance if len(set(self.acceptance)) == 1 else None
+        if rates is None:
+            raise ValueError(f"k={k}: cannot change k of a ForcedAcceptance with one rate per position")
+        inner = None if self.proposer is None else with_k(self.proposer, k)
+        return ForcedAcceptance(rates[0], inner, k)
+
+    def spec(self, target, warp, mesh=None) -> ForcedSpec:
+        from specjax.speculate.proposers import resolve
+
+        inner = FreeDrafts(self.k) if self.proposer is None else resolve(self.proposer, target, warp, mesh)[0]
+        if inner.k != self.k:
+            raise ValueError(
+                f"ForcedAcceptance k={self.k} differs from its proposer's k={inner.k}; leave k out"
+            )
+        return ForcedSpec(inner, self.acceptance)
+
+    def params(self, target):
+        params = getattr(self.proposer, "params", None)  # NGram has none
+        return params(target) if callable(params) else None
+
+
+def _draft_positions(proposer) -> int | None:
+    """A proposer's k: its own, or its token tree's depth (Medusa)."""
+    k = getattr(proposer, "k", None)
+    tree = getattr(proposer, "tree", None)
+    return tree.depth if k is None and tree is not None else k
+
+
+def forced_num_accepted(keys: jax.Array, rates: tuple[float, ...], valid: jax.Array) -> jax.Array:
+    """[B] drafts accepted under the forced rates: position i (once reached) passes with probability
+    rates[i]; a row stops at its first failure or invalid draft. keys [B], valid [B, K]."""
+    u = jax.vmap(lambda key: jax.random.uniform(key, (len(rates),)))(keys)  # [B, K]
+    passes = (u < jnp.asarray(rates)[None, :]) & valid
+    return jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)

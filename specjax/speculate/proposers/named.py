@@ -1,0 +1,129 @@
+"""Proposers by name, for the command line and sweep files, and the same proposer at another k.
+
+A proposer description is a name plus options, e.g. ``{"name": "ngram", "k": 4}`` or
+``{"name": "eagle", "head": "heads/eagle/head", "tree": [[0], [1], [0, 0]]}``. Names:
+
+    plain                   no proposer (plain decoding)
+    ngram                   NGram(k, n_max, n_min)
+    self_draft              SelfDraft(layers, k)
+    draft_model             DraftModel(model=<name or path, loaded>, k)
+    medusa                  Medusa(head=<folder of a saved head>, tree)
+    eagle                   Eagle(head=<folder of a saved head>, k, tree)
+    forced                  ForcedAcceptance(acceptance, proposer=<description or None>, k)
+    dynamic                 Dynamic(proposer=<description>, schedule=<"heuristic", "goodput" or a
+                            description: {"name": "goodput", "draft_cost": 0.2, ...}>)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specjax.models.model import Model
+from specjax.speculate.proposers.draft import DraftModel, SelfDraft
+from specjax.speculate.proposers.dynamic import Dynamic, GoodputSchedule, HeuristicSchedule
+from specjax.speculate.proposers.eagle import Eagle
+from specjax.speculate.proposers.forced import ForcedAcceptance
+from specjax.speculate.proposers.medusa import Medusa
+from specjax.speculate.proposers.ngram import NGram
+
+PROPOSER_NAMES = ("plain", "ngram", "self_draft", "draft_model", "medusa", "eagle", "forced", "dynamic")
+SCHEDULE_NAMES = ("heuristic", "goodput")
+
+
+def _options(description: dict, allowed: tuple[str, ...], where: str) -> dict:
+    options = {key: value for key, value in description.items() if key != "name"}
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown option {unknown[0]!r} for {description['name']!r}; allowed: "
+            f"{', '.join(allowed) or 'none'}"
+        )
+    return options
+
+
+def schedule_from_description(description: Any, where: str = "schedule"):
+    """A HeuristicSchedule or GoodputSchedule from "heuristic", "goodput" or {"name": ..., ...}."""
+    if isinstance(description, str):
+        description = {"name": description}
+    if not isinstance(description, dict) or description.get("name") not in SCHEDULE_NAMES:
+        raise ValueError(
+            f"{where} must be one of {', '.join(SCHEDULE_NAMES)} (or a dict with that name), "
+            f"got {description!r}"
+        )
+    if description["name"] == "heuristic":
+        return HeuristicSchedule(
+            **_options(description, tuple(f.name for f in dataclasses.fields(HeuristicSchedule)), where)
+        )
+    return GoodputSchedule(
+        **_options(description, tuple(f.name for f in dataclasses.fields(GoodputSchedule)), where)
+    )
+
+
+def proposer_from_description(description: Any, target: Model | None = None, where: str = "proposer"):
+    """The proposer a description names (None for "plain"); `target` is needed only to check a
+    loaded head or draft model against it (heads are checked again when generating)."""
+    if description is None:
+        return None
+    if isinstance(description, str):
+        description = {"name": description}
+    if not isinstance(description, dict) or description.get("name") not in PROPOSER_NAMES:
+        raise ValueError(
+            f"{where} must name one of {', '.join(PROPOSER_NAMES)} (e.g. {{'name': 'ngram', 'k': 4}}), "
+            f"got {description!r}"
+        )
+    name = description["name"]
+    if name == "plain":
+        _options(description, (), where)
+        return None
+    if name == "ngram":
+        return NGram(**_options(description, ("k", "n_max", "n_min"), where))
+    if name == "self_draft":
+        return SelfDraft(**_options(description, ("layers", "k"), where))
+    if name == "draft_model":
+        import specjax
+
+        options = _options(description, ("model", "k"), where)
+        if "model" not in options:
+            raise ValueError(f"{where}: draft_model needs 'model' (a built-in name, HF folder or .gguf file)")
+        return DraftModel(specjax.load(options.pop("model")), **options)
+    if name in ("medusa", "eagle"):
+        from specjax.train import load_head
+
+        allowed = ("head", "tree") if name == "medusa" else ("head", "k", "tree")
+        options = _options(description, allowed, where)
+        if "head" not in options:
+            raise ValueError(f"{where}: {name} needs 'head' (the folder of a saved head)")
+        if target is None:
+            raise ValueError(f"{where}: loading a {name} head needs the target model")
+        head = load_head(options.pop("head"), target)
+        if options.get("tree") is not None:
+            options["tree"] = [tuple(path) for path in options["tree"]]
+        return (Medusa if name == "medusa" else Eagle)(head, **options)
+    if name == "forced":
+        options = _options(description, ("acceptance", "proposer", "k"), where)
+        inner = proposer_from_description(options.pop("proposer", None), target, f"{where}.proposer")
+        return ForcedAcceptance(proposer=inner, **options)
+    options = _options(description, ("proposer", "schedule"), where)  # dynamic
+    if "proposer" not in options:
+        raise ValueError(f"{where}: dynamic needs 'proposer' (the proposer whose k it schedules)")
+    inner = proposer_from_description(options["proposer"], target, f"{where}.proposer")
+    schedule = schedule_from_description(options.get("schedule", "heuristic"), f"{where}.schedule")
+    return Dynamic(inner, schedule)
+
+
+def with_k(proposer, k: int):
+    """The same proposer drafting k tokens (at most k for Dynamic); ValueError for one whose draft
+    length is fixed by a token tree (Medusa, an Eagle tree)."""
+    if isinstance(proposer, NGram | SelfDraft | DraftModel):
+        return dataclasses.replace(proposer, k=k)
+    if isinstance(proposer, Eagle) and proposer.tree is None:
+        return Eagle(proposer.head, k=k)
+    if isinstance(proposer, Dynamic):
+        return Dynamic(with_k(proposer.proposer, k), proposer.schedule)
+    if isinstance(proposer, ForcedAcceptance):
+        return proposer.with_k(k)
+    raise ValueError(
+        f"k={k}: cannot change k of {type(proposer).__name__}: its draft length is fixed (a Medusa "
+        "head's count or a token tree's depth)"
+    )

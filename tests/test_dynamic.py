@@ -1,0 +1,176 @@
+"""Dynamic speculation length per row (Dynamic with HF's heuristic and the goodput controller) and
+synthetic acceptance (ForcedAcceptance), on tiny random models.
+
+The exact checks drive the schedules with forced acceptance, where every step's outcome is known
+in advance, so the loop's k sequence can be predicted by hand; greedy equality with plain decoding
+checks that masking per row stays lossless."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import specjax
+from specjax.models import MedusaHead
+from specjax.speculate import GoodputSchedule, HeuristicSchedule
+
+TARGET = tiny_model(seed=3)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9], [10, 11, 12, 13, 14, 15, 10, 11, 12], [40, 41, 42, 40, 41]]
+
+
+@pytest.fixture(scope="module")
+def plain_greedy():
+    return specjax.generate(TARGET, PROMPTS, max_new_tokens=32).tokens
+
+
+@pytest.mark.parametrize(
+    "proposer",
+    [
+        specjax.Dynamic(specjax.NGram(k=4, n_max=2)),
+        specjax.Dynamic(specjax.SelfDraft(layers=1, k=4)),
+        specjax.Dynamic(specjax.SelfDraft(layers=1, k=4), GoodputSchedule(draft_cost=0.2, verify_cost=0.1)),
+        specjax.Dynamic(
+            specjax.Medusa(MedusaHead.init(TARGET, num_heads=3, key=jax.random.key(0), scale=0.5))
+        ),
+    ],
+    ids=["ngram-heuristic", "selfdraft-heuristic", "selfdraft-goodput", "medusa-heuristic"],
+)
+def test_dynamic_greedy_equals_plain_without_recompiling(plain_greedy, proposer):
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=32)
+    assert result.tokens == plain_greedy
+    m = result.metrics
+    assert m.drafted.sum() > 0 and m.accept_hist.sum() == m.drafting_steps.sum()
+    compiled = specjax.api.compiled_program_count()
+    other = [p[:-1] for p in PROMPTS]  # new prompt lengths, same bucket: the same program
+    specjax.generate(TARGET, other, proposer=proposer, max_new_tokens=32)
+    assert specjax.api.compiled_program_count() == compiled
+
+
+def _forced_loop(schedule, k=8, max_new_tokens=40):
+    proposer = specjax.Dynamic(specjax.ForcedAcceptance(1.0, k=k), schedule)
+    return specjax.generate(TARGET, [[1, 2, 3]], proposer=proposer, max_new_tokens=max_new_tokens).metrics
+
+
+def test_heuristic_schedule_in_the_loop_follows_hf_rule():
+    # Every draft accepted: k runs 1, 3, 5, 7, 8, 8, ... (+2 per full acceptance, at most K = 8), and
+    # a step emits k + 1 tokens: 1 (prefill) + 2 + 4 + 6 + 8 = 21, then 9 per step up to 40 tokens.
+    m = _forced_loop(HeuristicSchedule(initial_k=1))
+    expected = np.zeros(9, int)
+    expected[[1, 3, 5, 7]] = 1
+    expected[8] = 3
+    np.testing.assert_array_equal(m.accept_hist.sum(0), expected)
+    assert m.steps.sum() == 7 and m.emitted.sum() == 40
+    # The drafts past each step's k were never verified: 1 + 3 + 5 + 7 + 3 * 8 = 40 drafted.
+    assert m.drafted.sum() == 40
+
+
+def test_heuristic_schedule_update_rule():
+    schedule = HeuristicSchedule()
+    state = HeuristicSchedule().init(5, 8).replace(k=jnp.array([1, 4, 8, 3, 2]))
+    num_accepted = jnp.array([1, 2, 8, 0, 0])
+    num_drafted = jnp.array([1, 4, 8, 3, 0])  # the last row drafted nothing (an n-gram miss)
+    new = schedule.update(state, num_accepted, num_drafted, 8)
+    np.testing.assert_array_equal(new.k, [3, 3, 8, 2, 2])
+    assert int(schedule.init(2, 8).k[0]) == 8 and int(HeuristicSchedule(initial_k=2).init(2, 8).k[0]) == 2
+
+
+@pytest.mark.parametrize("draft_cost, verify_cost", [(0.0, 0.1), (0.3, 0.1), (0.05, 0.02), (2.0, 1.0)])
+def test_goodput_best_k_matches_float64_formula(draft_cost, verify_cost):
+    schedule = GoodputSchedule(draft_cost=draft_cost, verify_cost=verify_cost)
+    alphas = np.array([0.0, 0.1, 0.3, 0.5, 0.7, 0.85, 0.95, 0.999])
+    K = 8
+
+    def goodput(alpha, k):
+        return sum(alpha**i for i in range(k + 1)) / (1 + (draft_cost + verify_cost) * k)
+
+    expected = [max(range(K + 1), key=lambda k: goodput(a, k)) for a in alphas]
+    got = schedule.best_k(jnp.asarray(alphas, jnp.float32), K)
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_goodput_turns_speculation_off_and_probes_again():
+    # Drafts never accepted and drafting expensive: the row goes to k = 0 (one-token passes) and
+    # then drafts one token every probe_every = 10 steps. From the prior (alpha 0.5, weight 2) the
+    # estimate after n failures is about 1 / (2 + n) (decay 0.999), and k = 1 pays while
+    # (1 + alpha) / 1.22 > 1, i.e. alpha > 0.22: n = 0, 1, 2 draft (alpha 0.5, 0.33, 0.25), n = 3
+    # (0.2) stops. So 3 drafting steps, then 9 idle steps and a probe, 7 times in the other 76.
+    schedule = GoodputSchedule(draft_cost=0.17, verify_cost=0.05, decay=0.999, probe_every=10)
+    proposer = specjax.Dynamic(specjax.ForcedAcceptance(0.0, k=4), schedule)
+    m = specjax.generate(TARGET, [[1, 2, 3]], proposer=proposer, max_new_tokens=80).metrics
+    assert m.accepted.sum() == 0 and m.steps.sum() == 79
+    assert m.drafting_steps.sum() == 3 + 7
+    assert m.drafted.sum() == m.drafting_steps.sum()  # every step drafts one token (k = 1)
+
+
+def test_goodput_schedule_update_tracks_acceptance():
+    schedule = GoodputSchedule(draft_cost=0.0, verify_cost=0.1, decay=0.5, prior=0.5, prior_weight=2.0)
+    state = schedule.init(1, 8)
+    for _ in range(20):  # always 3 of 4 accepted: alpha -> 3 / 4
+        state = state.replace(k=jnp.array([4]))
+        state = schedule.update(state, jnp.array([3]), jnp.array([4]), 8)
+    before = state
+    state = schedule.update(state, jnp.array([0]), jnp.array([0]), 8)  # no drafts: no evidence
+    assert float(state.reached[0]) == float(before.reached[0]) and int(state.idle[0]) == 1
+    accepted, reached = float(state.accepted[0]), float(state.reached[0])
+    np.testing.assert_allclose(accepted, 3 * 2 * (1 - 0.5**20), rtol=1e-5)  # 3 / (1 - decay), geometric
+    np.testing.assert_allclose(reached, 4 * 2 * (1 - 0.5**20), rtol=1e-5)
+    np.testing.assert_allclose(float(schedule.alpha(state)[0]), (6 + 1) / (8 + 2), rtol=1e-4)
+
+
+def test_forced_acceptance_follows_its_rates():
+    rates = [0.9, 0.6, 0.3, 0.5]
+    proposer = specjax.ForcedAcceptance(rates)
+    m = specjax.generate(TARGET, [[1, 2, 3]] * 8, proposer=proposer, max_new_tokens=200).metrics
+    accepted, reached = m.accepted_at.sum(0), m.reached_at.sum(0)
+    for i, rate in enumerate(rates):
+        n = reached[i]
+        assert n > 50  # position 4 is reached on 0.9 * 0.6 * 0.3 = 16% of steps
+        bound = 6 * np.sqrt(n * rate * (1 - rate)) + 2
+        assert abs(accepted[i] - n * rate) <= bound, (i, accepted[i], n, rate)
+    assert m.drafted.sum() == 4 * m.steps.sum()
+
+
+def test_forced_acceptance_with_a_real_proposer_and_a_tree():
+    # Free drafts at 1.0: every step emits k + 1 tokens.
+    m = specjax.generate(
+        TARGET, [[1, 2]], proposer=specjax.ForcedAcceptance(1.0, k=3), max_new_tokens=33
+    ).metrics
+    assert m.steps.sum() == 8 and (m.accept_hist.sum(0) == [0, 0, 0, 8]).all()
+    # A Medusa tree is forced along its first-ranked path (depth 2 here, of a depth-3 tree).
+    head = MedusaHead.init(TARGET, num_heads=3, key=jax.random.key(0), scale=0.5)
+    tree = [(0,), (1,), (0, 0), (1, 0), (1, 0, 0)]
+    proposer = specjax.ForcedAcceptance(1.0, specjax.Medusa(head, tree=tree))
+    m = specjax.generate(TARGET, [[1, 2]], proposer=proposer, max_new_tokens=31).metrics
+    assert m.steps.sum() == 10 and (m.accept_hist.sum(0) == [0, 0, 10, 0]).all()
+    # The forced drafts are committed as drafted: the output holds the proposer's tokens.
+    result = specjax.generate(
+        TARGET,
+        [[1, 2]],
+        proposer=specjax.ForcedAcceptance(1.0, specjax.NGram(k=2, n_max=1)),
+        max_new_tokens=9,
+    )
+    assert len(result.tokens[0]) == 9
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: specjax.ForcedAcceptance(1.5, k=2), "acceptance must be a number in"),
+        (lambda: specjax.ForcedAcceptance([0.5, 0.5], k=3), "2 rates for k=3"),
+        (lambda: specjax.ForcedAcceptance(0.5), None),
+        (lambda: specjax.ForcedAcceptance(0.5, k=0), "k must be an integer in 1.."),
+        (lambda: specjax.Dynamic(None), "Dynamic proposer must be a proposer"),
+        (lambda: specjax.Dynamic(specjax.NGram(), "heuristic"), "Dynamic schedule must be one of"),
+        (lambda: GoodputSchedule(decay=1.0), r"decay must be in \[0.0, 1.0\)"),
+        (lambda: GoodputSchedule(draft_cost=-1), "draft_cost must be in"),
+        (lambda: HeuristicSchedule(initial_k=0), "initial_k must be None"),
+        (lambda: GoodputSchedule(probe_every=0), "probe_every must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments(make, match):
+    if match is None:
+        assert make().k == 1  # one rate, no proposer: one draft position
+        return
+    with pytest.raises(ValueError, match=match):
+        make()
