@@ -1,24 +1,43 @@
 """specjax: speculative decoding of language models as one compiled JAX loop."""
 
 from specjax import models, sharding, speculate
+from specjax.ablation import ablate, load_ablation, save_ablation
 from specjax.api import GenerateResult, generate
 from specjax.models import Model, load
-from specjax.speculate import DraftModel, Eagle, Medusa, NGram, Sampling, SelfDraft, SpecMetrics, TokenTree
+from specjax.speculate import (
+    DraftModel,
+    Dynamic,
+    Eagle,
+    ForcedAcceptance,
+    GoodputSchedule,
+    HeuristicSchedule,
+    Medusa,
+    NGram,
+    Sampling,
+    SelfDraft,
+    SpecMetrics,
+    TokenTree,
+)
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # specjax.train (optax, orbax) loads on first use: generation alone does not need it.
-    if name == "train":
+    # specjax.train (optax, orbax) and specjax.plots (matplotlib) load on first use: generation
+    # alone needs neither.
+    if name in ("train", "plots"):
         import importlib
 
-        return importlib.import_module("specjax.train")
+        return importlib.import_module(f"specjax.{name}")
     raise AttributeError(f"module 'specjax' has no attribute {name!r}")
 
 
 __all__ = [
     "DraftModel",
+    "Dynamic",
+    "ForcedAcceptance",
+    "GoodputSchedule",
+    "HeuristicSchedule",
     "Eagle",
     "GenerateResult",
     "Medusa",
@@ -28,10 +47,14 @@ __all__ = [
     "SelfDraft",
     "SpecMetrics",
     "TokenTree",
+    "ablate",
     "generate",
     "load",
+    "load_ablation",
     "models",
+    "save_ablation",
     "sharding",
     "speculate",
+    "plots",
     "train",
 ]
