@@ -1,4 +1,5 @@
-"""Shared pieces of the benchmarks: prompt sets, machine description, timing, tables.
+"""Shared pieces of the benchmarks: options, the HF reference; the prompt sets, machine description,
+timing and tables live in specjax.bench (re-exported here).
 
 The prompt data is read from the folder given by --data, else $SPECJAX_DATA, else ../shared/data
 (relative to the repository root); it is never copied into the repository.
@@ -6,40 +7,20 @@ The prompt data is read from the folder given by --data, else $SPECJAX_DATA, els
 
 from __future__ import annotations
 
-import json
-import os
-import platform
-import statistics
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-MT_BENCH_CATEGORIES = {
-    "writing",
-    "roleplay",
-    "reasoning",
-    "math",
-    "coding",
-    "extraction",
-    "stem",
-    "humanities",
-}
-# A sparse EAGLE tree for SmolLM2: wide at the first draft position, where acceptance is highest,
-# then deeper along the best candidates (11 nodes, depth 5).
-EAGLE_TREE = (
-    (0,),
-    (1,),
-    (2,),
-    (0, 0),
-    (0, 1),
-    (1, 0),
-    (0, 0, 0),
-    (0, 0, 1),
-    (0, 1, 0),
-    (0, 0, 0, 0),
-    (0, 0, 0, 0, 0),
+from specjax import bench
+from specjax.bench import (  # noqa: F401  (re-exported for the benchmark scripts)
+    EAGLE_TREE,
+    MT_BENCH_CATEGORIES,
+    SPEC_BENCH_CATEGORIES,
+    machine,
+    markdown_table,
+    median_time,
+    spec_bench_prompts,
 )
-SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def common_arguments(description: str):
@@ -71,53 +52,7 @@ def load_hf_reference():
 
 
 def data_dir(option: str | None = None) -> Path:
-    folder = Path(option or os.environ.get("SPECJAX_DATA") or REPO.parent / "shared" / "data")
-    if not (folder / "spec_bench_question.jsonl").exists():
-        raise SystemExit(f"no spec_bench_question.jsonl in {folder}: pass --data or set SPECJAX_DATA")
-    return folder
-
-
-def spec_bench_prompts(folder: Path, per_category: int) -> list[tuple[str, str]]:
-    """The first `per_category` questions of each Spec-Bench category, in file order (a fixed,
-    documented subset); MT-bench's eight sub-categories count as one, "mt_bench", taken round-robin
-    over the sub-categories. Returns (category, first turn) pairs."""
-    rows = [json.loads(line) for line in (folder / "spec_bench_question.jsonl").open()]
-    chosen = []
-    for category in SPEC_BENCH_CATEGORIES:
-        if category == "mt_bench":
-            pool = [r for r in rows if r["category"] in MT_BENCH_CATEGORIES]
-            pool.sort(
-                key=lambda r: (int(r["question_id"]) - 81) % 10 * 100 + (int(r["question_id"]) - 81) // 10
-            )
-        else:
-            pool = [r for r in rows if r["category"] == category]
-        chosen += [(category, r["turns"][0]) for r in pool[:per_category]]
-    return chosen
-
-
-def machine() -> str:
-    import jax
-
-    cpu = platform.processor() or platform.machine()
-    return (
-        f"{cpu}, {os.cpu_count()} cores, python {platform.python_version()}, "
-        f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device(s))"
-    )
-
-
-def median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def markdown_table(header: list[str], rows: list[list]) -> str:
-    def cell(x):
-        return f"{x:.2f}" if isinstance(x, float) else str(x)
-
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
-    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
-    return "\n".join(lines)
+    try:
+        return bench.data_dir(option)
+    except ValueError as error:
+        raise SystemExit(str(error)) from None

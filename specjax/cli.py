@@ -1,6 +1,22 @@
-"""The `specjax` command line. Subcommands:
+"""The `specjax` command line. Subcommands (each with `--help`):
 
+    specjax generate "prompt" [...] [--model smollm2-135m] [--proposer ngram --k 4] [--json]
+    specjax bench [--methods plain,ngram,eagle] [--categories qa] [--format markdown|csv] [--out FILE]
+    specjax ablate SPEC.yaml --out DIR
     specjax train-medusa --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
+    specjax train-eagle --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
+
+A bad argument or input gives one line, `specjax <command>: error: ...`, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+TRAIN_HELP = """    specjax train-medusa --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
     specjax train-eagle --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
 
 Both build a self-distillation set (the target's own greedy continuations of the prompts and its
@@ -15,33 +31,29 @@ that also appears in a held-out file. For the built-in model: `--prompts
 on Spec-Bench's non-MT-bench categories and keeps MT-bench for evaluation.
 """
 
-from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
-
-def read_prompts(path: str, field: str, limit: int | None) -> list[str]:
+def read_prompts(path: str, field: str, limit: int | None, option: str = "--prompts") -> list[str]:
     """The `field` of each JSON line of `path`; a list value (MT-bench's "turns") gives its first
-    entry."""
+    entry. Errors name `option`, the file and the line."""
     file = Path(path)
     if not file.is_file():
-        raise ValueError(f"--prompts: no such file {path!r}")
+        raise ValueError(f"{option}: no such file {path!r}")
     prompts = []
     for number, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
-        record = json.loads(line)
-        if field not in record:
-            raise ValueError(f"--prompts: line {number} of {path!r} has no field {field!r} (see --field)")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{option}: line {number} of {path!r} is not JSON ({error.msg})") from None
+        if not isinstance(record, dict) or field not in record:
+            raise ValueError(f"{option}: line {number} of {path!r} has no field {field!r} (see --field)")
         value = record[field]
         prompts.append(value[0] if isinstance(value, list) else value)
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
-        raise ValueError(f"--prompts: {path!r} holds no prompts")
+        raise ValueError(f"{option}: {path!r} holds no prompts")
     return prompts
 
 
@@ -138,6 +150,342 @@ def train_eagle_command(args: argparse.Namespace) -> None:
     print(f"saved an EAGLE head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
 
 
+# ---------------------------------------------------------------------------------------------
+# specjax generate
+
+GENERATE_HELP = """Generate text for prompts given as arguments and/or read from a JSONL file.
+
+    specjax generate "Write a haiku about JAX." --proposer ngram --k 4
+    specjax generate --prompts-file questions.jsonl --limit 8 --proposer eagle \\
+        --head heads/eagle/head --k 4 --json > out.jsonl
+    specjax generate "Hi" --proposer '{"name": "dynamic", "proposer": {"name": "ngram", "k": 6}}'
+
+The proposer is a name (plain, ngram, self_draft, draft_model, medusa, eagle, forced, dynamic) or
+a JSON object with "name" and its options (see specjax.speculate.proposers.named); --k,
+--layers, --head, --tree and --draft-model add the common options to it. The chat template is
+applied to every prompt unless --no-chat. Prints the texts on stdout and a metrics line per call
+on stderr; with --json, one JSON object per prompt: prompt, text, tokens and that row's metrics
+(its own counts; the times are those of the generate call, shared by its --batch-size rows).
+"""
+
+# proposer description key -> (argparse dest, flag) of the shortcut option that sets it
+PROPOSER_SHORTCUTS = {
+    "k": ("k", "--k"),
+    "layers": ("layers", "--layers"),
+    "head": ("head", "--head"),
+    "tree": ("tree", "--tree"),
+    "model": ("draft_model", "--draft-model"),
+}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def json_value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({error.msg}): {text!r}") from None
+
+
+def proposer_description(args: argparse.Namespace):
+    """--proposer (a name or a JSON object) with the shortcut options merged in; None for none."""
+    given = {
+        key: getattr(args, dest)
+        for key, (dest, _) in PROPOSER_SHORTCUTS.items()
+        if getattr(args, dest) is not None
+    }
+    if args.proposer is None:
+        if given:
+            flag = PROPOSER_SHORTCUTS[next(iter(given))][1]
+            raise ValueError(f"{flag} needs --proposer (e.g. --proposer ngram --k 4)")
+        return None
+    if args.proposer.lstrip().startswith("{"):
+        try:
+            description = json.loads(args.proposer)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--proposer: not valid JSON ({error.msg}): {args.proposer!r}") from None
+    else:
+        description = {"name": args.proposer}
+    if not isinstance(description, dict):
+        raise ValueError(f"--proposer must be a name or a JSON object, got {args.proposer!r}")
+    for key, value in given.items():
+        if key in description:
+            raise ValueError(
+                f"{PROPOSER_SHORTCUTS[key][1]}: {key!r} is also in --proposer's JSON; give it once"
+            )
+        description[key] = value
+    return description
+
+
+def generate_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompts)
+    if args.prompts_file:
+        prompts += read_prompts(args.prompts_file, args.field, args.limit, option="--prompts-file")
+    if not prompts:
+        raise ValueError("no prompts: give them as arguments or with --prompts-file FILE.jsonl")
+    return prompts
+
+
+def row_metrics(metrics, b: int) -> dict:
+    """The summary of row b of a generate call's SpecMetrics (per-row counts, the call's times)."""
+    import dataclasses
+
+    import numpy as np
+
+    rows = {
+        f.name: getattr(metrics, f.name)[b : b + 1]
+        for f in dataclasses.fields(metrics)
+        if isinstance(getattr(metrics, f.name), np.ndarray)
+    }
+    return dataclasses.replace(metrics, **rows).summary()
+
+
+def generate_command(args: argparse.Namespace) -> None:
+    import jax
+
+    import specjax
+    from specjax.speculate.proposers.named import proposer_from_description
+
+    prompts = generate_prompts(args)
+    description = proposer_description(args)
+    sampling = specjax.Sampling(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
+    )
+    model = specjax.load(args.model)
+    chat = not args.no_chat
+    if chat and model.tokenizer is not None and not getattr(model.tokenizer, "chat_template", None):
+        raise ValueError(f"the tokenizer of {args.model!r} has no chat template: pass --no-chat")
+    proposer = proposer_from_description(description, model, where="--proposer")
+    key = jax.random.key(args.seed) if args.temperature > 0 else None
+    for start in range(0, len(prompts), args.batch_size):
+        batch = prompts[start : start + args.batch_size]
+        if key is not None and start > 0:
+            key = jax.random.fold_in(key, start)  # each batch its own stream
+        result = specjax.generate(
+            model,
+            batch,
+            proposer=proposer,
+            sampling=sampling,
+            max_new_tokens=args.max_new_tokens,
+            key=key,
+            chat=chat,
+        )
+        texts = result.texts or [None] * len(batch)
+        for b, (prompt, text, tokens) in enumerate(zip(batch, texts, result.tokens, strict=True)):
+            if args.json:
+                row = {
+                    "prompt": prompt,
+                    "text": text,
+                    "tokens": tokens,
+                    "metrics": row_metrics(result.metrics, b),
+                }
+                print(json.dumps(row), flush=True)
+                continue
+            if len(prompts) > 1:
+                print(f"--- prompt {start + b + 1} ---")
+            print(text if text is not None else tokens, flush=True)
+        if not args.json:
+            print(result.metrics, file=sys.stderr)
+
+
+def add_generate_command(commands) -> None:
+    command = commands.add_parser(
+        "generate",
+        help="generate text, with or without a proposer",
+        description=GENERATE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")
+    command.add_argument("--prompts-file", help="a JSONL file of prompts (one JSON object per line)")
+    command.add_argument(
+        "--field", default="turns", help="the prompt's field in --prompts-file (default: turns)"
+    )
+    command.add_argument("--limit", type=positive_int, help="the first N prompts of --prompts-file")
+    command.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    command.add_argument(
+        "--proposer", help="a name (e.g. ngram) or a JSON description; default: none (plain decoding)"
+    )
+    command.add_argument(
+        "--k", type=positive_int, help="draft tokens per step (ngram, self_draft, eagle, ...)"
+    )
+    command.add_argument("--layers", type=positive_int, help="self_draft: layers of the target to draft with")
+    command.add_argument("--head", help="medusa, eagle: the folder of a saved head (e.g. heads/eagle/head)")
+    command.add_argument(
+        "--tree", type=json_value, help="medusa, eagle: a token tree, JSON paths: '[[0],[1],[0,0]]'"
+    )
+    command.add_argument("--draft-model", metavar="MODEL", help="draft_model: a name, folder or .gguf")
+    command.add_argument("--max-new-tokens", type=positive_int, default=128, help="default 128")
+    command.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    command.add_argument("--top-k", type=int, default=0, help="0 (default) is off")
+    command.add_argument("--top-p", type=float, default=1.0, help="1 (default) is off")
+    command.add_argument("--min-p", type=float, default=0.0, help="0 (default) is off")
+    command.add_argument(
+        "--seed", type=int, default=0, help="the PRNG seed when --temperature > 0 (default 0)"
+    )
+    command.add_argument(
+        "--batch-size", type=positive_int, default=8, help="prompts per generate call (default 8)"
+    )
+    command.add_argument(
+        "--no-chat", action="store_true", help="feed the prompts as they are, no chat template"
+    )
+    command.add_argument("--json", action="store_true", help="one JSON object per prompt on stdout")
+    command.set_defaults(run=generate_command)
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax bench
+
+BENCH_HELP = """Spec-Bench: tokens/s, speedup over plain decoding and mean acceptance length (tau)
+per category for each method, on a fixed subset of Spec-Bench (the first --per-category questions
+of each category; see specjax.bench), batch 1, greedy, median of --repeats after a warm-up call.
+
+    specjax bench --methods plain,ngram,eagle --categories mt_bench,qa --per-category 4
+    specjax bench --methods ngram,selfdraft --format csv --out spec_bench.csv
+
+Medusa and EAGLE read trained heads from --heads (medusa/head, eagle/head: `make heads`). The
+questions come from spec_bench_question.jsonl in --data (default $SPECJAX_DATA or ../shared/data).
+A progress bar on stderr ticks once per generate call; the table is printed at the end (Markdown,
+with per-position acceptance, or CSV) and written to --out when given.
+"""
+
+
+def bench_command(args: argparse.Namespace) -> None:
+    import specjax
+    from specjax import bench
+
+    categories = bench.parse_categories(args.categories)
+    descriptions = bench.method_descriptions(**bench.method_options(args))
+    prompts = bench.spec_bench_prompts(bench.data_dir(args.data), args.per_category, categories)
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise ValueError(f"--out: no folder {str(Path(args.out).parent)!r} to write {args.out!r} in")
+    model = specjax.load(args.model)
+    methods = bench.make_methods(model, descriptions)
+    from tqdm import tqdm
+
+    total = bench.num_calls(len(prompts), len(methods), args.repeats)
+    with tqdm(total=total, desc="spec-bench", unit="call", file=sys.stderr, dynamic_ncols=True) as bar:
+
+        def progress(tick: bench.Tick) -> None:
+            bar.set_postfix_str(
+                f"{tick.category} {tick.prompt_index + 1}/{tick.num_prompts} {tick.method}", False
+            )
+            bar.update(1)
+
+        result = bench.run_spec_bench(
+            model,
+            prompts,
+            methods,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            chat=not args.no_chat,
+            progress=progress,
+        )
+    table = result.report(args.format).rstrip("\n")
+    print(table)
+    if args.out:
+        Path(args.out).write_text(table + "\n")
+        print(f"wrote the table to {args.out}", file=sys.stderr)
+
+
+def add_bench_command(commands) -> None:
+    from specjax import bench
+
+    command = commands.add_parser(
+        "bench",
+        help="the Spec-Bench table: speed and acceptance of speculative methods per category",
+        description=BENCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    command.add_argument("--data", help="folder with spec_bench_question.jsonl")
+    command.add_argument(
+        "--per-category", type=positive_int, default=2, help="questions per category (default 2)"
+    )
+    command.add_argument("--max-new-tokens", type=positive_int, default=128, help="default 128")
+    command.add_argument("--repeats", type=positive_int, default=3, help="timed calls per prompt and method")
+    bench.add_method_arguments(command)
+    command.add_argument(
+        "--no-chat", action="store_true", help="feed the questions without the chat template"
+    )
+    command.add_argument("--format", choices=("markdown", "csv"), default="markdown", help="default markdown")
+    command.add_argument("--out", help="also write the table to this file")
+    command.set_defaults(run=bench_command)
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax ablate
+
+ABLATE_HELP = """Run an ablation sweep from a YAML or JSON spec (see specjax.ablation): every
+combination of its proposers and settings on its prompts, with specjax.ablate.
+
+    specjax ablate sweeps/k.yaml --out results/k
+
+Writes the table to DIR/ablation.csv and the figures to DIR/*.png, then prints where they went
+and the table's main columns (speed, speedup and acceptance of each configuration).
+"""
+
+
+# The columns of the table printed after a sweep (all of them are in ablation.csv).
+ABLATE_SUMMARY_COLUMNS = (
+    "category",
+    "proposer",
+    "k",
+    "temperature",
+    "seed",
+    "tokens_per_second",
+    "speedup",
+    "acceptance_rate",
+    "mean_acceptance_length",
+)
+
+
+def ablate_command(args: argparse.Namespace) -> None:
+    spec = Path(args.spec)
+    if not spec.is_file():
+        raise ValueError(f"no such file {args.spec!r} (a YAML or JSON sweep spec)")
+    if spec.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise ValueError(f"{args.spec!r}: a sweep spec is a .yaml, .yml or .json file")
+    try:
+        from specjax.ablation import run_sweep_file
+    except ImportError as error:
+        raise ValueError(
+            f"ablation sweeps are not available here ({error}); they need pandas and matplotlib"
+        ) from None
+    out = Path(args.out)
+    frame = run_sweep_file(spec, out, progress=True)
+    figures = sorted(out.glob("*.png"))
+    print(f"table: {out / 'ablation.csv'} ({len(frame)} rows)")
+    print(f"figures: {', '.join(str(f) for f in figures) or 'none'}")
+    summary = [c for c in ABLATE_SUMMARY_COLUMNS if c in frame.columns]
+    print(frame[summary].to_string(max_rows=20, float_format=lambda x: f"{x:.3g}"))
+
+
+def add_ablate_command(commands) -> None:
+    command = commands.add_parser(
+        "ablate",
+        help="run an ablation sweep from a YAML or JSON spec; write its table and figures",
+        description=ABLATE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("spec", metavar="SPEC", help="the sweep spec, a .yaml or .json file")
+    command.add_argument(
+        "--out", required=True, metavar="DIR", help="folder for ablation.csv and the figures"
+    )
+    command.set_defaults(run=ablate_command)
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax train-medusa, train-eagle
+
+
 def add_training_options(command: argparse.ArgumentParser, learning_rate: float) -> None:
     """The options both trainers take."""
     command.add_argument("--prompts", required=True, help="a JSONL file of training prompts")
@@ -168,17 +516,33 @@ def add_training_options(command: argparse.ArgumentParser, learning_rate: float)
     )
 
 
+class UsageError(Exception):
+    """A bad command line, already worded `specjax <command>: error: ...`."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors (the usage is in --help); subcommand parsers inherit it."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: error: {message}")
+
+
 def parser() -> argparse.ArgumentParser:
-    main = argparse.ArgumentParser(prog="specjax", description="specjax: speculative decoding in JAX")
-    commands = main.add_subparsers(dest="command", required=True)
+    main = ArgumentParser(
+        prog="specjax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    commands = main.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_generate_command(commands)
+    add_bench_command(commands)
+    add_ablate_command(commands)
     medusa = commands.add_parser(
-        "train-medusa", help="train Medusa heads for a model by self-distillation", description=__doc__
+        "train-medusa", help="train Medusa heads for a model by self-distillation", description=TRAIN_HELP
     )
     add_training_options(medusa, learning_rate=1e-3)
     medusa.add_argument("--heads", type=int, default=4, help="number of Medusa heads (default 4)")
     medusa.set_defaults(run=train_medusa_command)
     eagle = commands.add_parser(
-        "train-eagle", help="train an EAGLE head for a model by self-distillation", description=__doc__
+        "train-eagle", help="train an EAGLE head for a model by self-distillation", description=TRAIN_HELP
     )
     add_training_options(eagle, learning_rate=3e-4)
     eagle.add_argument(
@@ -189,12 +553,24 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    """Run a command; returns the exit status (0, 2 for a bad argument or input, 130 when
+    interrupted). User mistakes print one line on stderr, never a traceback."""
+    try:
+        args = parser().parse_args(argv)
+    except UsageError as error:
+        print(error, file=sys.stderr)
+        return 2
+    except SystemExit as done:  # --help
+        return done.code if isinstance(done.code, int) else 0
     try:
         args.run(args)
-    except ValueError as error:  # bad input: one line, not a traceback
-        print(f"specjax {args.command}: error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:  # bad input or a missing file: one line, not a traceback
+        message = " ".join(str(error).split())
+        print(f"specjax {args.command}: error: {message}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nspecjax {args.command}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,28 +1,368 @@
-"""The command line: one-line errors for bad input, and train-medusa and train-eagle end to end on a
-tiny model, one distillation set (--data) training both."""
+"""The command line: --help and one-line errors for every command; generate, bench and ablate on
+a tiny random model saved as an HF folder; train-medusa and train-eagle end to end on a tiny model,
+one distillation set (--data) training both."""
 
+import csv
+import io
 import json
+import re
 from types import SimpleNamespace
 
+import jax
+import numpy as np
 import pytest
-from tiny import tiny_model
+from tiny import tiny_model, tiny_tokenizer
 
 import specjax
-from specjax import cli
+from specjax import bench, cli
 from specjax.models import EagleHead, MedusaHead
+from specjax.speculate.proposers.named import PROPOSER_NAMES
 from specjax.train import DistillationData, load_head
 
 COMMANDS = ["train-medusa", "train-eagle"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def save_hf_folder(model, folder) -> None:
+    """Write a specjax model as an HF checkpoint folder (config.json, model.safetensors) with the
+    tiny character tokenizer and a chat template: what `--model PATH` reads, without torch."""
+    from safetensors.numpy import save_file
+
+    from specjax.models.checkpoint import flatten
+    from specjax.models.hf_loader import _LAYER_TENSORS
+
+    c = model.config
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config = {
+        "model_type": "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_word_embeddings,
+    }
+    (folder / "config.json").write_text(json.dumps(hf_config))
+    flat = {name: np.asarray(value) for name, value in flatten(model.params).items()}
+    tensors = {"model.embed_tokens.weight": flat["embed"], "model.norm.weight": flat["final_norm"]}
+    tensors["lm_head.weight"] = flat["lm_head"].T
+    for hf_name, (ours, transpose) in _LAYER_TENSORS.items():
+        for i in range(c.num_layers):
+            if f"layers.{i}.{ours}" in flat:
+                value = flat[f"layers.{i}.{ours}"]
+                tensors[f"model.layers.{i}.{hf_name}"] = value.T if transpose else value
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, folder / "model.safetensors")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny") / "model"
+    save_hf_folder(tiny_model(seed=5), folder)
+    return folder
+
+
+SPEC_BENCH_ROWS = [
+    {"question_id": 1, "category": "qa", "turns": ["What is the capital of France?"]},
+    {"question_id": 2, "category": "rag", "turns": ["Given: the sky is blue. What colour is the sky?"]},
+    {"question_id": 3, "category": "qa", "turns": ["Who wrote Hamlet?"]},
+    {"question_id": 4, "category": "qa", "turns": ["How far is the moon?"]},
+    {"question_id": 5, "category": "translation", "turns": ["Translate: bonjour"]},
+]
+
+
+@pytest.fixture
+def data_folder(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    lines = "".join(json.dumps(row) + "\n" for row in SPEC_BENCH_ROWS)
+    (folder / "spec_bench_question.jsonl").write_text(lines)
+    return folder
+
+
+# ---------------------------------------------------------------------------------------------
+# --help and errors
+
+
+@pytest.mark.parametrize("command", ["generate", "bench", "ablate", *COMMANDS])
+def test_help_of_every_command(command, capsys):
+    assert cli.main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: specjax {command}")
+    assert f"specjax {command} " in out.split("options:")[0]  # an example in the description
+
+
+def test_generate_help_names_every_proposer(capsys):
+    cli.main(["generate", "--help"])
+    listed = re.search(r"a name \(([^)]*)\)", " ".join(capsys.readouterr().out.split())).group(1)
+    assert tuple(listed.split(", ")) == PROPOSER_NAMES
 
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_help_and_missing_arguments(command, capsys):
-    with pytest.raises(SystemExit):
-        cli.main([command, "--help"])
+    assert cli.main([command, "--help"]) == 0
     assert "--prompts" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        cli.main([command])
-    assert "required" in capsys.readouterr().err
+    assert cli.main([command]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"specjax {command}: error:") and "required" in err
+
+
+BAD_ARGUMENTS = [
+    (["bogus"], "specjax: error: argument COMMAND: invalid choice: 'bogus'"),
+    (["generate", "hi", "--k", "0"], "specjax generate: error: argument --k: must be an integer >= 1"),
+    (["generate", "hi", "--tree", "[[0]"], "argument --tree: not valid JSON"),
+    (["generate", "hi", "--k", "3"], "--k needs --proposer"),
+    (["generate", "hi", "--head", "h"], "--head needs --proposer"),
+    (["generate", "--proposer", "ngram"], "no prompts: give them as arguments or with --prompts-file"),
+    (["generate", "hi", "--proposer", '{"name": "ngram", "k": 2}', "--k", "3"], "--k: 'k' is also in"),
+    (["generate", "hi", "--proposer", '{"name": "ngram"'], "--proposer: not valid JSON"),
+    (["generate", "hi", "--temperature", "-1"], "Sampling temperature must be a finite number >= 0"),
+    (["generate", "hi", "--temperature", "warm"], "argument --temperature: invalid float value"),
+    (["generate", "--prompts-file", "{tmp}/none.jsonl"], "--prompts-file: no such file"),
+    (["generate", "hi", "--model", "{tmp}/no-model"], "no-model"),
+    (["bench", "--methods", "plain,nope"], "--methods: unknown method 'nope'; allowed: plain, ngram"),
+    (["bench", "--categories", "qa,poetry"], "--categories: unknown category 'poetry'"),
+    (["bench", "--methods", "ngram", "--data", "{tmp}"], "no spec_bench_question.jsonl in {tmp}"),
+    (["bench", "--methods", "medusa", "--heads", "{tmp}"], "no Medusa head in {tmp}/medusa/head"),
+    (["bench", "--format", "html"], "argument --format: invalid choice: 'html'"),
+    (["bench", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
+    (["ablate", "{tmp}/sweep.yaml", "--out", "{tmp}/out"], "no such file '{tmp}/sweep.yaml'"),
+    (["ablate", "{tmp}/sweep.yaml"], "the following arguments are required: --out"),
+]
+
+
+@pytest.mark.parametrize(("argv", "message"), BAD_ARGUMENTS)
+def test_bad_arguments_are_one_line(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    command = argv[0] if argv[0] in ("generate", "bench", "ablate") else None
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"specjax {command}: error: " if command else "specjax: error: ")
+    assert message.replace("{tmp}", str(tmp_path)) in err
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax generate
+
+
+def json_lines(text: str) -> list[dict]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_generate_matches_the_library(tiny_folder, capsys):
+    """--json rows hold what specjax.generate returns for the same prompts (chat template on), and
+    an n-gram proposer gives plain greedy's tokens (lossless)."""
+    prompts = ["abcabcabc abc", "hello hello hello"]
+    model = specjax.load(tiny_folder)
+    plain = specjax.generate(model, prompts, max_new_tokens=12, chat=True)
+    argv = ["generate", *prompts, "--model", str(tiny_folder), "--max-new-tokens", "12", "--json"]
+    assert cli.main([*argv, "--proposer", "ngram", "--k", "3"]) == 0
+    rows = json_lines(capsys.readouterr().out)
+    assert [r["prompt"] for r in rows] == prompts
+    assert [r["tokens"] for r in rows] == plain.tokens
+    assert [r["text"] for r in rows] == plain.texts
+    for r, tokens in zip(rows, plain.tokens, strict=True):
+        assert r["metrics"]["num_speculative_tokens"] == 3
+        assert r["metrics"]["num_emitted_tokens"] == len(tokens)  # this row's own count
+
+    one = ["generate", prompts[0], "--model", str(tiny_folder), "--max-new-tokens", "12", "--no-chat"]
+    assert cli.main(one) == 0  # one prompt, text output
+    out, err = capsys.readouterr()
+    no_chat = specjax.generate(model, prompts[0], max_new_tokens=12)
+    assert out == no_chat.texts[0] + "\n"
+    assert re.fullmatch(r"\d+ tokens in .* steps\n", err)  # the metrics line
+
+
+def test_generate_proposer_json_and_shortcuts_agree(tiny_folder, capsys):
+    argv = [
+        "generate",
+        "one two one two one",
+        "--model",
+        str(tiny_folder),
+        "--max-new-tokens",
+        "10",
+        "--json",
+    ]
+    assert cli.main([*argv, "--proposer", '{"name": "self_draft", "layers": 1, "k": 2}']) == 0
+    by_json = json_lines(capsys.readouterr().out)[0]
+    assert cli.main([*argv, "--proposer", "self_draft", "--layers", "1", "--k", "2"]) == 0
+    by_options = json_lines(capsys.readouterr().out)[0]
+    assert by_json["tokens"] == by_options["tokens"]
+    counts = ("steps", "num_draft_tokens", "num_accepted_tokens", "acceptance_length_histogram")
+    assert [by_json["metrics"][c] for c in counts] == [by_options["metrics"][c] for c in counts]
+    assert by_json["metrics"]["num_speculative_tokens"] == 2 and by_json["metrics"]["num_drafts"] > 0
+
+
+def test_generate_samples_with_the_seed(tiny_folder, capsys):
+    argv = ["generate", "abc", "--model", str(tiny_folder), "--max-new-tokens", "16", "--json"]
+    argv += ["--temperature", "1.0", "--top-k", "50"]
+
+    def tokens(seed):
+        assert cli.main([*argv, "--seed", str(seed)]) == 0
+        return json_lines(capsys.readouterr().out)[0]["tokens"]
+
+    model = specjax.load(tiny_folder)
+    sampling = specjax.Sampling(temperature=1.0, top_k=50)
+    expected = specjax.generate(
+        model, "abc", sampling=sampling, max_new_tokens=16, key=jax.random.key(5), chat=True
+    )
+    assert tokens(5) == expected.tokens[0]
+    assert tokens(6) != expected.tokens[0]
+
+
+def test_generate_reads_a_prompts_file(tiny_folder, tmp_path, capsys):
+    file = tmp_path / "q.jsonl"
+    file.write_text("".join(json.dumps({"text": f"question {i}", "turns": ["x"]}) + "\n" for i in range(5)))
+    argv = ["generate", "first", "--prompts-file", str(file), "--field", "text", "--limit", "2"]
+    argv += ["--model", str(tiny_folder), "--max-new-tokens", "4", "--batch-size", "2", "--json", "--no-chat"]
+    assert cli.main(argv) == 0
+    rows = json_lines(capsys.readouterr().out)
+    assert [r["prompt"] for r in rows] == ["first", "question 0", "question 1"]
+    model = specjax.load(tiny_folder)
+    assert rows[2]["tokens"] == specjax.generate(model, "question 1", max_new_tokens=4).tokens[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax bench
+
+
+def test_spec_bench_prompts_by_category(data_folder):
+    prompts = bench.spec_bench_prompts(data_folder, 2, ["qa", "rag"])
+    assert prompts == [
+        ("qa", "What is the capital of France?"),
+        ("qa", "Who wrote Hamlet?"),
+        ("rag", "Given: the sky is blue. What colour is the sky?"),
+    ]
+    assert bench.data_dir(data_folder) == data_folder
+
+
+def test_bench_table_arithmetic():
+    """Means over prompts, speedups over plain and CSV columns, from known numbers."""
+    result = bench.SpecBenchResult(
+        methods=["plain", "NGram(k=2)", "peer"],
+        speculative=["NGram(k=2)"],
+        speeds={"qa": {"plain": [10.0, 30.0], "NGram(k=2)": [30.0, 50.0], "peer": [5.0, 5.0]}},
+        taus={"qa": {"plain": [1.0, 1.0], "NGram(k=2)": [2.0, 3.0]}},
+        accepted_at={"qa": {"NGram(k=2)": np.array([3, 1])}},
+        reached_at={"qa": {"NGram(k=2)": np.array([4, 0])}},
+        mismatches=[],
+        prompts_per_category=2,
+        max_new_tokens=8,
+        repeats=1,
+        chat=True,
+    )
+    header, rows = result.table()
+    assert header == [
+        "category", "plain tok/s", "NGram(k=2) tok/s", "peer tok/s",
+        "NGram(k=2) speedup", "peer speedup", "NGram(k=2) tau",
+    ]  # fmt: skip
+    assert rows == [["qa", 20.0, 40.0, 5.0, 2.0, 0.25, 2.5]]
+    table = list(csv.reader(io.StringIO(result.report("csv"))))
+    assert table[0] == header + ["NGram(k=2) conditional acceptance per position"]
+    assert table[1] == ["qa", "20.0", "40.0", "5.0", "2.0", "0.25", "2.5", "0.7500 nan"]
+    markdown = result.report("markdown")
+    assert "| qa | 20.00 | 40.00 | 5.00 | 2.00 | 0.25 | 2.50 |" in markdown
+    assert "| qa | NGram(k=2) | 0.75 nan |" in markdown
+    with pytest.raises(ValueError, match="--format must be markdown or csv"):
+        result.report("html")
+
+
+def test_run_spec_bench_ticks_and_catches_lossy_methods(tiny_folder):
+    """One tick per generate call; a lossy method (forced acceptance) is reported as differing from
+    plain greedy, a lossless one is not."""
+    from specjax.speculate.proposers.forced import ForcedAcceptance
+
+    model = specjax.load(tiny_folder)
+    methods = {"plain": None, "ngram": specjax.NGram(k=2), "forced": ForcedAcceptance(1.0, k=3)}
+    ticks = []
+    prompts = [("qa", "abc abc abc"), ("rag", "xyz")]
+    result = bench.run_spec_bench(model, prompts, methods, max_new_tokens=8, repeats=2, progress=ticks.append)
+    assert [t.done for t in ticks] == list(range(1, 19)) and {t.total for t in ticks} == {18}
+    assert [t.method for t in ticks[:9]] == ["plain"] * 3 + ["ngram"] * 3 + ["forced"] * 3
+    assert [t.category for t in ticks] == ["qa"] * 9 + ["rag"] * 9
+    assert result.mismatches == [("qa", "forced"), ("rag", "forced")]
+    assert result.taus["qa"]["forced"] == [4.0]  # every draft accepted: k + 1 tokens per step
+
+
+def test_bench_command_on_a_tiny_model(tiny_folder, data_folder, tmp_path, capsys):
+    out = tmp_path / "table.csv"
+    options = (
+        "--categories qa,rag --methods ngram,selfdraft --ngram-k 3 --self-draft-layers 1 --self-draft-k 2 "
+        "--per-category 2 --max-new-tokens 6 --repeats 1 --format csv"
+    )
+    argv = ["bench", "--model", str(tiny_folder), "--data", str(data_folder), "--out", str(out)]
+    argv += options.split()
+    assert cli.main(argv) == 0
+    stdout, stderr = capsys.readouterr()
+    assert out.read_text() == stdout
+    table = list(csv.DictReader(io.StringIO(stdout)))
+    assert [row["category"] for row in table] == ["qa", "rag"]
+    for row in table:
+        assert float(row["plain tok/s"]) > 0
+        assert float(row["NGram(k=3) speedup"]) == pytest.approx(
+            float(row["NGram(k=3) tok/s"]) / float(row["plain tok/s"])
+        )
+        assert 1.0 <= float(row["SelfDraft(layers=1, k=2) tau"]) <= 3.0
+        assert len(row["SelfDraft(layers=1, k=2) conditional acceptance per position"].split()) == 2
+    assert "spec-bench" in stderr and "18/18" in stderr  # 3 prompts x 3 methods x (warm-up + 1)
+    assert f"wrote the table to {out}" in stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax ablate
+
+
+def test_ablate_command_runs_a_tiny_sweep(tiny_folder, tmp_path, capsys):
+    pytest.importorskip("pandas")
+    pytest.importorskip("matplotlib")
+    spec = tmp_path / "sweep.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "model": str(tiny_folder),
+                "prompts": {"code": ["abc abc abc"], "chat": ["hello there"]},
+                "proposers": [{"name": "ngram", "k": 2}],
+                "max_new_tokens": 6,
+                "chat": False,
+            }
+        )
+    )
+    out = tmp_path / "out"
+    assert cli.main(["ablate", str(spec), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out
+    import pandas as pd
+
+    frame = pd.read_csv(out / "ablation.csv")
+    assert sorted(set(frame["category"])) == ["chat", "code"] and sorted(set(frame["k"])) == [0, 2]
+    assert f"table: {out / 'ablation.csv'} ({len(frame)} rows)" in stdout
+    header, *rows = stdout.splitlines()[2:]  # the summary: a row per configuration
+    assert header.split()[:3] == ["category", "proposer", "k"] and "speedup" in header
+    assert len(rows) == len(frame) and sum("NGram(n_max=4, n_min=1)" in row for row in rows) == 2
+    figures = sorted(out.glob("*.png"))
+    assert figures and f"figures: {', '.join(str(f) for f in figures)}" in stdout
+
+
+def test_ablate_bad_spec_is_one_line(tmp_path, capsys):
+    pytest.importorskip("pandas")
+    spec = tmp_path / "sweep.yaml"
+    spec.write_text("model: smollm2-135m\nproposers: [{name: nope}]\n")
+    assert cli.main(["ablate", str(spec), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("specjax ablate: error: ")
+
+
+# ---------------------------------------------------------------------------------------------
+# specjax train-medusa, train-eagle
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -1,0 +1,463 @@
+"""Spec-Bench as a library: the prompt subset, the methods, the timed runs and the tables.
+
+`specjax bench` and `benchmarks/spec_bench.py` are thin wrappers over this module:
+
+    prompts = spec_bench_prompts(data_dir(), per_category=2, categories=["qa"])
+    methods = make_methods(model, method_descriptions("ngram,eagle", heads="heads", eagle_k=4))
+    result = run_spec_bench(model, prompts, methods, max_new_tokens=128, repeats=3)
+    print(result.report("markdown"))
+
+The subset is fixed and documented: the first `per_category` questions of each Spec-Bench
+category in file order (MT-bench's eight sub-categories count as one, "mt_bench", taken
+round-robin), first turn only. Each method generates every prompt at batch 1, greedy, once to
+warm up (compile) and then `repeats` times; tokens/s is new tokens over the median wall time of a
+whole generate call (prefill included). Speculative outputs are checked against plain greedy
+output. The prompt data are read from a folder (`$SPECJAX_DATA`, else `../shared/data` next to
+the repository); they are never copied into it.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+DATA_FILE = "spec_bench_question.jsonl"
+SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+MT_BENCH_CATEGORIES = {
+    "writing",
+    "roleplay",
+    "reasoning",
+    "math",
+    "coding",
+    "extraction",
+    "stem",
+    "humanities",
+}
+# A sparse EAGLE tree for SmolLM2: wide at the first draft position, where acceptance is highest,
+# then deeper along the best candidates (11 nodes, depth 5).
+EAGLE_TREE = (
+    (0,),
+    (1,),
+    (2,),
+    (0, 0),
+    (0, 1),
+    (1, 0),
+    (0, 0, 0),
+    (0, 0, 1),
+    (0, 1, 0),
+    (0, 0, 0, 0),
+    (0, 0, 0, 0, 0),
+)
+METHODS = ("plain", "ngram", "selfdraft", "medusa", "medusa-tree", "eagle", "eagle-tree")
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts
+
+
+def default_data_dir() -> Path:
+    """$SPECJAX_DATA, else the `shared/data` folder beside the repository holding this package."""
+    return Path(os.environ.get("SPECJAX_DATA") or Path(__file__).resolve().parents[2] / "shared" / "data")
+
+
+def data_dir(folder: str | os.PathLike | None = None) -> Path:
+    """The folder holding spec_bench_question.jsonl: `folder`, else the default; ValueError naming
+    the folder when the file is not there."""
+    path = Path(folder) if folder else default_data_dir()
+    if not (path / DATA_FILE).is_file():
+        raise ValueError(f"no {DATA_FILE} in {path}: pass --data FOLDER or set SPECJAX_DATA")
+    return path
+
+
+def parse_categories(text: str | Sequence[str]) -> list[str]:
+    """Categories from "qa,rag" or a list, each checked against SPEC_BENCH_CATEGORIES."""
+    names = [c.strip() for c in text.split(",")] if isinstance(text, str) else list(text)
+    unknown = [c for c in names if c not in SPEC_BENCH_CATEGORIES]
+    if unknown or not names:
+        raise ValueError(
+            f"--categories: unknown category {unknown[0] if unknown else ''!r}; "
+            f"allowed: {', '.join(SPEC_BENCH_CATEGORIES)}"
+        )
+    return names
+
+
+def spec_bench_prompts(
+    folder: Path, per_category: int, categories: Sequence[str] = SPEC_BENCH_CATEGORIES
+) -> list[tuple[str, str]]:
+    """(category, first turn) pairs: the first `per_category` questions of each category, in file
+    order; MT-bench's eight sub-categories count as one, "mt_bench", taken round-robin over the
+    sub-categories."""
+    if per_category < 1:
+        raise ValueError(f"--per-category must be >= 1, got {per_category}")
+    rows = [json.loads(line) for line in (Path(folder) / DATA_FILE).open() if line.strip()]
+    chosen = []
+    for category in SPEC_BENCH_CATEGORIES:
+        if category not in categories:
+            continue
+        if category == "mt_bench":
+            pool = [r for r in rows if r["category"] in MT_BENCH_CATEGORIES]
+            pool.sort(
+                key=lambda r: (int(r["question_id"]) - 81) % 10 * 100 + (int(r["question_id"]) - 81) // 10
+            )
+        else:
+            pool = [r for r in rows if r["category"] == category]
+        chosen += [(category, r["turns"][0]) for r in pool[:per_category]]
+    return chosen
+
+
+# ---------------------------------------------------------------------------------------------
+# Methods: display name -> proposer description (specjax.speculate.proposers.named)
+
+
+def add_method_arguments(parser) -> None:
+    """The options that choose and configure the methods (shared by `specjax bench` and
+    benchmarks/spec_bench.py)."""
+    parser.add_argument(
+        "--methods",
+        default=",".join(METHODS),
+        help=f"comma-separated, of: {', '.join(METHODS)} (plain always runs: speedups are over it)",
+    )
+    parser.add_argument(
+        "--categories",
+        default=",".join(SPEC_BENCH_CATEGORIES),
+        help=f"comma-separated, of: {', '.join(SPEC_BENCH_CATEGORIES)} (default: all)",
+    )
+    parser.add_argument(
+        "--heads", default="heads", help="folder with medusa/head and eagle/head (`make heads`)"
+    )
+    parser.add_argument("--ngram-k", type=int, default=5)
+    parser.add_argument("--self-draft-layers", type=int, default=8)
+    parser.add_argument("--self-draft-k", type=int, default=3)
+    parser.add_argument("--medusa-tree", default="3,2", help="top-k widths per depth (default 3,2)")
+    parser.add_argument("--eagle-k", type=int, default=4)
+
+
+def parse_widths(text: str) -> tuple[int, ...]:
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        widths = ()
+    if not widths or min(widths) < 1:
+        raise ValueError(f"--medusa-tree must be comma-separated widths >= 1 (e.g. 3,2), got {text!r}")
+    return widths
+
+
+METHOD_OPTIONS = (
+    "methods",
+    "heads",
+    "ngram_k",
+    "self_draft_layers",
+    "self_draft_k",
+    "medusa_tree",
+    "eagle_k",
+)
+
+
+def method_options(args) -> dict[str, Any]:
+    """The `method_descriptions` keywords from the options of `add_method_arguments`."""
+    return {name: getattr(args, name) for name in METHOD_OPTIONS}
+
+
+def method_descriptions(
+    methods: str | Sequence[str] = METHODS,
+    heads: str | os.PathLike = "heads",
+    ngram_k: int = 5,
+    self_draft_layers: int = 8,
+    self_draft_k: int = 3,
+    medusa_tree: str | Sequence[int] = "3,2",
+    eagle_k: int = 4,
+) -> dict[str, Any]:
+    """{display name: proposer description, or None for plain} of the named methods ("ngram,eagle"
+    or a list, of METHODS); plain comes first. Medusa and EAGLE read the heads saved in
+    `heads`/medusa/head and `heads`/eagle/head. ValueError for an unknown method or a missing head."""
+    from specjax.speculate.tree import TokenTree
+
+    wanted = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else list(methods)
+    unknown = [m for m in wanted if m not in METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown method {unknown[0]!r}; allowed: {', '.join(METHODS)}")
+    heads = Path(heads)
+    for kind, folder in (("medusa", "Medusa"), ("eagle", "EAGLE")):
+        if any(m.startswith(kind) for m in wanted) and not (heads / kind / "head").is_dir():
+            raise ValueError(f"no {folder} head in {heads / kind / 'head'}: run `make heads` or pass --heads")
+    widths = ()
+    if "medusa-tree" in wanted:
+        widths = parse_widths(medusa_tree) if isinstance(medusa_tree, str) else tuple(medusa_tree)
+    medusa, eagle = str(heads / "medusa" / "head"), str(heads / "eagle" / "head")
+    every = {
+        "ngram": (f"NGram(k={ngram_k})", {"name": "ngram", "k": ngram_k, "n_max": 4, "n_min": 1}),
+        "selfdraft": (
+            f"SelfDraft(layers={self_draft_layers}, k={self_draft_k})",
+            {"name": "self_draft", "layers": self_draft_layers, "k": self_draft_k},
+        ),
+        "medusa": ("Medusa chain", {"name": "medusa", "head": medusa}),
+        "medusa-tree": (
+            f"Medusa tree top_k{widths}",
+            {"name": "medusa", "head": medusa, "tree": TokenTree.top_k(widths).paths if widths else None},
+        ),
+        "eagle": (f"EAGLE chain k={eagle_k}", {"name": "eagle", "head": eagle, "k": eagle_k}),
+        "eagle-tree": (
+            f"EAGLE tree ({len(EAGLE_TREE)} nodes)",
+            {"name": "eagle", "head": eagle, "tree": EAGLE_TREE},
+        ),
+    }
+    descriptions: dict[str, Any] = {"plain": None}
+    for m in wanted:
+        if m != "plain":
+            name, description = every[m]
+            descriptions[name] = description
+    return descriptions
+
+
+def make_methods(model, descriptions: dict[str, Any]) -> dict[str, Any]:
+    """{display name: proposer} from {display name: description} (heads are loaded here, once)."""
+    from specjax.speculate.proposers.named import proposer_from_description
+
+    return {
+        name: proposer_from_description(description, model, where=f"method {name!r}")
+        for name, description in descriptions.items()
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    """One finished generate call, for a progress display."""
+
+    done: int
+    total: int
+    prompt_index: int  # 0-based
+    num_prompts: int
+    category: str
+    method: str
+
+
+@dataclasses.dataclass
+class SpecBenchResult:
+    """Per category and method: tokens/s and mean acceptance length per prompt, and the
+    per-position accepted / reached counts summed over the prompts."""
+
+    methods: list[str]  # plain, the speculative methods, then the peers
+    speculative: list[str]
+    speeds: dict[str, dict[str, list[float]]]  # [category][method] -> tokens/s per prompt
+    taus: dict[str, dict[str, list[float]]]  # [category][method] -> mean acceptance length per prompt
+    accepted_at: dict[str, dict[str, np.ndarray]]  # [category][method] -> [K]
+    reached_at: dict[str, dict[str, np.ndarray]]
+    mismatches: list[tuple[str, str]]  # (category, method) whose output differs from plain greedy
+    prompts_per_category: int
+    max_new_tokens: int
+    repeats: int
+    chat: bool
+
+    def table(self) -> tuple[list[str], list[list]]:
+        """(header, rows): per category, tokens/s of every method, speedup over plain, tau."""
+        names, spec = self.methods, self.speculative
+        header = ["category"] + [f"{n} tok/s" for n in names] + [f"{n} speedup" for n in names[1:]]
+        header += [f"{n} tau" for n in spec]
+        rows = []
+        for category, by_method in self.speeds.items():
+            speed = {n: statistics.mean(by_method[n]) for n in names}
+            tau = [statistics.mean(self.taus[category][n]) for n in spec]
+            rows.append(
+                [category] + [speed[n] for n in names] + [speed[n] / speed["plain"] for n in names[1:]] + tau
+            )
+        return header, rows
+
+    def conditional_acceptance(self, category: str, method: str) -> np.ndarray:
+        """[K] accepted at position i among the drafts that reached it (EAGLE's definition)."""
+        accepted, reached = self.accepted_at[category][method], self.reached_at[category][method]
+        return np.where(reached > 0, accepted / np.maximum(reached, 1), np.nan)
+
+    def position_table(self) -> tuple[list[str], list[list]]:
+        rows = [
+            [category, name, " ".join(f"{r:.2f}" for r in self.conditional_acceptance(category, name))]
+            for category, by_method in self.accepted_at.items()
+            for name in by_method
+        ]
+        return ["category", "method", "position 1, 2, ..."], rows
+
+    def report(self, format: str = "markdown") -> str:
+        """The whole report: a Markdown page (notes, the table, per-position acceptance, mismatches)
+        or one CSV table (the main table plus a column of per-position acceptance per method)."""
+        if format == "csv":
+            header, rows = self.table()
+            header = header + [f"{n} conditional acceptance per position" for n in self.speculative]
+            rows = [
+                row
+                + [
+                    " ".join(f"{r:.4f}" for r in self.conditional_acceptance(row[0], n))
+                    for n in self.speculative
+                ]
+                for row in rows
+            ]
+            return csv_table(header, rows)
+        if format != "markdown":
+            raise ValueError(f"--format must be markdown or csv, got {format!r}")
+        chat = "chat template" if self.chat else "no chat template"
+        lines = [
+            f"machine: {machine()}",
+            f"batch 1, greedy, {chat}, {self.max_new_tokens} new tokens, {self.prompts_per_category} "
+            f"prompts per category, median of {self.repeats}; speedup is over specjax plain decoding; "
+            "tau = mean acceptance length (tokens per target forward, bonus included)\n",
+            markdown_table(*self.table()),
+            "\nconditional acceptance per draft position (accepted / reached), summed over the prompts:\n",
+            markdown_table(*self.position_table()),
+            f"\nspeculative outputs that differ from plain greedy: {self.mismatches or 'none'}",
+        ]
+        return "\n".join(lines)
+
+
+def num_calls(num_prompts: int, num_methods: int, repeats: int) -> int:
+    """Generate calls of a run: a warm-up and `repeats` timed calls per prompt and method."""
+    return num_prompts * num_methods * (1 + repeats)
+
+
+def run_spec_bench(
+    model,
+    prompts: Sequence[tuple[str, str]],
+    methods: dict[str, Any],
+    *,
+    max_new_tokens: int = 128,
+    repeats: int = 3,
+    chat: bool = True,
+    peers: dict[str, Callable[[list[int]], int]] | None = None,
+    progress: Callable[[Tick], None] | None = None,
+) -> SpecBenchResult:
+    """Run every method (`methods`: display name -> proposer, "plain" -> None first) on every
+    (category, prompt) pair, then every peer: display name -> a function of the prompt's token ids
+    that generates and returns the number of new tokens (e.g. HF transformers), timed the same way.
+    `progress` is called after every generate call."""
+    import specjax
+
+    if not prompts:
+        raise ValueError("no prompts to run: check --categories and --per-category")
+    if next(iter(methods), None) != "plain" or methods["plain"] is not None:
+        raise ValueError("methods must start with 'plain': None (the speedups are over it)")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    peers = peers or {}
+    total = num_calls(len(prompts), len(methods) + len(peers), repeats)
+    done = 0
+    speeds: dict = {}
+    taus: dict = {}
+    accepted_at: dict = {}
+    reached_at: dict = {}
+    mismatches = []
+
+    def timed(fn, category, method, index):
+        """(fn's warm-up output, median seconds of `repeats` calls after the warm-up); progress is
+        reported between calls, outside the timed spans."""
+
+        def tick():
+            nonlocal done
+            done += 1
+            if progress is not None:
+                progress(Tick(done, total, index, len(prompts), category, method))
+
+        warm = fn()
+        tick()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+            tick()
+        return warm, statistics.median(times)
+
+    for index, (category, text) in enumerate(prompts):
+        plain_tokens = prompt_ids = None
+        for name, proposer in methods.items():
+
+            def run(proposer=proposer, text=text):
+                return specjax.generate(
+                    model, [text], proposer=proposer, max_new_tokens=max_new_tokens, chat=chat
+                )
+
+            warm, seconds = timed(run, category, name, index)
+            if proposer is None:
+                plain_tokens, prompt_ids = warm.tokens[0], warm.prompt_tokens[0]
+            elif warm.tokens[0] != plain_tokens:
+                mismatches.append((category, name))
+            speeds.setdefault(category, {}).setdefault(name, []).append(len(warm.tokens[0]) / seconds)
+            tau = warm.metrics.mean_acceptance_length if proposer is not None else 1.0
+            taus.setdefault(category, {}).setdefault(name, []).append(tau)
+            if proposer is not None:
+                m = warm.metrics
+                by_method = accepted_at.setdefault(category, {})
+                by_method[name] = by_method.get(name, 0) + m.accepted_at.sum(0)
+                by_method = reached_at.setdefault(category, {})
+                by_method[name] = by_method.get(name, 0) + m.reached_at.sum(0)
+        for name, peer in peers.items():
+            n_new, seconds = timed(lambda peer=peer, ids=prompt_ids: peer(ids), category, name, index)
+            speeds[category].setdefault(name, []).append(n_new / seconds)
+
+    counts = [sum(1 for c, _ in prompts if c == category) for category in speeds]
+    return SpecBenchResult(
+        methods=list(methods) + list(peers),
+        speculative=list(methods)[1:],
+        speeds=speeds,
+        taus=taus,
+        accepted_at=accepted_at,
+        reached_at=reached_at,
+        mismatches=mismatches,
+        prompts_per_category=max(counts),
+        max_new_tokens=max_new_tokens,
+        repeats=repeats,
+        chat=chat,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing and tables
+
+
+def machine() -> str:
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    return (
+        f"{cpu}, {os.cpu_count()} cores, python {platform.python_version()}, "
+        f"jax {jax.__version__} ({jax.default_backend()}, {jax.device_count()} device(s))"
+    )
+
+
+def median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _cell(x) -> str:
+    return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(_cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def csv_table(header: list[str], rows: list[list]) -> str:
+    """CSV with full-precision numbers (the Markdown table rounds to two decimals)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(header)
+    writer.writerows([[repr(float(x)) if isinstance(x, float) else x for x in row] for row in rows])
+    return out.getvalue()
