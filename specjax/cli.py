@@ -454,7 +454,7 @@ def ablate_command(args: argparse.Namespace) -> None:
     if spec.suffix.lower() not in (".yaml", ".yml", ".json"):
         raise ValueError(f"{args.spec!r}: a sweep spec is a .yaml, .yml or .json file")
     try:
-        from specjax.ablation import run_sweep_file
+        from specjax.sweep import run_sweep_file
     except ImportError as error:
         raise ValueError(
             f"ablation sweeps are not available here ({error}); they need pandas and matplotlib"

@@ -19,6 +19,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 import specjax
 from specjax import ablation, plots
+from specjax import sweep as sweep_file
 from specjax.speculate.metrics import SpecMetrics
 
 SAMPLINGS = [specjax.Sampling(temperature=0.5), specjax.Sampling(temperature=1.0)]
@@ -509,7 +510,7 @@ def test_sweep_file_writes_the_table_and_figures(sweep, model, tmp_path, agg, su
 
     path = tmp_path / f"sweep{suffix}"
     path.write_text(json.dumps(SPEC) if suffix == ".json" else yaml.safe_dump(SPEC))
-    df = ablation.run_sweep_file(path, tmp_path / "out", progress=False, model=model)
+    df = sweep_file.run_sweep_file(path, tmp_path / "out", progress=False, model=model)
     assert len(df) == 3 * 2 * 2  # plain and NGram at k 2, 3; 2 samplings; 2 categories; 1 seed
     saved = specjax.load_ablation(tmp_path / "out" / "ablation.csv")
     assert saved["mean_acceptance_length"].equals(df["mean_acceptance_length"])
@@ -534,9 +535,9 @@ def test_sweep_file_reads_prompts_from_json_lines(tmp_path):
         "samplings": None,
     }
     (tmp_path / "s.json").write_text(json.dumps(spec))
-    df = ablation.run_sweep_file(tmp_path / "s.json", tmp_path / "out", progress=False, model=model)
+    df = sweep_file.run_sweep_file(tmp_path / "s.json", tmp_path / "out", progress=False, model=model)
     assert df["category"].tolist() == ["x", "y"] and (df["num_prompts"] == 2).all()
-    categories = ablation._prompt_file({"file": "q.jsonl", "field": "turns", "limit": 4}, tmp_path)
+    categories = sweep_file._prompt_file({"file": "q.jsonl", "field": "turns", "limit": 4}, tmp_path)
     assert categories == {"all": [r["turns"][0] for r in records[:4]]}
 
 
@@ -564,11 +565,11 @@ def test_bad_sweep_files_raise_one_line(tmp_path, model, content, message):
     path = tmp_path / "bad.json"
     path.write_text(content)
     with pytest.raises(ValueError, match=message) as error:
-        ablation.run_sweep_file(path, tmp_path / "out", progress=False, model=model)
+        sweep_file.run_sweep_file(path, tmp_path / "out", progress=False, model=model)
     assert "\n" not in str(error.value)
 
 
 def test_sweep_file_suffix_must_be_known(tmp_path, model):
     (tmp_path / "sweep.toml").write_text("")
     with pytest.raises(ValueError, match=r"unknown suffix '.toml'; allowed: .yaml, .yml, .json"):
-        ablation.run_sweep_file(tmp_path / "sweep.toml", tmp_path / "out", model=model)
+        sweep_file.run_sweep_file(tmp_path / "sweep.toml", tmp_path / "out", model=model)
