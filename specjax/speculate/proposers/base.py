@@ -44,6 +44,37 @@ class Stateless:
         return state
 
 
+class Wrapper:
+    """Defaults for a proposer spec that wraps another one, `inner` (ForcedSpec, DynamicSpec):
+    everything it does not change is the inner spec's."""
+
+    inner: Any
+
+    @property
+    def k(self) -> int:
+        return self.inner.k
+
+    @property
+    def tree(self):
+        return getattr(self.inner, "tree", None)
+
+    @property
+    def always_drafts(self) -> bool:
+        return self.inner.always_drafts
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return self.inner.state_bytes(batch_size, capacity)
+
+    def init(self, *args):
+        return self.inner.init(*args)
+
+    def propose(self, *args):
+        return self.inner.propose(*args)
+
+    def update(self, state, path_hidden, num_accepted):
+        return self.inner.update(state, path_hidden, num_accepted)
+
+
 @flax.struct.dataclass
 class HeadInputs:
     """The params of a trained-head proposer (Medusa, EAGLE): the head's own, and the target's LM

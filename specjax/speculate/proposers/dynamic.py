@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers.base import Proposal
+from specjax.speculate.proposers.base import Proposal, Wrapper
 
 
 @flax.struct.dataclass
@@ -190,18 +190,10 @@ def narrowed(inner, k: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicSpec:
+class DynamicSpec(Wrapper):
     inner: Any
     schedule: Any
     always_drafts = False  # a row at k = 0 drafts nothing
-
-    @property
-    def k(self) -> int:
-        return self.inner.k
-
-    @property
-    def tree(self):
-        return getattr(self.inner, "tree", None)
 
     @property
     def forced_acceptance(self):
@@ -213,9 +205,6 @@ class DynamicSpec:
         if narrowed(self.inner, 1) is None:
             return None
         return tuple(sorted({0, self.k} | {1 << i for i in range(self.k.bit_length()) if 1 << i < self.k}))
-
-    def state_bytes(self, batch_size: int, capacity: int) -> int:
-        return self.inner.state_bytes(batch_size, capacity)
 
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         inner = self.inner.init(target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden)

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.speculate.proposers.base import Proposal, Stateless, check_k
+from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper, check_k
 
 
 def _check_rates(acceptance) -> tuple[float, ...]:
@@ -53,35 +53,11 @@ class FreeDrafts(Stateless):
 
 
 @dataclasses.dataclass(frozen=True)
-class ForcedSpec:
+class ForcedSpec(Wrapper):
     """The static part: the proposer that drafts (its spec) and the forced rates, one per position."""
 
     inner: Any
     forced_acceptance: tuple[float, ...]  # [k] conditional acceptance per draft position
-
-    @property
-    def k(self) -> int:
-        return self.inner.k
-
-    @property
-    def tree(self):
-        return getattr(self.inner, "tree", None)
-
-    @property
-    def always_drafts(self) -> bool:
-        return self.inner.always_drafts
-
-    def state_bytes(self, batch_size: int, capacity: int) -> int:
-        return self.inner.state_bytes(batch_size, capacity)
-
-    def init(self, *args):
-        return self.inner.init(*args)
-
-    def propose(self, *args):
-        return self.inner.propose(*args)
-
-    def update(self, state, path_hidden, num_accepted):
-        return self.inner.update(state, path_hidden, num_accepted)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -51,13 +51,8 @@ def schedule_from_description(description: Any, where: str = "schedule"):
             f"{where} must be one of {', '.join(SCHEDULE_NAMES)} (or a dict with that name), "
             f"got {description!r}"
         )
-    if description["name"] == "heuristic":
-        return HeuristicSchedule(
-            **_options(description, tuple(f.name for f in dataclasses.fields(HeuristicSchedule)), where)
-        )
-    return GoodputSchedule(
-        **_options(description, tuple(f.name for f in dataclasses.fields(GoodputSchedule)), where)
-    )
+    schedule = {"heuristic": HeuristicSchedule, "goodput": GoodputSchedule}[description["name"]]
+    return schedule(**_options(description, tuple(f.name for f in dataclasses.fields(schedule)), where))
 
 
 def proposer_from_description(description: Any, target: Model | None = None, where: str = "proposer"):

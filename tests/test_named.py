@@ -1,0 +1,63 @@
+"""Proposers by name (the CLI's and sweep files' descriptions) and `with_k`."""
+
+import pytest
+from tiny import tiny_model
+
+import specjax
+from specjax.speculate.proposers.named import proposer_from_description, with_k
+
+TARGET = tiny_model(seed=0)
+
+
+def test_descriptions_build_the_proposers_they_name():
+    assert proposer_from_description("plain") is None and proposer_from_description(None) is None
+    assert proposer_from_description({"name": "ngram", "k": 3, "n_max": 2}) == specjax.NGram(3, 2)
+    assert proposer_from_description({"name": "self_draft", "layers": 1, "k": 2}) == specjax.SelfDraft(1, 2)
+    forced = proposer_from_description({"name": "forced", "acceptance": 0.5, "k": 3})
+    assert forced.acceptance == (0.5, 0.5, 0.5) and forced.proposer is None
+    dynamic = proposer_from_description(
+        {
+            "name": "dynamic",
+            "proposer": {"name": "ngram", "k": 6},
+            "schedule": {"name": "goodput", "decay": 0.8},
+        }
+    )
+    assert dynamic.proposer == specjax.NGram(k=6)
+    assert dynamic.schedule == specjax.GoodputSchedule(decay=0.8)
+    assert proposer_from_description({"name": "dynamic", "proposer": "ngram"}).schedule == (
+        specjax.HeuristicSchedule()
+    )
+
+
+@pytest.mark.parametrize(
+    "description, match",
+    [
+        ({"name": "beam"}, "proposer must name one of plain, ngram"),
+        ({"name": "ngram", "layers": 2}, "unknown option 'layers' for 'ngram'; allowed: k, n_max, n_min"),
+        ({"name": "dynamic"}, "dynamic needs 'proposer'"),
+        ({"name": "dynamic", "proposer": "ngram", "schedule": "fast"}, "schedule must be one of heuristic"),
+        ({"name": "eagle"}, "eagle needs 'head'"),
+        ({"name": "draft_model", "k": 2}, "draft_model needs 'model'"),
+        ({"name": "ngram", "k": 0}, "NGram k must be an integer in 1..16"),
+    ],
+)
+def test_bad_descriptions(description, match):
+    with pytest.raises(ValueError, match=match):
+        proposer_from_description(description, TARGET)
+
+
+def test_with_k():
+    assert with_k(specjax.NGram(k=5, n_max=2), 2) == specjax.NGram(k=2, n_max=2)
+    assert with_k(specjax.SelfDraft(1, k=4), 3) == specjax.SelfDraft(1, k=3)
+    dynamic = with_k(specjax.Dynamic(specjax.NGram(k=8)), 3)
+    assert dynamic.proposer == specjax.NGram(k=3) and dynamic.k == 3
+    forced = with_k(specjax.ForcedAcceptance(0.5, k=4), 2)
+    assert forced.k == 2 and forced.acceptance == (0.5, 0.5)
+    with pytest.raises(ValueError, match="one rate per position"):
+        with_k(specjax.ForcedAcceptance([0.5, 0.4]), 3)
+    with pytest.raises(ValueError, match="cannot change k of Medusa"):
+        import jax
+
+        from specjax.models import MedusaHead
+
+        with_k(specjax.Medusa(MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0))), 3)
