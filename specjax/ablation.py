@@ -390,7 +390,7 @@ def ablate(
     if not isinstance(chat, bool):
         raise ValueError(f"chat must be True or False, got {chat!r}")
 
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     batches = sum(-(-len(rows) // batch_size) for rows in categories.values())
     total = (len(configs) + 1) * len(samplings) * len(seeds) * batches

@@ -50,10 +50,14 @@ def prompt_bucket(length: int) -> int:
 
 
 # Compiled programs by (LoopSpec, params structure): a repeated call skips tracing and compiling.
-# The most recently used MAX_PROGRAMS are kept: each XLA:CPU executable holds memory maps of its
-# code, and a process that kept every program (a long sweep, or the test suite) ran into the
-# kernel's limit of 65,530 maps per process, which XLA answers with an abort.
+# The most recently used MAX_PROGRAMS are kept. Each XLA:CPU executable holds memory maps of its
+# code (300 to 1,100 per generation program), and a process that kept every program (a long
+# sweep, or the test suite) ran into the kernel's limit of 65,530 maps per process, which XLA
+# answers with an abort or "LLVM compilation error: Cannot allocate memory". jax's own caches
+# keep executables alive too, so dropping ours frees nothing alone: when the process holds more
+# than MAX_MAP_FRACTION of its limit, every program is dropped and jax.clear_caches() called.
 MAX_PROGRAMS = 32
+MAX_MAP_FRACTION = 0.6
 _COMPILED: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
 _NUM_COMPILED = 0
 
@@ -68,6 +72,28 @@ def clear_compiled_programs() -> None:
     _COMPILED.clear()
 
 
+def _memory_maps() -> tuple[int, int] | None:
+    """(memory maps this process holds, the kernel's limit per process), or None off Linux."""
+    try:
+        with open("/proc/self/maps") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def _free_programs_near_the_map_limit() -> bool:
+    """Drop every compiled program (ours and jax's caches) when the process nears its limit of
+    memory maps; returns whether it did."""
+    maps = _memory_maps()
+    if maps is None or maps[0] <= MAX_MAP_FRACTION * maps[1]:
+        return False
+    clear_compiled_programs()
+    jax.clear_caches()
+    return True
+
+
 def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     # The sharding too: a program is compiled for its inputs' placement.
@@ -80,6 +106,7 @@ def _compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs)
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key], 0.0
+    _free_programs_near_the_map_limit()
     start = time.perf_counter()
     program = (
         jax.jit(generate_program, static_argnums=0).lower(spec, params, proposer_params, inputs).compile()

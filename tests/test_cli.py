@@ -323,8 +323,6 @@ def test_bench_command_on_a_tiny_model(tiny_folder, data_folder, tmp_path, capsy
 
 
 def test_ablate_command_runs_a_tiny_sweep(tiny_folder, tmp_path, capsys):
-    pytest.importorskip("pandas")
-    pytest.importorskip("matplotlib")
     spec = tmp_path / "sweep.json"
     spec.write_text(
         json.dumps(
@@ -353,7 +351,6 @@ def test_ablate_command_runs_a_tiny_sweep(tiny_folder, tmp_path, capsys):
 
 
 def test_ablate_bad_spec_is_one_line(tmp_path, capsys):
-    pytest.importorskip("pandas")
     spec = tmp_path / "sweep.yaml"
     spec.write_text("model: smollm2-135m\nproposers: [{name: nope}]\n")
     assert cli.main(["ablate", str(spec), "--out", str(tmp_path / "out")]) == 2
