@@ -28,7 +28,7 @@ from specjax.bench import (  # noqa: E402
     data_dir,
     machine,
     parse_categories,
-    spec_bench_prompts,
+    spec_bench_by_category,
 )
 
 
@@ -112,11 +112,9 @@ def main() -> None:
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     model = specjax.load("smollm2-135m")
-    prompts = {}
-    for category, prompt in spec_bench_prompts(
+    prompts = spec_bench_by_category(
         data_dir(args.data), args.per_category, parse_categories(args.categories)
-    ):
-        prompts.setdefault(category, []).append(prompt)
+    )
     print(f"Machine: {machine()}", file=sys.stderr)
     if "dynamic" in args.parts:
         dynamic_part(model, prompts, args)

@@ -116,6 +116,17 @@ def spec_bench_prompts(
     return chosen
 
 
+def spec_bench_by_category(
+    folder: Path, per_category: int, categories: Sequence[str] = SPEC_BENCH_CATEGORIES
+) -> dict[str, list[str]]:
+    """The same subset as spec_bench_prompts, as {category: [first turns]} (what specjax.ablate
+    takes)."""
+    grouped: dict[str, list[str]] = {}
+    for category, text in spec_bench_prompts(folder, per_category, categories):
+        grouped.setdefault(category, []).append(text)
+    return grouped
+
+
 # ---------------------------------------------------------------------------------------------
 # Methods: display name -> proposer description (specjax.speculate.proposers.named)
 

@@ -28,7 +28,7 @@ def plain_greedy():
     "proposer",
     [
         specjax.Dynamic(specjax.NGram(k=4, n_max=2)),
-        specjax.Dynamic(specjax.SelfDraft(layers=1, k=4)),
+        pytest.param(specjax.Dynamic(specjax.SelfDraft(layers=1, k=4)), marks=pytest.mark.slow),
         specjax.Dynamic(specjax.SelfDraft(layers=1, k=4), GoodputSchedule(draft_cost=0.2, verify_cost=0.1)),
         specjax.Dynamic(
             specjax.Medusa(MedusaHead.init(TARGET, num_heads=3, key=jax.random.key(0), scale=0.5))

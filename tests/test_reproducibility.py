@@ -20,7 +20,12 @@ PROPOSERS = {
 }
 
 
-@pytest.mark.parametrize("name", list(PROPOSERS))
+# The default set keeps plain decoding here (tests/test_speculative.py and
+# tests/test_builtin_generate.py compare speculative batches with plain ones); `make test-all`
+# runs every proposer.
+@pytest.mark.parametrize(
+    "name", ["plain", *(pytest.param(name, marks=pytest.mark.slow) for name in list(PROPOSERS)[1:])]
+)
 def test_greedy_tokens_do_not_depend_on_the_batch(name):
     proposer = PROPOSERS[name]
 
@@ -35,7 +40,7 @@ def test_greedy_tokens_do_not_depend_on_the_batch(name):
     assert run(PROMPTS + LONG)[:4] == together  # another bucket, another batch size
 
 
-@pytest.mark.parametrize("name", ["selfdraft", "dynamic"])
+@pytest.mark.parametrize("name", [pytest.param("selfdraft", marks=pytest.mark.slow), "dynamic"])
 def test_sampled_tokens_repeat_with_the_same_key_and_seeded_rows_ignore_the_batch(name):
     # Dynamic: the batch's largest k picks how many drafts are drawn and verified; a row's random
     # numbers must not depend on it (jax's counter-based bits make a shorter draw a prefix).
