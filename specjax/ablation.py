@@ -56,17 +56,13 @@ from specjax.api import GenerateResult, generate
 from specjax.models.model import Model
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import ForcedAcceptance
-from specjax.speculate.sampling import Sampling
+from specjax.speculate.sampling import Sampling, _is_int
 
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p")
 
 
 # ---------------------------------------------------------------------------------------------
 # Checking the arguments
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _check_prompts(prompts) -> dict[str, list]:

@@ -27,20 +27,15 @@ import numpy as np
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab, draft_head_matrix, frequent_tokens  # noqa: F401  TEMP until the helper is done
-from specjax.models.draft_vocab import draft_logits as eagle_logits  # noqa: F401  TEMP
 from specjax.models.llama import LayerParams, decoder_layers, layer_shapes
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
 
 # The fields an EAGLE head shares with its target's LlamaConfig: its layer's shapes, rotary
 # settings and the vocabulary it reads tokens from.
+_SIZE_FIELDS = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
 _LAYER_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
+    *_SIZE_FIELDS,
     "rope_theta",
     "rope_scaling",
     "rms_norm_eps",
@@ -66,14 +61,7 @@ class EagleConfig:
     qkv_bias: bool = False
 
     def __post_init__(self):
-        for name in (
-            "hidden_size",
-            "intermediate_size",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "vocab_size",
-        ):
+        for name in _SIZE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EagleConfig {name} must be an integer >= 1, got {value!r}")

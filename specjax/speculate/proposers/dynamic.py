@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.speculate.proposers.base import Proposal, Wrapper
+from specjax.speculate.sampling import _is_int
 
 
 @flax.struct.dataclass
@@ -45,10 +46,6 @@ class ScheduleState:
     accepted: jax.Array  # [B] float32: decayed count of accepted drafts
     reached: jax.Array  # [B] float32: decayed count of drafts verified (reached)
     idle: jax.Array  # [B] int32: steps since the row last drafted
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def _check_initial_k(owner: str, initial_k, minimum: int) -> None:
