@@ -3,8 +3,8 @@
     specjax generate "prompt" [...] [--model smollm2-135m] [--proposer ngram --k 4] [--json]
     specjax bench [--methods plain,ngram,eagle] [--categories qa] [--format markdown|csv] [--out FILE]
     specjax ablate SPEC.yaml --out DIR
-    specjax train-medusa --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
-    specjax train-eagle --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
+    specjax train-medusa [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
 
 A bad argument or input gives one line, `specjax <command>: error: ...`, and exit status 2.
 """
@@ -16,8 +16,8 @@ import json
 import sys
 from pathlib import Path
 
-TRAIN_HELP = """    specjax train-medusa --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
-    specjax train-eagle --prompts FILE.jsonl [--exclude HELD_OUT.jsonl] --out DIR [options]
+TRAIN_HELP = """    specjax train-medusa [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
 
 Both build a self-distillation set (the target's own greedy continuations of the prompts and its
 hidden states along them), train a head on it (Medusa heads or an EAGLE head, drafting from the
@@ -28,7 +28,9 @@ set: read from FILE when it exists, else built and saved there, so one set train
 Keep the training prompts apart from the prompts you evaluate on: `--exclude` drops every prompt
 that also appears in a held-out file. For the built-in model: `--prompts
 ../shared/data/spec_bench_question.jsonl --exclude ../shared/data/mt_bench_question.jsonl` trains
-on Spec-Bench's non-MT-bench categories and keeps MT-bench for evaluation.
+on Spec-Bench's non-MT-bench categories and keeps MT-bench for evaluation. `--self-instruct N`
+adds N chat prompts the model writes itself (fed its chat template up to a user's message, as
+Magpie does; none equal to a held-out or --prompts prompt), with or without --prompts.
 """
 
 
@@ -57,37 +59,54 @@ def read_prompts(path: str, field: str, limit: int | None, option: str = "--prom
     return prompts
 
 
-def training_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts of --prompts, less those of --exclude (a held-out set: none of its prompts may
-    be trained on), the first --limit of them."""
-    prompts = read_prompts(args.prompts, args.field, None)
-    if args.exclude:
-        held_out = set(read_prompts(args.exclude, args.field, None))
-        prompts = [p for p in prompts if p not in held_out]
-    return prompts[: args.limit]
+def training_prompts(args: argparse.Namespace) -> tuple[list[str], set[str]]:
+    """The prompts of --prompts (none without it), less those of --exclude (a held-out set: none
+    of its prompts may be trained on), the first --limit of them; and the held-out prompts."""
+    held_out = (
+        set(read_prompts(args.exclude, args.field, None, option="--exclude")) if args.exclude else set()
+    )
+    if args.prompts is None:
+        return [], held_out
+    prompts = [p for p in read_prompts(args.prompts, args.field, None) if p not in held_out]
+    return prompts[: args.limit], held_out
 
 
-def distillation_set(args: argparse.Namespace, model, prompts: list[str]):
-    """The --data file's set if it exists; else the model's continuations of `prompts` and its
-    hidden states along them, saved to --data when given."""
+def continuations(model, prompts: list[str], new_tokens: int, batch_size: int) -> list[list[int]]:
+    """Each chat-templated prompt followed by the model's greedy continuation, as token ids."""
     import specjax
-    from specjax.train import DistillationData, distill_data
+
+    sequences = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        result = specjax.generate(model, chunk, max_new_tokens=new_tokens, chat=True)
+        sequences += [p + t for p, t in zip(result.prompt_tokens, result.tokens, strict=True)]
+    return sequences
+
+
+def distillation_set(args: argparse.Namespace, model, prompts: list[str], held_out: set[str]):
+    """The --data file's set if it exists; else the model's continuations of `prompts` and of
+    --self-instruct prompts it writes itself, and its hidden states along them, saved to --data
+    when given. Returns the set and the number of prompts it was built from."""
+    from specjax.train import DistillationData, distill_data, self_instruct_prompts
 
     if args.data and Path(args.data).is_file():
         print(f"reading the distillation set from {args.data}", file=sys.stderr)
-        return DistillationData.load(args.data)
+        data = DistillationData.load(args.data)
+        return data, data.num_sequences
+    if args.self_instruct:
+        print(f"{model}: writing {args.self_instruct} user prompts", file=sys.stderr)
+        written = self_instruct_prompts(
+            model, args.self_instruct, seed=args.seed, exclude=held_out | set(prompts)
+        )
+        prompts = prompts + written
     print(f"{model}: generating {args.new_tokens} tokens for {len(prompts)} prompts", file=sys.stderr)
-    sequences = []
-    for start in range(0, len(prompts), args.batch_size):
-        chunk = prompts[start : start + args.batch_size]
-        result = specjax.generate(model, chunk, max_new_tokens=args.new_tokens, chat=True)
-        sequences += [p + t for p, t in zip(result.prompt_tokens, result.tokens, strict=True)]
+    sequences = continuations(model, prompts, args.new_tokens, args.generate_batch_size)
     sequences = [s[-args.max_len :] for s in sequences]  # the continuation matters most
     data = distill_data(model, sequences, max_len=args.max_len, batch_size=args.batch_size)
     if args.data:
         data.save(args.data)
         print(f"saved the distillation set to {args.data}", file=sys.stderr)
-    return data
+    return data, len(prompts)
 
 
 DEFAULT_DRAFT_VOCAB = 8192
@@ -106,7 +125,12 @@ def check_draft_vocab_option(args: argparse.Namespace, model) -> None:
 def save_trained_head(args: argparse.Namespace, head, num_prompts: int) -> Path:
     from specjax.train import save_head
 
-    head.meta.update(prompts_file=str(args.prompts), prompts_field=args.field, num_prompts=num_prompts)
+    head.meta.update(
+        prompts_file=None if args.prompts is None else str(args.prompts),
+        prompts_field=args.field,
+        self_instruct_prompts=args.self_instruct,
+        num_prompts=num_prompts,
+    )
     if args.data:
         head.meta.update(data_file=str(args.data))
     save_head(Path(args.out) / "head", head)
@@ -118,10 +142,12 @@ def train_head(args: argparse.Namespace, trainer, **options) -> Path:
     train_eagle; `options` are its own) and save the head; returns where."""
     import specjax
 
-    prompts = training_prompts(args)
+    if args.prompts is None and not args.self_instruct:
+        raise ValueError("give training prompts: --prompts FILE.jsonl, --self-instruct N, or both")
+    prompts, held_out = training_prompts(args)
     model = specjax.load(args.model)
     check_draft_vocab_option(args, model)
-    data = distillation_set(args, model, prompts)
+    data, num_prompts = distillation_set(args, model, prompts, held_out)
     head = trainer(
         model,
         data,
@@ -133,7 +159,7 @@ def train_head(args: argparse.Namespace, trainer, **options) -> Path:
         checkpoint_dir=Path(args.out) / "checkpoints",
         **options,
     )
-    return save_trained_head(args, head, len(prompts))
+    return save_trained_head(args, head, num_prompts)
 
 
 def train_medusa_command(args: argparse.Namespace) -> None:
@@ -146,7 +172,7 @@ def train_medusa_command(args: argparse.Namespace) -> None:
 def train_eagle_command(args: argparse.Namespace) -> None:
     from specjax.train import train_eagle
 
-    path = train_head(args, train_eagle, noise=args.noise)
+    path = train_head(args, train_eagle, noise=args.noise, unroll=args.unroll)
     print(f"saved an EAGLE head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
 
 
@@ -176,6 +202,16 @@ PROPOSER_SHORTCUTS = {
     "tree": ("tree", "--tree"),
     "model": ("draft_model", "--draft-model"),
 }
+
+
+def non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
 
 
 def positive_int(text: str) -> int:
@@ -488,7 +524,14 @@ def add_ablate_command(commands) -> None:
 
 def add_training_options(command: argparse.ArgumentParser, learning_rate: float) -> None:
     """The options both trainers take."""
-    command.add_argument("--prompts", required=True, help="a JSONL file of training prompts")
+    command.add_argument("--prompts", default=None, help="a JSONL file of training prompts")
+    command.add_argument(
+        "--self-instruct",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="add N chat prompts the model writes itself (Magpie; seeded by --seed; default 0)",
+    )
     command.add_argument(
         "--field", default="turns", help="the JSON field holding the prompt (default: turns)"
     )
@@ -497,14 +540,20 @@ def add_training_options(command: argparse.ArgumentParser, learning_rate: float)
     command.add_argument(
         "--exclude", default=None, help="a JSONL file of held-out prompts (same field) to leave out"
     )
-    command.add_argument("--limit", type=int, default=None, help="use the first N prompts only")
+    command.add_argument("--limit", type=int, default=None, help="use the first N prompts of --prompts only")
     command.add_argument(
         "--data", default=None, help="an .npz distillation set: read if it exists, else built and saved there"
     )
     command.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
     command.add_argument("--max-len", type=int, default=256, help="tokens per training sequence")
     command.add_argument("--steps", type=int, default=1000)
-    command.add_argument("--batch-size", type=int, default=8)
+    command.add_argument("--batch-size", type=int, default=8, help="training sequences per step (default 8)")
+    command.add_argument(
+        "--generate-batch-size",
+        type=positive_int,
+        default=16,
+        help="prompts answered per generate call (default 16)",
+    )
     command.add_argument("--learning-rate", type=float, default=learning_rate)
     command.add_argument("--seed", type=int, default=0)
     command.add_argument(
@@ -547,6 +596,13 @@ def parser() -> argparse.ArgumentParser:
     add_training_options(eagle, learning_rate=3e-4)
     eagle.add_argument(
         "--noise", type=float, default=0.1, help="uniform noise on the input features (default 0.1)"
+    )
+    eagle.add_argument(
+        "--unroll",
+        type=positive_int,
+        default=1,
+        help="passes of the training loss: 1 is EAGLE-1's teacher forcing; n > 1 also trains on the "
+        "head's own predictions n - 1 steps deep (EAGLE-3's training-time test; default 1)",
     )
     eagle.set_defaults(run=train_eagle_command)
     return main

@@ -380,7 +380,7 @@ def test_exclude_holds_prompts_out(tmp_path):
     args = cli.parser().parse_args(
         ["train-medusa", "--prompts", str(train), "--exclude", str(held), "--out", "x"]
     )
-    assert cli.training_prompts(args) == ["a", "c", "d"]
+    assert cli.training_prompts(args) == (["a", "c", "d"], {"b"})
     assert cli.read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
 
 
@@ -406,7 +406,8 @@ def _argv(command, tmp_path, out, *extra):
     held = tmp_path / "held.jsonl"
     held.write_text(json.dumps({"turns": ["prompt number 3"]}) + "\n")
     argv = [command, "--prompts", str(prompts), "--exclude", str(held), "--out", str(out)]
-    return argv + ["--steps", "5", "--new-tokens", "8", "--max-len", "32", "--batch-size", "4", *extra]
+    options = ["--steps", "5", "--new-tokens", "8", "--max-len", "32", "--batch-size", "4"]
+    return argv + options + ["--generate-batch-size", "4", *extra]
 
 
 def test_train_medusa_command_on_a_tiny_model(tmp_path, tiny_target):
@@ -433,6 +434,37 @@ def test_one_data_file_trains_both_heads(tmp_path, tiny_target, capsys):
     assert head.meta["noise"] == 0.2 and head.meta["data_file"] == str(data_file)
     assert head.meta["data"] == data.summary()
     assert "reading the distillation set" in capsys.readouterr().err
+
+
+def test_self_instruct_prompts_join_the_file_prompts(tmp_path, tiny_target, monkeypatch):
+    calls = []
+
+    def write(model, num_prompts, seed, exclude):
+        calls.append((num_prompts, seed, set(exclude)))
+        return [f"written prompt {i}" for i in range(num_prompts)]
+
+    monkeypatch.setattr(specjax.train, "self_instruct_prompts", write)
+    data_file = tmp_path / "set.npz"
+    argv = _argv("train-medusa", tmp_path, tmp_path / "out", "--self-instruct", "3", "--seed", "7")
+    assert cli.main([*argv, "--heads", "1", "--data", str(data_file)]) == 0
+    file_prompts = {f"prompt number {i}" for i in (0, 1, 2, 4, 5)}
+    assert calls == [(3, 7, file_prompts | {"prompt number 3"})]  # never the held-out or file ones
+    assert DistillationData.load(data_file).num_sequences == 8
+    head = load_head(tmp_path / "out" / "head", tiny_target.model)
+    assert head.meta["num_prompts"] == 8 and head.meta["self_instruct_prompts"] == 3
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_training_needs_prompts_from_somewhere(command, tmp_path, tiny_target, capsys):
+    assert cli.main([command, "--out", str(tmp_path)]) == 2
+    assert (
+        "give training prompts: --prompts FILE.jsonl, --self-instruct N, or both" in capsys.readouterr().err
+    )
+    assert cli.main([command, "--out", str(tmp_path), "--self-instruct", "-1"]) == 2
+    assert "argument --self-instruct: must be an integer >= 0, got '-1'" in capsys.readouterr().err
+    assert cli.main([command, "--out", str(tmp_path), "--self-instruct", "2"]) == 2  # a tiny model
+    assert "has no tokenizer with a chat template" in capsys.readouterr().err
+    assert tiny_target.generated == 0
 
 
 def test_train_eagle_refuses_a_draft_vocab_above_the_vocab(tmp_path, tiny_target, capsys):

@@ -295,6 +295,104 @@ def test_eagle_loss_matches_a_numpy_reference(data):
     assert noisy != metrics["loss"]
 
 
+def test_unrolled_eagle_loss_matches_drafting(data):
+    """Pass p of the unrolled loss predicts what drafting does p - 1 steps past the true features:
+    a prefill of the true inputs 0 .. t-p+1 into the head's cache, then p - 1 one-token steps,
+    each feeding the previous prediction (the library's decoding path, not the loss's masks)."""
+    from specjax.models.cache import init_cache
+    from specjax.models.draft_vocab import draft_head_matrix
+    from specjax.models.eagle import eagle_features
+    from specjax.train import eagle_loss
+
+    unroll = 3
+    head = EagleHead.init(TARGET, jax.random.key(4), vocab=np.arange(0, 97, 2), scale=2.0)
+    head_matrix = draft_head_matrix(TARGET.params, head.vocab)
+    rows = slice(0, 2)
+    hidden, tokens, mask = data.hidden[rows], data.tokens[rows], data.mask[rows]
+    loss_jit = jax.jit(eagle_loss, static_argnums=1, static_argnames="unroll")
+    args = (
+        head.params,
+        head.config,
+        TARGET.params,
+        head_matrix,
+        hidden,
+        tokens,
+        mask,
+        jax.random.key(0),
+        0.0,
+    )
+    loss, metrics = loss_jit(*args, 1.0, 0.1, unroll=unroll)
+    loss_1, metrics_1 = loss_jit(*args, 1.0, 0.1)
+    assert metrics["accuracy"] == metrics_1["accuracy"]  # pass 1 is the plain loss
+
+    features_jit = jax.jit(eagle_features, static_argnums=1, static_argnames="empty_cache")
+    matrix = np.asarray(TARGET.params.lm_head, np.float64)[:, head.vocab]
+    losses = {p: [] for p in range(1, unroll + 1)}
+    agree = {p: [] for p in range(1, unroll + 1)}
+    for h, x, length in zip(hidden, tokens, mask.sum(axis=1), strict=True):
+        n = length - 1
+        prefill, cache = features_jit(
+            head.params,
+            head.config,
+            TARGET.params.embed,
+            h[None, :n],
+            x[None, 1:length],
+            np.arange(n)[None],
+            init_cache(head.config.layer_config, 1, n + unroll),
+            empty_cache=True,
+        )
+        for p in range(1, unroll + 1):
+            for t in range(p - 1, n):
+                predicted = prefill[:, t - p + 1]  # from the true inputs 0 .. t-p+1
+                step_cache = cache.replace(lengths=np.array([t - p + 2], np.int32))
+                for position in range(t - p + 2, t + 1):  # p - 1 drafting steps
+                    out, step_cache = features_jit(
+                        head.params,
+                        head.config,
+                        TARGET.params.embed,
+                        predicted[:, None],
+                        x[None, position + 1 : position + 2],
+                        np.array([[position]]),
+                        step_cache,
+                    )
+                    step_cache = step_cache.advance(np.array([1], np.int32))
+                    predicted = out[:, 0]
+                f = np.asarray(predicted[0], np.float64)
+                diff = np.abs(f - h[t + 1])
+                logits, wanted = f @ matrix, h[t + 1].astype(np.float64) @ matrix
+                q = np.exp(wanted - wanted.max())
+                q /= q.sum()
+                log_p = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+                losses[p].append(
+                    np.where(diff < 1, 0.5 * diff**2, diff - 0.5).mean() - 0.1 * (q * log_p).sum()
+                )
+                agree[p].append(logits.argmax() == wanted.argmax())
+    for p in range(2, unroll + 1):
+        np.testing.assert_allclose(metrics[f"accuracy_{p}"], np.mean(agree[p]), rtol=1e-6)
+    assert 0 < np.mean(agree[unroll]) < 1
+    expected = np.mean([np.mean(losses[p]) for p in range(1, unroll + 1)])
+    np.testing.assert_allclose(loss, expected, rtol=1e-4)
+    np.testing.assert_allclose(loss_1, np.mean(losses[1]), rtol=1e-4)
+
+
+@pytest.mark.slow  # ~20 s: a second EAGLE training run; the unrolled loss itself is checked above
+def test_unrolled_training_lowers_the_unrolled_loss(data):
+    from specjax.models.draft_vocab import draft_head_matrix
+    from specjax.train import eagle_loss
+
+    head = train_eagle(TARGET, data, **{**EAGLE_SETTINGS, "unroll": 2})
+    assert head.meta["unroll"] == 2
+    fresh = EagleHead.init(TARGET, jax.random.key(0), vocab=head.vocab)
+
+    def unrolled_loss(h):
+        matrix = draft_head_matrix(TARGET.params, h.vocab)
+        batch = (data.hidden[:8], data.tokens[:8], data.mask[:8], jax.random.key(0), 0.0)
+        return eagle_loss(h.params, h.config, TARGET.params, matrix, *batch, unroll=2)
+
+    (before, _), (after, metrics) = unrolled_loss(fresh), unrolled_loss(head)
+    assert after < 0.7 * before and metrics["accuracy_2"] > 0
+
+
 def test_eagle_training_reduces_loss_and_raises_accuracy(data, eagle_head):
     vocab = frequent_tokens([data.tokens[data.mask]], TARGET.config.vocab_size, DRAFT_VOCAB)
     assert np.array_equal(eagle_head.vocab, vocab) and eagle_head.config.draft_vocab_size == DRAFT_VOCAB
@@ -367,6 +465,8 @@ def test_eagle_load_refuses_another_target(eagle_head, tmp_path):
         ("reg_weight", float("nan")),
         ("cls_weight", -1.0),
         ("seed", -1),
+        ("unroll", 0),
+        ("unroll", 1000),  # not below the sequence length
     ],
 )
 def test_eagle_bad_arguments(data, argument, value):

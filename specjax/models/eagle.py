@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.draft_vocab import check_draft_vocab, draft_head_matrix, frequent_tokens  # noqa: F401  TEMP until the helper is done
+from specjax.models.draft_vocab import check_draft_vocab
 from specjax.models.llama import LayerParams, decoder_layers, layer_shapes
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
@@ -136,12 +136,17 @@ def eagle_features(
     cache: KVCache,
     fresh_mask=None,
     empty_cache: bool = False,
+    visible=None,
 ) -> tuple[jax.Array, KVCache]:
     """Predicted features [B, T, D] for inputs (hidden [B, T, D], next_tokens [B, T]) at positions
     [B, T]; the head's one-layer cache gets their keys and values at slots `cache.lengths + t`
-    (advancing is the caller's). `embed` is the target's embedding table [V, D]."""
+    (advancing is the caller's). `embed` is the target's embedding table [V, D]; `visible`
+    [B, T, S] overrides which cache slots each input attends to (see `decoder_layers`)."""
     x = jnp.concatenate([hidden, embed[next_tokens]], axis=-1) @ params.fc + params.fc_bias
-    return decoder_layers((params.layer,), config.layer_config, x, positions, cache, fresh_mask, empty_cache)
+    layer_config = config.layer_config
+    return decoder_layers(
+        (params.layer,), layer_config, x, positions, cache, fresh_mask, empty_cache, visible=visible
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

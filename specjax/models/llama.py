@@ -272,16 +272,20 @@ def decoder_layers(
     fresh_mask: jax.Array | None = None,
     empty_cache: bool = False,
     reduce: Callable[[jax.Array], jax.Array] | None = None,
+    visible: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache]:
     """Run the residual stream x [B, T, D] through `layers` (one cache buffer each), writing the
     fresh keys and values at slots `cache.lengths + t`. The body of `forward_hidden`, and the
     decoder layer of an EAGLE head (which feeds its own inputs rather than token embeddings).
-    Returns x after the last layer (not normed) and the cache."""
+    `visible [B, T, S]` overrides which cache slots each fresh token attends to (default:
+    `visible_slots`; EAGLE's unrolled training loss sets its own). Returns x after the last layer
+    (not normed) and the cache."""
     T = x.shape[1]
     fresh_mask = causal_mask(T) if fresh_mask is None else jnp.asarray(fresh_mask, bool)
     inv_freq = rope_inverse_frequencies(config)
     reduce = _identity if reduce is None else reduce
-    visible = None if empty_cache else visible_slots(cache.lengths, fresh_mask, cache.capacity)
+    if visible is None and not empty_cache:
+        visible = visible_slots(cache.lengths, fresh_mask, cache.capacity)
     new_k, new_v = [], []
     for i, layer in enumerate(layers):
         x, k_buf, v_buf = _layer(

@@ -5,6 +5,7 @@ from specjax.train.checkpoint import load_head, save_head
 from specjax.train.data import DistillationData, distill_data
 from specjax.train.eagle import eagle_loss, evaluate_eagle, train_eagle
 from specjax.train.medusa import evaluate_medusa, medusa_loss, train_medusa
+from specjax.train.prompts import self_instruct_prompts
 
 __all__ = [
     "DistillationData",
@@ -15,6 +16,7 @@ __all__ = [
     "load_head",
     "medusa_loss",
     "save_head",
+    "self_instruct_prompts",
     "train_eagle",
     "train_medusa",
 ]

@@ -52,46 +52,89 @@ def eagle_loss(
     noise: float | jax.Array,
     reg_weight: float | jax.Array = 1.0,
     cls_weight: float | jax.Array = 0.1,
+    unroll: int = 1,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """EAGLE-1's teacher-forced loss on a batch.
+    """EAGLE-1's teacher-forced loss on a batch, optionally unrolled over the head's own
+    predictions.
 
     hidden [B, T, D], tokens [B, T], mask [B, T]; head_matrix [D, W] (`draft_head_matrix`). The
     input at t = 0..T-2 is (hidden[:, t] + U(-noise, noise), tokens[:, t+1]); the prediction there
-    targets hidden[:, t+1], scored where both tokens t and t+1 are in the sequence. Returns
-    reg_weight * regression + cls_weight * classification and {"loss", "regression",
-    "classification", "accuracy"} (top-1 agreement with the target over the draft vocabulary).
+    targets hidden[:, t+1], scored where both tokens t and t+1 are in the sequence.
+
+    `unroll = n > 1` adds n - 1 passes that train the head as it drafts (EAGLE-3's "training-time
+    test"): pass p feeds, at t, the feature pass p - 1 predicted at t - 1 (for f_t) with token
+    t + 1, and attends as a depth-(p-1) draft node does: to the true-feature inputs 0 .. t-p+1 of
+    pass 1, to the pass-q input at t-p+q for q = 2 .. p-1, and to itself. Each pass is scored
+    like the first, where tokens t-p+1 .. t+1 are in the sequence; the loss is the passes' mean.
+
+    Returns reg_weight * regression + cls_weight * classification and {"loss", "regression",
+    "classification", "accuracy"} (top-1 agreement with the target over the draft vocabulary), of
+    pass 1; with `unroll > 1` also "accuracy_p" for each later pass p.
     """
     B, T, _ = hidden.shape
+    P = T - 1  # inputs per pass
     inputs = hidden[:, :-1] + jax.random.uniform(noise_key, hidden[:, :-1].shape, minval=-noise, maxval=noise)
-    positions = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
-    cache = init_cache(config.layer_config, B, T - 1)  # fresh: causal attention among the inputs
-    predicted, _ = eagle_features(
+    positions = jnp.broadcast_to(jnp.arange(P, dtype=jnp.int32), (B, P))
+    # Pass p's keys and values sit in slots (p-1)*P .. p*P-1 of one cache, so later passes see them.
+    cache = init_cache(config.layer_config, B, unroll * P)
+    predicted, cache = eagle_features(
         params, config, target_params.embed, inputs, tokens[:, 1:], positions, cache, empty_cache=True
-    )  # [B, T-1, D]
-    wanted = hidden[:, 1:]  # [B, T-1, D]
-    valid = (mask[:, :-1] & mask[:, 1:]).astype(jnp.float32)  # [B, T-1]
-    count = jnp.maximum(valid.sum(), 1.0)
+    )  # [B, P, D]: causal attention among the inputs
+    wanted = hidden[:, 1:]  # [B, P, D]
+    pair_valid = mask[:, :-1] & mask[:, 1:]  # [B, P]
 
-    regression = optax.huber_loss(predicted, wanted, delta=1.0).mean(axis=-1)  # smooth L1, [B, T-1]
-    logits = draft_logits(head_matrix, predicted)  # [B, T-1, W]
-    wanted_logits = jax.lax.stop_gradient(draft_logits(head_matrix, wanted))
-    classification = optax.softmax_cross_entropy(logits, jax.nn.softmax(wanted_logits))  # [B, T-1]
-    agree = (jnp.argmax(logits, axis=-1) == jnp.argmax(wanted_logits, axis=-1)).astype(jnp.float32)
+    def score(predicted, valid):
+        valid = valid.astype(jnp.float32)
+        count = jnp.maximum(valid.sum(), 1.0)
+        regression = optax.huber_loss(predicted, wanted, delta=1.0).mean(axis=-1)  # smooth L1, [B, P]
+        logits = draft_logits(head_matrix, predicted)  # [B, P, W]
+        wanted_logits = jax.lax.stop_gradient(draft_logits(head_matrix, wanted))
+        classification = optax.softmax_cross_entropy(logits, jax.nn.softmax(wanted_logits))  # [B, P]
+        agree = (jnp.argmax(logits, axis=-1) == jnp.argmax(wanted_logits, axis=-1)).astype(jnp.float32)
+        metrics = {
+            "regression": (regression * valid).sum() / count,
+            "classification": (classification * valid).sum() / count,
+            "accuracy": (agree * valid).sum() / count,
+        }
+        return reg_weight * metrics["regression"] + cls_weight * metrics["classification"], metrics
 
-    metrics = {
-        "regression": (regression * valid).sum() / count,
-        "classification": (classification * valid).sum() / count,
-        "accuracy": (agree * valid).sum() / count,
-    }
-    loss = reg_weight * metrics["regression"] + cls_weight * metrics["classification"]
+    loss, metrics = score(predicted, pair_valid)
+    total = loss
+    t = jnp.arange(P)
+    slot = jnp.arange(unroll * P)
+    slot_pass, slot_input = slot // P + 1, slot % P  # which pass and input a slot holds
+    valid = pair_valid
+    for p in range(2, unroll + 1):
+        # f^_t from pass p-1's output at t-1; the first input has none (never scored).
+        fed = jnp.concatenate([jnp.zeros_like(predicted[:, :1]), predicted[:, :-1]], axis=1)
+        first = (slot_pass[None, :] == 1) & (slot_input[None, :] <= t[:, None] - p + 1)
+        later = (slot_pass[None, :] >= 2) & (slot_pass[None, :] <= p)
+        later &= slot_input[None, :] == t[:, None] - p + slot_pass[None, :]
+        visible = jnp.broadcast_to((first | later)[None], (B, P, unroll * P))
+        predicted, cache = eagle_features(
+            params,
+            config,
+            target_params.embed,
+            fed,
+            tokens[:, 1:],
+            positions,
+            cache.replace(lengths=jnp.full((B,), (p - 1) * P, jnp.int32)),
+            fresh_mask=jnp.eye(P, dtype=bool),
+            visible=visible,
+        )
+        valid = valid & jnp.concatenate([jnp.zeros_like(valid[:, :1]), valid[:, :-1]], axis=1)
+        pass_loss, pass_metrics = score(predicted, valid)
+        total = total + pass_loss
+        metrics[f"accuracy_{p}"] = pass_metrics["accuracy"]
+    loss = total / unroll
     return loss, {"loss": loss, **metrics}
 
 
-_loss_jit = jax.jit(eagle_loss, static_argnums=1)
+_loss_jit = jax.jit(eagle_loss, static_argnums=1, static_argnames=("unroll",))
 
 
 @functools.lru_cache(maxsize=8)
-def _objective(config: EagleConfig, reg_weight: float, cls_weight: float):
+def _objective(config: EagleConfig, reg_weight: float, cls_weight: float, unroll: int):
     """`eagle_loss` with its static parts bound: one function object per setting, so the cached
     optimizer step (`optimizer_and_step`) compiles once for it."""
 
@@ -108,6 +151,7 @@ def _objective(config: EagleConfig, reg_weight: float, cls_weight: float):
             noise,
             reg_weight,
             cls_weight,
+            unroll,
         )
 
     return loss
@@ -159,6 +203,7 @@ def train_eagle(
     noise: float = 0.1,
     reg_weight: float = 1.0,
     cls_weight: float = 0.1,
+    unroll: int = 1,
     seed: int = 0,
     checkpoint_dir: str | Path | None = None,
     checkpoint_every: int = 100,
@@ -171,10 +216,12 @@ def train_eagle(
     whole vocabulary) and starts from `init_eagle` with `jax.random.key(seed)`. AdamW with
     gradient clipping and a warmup-cosine schedule (`warmup_steps` default: steps // 10); inputs
     get uniform noise in [-noise, noise]; the loss is `eagle_loss` with `reg_weight` and
-    `cls_weight` (EAGLE-1's 1.0 and 0.1). Deterministic given `seed`, which fixes the init, the
-    batch order and the noise. With `checkpoint_dir`, params, optimizer state and step are saved
-    every `checkpoint_every` steps and at the end; `resume=True` continues from the latest one
-    there (a resumed run ends with the params of an uninterrupted one).
+    `cls_weight` (EAGLE-1's 1.0 and 0.1), unrolled over `unroll` passes (1: EAGLE-1's teacher
+    forcing; more: also trained on its own predicted features, as it drafts). Deterministic given
+    `seed`, which fixes the init, the batch order and the noise. With `checkpoint_dir`, params,
+    optimizer state and step are saved every `checkpoint_every` steps and at the end;
+    `resume=True` continues from the latest one there (a resumed run ends with the params of an
+    uninterrupted one).
     """
     check_training_data(target, data)
     vocab = choose_draft_vocab(target, data, draft_vocab_size)
@@ -188,6 +235,11 @@ def train_eagle(
     check_number("cls_weight", cls_weight, allow_zero=True)
     if reg_weight == cls_weight == 0:
         raise ValueError("reg_weight and cls_weight must not both be 0")
+    check_int("unroll", unroll, 1)
+    if unroll >= data.tokens.shape[1]:
+        raise ValueError(
+            f"unroll must be below the data's sequence length {data.tokens.shape[1]}, got {unroll}"
+        )
 
     settings = {
         "draft_vocab_size": len(vocab),
@@ -195,10 +247,11 @@ def train_eagle(
         "noise": float(noise),
         "reg_weight": float(reg_weight),
         "cls_weight": float(cls_weight),
+        "unroll": unroll,
     }
     config = EagleConfig.for_target(target.config, len(vocab))
     optimizer, train_step = optimizer_and_step(
-        _objective(config, settings["reg_weight"], settings["cls_weight"]),
+        _objective(config, settings["reg_weight"], settings["cls_weight"], unroll),
         settings["learning_rate"],
         settings["warmup_steps"],
         steps,
