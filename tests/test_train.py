@@ -228,6 +228,20 @@ def eagle_head(data):
     return train_eagle(TARGET, data, **EAGLE_SETTINGS)
 
 
+def _reference_terms(predicted, wanted, matrix):
+    """Per position, in float64: smooth-L1 regression, the cross-entropy of the head's draft-vocab
+    distribution against the target's, and top-1 agreement; predicted, wanted [n, D]."""
+    predicted = np.asarray(predicted, np.float64)
+    diff = np.abs(predicted - wanted)
+    regression = np.where(diff < 1, 0.5 * diff**2, diff - 0.5).mean(axis=-1)
+    logits, wanted_logits = predicted @ matrix, np.asarray(wanted, np.float64) @ matrix  # [n, W]
+    p = np.exp(wanted_logits - wanted_logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    log_q = logits - logits.max(-1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    return regression, -(p * log_q).sum(-1), logits.argmax(-1) == wanted_logits.argmax(-1)
+
+
 def test_eagle_loss_matches_a_numpy_reference(data):
     """Scores every real position against the next state, with padding kept out of the prediction
     (each row run alone, at its own length) and out of the means."""
@@ -258,7 +272,7 @@ def test_eagle_loss_matches_a_numpy_reference(data):
     )
 
     matrix = np.asarray(TARGET.params.lm_head, np.float64)[:, head.vocab]  # the draft vocab's columns
-    regression, classification, agree = [], [], []
+    per_sequence = []  # the reference's per-position terms
     for h, x, length in zip(hidden, tokens, mask.sum(axis=1), strict=True):
         n = length - 1  # inputs (f_t, x_{t+1}) for t < length - 1
         positions = np.arange(n)[None]
@@ -272,17 +286,8 @@ def test_eagle_loss_matches_a_numpy_reference(data):
             init_cache(head.config.layer_config, 1, n),
             empty_cache=True,
         )
-        predicted = np.asarray(predicted[0], np.float64)
-        diff = np.abs(predicted - h[1:length])
-        regression += list(np.where(diff < 1, 0.5 * diff**2, diff - 0.5).mean(axis=-1))
-        logits = predicted @ matrix  # [n, W]
-        wanted = h[1:length].astype(np.float64) @ matrix
-        p = np.exp(wanted - wanted.max(-1, keepdims=True))
-        p /= p.sum(-1, keepdims=True)
-        log_q = logits - logits.max(-1, keepdims=True)
-        log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
-        classification += list(-(p * log_q).sum(-1))
-        agree += list(logits.argmax(-1) == wanted.argmax(-1))
+        per_sequence.append(_reference_terms(predicted[0], h[1:length], matrix))
+    regression, classification, agree = (np.concatenate(terms) for terms in zip(*per_sequence, strict=True))
     np.testing.assert_allclose(metrics["regression"], np.mean(regression), rtol=1e-4)
     np.testing.assert_allclose(metrics["classification"], np.mean(classification), rtol=1e-4)
     np.testing.assert_allclose(metrics["accuracy"], np.mean(agree), rtol=1e-6)
@@ -357,16 +362,11 @@ def test_unrolled_eagle_loss_matches_drafting(data):
                     )
                     step_cache = step_cache.advance(np.array([1], np.int32))
                     predicted = out[:, 0]
-                f = np.asarray(predicted[0], np.float64)
-                diff = np.abs(f - h[t + 1])
-                logits, wanted = f @ matrix, h[t + 1].astype(np.float64) @ matrix
-                q = np.exp(wanted - wanted.max())
-                q /= q.sum()
-                log_p = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
-                losses[p].append(
-                    np.where(diff < 1, 0.5 * diff**2, diff - 0.5).mean() - 0.1 * (q * log_p).sum()
+                (regression,), (classification,), (agrees,) = _reference_terms(
+                    predicted, h[None, t + 1], matrix
                 )
-                agree[p].append(logits.argmax() == wanted.argmax())
+                losses[p].append(regression + 0.1 * classification)
+                agree[p].append(agrees)
     for p in range(2, unroll + 1):
         np.testing.assert_allclose(metrics[f"accuracy_{p}"], np.mean(agree[p]), rtol=1e-6)
     assert 0 < np.mean(agree[unroll]) < 1
