@@ -228,6 +228,21 @@ def eagle_head(data):
     return train_eagle(TARGET, data, **EAGLE_SETTINGS)
 
 
+def _loss_args(head, head_matrix, hidden, tokens, mask) -> tuple:
+    """`eagle_loss`'s arguments up to the noise level (0: no noise), for `head` on a batch."""
+    return (
+        head.params,
+        head.config,
+        TARGET.params,
+        head_matrix,
+        hidden,
+        tokens,
+        mask,
+        jax.random.key(0),
+        0.0,
+    )
+
+
 def _reference_terms(predicted, wanted, matrix):
     """Per position, in float64: smooth-L1 regression, the cross-entropy of the head's draft-vocab
     distribution against the target's, and top-1 agreement; predicted, wanted [n, D]."""
@@ -257,19 +272,8 @@ def test_eagle_loss_matches_a_numpy_reference(data):
     assert mask[0].sum() != mask[1].sum()
     loss_jit = jax.jit(eagle_loss, static_argnums=1)
     features_jit = jax.jit(eagle_features, static_argnums=1, static_argnames="empty_cache")
-    loss, metrics = loss_jit(
-        head.params,
-        head.config,
-        TARGET.params,
-        head_matrix,
-        hidden,
-        tokens,
-        mask,
-        jax.random.key(0),
-        0.0,
-        0.7,
-        0.2,
-    )
+    args = _loss_args(head, head_matrix, hidden, tokens, mask)
+    loss, metrics = loss_jit(*args, 0.7, 0.2)
 
     matrix = np.asarray(TARGET.params.lm_head, np.float64)[:, head.vocab]  # the draft vocab's columns
     per_sequence = []  # the reference's per-position terms
@@ -315,17 +319,7 @@ def test_unrolled_eagle_loss_matches_drafting(data):
     rows = slice(0, 2)
     hidden, tokens, mask = data.hidden[rows], data.tokens[rows], data.mask[rows]
     loss_jit = jax.jit(eagle_loss, static_argnums=1, static_argnames="unroll")
-    args = (
-        head.params,
-        head.config,
-        TARGET.params,
-        head_matrix,
-        hidden,
-        tokens,
-        mask,
-        jax.random.key(0),
-        0.0,
-    )
+    args = _loss_args(head, head_matrix, hidden, tokens, mask)
     loss, metrics = loss_jit(*args, 1.0, 0.1, unroll=unroll)
     loss_1, metrics_1 = loss_jit(*args, 1.0, 0.1)
     assert metrics["accuracy"] == metrics_1["accuracy"]  # pass 1 is the plain loss

@@ -143,9 +143,8 @@ def eagle_features(
     (advancing is the caller's). `embed` is the target's embedding table [V, D]; `visible`
     [B, T, S] overrides which cache slots each input attends to (see `decoder_layers`)."""
     x = jnp.concatenate([hidden, embed[next_tokens]], axis=-1) @ params.fc + params.fc_bias
-    layer_config = config.layer_config
     return decoder_layers(
-        (params.layer,), layer_config, x, positions, cache, fresh_mask, empty_cache, visible=visible
+        (params.layer,), config.layer_config, x, positions, cache, fresh_mask, empty_cache, visible=visible
     )
 
 

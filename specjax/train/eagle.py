@@ -118,8 +118,7 @@ def eagle_loss(
             fed,
             tokens[:, 1:],
             positions,
-            cache.replace(lengths=jnp.full((B,), (p - 1) * P, jnp.int32)),
-            fresh_mask=jnp.eye(P, dtype=bool),
+            cache.replace(lengths=jnp.full((B,), (p - 1) * P, jnp.int32)),  # writes after pass p-1
             visible=visible,
         )
         valid = valid & jnp.concatenate([jnp.zeros_like(valid[:, :1]), valid[:, :-1]], axis=1)
