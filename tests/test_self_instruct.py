@@ -32,6 +32,8 @@ def test_prompts_are_finished_distinct_user_turns(smollm2, written):
         assert "<|im_end|>" not in prompt and "<|im_start|>" not in prompt
 
 
+# Writes two more sets of prompts with the real model (~27 s): in `make test-all`.
+@pytest.mark.slow
 def test_same_seed_same_prompts_and_exclude_holds_them_out(smollm2, written):
     assert self_instruct_prompts(smollm2, 4, seed=3, **SMALL) == written
     without_first = self_instruct_prompts(smollm2, 3, seed=3, exclude={written[0]}, **SMALL)

@@ -163,9 +163,9 @@ def test_one_loop_with_psums_after_attention_and_mlp(one_device_greedy):
     lengths = np.asarray(state.lengths)
     tokens = [np.asarray(state.tokens)[b, len(PROMPTS[b]) : lengths[b]].tolist() for b in range(B)]
     assert tokens == one_device_greedy[:B]
-    cache = state.cache.k[0]  # [B, K, S, E], kv heads split: each device holds K/2 of them
-    assert cache.sharding.is_equivalent_to(NamedSharding(mesh, sharding.cache_specs(1).k[0]), 4)
-    assert cache.addressable_shards[0].data.shape == (B, TARGET.config.num_kv_heads // 2, 128, 8)
+    cache = state.cache.k[0]  # [B*K, S, E], kv heads split: each device holds K/2 of them
+    assert cache.sharding.is_equivalent_to(NamedSharding(mesh, sharding.cache_specs(1).k[0]), 3)
+    assert cache.addressable_shards[0].data.shape == (B * TARGET.config.num_kv_heads // 2, 128, 8)
 
 
 @pytest.mark.slow
@@ -190,8 +190,8 @@ def test_param_and_cache_specs_follow_the_table():
     assert sharding.param_specs(TARGET.config).lm_head == P(None, None)
     assert sharding.param_specs(TARGET.config, tensor_parallel=False).layers[0].q == P(None, None)
     cache = sharding.cache_specs(2)
-    assert cache.k[1] == P("data", "model", None, None) and cache.lengths == P("data")
-    assert sharding.cache_specs(2, tensor_parallel=False).v[0] == P("data", None, None, None)
+    assert cache.k[1] == P(("data", "model"), None, None) and cache.lengths == P("data")
+    assert sharding.cache_specs(2, tensor_parallel=False).v[0] == P("data", None, None)
 
 
 def test_load_places_each_weight_with_its_sharding(tmp_path, monkeypatch):

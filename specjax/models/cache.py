@@ -21,9 +21,20 @@ UNROLLED_WRITE_ROWS = 16
 @flax.struct.dataclass
 class KVCache:
     """One k and one v buffer per layer (separate buffers, as the layers' weights are: see
-    llama.py), each [B, K, S, E]: batch, kv heads, slots, head dim. Slots sit next to the head
-    dim so attention's products read the cache in place; with slots before kv heads, XLA:CPU
-    transposed the whole cache in every layer of every step (32 of 67 ms per step at 1024 slots)."""
+    llama.py), each [B*K, S, E]: rows and kv heads merged into one leading axis (entry b*K + k is
+    row b's kv head k), then slots, then head dim.
+
+    Why this shape: slots sit next to the head dim so attention's products read the cache in place
+    (with slots before kv heads, XLA:CPU transposed the whole cache in every layer of every step).
+    One merged leading axis, rather than [B, K, S, E], because at batch 1 the size-1 row axis made
+    XLA:CPU write each fresh key twice, into copies of the cache (four copies of every k buffer
+    per step), one for the attention product and one for the loop's state; the merged axis needs
+    none (docs/benchmarks.md: 31 -> 27 ms per step at 760 cached tokens).
+
+    On a mesh the buffer is split over ("data", "model") along the merged axis: each device holds
+    its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
+    forward and `move_slots`, under shard_map: specjax/sharding) reads the entries there.
+    """
 
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
@@ -35,31 +46,36 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[2]
+        return self.k[0].shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
 
     def write_slots(self, layer_cache: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
         """Store T fresh entries per row at slots `lengths .. lengths + T - 1` of one layer's
-        buffer [B, K, S, E]; new [B, T, K, E]. The caller decides how many to commit (advance).
+        buffer [B*K, S, E]; new [B, T, K, E]. The caller decides how many to commit (advance).
         `fresh=True` promises an empty cache (every length 0, a prefill): one write at slot 0.
 
-        A small batch writes each row with its own `dynamic_update_slice` (a scalar start), which
-        XLA does in place; the vmapped form becomes a scatter that also reads the old slots. Past
-        UNROLLED_WRITE_ROWS rows the vmapped form keeps the program small. The capacity leaves
-        room for T slots past every row's length (see LoopSpec), so no write is clamped.
+        A small batch writes each row's K entries with one `dynamic_update_slice` (a scalar
+        start), which XLA does in place; the vmapped form becomes a scatter that also reads the
+        old slots. Past UNROLLED_WRITE_ROWS rows the vmapped form keeps the program small. The
+        capacity leaves room for T slots past every row's length (see LoopSpec), so no write is
+        clamped.
         """
+        B, T, K, E = new.shape
         new = jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype)  # [B, K, T, E]
         if fresh:
-            return jax.lax.dynamic_update_slice(layer_cache, new, (0, 0, 0, 0))
-        B = new.shape[0]
+            return jax.lax.dynamic_update_slice(layer_cache, new.reshape(B * K, T, E), (0, 0, 0))
         if B > UNROLLED_WRITE_ROWS:
 
             def write_row(row, new_row, start):  # [K, S, E], [K, T, E], []
                 return jax.lax.dynamic_update_slice(row, new_row, (0, start, 0))
 
-            return jax.vmap(write_row)(layer_cache, new, self.lengths)
+            rows = layer_cache.reshape(B, K, *layer_cache.shape[1:])
+            return jax.vmap(write_row)(rows, new, self.lengths).reshape(layer_cache.shape)
         for b in range(B):
-            start = (b, 0, self.lengths[b], 0)
-            layer_cache = jax.lax.dynamic_update_slice(layer_cache, new[b : b + 1], start)
+            layer_cache = jax.lax.dynamic_update_slice(layer_cache, new[b], (b * K, self.lengths[b], 0))
         return layer_cache
 
     def move_slots(self, sources: jax.Array) -> KVCache:
@@ -67,10 +83,12 @@ class KVCache:
         [B, D] int32 with every source at or after its destination (a token tree's accepted path,
         fed at `lengths .. lengths + N`, moved to where a chain would have put it). Entries whose
         source is their destination stay as they are."""
-        rows = jnp.arange(sources.shape[0])[:, None]
+        B = self.batch_size
+        rows = jnp.arange(B)[:, None]
 
-        def move(buf):  # [B, K, S, E]; the gather reads every source before any write
-            return self.write_slots(buf, buf[rows, :, sources])  # [B, D, K, E] at lengths + d
+        def move(buf):  # [B*K, S, E]; the gather reads every source before any write
+            by_row = buf.reshape(B, buf.shape[0] // B, *buf.shape[1:])  # [B, K, S, E]
+            return self.write_slots(buf, by_row[rows, :, sources])  # [B, D, K, E] at lengths + d
 
         return self.replace(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v))
 
@@ -85,7 +103,7 @@ def init_cache(
     """An empty cache of `capacity` slots per row, allocated with zeros; `num_layers` (default all)
     sizes it for an early-exit pass over the first layers only."""
     num_layers = config.num_layers if num_layers is None else num_layers
-    shape = (batch_size, config.num_kv_heads, capacity, config.head_dim)
+    shape = (batch_size * config.num_kv_heads, capacity, config.head_dim)
     return KVCache(
         k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),

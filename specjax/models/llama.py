@@ -174,18 +174,25 @@ def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: in
 
 
 def _cache_attention(q, k_cache, v_cache, visible):
-    """T queries [B, T, K, G, E] attend to the cache [B, K, S, E] where visible [B, T, S]."""
-    scores = jnp.einsum("btkge,bkse->bkgts", q, k_cache)
+    """T queries [B, T, K, G, E] attend to the cache [B*K, S, E] where visible [B, T, S].
+
+    The products run over the cache's own merged row-and-head axis, with each kv head's G*T
+    queries as the rows of one product, so XLA reads the buffers as they are stored.
+    """
+    B, T, K, G, E = q.shape
+    rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
+    scores = jnp.einsum("rqe,rse->rqs", rows, k_cache).reshape(B, K, G, T, -1)
     scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgts,bkse->btkge", probs, v_cache)
+    out = jnp.einsum("rqs,rse->rqe", probs.reshape(B * K, G * T, -1), v_cache)
+    return out.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, E]
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask):
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E].
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
-    cache k_cache, v_cache [B, K, S, E], and the queries attend to the visible slots. Writing
+    cache k_cache, v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
     before reading means the old buffer is dead once written, so XLA can update it in place
     (reading the old cache after the write kept both alive and copied the cache every step; on
     XLA:CPU a copy still remains where it clones the write into the batched attention product,
@@ -204,7 +211,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask):
 
 
 def _layer(config: LlamaConfig, inv_freq, positions, cache, visible, fresh_mask, x, lp, k_buf, v_buf, reduce):
-    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers [B, K, S, E].
+    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers [B*K, S, E].
     Returns the new x and the buffers with the fresh keys and values written at slots
     `cache.lengths + t`.
 

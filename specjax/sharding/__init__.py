@@ -8,7 +8,7 @@ caches from one table of logical axes, and the model's forward under `jax.shard_
 See docs/scaling.md for memory and traffic per device.
 """
 
-from specjax.sharding.forward import mesh_forward_hidden
+from specjax.sharding.forward import mesh_forward_hidden, mesh_move_slots
 from specjax.sharding.mesh import (
     AXES,
     DATA,
@@ -47,6 +47,7 @@ __all__ = [
     "logical_to_spec",
     "make_mesh",
     "mesh_forward_hidden",
+    "mesh_move_slots",
     "model_degree",
     "param_placer",
     "param_specs",

@@ -1,4 +1,5 @@
-"""The model's forward under `jax.shard_map`: the one place the compiled loop meets the mesh.
+"""The model's forward under `jax.shard_map`: the one place the compiled loop meets the mesh
+(with `mesh_move_slots`, the tree verifier's cache moves, which read the cache per device too).
 
 Inside the shard_map each device runs the ordinary forward (models/llama.py) on its own slice:
 its rows of the batch and of the KV cache, its H/m query and K/m kv heads, its F/m of the MLP.
@@ -75,3 +76,19 @@ def mesh_forward_hidden(
         out_specs=(P(*rows, None, None), cache_spec),
     )
     return sharded(params, tokens, positions, cache)
+
+
+def mesh_move_slots(mesh: Mesh | None, cache: KVCache, sources: jax.Array) -> KVCache:
+    """`cache.move_slots(sources)` (sources [B, D]) on `mesh`, on each device's own rows and kv
+    heads: the cache buffers' entries are ordered per device there (models/cache.py), so the move
+    runs under shard_map like the forward that wrote them. With mesh None, the plain call."""
+    if mesh is None:
+        return cache.move_slots(sources)
+    cache_spec = cache_specs(cache.num_layers)
+    sharded = jax.shard_map(
+        lambda cache, sources: cache.move_slots(sources),
+        mesh=mesh,
+        in_specs=(cache_spec, row_spec()),
+        out_specs=cache_spec,
+    )
+    return sharded(cache, sources)

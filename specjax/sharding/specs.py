@@ -66,17 +66,22 @@ MODEL_AXES: dict[str, tuple[str, ...]] = {
     "final_norm": ("embed",),
     "lm_head": ("embed", "vocab"),
 }
-CACHE_AXES = ("batch", "kv_heads", "slots", "head_dim")  # each layer's k and v [B, K, S, E]
+# Each layer's k and v [B*K, S, E]: rows and kv heads share the leading axis (models/cache.py).
+CACHE_AXES = (("batch", "kv_heads"), "slots", "head_dim")
 ROW_AXES = ("batch",)  # cache lengths [B], and every per-row array of the loop
 
 
-def logical_to_spec(axes: tuple[str, ...], tensor_parallel: bool = True) -> P:
-    """The PartitionSpec for an array with these logical axes. Without tensor parallelism (a
+def logical_to_spec(axes: tuple[str | tuple[str, ...], ...], tensor_parallel: bool = True) -> P:
+    """The PartitionSpec for an array with these logical axes; a tuple of logical axes names one
+    merged dimension, split over their mesh axes in that order. Without tensor parallelism (a
     replicated draft) nothing is split over "model"; rows still split over "data"."""
-    mesh_axes = [RULES[a] for a in axes]
-    if not tensor_parallel:
-        mesh_axes = [None if a == MODEL else a for a in mesh_axes]
-    return P(*mesh_axes)
+
+    def mesh_axes(axis):
+        names = axis if isinstance(axis, tuple) else (axis,)
+        split = [RULES[a] for a in names if RULES[a] is not None and (tensor_parallel or RULES[a] != MODEL)]
+        return tuple(split) if len(split) > 1 else (split[0] if split else None)
+
+    return P(*(mesh_axes(a) for a in axes))
 
 
 def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParams:
@@ -101,7 +106,8 @@ def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParam
 
 
 def cache_specs(num_layers: int, tensor_parallel: bool = True) -> KVCache:
-    """A KVCache tree of PartitionSpecs: rows on "data", kv heads on "model"."""
+    """A KVCache tree of PartitionSpecs: rows on "data", kv heads on "model" (the buffers' merged
+    leading axis is split over both: each device holds its rows' entries for its kv heads)."""
     buffer = logical_to_spec(CACHE_AXES, tensor_parallel)
     return KVCache(k=(buffer,) * num_layers, v=(buffer,) * num_layers, lengths=row_spec())
 

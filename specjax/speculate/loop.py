@@ -27,7 +27,7 @@ import numpy as np
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams, lm_head
-from specjax.sharding import mesh_forward_hidden
+from specjax.sharding import mesh_forward_hidden, mesh_move_slots
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.proposers.forced import forced_num_accepted
@@ -452,7 +452,8 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
         # lengths + d. Past num_accepted the entries stay put (stale, never committed).
         depth = jnp.arange(D)[None, :]
         source = jnp.where(depth < num_accepted[:, None], fed_index[:, 1:], depth + 1)
-        cache = cache.replace(lengths=state.lengths).move_slots(state.lengths[:, None] - 1 + source)
+        sources = state.lengths[:, None] - 1 + source
+        cache = mesh_move_slots(spec.mesh, cache.replace(lengths=state.lengths), sources)
         cache = cache.replace(lengths=state.lengths - 1)
     path_hidden = hidden[rows[:, None], fed_index]  # [B, D+1, D_model]
     return Verdict(candidates, num_accepted, expected, drafted_at, finite, cache, path_hidden)
