@@ -1,15 +1,23 @@
 """The KV cache's buffers (models/cache.py): entry b*K + k of each [B*K, S, E] buffer is row b's kv
 head k; writes land at each row's own length, and tree moves copy each row's slots, both checked
 against numpy on random contents, for a batch written row by row and one past
-UNROLLED_WRITE_ROWS (written by vmap)."""
+UNROLLED_WRITE_ROWS (written by vmap). A pass that defers its writes (FreshEntries) computes what
+a writing pass does, and the compiled loop updates the cache in place (no copies of it)."""
+
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import tiny_model
 
-from specjax.models import LlamaConfig, init_cache
+import specjax
+from specjax import TokenTree
+from specjax.models import FreshEntries, LlamaConfig, forward_hidden, init_cache
 from specjax.models.cache import UNROLLED_WRITE_ROWS, KVCache
+from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
+from specjax.speculate.sampling import SamplingParams, WarpSpec
 
 K, S, E, T = 2, 12, 4, 3
 
@@ -54,3 +62,64 @@ def test_move_slots_copies_each_rows_sources_into_place(batch_size):
             for k in range(K):
                 expected[b * K + k, lengths[b] : lengths[b] + T] = original[b * K + k, sources[b]]
         np.testing.assert_array_equal(np.asarray(got), expected)
+
+
+@pytest.mark.parametrize("mask", ["chain", "tree"])
+def test_a_pass_that_defers_its_writes_matches_one_that_writes(mask):
+    """forward_hidden(write=False) then KVCache.write: the hidden states and the cache of the
+    write-first pass, on a ragged batch after a prefill (a chain's causal mask, or a tree's)."""
+    model = tiny_model(seed=4)
+    B, P, T = 3, 9, 4
+    tokens = jax.random.randint(jax.random.key(1), (B, P + T), 0, model.config.vocab_size)
+    lengths = jnp.array([9, 4, 6], jnp.int32)
+    cache = init_cache(model.config, B, 32)
+    positions = jnp.broadcast_to(jnp.arange(P), (B, P))
+    _, cache = forward_hidden(model.params, model.config, tokens[:, :P], positions, cache, empty_cache=True)
+    cache = cache.replace(lengths=lengths)
+    tree = TokenTree.chain(T - 1) if mask == "chain" else TokenTree(((0,), (1,), (0, 0)))  # 4 nodes
+    fresh_mask, fed = tree.attention_mask, tokens[:, P:]
+    fed_positions = lengths[:, None] + jnp.asarray(tree.depths)[None]
+    args = (model.params, model.config, fed, fed_positions, cache, fresh_mask)
+    written_hidden, written = forward_hidden(*args)
+    deferred_hidden, fresh = forward_hidden(*args, write=False)
+    assert isinstance(fresh, FreshEntries) and fresh.k[0].shape == (B, T, model.config.num_kv_heads, 16)
+    np.testing.assert_allclose(np.asarray(deferred_hidden), np.asarray(written_hidden), rtol=1e-5, atol=1e-5)
+    stored = cache.write(fresh)
+    for got, expected in zip(stored.k + stored.v, written.k + written.v, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def cache_copies_in_the_loop(proposer) -> int:
+    """Copies of a whole cache buffer [B*K, S, E] outside the program's entry computation (in the
+    loop's body and the branches of conds inside it), counted in the optimized HLO."""
+    model = tiny_model(seed=6)
+    B, S = 1, 128
+    warp = WarpSpec.of(specjax.Sampling())
+    proposer_spec, proposer_params = specjax.speculate.proposers.resolve(proposer, model, warp)
+    spec = LoopSpec(model.config, B, 16, S, warp, proposer_spec)
+    inputs = GenerationInputs.simple(
+        prompt_tokens=jnp.arange(1, 17, dtype=jnp.int32)[None],
+        prompt_lengths=jnp.array([16], jnp.int32),
+        max_new_tokens=jnp.array([64], jnp.int32),
+        sampling=SamplingParams.of(specjax.Sampling(), B, model.config.vocab_size),
+        key=jax.random.key(0),
+    )
+    args = (spec, model.params, proposer_params, inputs)
+    hlo = jax.jit(generate_program, static_argnums=0).lower(*args).compile().as_text()
+    c = model.config
+    buffer = rf"f32\[{B * c.num_kv_heads},{S},{c.head_dim}\]\{{2,1,0\}} copy\("
+    computations = hlo.split("\n\n")
+    return sum(
+        len(re.findall(buffer, text)) for text in computations if not text.lstrip().startswith("ENTRY")
+    )
+
+
+@pytest.mark.parametrize(
+    "proposer",
+    [None, specjax.NGram(k=3, n_max=2), specjax.SelfDraft(layers=1, k=2)],
+    ids=["plain", "ngram", "self"],
+)
+def test_the_loop_never_copies_the_cache(proposer):
+    """Each step updates the cache in place: no copy of a cache buffer in the loop, neither at
+    batch 1 (see KVCache's layout) nor around NGram's batch-wide cond (see FreshEntries)."""
+    assert cache_copies_in_the_loop(proposer) == 0

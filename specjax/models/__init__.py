@@ -1,6 +1,6 @@
 """Models: configs, the pure-functional transformer, its KV cache and checkpoint loading."""
 
-from specjax.models.cache import KVCache, cache_bytes, init_cache
+from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
@@ -15,6 +15,7 @@ __all__ = [
     "EagleConfig",
     "EagleHead",
     "EagleParams",
+    "FreshEntries",
     "KVCache",
     "LayerParams",
     "LlamaConfig",

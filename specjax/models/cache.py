@@ -78,6 +78,13 @@ class KVCache:
             layer_cache = jax.lax.dynamic_update_slice(layer_cache, new[b], (b * K, self.lengths[b], 0))
         return layer_cache
 
+    def write(self, fresh: FreshEntries) -> KVCache:
+        """Every layer's fresh entries (a pass run with `write=False`) stored at slots `lengths ..`."""
+        return self.replace(
+            k=tuple(self.write_slots(buf, new) for buf, new in zip(self.k, fresh.k, strict=True)),
+            v=tuple(self.write_slots(buf, new) for buf, new in zip(self.v, fresh.v, strict=True)),
+        )
+
     def move_slots(self, sources: jax.Array) -> KVCache:
         """Copy, in every layer, slot `sources[b, d]` of row b to slot `lengths[b] + d`; sources
         [B, D] int32 with every source at or after its destination (a token tree's accepted path,
@@ -95,6 +102,30 @@ class KVCache:
     def advance(self, num_committed: jax.Array) -> KVCache:
         """Commit `num_committed[b]` more slots of each row (the ones `write` just filled)."""
         return self.replace(lengths=self.lengths + num_committed.astype(jnp.int32))
+
+
+@flax.struct.dataclass
+class FreshEntries:
+    """The keys and values a pass computed without writing them (`forward_hidden(write=False)`):
+    one [B, T, K, E] array per layer each, for `KVCache.write` to store at the rows' lengths.
+
+    Why a pass would not write: the loop's batch-wide `lax.cond` (verify the drafts, or a
+    one-token pass when no row drafted) cannot update the cache it is handed in place, so XLA:CPU
+    copied every cache buffer in the branch that ran and once more around it (120 copies of the
+    whole cache per step). Branches that only read the cache, with the writes after the cond,
+    need none."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    def pad_to(self, width: int) -> FreshEntries:
+        """Zero entries appended up to `width` tokens, so that branches of different widths agree
+        in shape (slots past what a step commits are stale and never read)."""
+
+        def pad(x):
+            return jnp.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0), (0, 0)))
+
+        return FreshEntries(k=tuple(map(pad, self.k)), v=tuple(map(pad, self.v)))
 
 
 def init_cache(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.cache import KVCache
+from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 
 
@@ -188,32 +188,54 @@ def _cache_attention(q, k_cache, v_cache, visible):
     return out.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, E]
 
 
-def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask):
+def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
+    """T queries [B, T, K, G, E] attend, in one softmax, to the cache's committed slots
+    (committed [B, S]; the cache [B*K, S, E] is only read) and to the T fresh keys and values
+    [B, T, K, E] under fresh_mask [T, T]: what the write-first form computes, without writing."""
+    B, T, K, G, E = q.shape
+    S = k_cache.shape[1]
+    low = jnp.finfo(jnp.float32).min
+    rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)
+    old = jnp.einsum("rqe,rse->rqs", rows, k_cache).reshape(B, K, G, T, S)
+    old = jnp.where(committed[:, None, None, None, :], old, low)
+    new = jnp.einsum("btkge,buke->bkgtu", q, k_new)
+    new = jnp.where(fresh_mask[None, None, None], new, low)
+    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1).astype(jnp.float32), axis=-1).astype(q.dtype)
+    from_cache = jnp.einsum("rqs,rse->rqe", probs[..., :S].reshape(B * K, G * T, S), v_cache)
+    from_cache = from_cache.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)
+    return from_cache + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)
+
+
+def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask, write=True):
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E].
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
     cache k_cache, v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
     before reading means the old buffer is dead once written, so XLA can update it in place
-    (reading the old cache after the write kept both alive and copied the cache every step; on
-    XLA:CPU a copy still remains where it clones the write into the batched attention product,
-    see docs/benchmarks.md). A prefill into an
-    empty cache (`visible` None) attends to the fresh k_new, v_new [B, T, K, E] alone under
-    fresh_mask [T, T], and never reads the all-zero buffers.
+    (reading the old cache after the write kept both alive and copied the cache every step; see
+    KVCache for the layout that keeps the write in place). A prefill into an empty cache
+    (`visible` None) attends to the fresh k_new, v_new [B, T, K, E] alone under fresh_mask
+    [T, T], and never reads the all-zero buffers. With `write=False` the cache holds only
+    committed entries and `visible [B, S]` marks them; the fresh keys join under fresh_mask.
     """
     B, T, H, E = q.shape
     K = k_new.shape[2]
     q = q.reshape(B, T, K, H // K, E) * (1.0 / math.sqrt(E))
     if visible is None:
         out = _fresh_attention(q, k_new, v_new, fresh_mask)
+    elif not write:
+        out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask)
     else:
         out = _cache_attention(q, k_cache, v_cache, visible)
     return out.reshape(B, T, H * E)
 
 
-def _layer(config: LlamaConfig, inv_freq, positions, cache, visible, fresh_mask, x, lp, k_buf, v_buf, reduce):
+def _layer(
+    config: LlamaConfig, inv_freq, positions, cache, visible, fresh_mask, x, lp, k_buf, v_buf, reduce, write
+):
     """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers [B*K, S, E].
     Returns the new x and the buffers with the fresh keys and values written at slots
-    `cache.lengths + t`.
+    `cache.lengths + t`; with `write=False`, the new x and the fresh keys and values [B, T, K, E].
 
     Head counts come from the weights' shapes, not the config, so that the same code runs on a
     tensor-parallel slice holding H/m query and K/m kv heads; `reduce` then sums the partial
@@ -229,12 +251,13 @@ def _layer(config: LlamaConfig, inv_freq, positions, cache, visible, fresh_mask,
     q = apply_rope(q.reshape(B, T, H, E), positions, inv_freq)
     k = apply_rope(k.reshape(B, T, K, E), positions, inv_freq)
     v = v.reshape(B, T, K, E)
-    fresh = visible is None  # a prefill into an empty cache
-    k_buf, v_buf = cache.write_slots(k_buf, k, fresh), cache.write_slots(v_buf, v, fresh)
-    x = x + reduce(attention(q, k, v, k_buf, v_buf, visible, fresh_mask) @ lp.o)
+    if write:
+        fresh = visible is None  # a prefill into an empty cache
+        k_buf, v_buf = cache.write_slots(k_buf, k, fresh), cache.write_slots(v_buf, v, fresh)
+    x = x + reduce(attention(q, k, v, k_buf, v_buf, visible, fresh_mask, write) @ lp.o)
     h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
     x = x + reduce((jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down)
-    return x, k_buf, v_buf
+    return (x, k_buf, v_buf) if write else (x, k, v)
 
 
 def _identity(x: jax.Array) -> jax.Array:
@@ -250,7 +273,8 @@ def forward_hidden(
     fresh_mask: jax.Array | None = None,
     empty_cache: bool = False,
     reduce: Callable[[jax.Array], jax.Array] | None = None,
-) -> tuple[jax.Array, KVCache]:
+    write: bool = True,
+) -> tuple[jax.Array, KVCache | FreshEntries]:
     """Run T new tokens per row through the model and its final norm.
 
     tokens, positions [B, T] int32. The tokens' keys and values are written into the cache at
@@ -260,13 +284,17 @@ def forward_hidden(
     work, it keeps XLA from constant-folding attention over the all-zero buffers, which took
     minutes of compile time. `reduce` (default: none) is applied to each layer's attention and MLP
     outputs before they join the residual stream: under tensor parallelism, the sum over the model
-    axis of the partial products. Returns the final-normed hidden states [B, T, D] and the cache.
+    axis of the partial products. Returns the final-normed hidden states [B, T, D] and the cache,
+    or with `write=False` the cache untouched and the fresh entries returned instead
+    (FreshEntries, for `KVCache.write`; see there for why).
     """
     if cache.num_layers > config.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model only {config.num_layers}")
     x = params.embed[tokens]  # [B, T, D]
     layers = params.layers[: cache.num_layers]
-    x, cache = decoder_layers(layers, config, x, positions, cache, fresh_mask, empty_cache, reduce)
+    x, cache = decoder_layers(
+        layers, config, x, positions, cache, fresh_mask, empty_cache, reduce, write=write
+    )
     return rms_norm(x, params.final_norm, config.rms_norm_eps), cache
 
 
@@ -280,26 +308,44 @@ def decoder_layers(
     empty_cache: bool = False,
     reduce: Callable[[jax.Array], jax.Array] | None = None,
     visible: jax.Array | None = None,
-) -> tuple[jax.Array, KVCache]:
+    write: bool = True,
+) -> tuple[jax.Array, KVCache | FreshEntries]:
     """Run the residual stream x [B, T, D] through `layers` (one cache buffer each), writing the
     fresh keys and values at slots `cache.lengths + t`. The body of `forward_hidden`, and the
     decoder layer of an EAGLE head (which feeds its own inputs rather than token embeddings).
     `visible [B, T, S]` overrides which cache slots each fresh token attends to (default:
     `visible_slots`; EAGLE's unrolled training loss sets its own). Returns x after the last layer
-    (not normed) and the cache."""
+    (not normed) and the cache, or with `write=False` (a decoding pass only) the fresh entries."""
     T = x.shape[1]
     fresh_mask = causal_mask(T) if fresh_mask is None else jnp.asarray(fresh_mask, bool)
     inv_freq = rope_inverse_frequencies(config)
     reduce = _identity if reduce is None else reduce
-    if visible is None and not empty_cache:
+    if not write:
+        if empty_cache or visible is not None:
+            raise ValueError("write=False is for decoding passes over a cache's committed slots")
+        visible = jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None]  # [B, S] committed
+    elif visible is None and not empty_cache:
         visible = visible_slots(cache.lengths, fresh_mask, cache.capacity)
     new_k, new_v = [], []
     for i, layer in enumerate(layers):
-        x, k_buf, v_buf = _layer(
-            config, inv_freq, positions, cache, visible, fresh_mask, x, layer, cache.k[i], cache.v[i], reduce
+        x, k_out, v_out = _layer(
+            config,
+            inv_freq,
+            positions,
+            cache,
+            visible,
+            fresh_mask,
+            x,
+            layer,
+            cache.k[i],
+            cache.v[i],
+            reduce,
+            write,
         )
-        new_k.append(k_buf)
-        new_v.append(v_buf)
+        new_k.append(k_out)
+        new_v.append(v_out)
+    if not write:
+        return x, FreshEntries(k=tuple(new_k), v=tuple(new_v))
     return x, cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 

@@ -8,7 +8,7 @@ caches from one table of logical axes, and the model's forward under `jax.shard_
 See docs/scaling.md for memory and traffic per device.
 """
 
-from specjax.sharding.forward import mesh_forward_hidden, mesh_move_slots
+from specjax.sharding.forward import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.sharding.mesh import (
     AXES,
     DATA,
@@ -48,6 +48,7 @@ __all__ = [
     "make_mesh",
     "mesh_forward_hidden",
     "mesh_move_slots",
+    "mesh_write",
     "model_degree",
     "param_placer",
     "param_specs",

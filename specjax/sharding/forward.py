@@ -1,5 +1,6 @@
 """The model's forward under `jax.shard_map`: the one place the compiled loop meets the mesh
-(with `mesh_move_slots`, the tree verifier's cache moves, which read the cache per device too).
+(with `mesh_move_slots` and `mesh_write`, the cache updates made outside a forward, which also
+read the cache per device).
 
 Inside the shard_map each device runs the ordinary forward (models/llama.py) on its own slice:
 its rows of the batch and of the KV cache, its H/m query and K/m kv heads, its F/m of the MLP.
@@ -19,11 +20,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from specjax.models import llama
-from specjax.models.cache import KVCache
+from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
 from specjax.sharding.mesh import MODEL
-from specjax.sharding.specs import cache_specs, param_specs, row_spec
+from specjax.sharding.specs import cache_specs, fresh_specs, param_specs, row_spec
 
 
 def _sum_over_model(x: jax.Array) -> jax.Array:
@@ -40,20 +41,30 @@ def mesh_forward_hidden(
     empty_cache: bool = False,
     tensor_parallel: bool = True,
     fresh_mask=None,
-) -> tuple[jax.Array, KVCache]:
+    write: bool = True,
+) -> tuple[jax.Array, KVCache | FreshEntries]:
     """`models.forward_hidden` on `mesh`; with mesh None, the plain single-device call.
 
     tokens, positions [B, T]; returns hidden [B, T, D] (split by row) and the cache. With
     `tensor_parallel=False` (a replicated draft) every device of a model group holds the whole
     model and runs the same rows: no all-reduce, at the price of repeated compute. `fresh_mask`
     [T, T] (a static numpy array, e.g. a token tree's) replaces the causal mask of the T tokens.
+    `write=False` returns the fresh entries instead of the written cache (see FreshEntries).
     """
     if mesh is None:
         return llama.forward_hidden(
-            params, config, tokens, positions, cache, fresh_mask=fresh_mask, empty_cache=empty_cache
+            params,
+            config,
+            tokens,
+            positions,
+            cache,
+            fresh_mask=fresh_mask,
+            empty_cache=empty_cache,
+            write=write,
         )
     params_spec = param_specs(config, tensor_parallel)
     cache_spec = cache_specs(cache.num_layers, tensor_parallel)
+    written_spec = cache_spec if write else fresh_specs(cache.num_layers, tensor_parallel)
     rows = row_spec()
     reduce = _sum_over_model if tensor_parallel else None
 
@@ -67,28 +78,34 @@ def mesh_forward_hidden(
             fresh_mask=fresh_mask,
             empty_cache=empty_cache,
             reduce=reduce,
+            write=write,
         )
 
     sharded = jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(params_spec, rows, rows, cache_spec),
-        out_specs=(P(*rows, None, None), cache_spec),
+        out_specs=(P(*rows, None, None), written_spec),
     )
     return sharded(params, tokens, positions, cache)
 
 
 def mesh_move_slots(mesh: Mesh | None, cache: KVCache, sources: jax.Array) -> KVCache:
-    """`cache.move_slots(sources)` (sources [B, D]) on `mesh`, on each device's own rows and kv
-    heads: the cache buffers' entries are ordered per device there (models/cache.py), so the move
-    runs under shard_map like the forward that wrote them. With mesh None, the plain call."""
+    """`cache.move_slots(sources)` (sources [B, D]) on `mesh`: see `_per_device`."""
+    return _per_device(mesh, KVCache.move_slots, cache, sources, row_spec())
+
+
+def mesh_write(mesh: Mesh | None, cache: KVCache, fresh: FreshEntries) -> KVCache:
+    """`cache.write(fresh)` (a pass's unwritten entries) on `mesh`: see `_per_device`."""
+    return _per_device(mesh, KVCache.write, cache, fresh, fresh_specs(cache.num_layers))
+
+
+def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_spec) -> KVCache:
+    """`update(cache, argument)` on each device's own rows and kv heads of the target's cache: its
+    buffers' entries are ordered per device on a mesh (models/cache.py), so updates run under
+    shard_map like the forward that wrote them. With mesh None, the plain call."""
     if mesh is None:
-        return cache.move_slots(sources)
+        return update(cache, argument)
     cache_spec = cache_specs(cache.num_layers)
-    sharded = jax.shard_map(
-        lambda cache, sources: cache.move_slots(sources),
-        mesh=mesh,
-        in_specs=(cache_spec, row_spec()),
-        out_specs=cache_spec,
-    )
-    return sharded(cache, sources)
+    sharded = jax.shard_map(update, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
+    return sharded(cache, argument)

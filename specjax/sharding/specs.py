@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specjax.models.cache import KVCache
+from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.checkpoint import flatten
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LayerParams, LlamaParams, layer_shapes
@@ -68,6 +68,7 @@ MODEL_AXES: dict[str, tuple[str, ...]] = {
 }
 # Each layer's k and v [B*K, S, E]: rows and kv heads share the leading axis (models/cache.py).
 CACHE_AXES = (("batch", "kv_heads"), "slots", "head_dim")
+FRESH_AXES = ("batch", "slots", "kv_heads", "head_dim")  # a pass's unwritten keys, values [B, T, K, E]
 ROW_AXES = ("batch",)  # cache lengths [B], and every per-row array of the loop
 
 
@@ -110,6 +111,12 @@ def cache_specs(num_layers: int, tensor_parallel: bool = True) -> KVCache:
     leading axis is split over both: each device holds its rows' entries for its kv heads)."""
     buffer = logical_to_spec(CACHE_AXES, tensor_parallel)
     return KVCache(k=(buffer,) * num_layers, v=(buffer,) * num_layers, lengths=row_spec())
+
+
+def fresh_specs(num_layers: int, tensor_parallel: bool = True) -> FreshEntries:
+    """A FreshEntries tree of PartitionSpecs: rows on "data", kv heads on "model"."""
+    entries = logical_to_spec(FRESH_AXES, tensor_parallel)
+    return FreshEntries(k=(entries,) * num_layers, v=(entries,) * num_layers)
 
 
 def row_spec() -> P:

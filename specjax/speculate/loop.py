@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.cache import KVCache, cache_bytes, init_cache
+from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams, lm_head
-from specjax.sharding import mesh_forward_hidden, mesh_move_slots
+from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.proposers.forced import forced_num_accepted
@@ -274,14 +274,24 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     return state.replace(metrics=state.metrics.replace(target_forwards=ones, emitted=num_emitted))
 
 
-def _target_forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, fresh_mask=None):
+def _target_forward(
+    spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, fresh_mask=None, write=True
+):
     """The target's logits [B, T, V], final-normed hidden states [B, T, D] and cache after feeding
     tokens [B, T] in a decoding step (fresh_mask [T, T]: a tree's, or None for a chain); its body
-    runs under shard_map on `spec.mesh` when there is one."""
+    runs under shard_map on `spec.mesh` when there is one. `write=False` (inside the batch-wide
+    cond) returns the fresh entries in place of the cache, for `_store` after the cond."""
     hidden, cache = mesh_forward_hidden(
-        spec.mesh, params, spec.config, tokens, positions, cache, fresh_mask=fresh_mask
+        spec.mesh, params, spec.config, tokens, positions, cache, fresh_mask=fresh_mask, write=write
     )
     return lm_head(params, hidden), hidden, cache
+
+
+def _store(spec: LoopSpec, cache: KVCache, written: KVCache | FreshEntries) -> KVCache:
+    """The cache after a verdict: the one its pass wrote, or `cache` with the pass's entries."""
+    if isinstance(written, KVCache):
+        return written
+    return mesh_write(spec.mesh, cache, written)
 
 
 def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
@@ -323,7 +333,8 @@ class Verdict:
     expected: jax.Array  # [B, K] analytic acceptance probability at each position
     drafted_at: jax.Array  # [B, K] bool: a valid draft was tried at the position
     finite: jax.Array  # [B] the logits that were used are finite
-    cache: KVCache  # the target's, with the accepted entries at slots lengths .. lengths + n
+    cache: KVCache | FreshEntries  # the target's, with the accepted entries at slots
+    #                               lengths .. lengths + n; or the pass's entries, to store there
     path_hidden: jax.Array  # [B, K+1, D] the target's hidden states at the last token and the
     #                         accepted drafts (entry num_accepted: the state the next token came from)
 
@@ -337,18 +348,28 @@ def _mixed_rows(sampling, greedy_result, sampled_result, num_accepted_greedy):
     )
 
 
-def _score(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, depths, fresh_mask):
+def _score(
+    spec: LoopSpec,
+    params: LlamaParams,
+    state: DecodeState,
+    proposal,
+    sampling,
+    depths,
+    fresh_mask,
+    write=True,
+):
     """Feed each row's last token and its N drafts (a chain's or a tree's nodes) in one target pass.
 
     depths [N+1] (numpy) are the position offsets, fresh_mask [N+1, N+1] (numpy) what each fed
     token sees of the others: for a chain, 0..K and the causal mask. Returns the adjusted logits
     [B, N+1, V] (penalties count the drafts on each token's path), finite [B, N+1] of the raw
-    logits, the hidden states [B, N+1, D] and the cache with every fed token written."""
+    logits, the hidden states [B, N+1, D] and the cache with every fed token written (with
+    `write=False`, the fed tokens' entries)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     fed = jnp.concatenate([last[:, None], proposal.draft_tokens], axis=1)  # [B, N+1]
     positions = (state.lengths - 1)[:, None] + jnp.asarray(depths)[None, :]
-    logits, hidden, cache = _target_forward(spec, params, fed, positions, state.cache, fresh_mask)
+    logits, hidden, cache = _target_forward(spec, params, fed, positions, state.cache, fresh_mask, write)
     finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, N+1]
     counts = None
     if state.history is not None:  # penalties as they would be after each fed token's path
@@ -356,13 +377,17 @@ def _score(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sa
     return _adjust(spec, sampling, logits, state.history, counts), finite_at, hidden, cache
 
 
-def _verify_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
+def _verify_drafts(
+    spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys, write=True
+):
     """Score the last token and the K drafts in one target pass and verify them, each row by its
     own rule (greedy rows by argmax, sampled rows by rejection sampling). Returns a Verdict."""
     draft, valid = proposal.draft_tokens, proposal.valid
     K = draft.shape[1]  # spec.k, or fewer when a Dynamic proposer drafts a narrower step
     depths, fresh_mask = np.arange(K + 1), np.tril(np.ones((K + 1, K + 1), bool))
-    logits, finite_at, hidden, cache = _score(spec, params, state, proposal, sampling, depths, fresh_mask)
+    logits, finite_at, hidden, cache = _score(
+        spec, params, state, proposal, sampling, depths, fresh_mask, write
+    )
 
     candidates, num_accepted = greedy_verify(logits, draft, valid)
     expected = (draft == jnp.argmax(logits[:, :K], axis=-1)).astype(jnp.float32)
@@ -465,7 +490,7 @@ def _pad_nodes(first: np.ndarray, D: int) -> np.ndarray:
     return np.concatenate([first, np.full(D - len(first), fill, np.int32)]).astype(np.int32)
 
 
-def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
+def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys, write=True):
     """What `_verify_drafts` returns when no row drafted anything, at the cost of a one-token pass:
     the target's own token, which is what verification emits for an empty draft. A sampled row
     draws it through `rejection_sample` with nothing drafted, consuming its key exactly as the
@@ -473,8 +498,10 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     B, K = state.tokens.shape[0], spec.k
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     logits, hidden, cache = _target_forward(
-        spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache
+        spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache, write=write
     )
+    if not write:  # the same shape as the verify branch's entries
+        cache = cache.pad_to(K + 1)
     logits = _adjust(
         spec,
         sampling,
@@ -504,19 +531,22 @@ def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
     def pad(x, value):
         return jnp.concatenate([x, jnp.full((x.shape[0], K - width) + x.shape[2:], value, x.dtype)], axis=1)
 
+    cache = verdict.cache
     return verdict.replace(
         candidates=pad(verdict.candidates, -1),
         expected=pad(verdict.expected, 0.0),
         drafted_at=pad(verdict.drafted_at, False),
         path_hidden=pad(verdict.path_hidden, 0.0),
+        cache=cache if isinstance(cache, KVCache) else cache.pad_to(K + 1),
     )
 
 
 def _propose_and_verify(
-    spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, width=None
+    spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, width=None, write=True
 ):
     """Draft (at `width` for a Dynamic proposer that switches widths), score and verify.
-    Returns (Verdict padded to spec.k positions, proposer state, valid [B, K])."""
+    Returns (Verdict padded to spec.k positions, proposer state, valid [B, K]); with `write=False`
+    the verdict holds the pass's entries, not the written cache."""
     running = ~state.done
     draft_keys, verify_keys = keys[:, 0], keys[:, 1]
     extra = {} if width is None else {"width": width}
@@ -539,11 +569,11 @@ def _propose_and_verify(
         if spec.tree is not None:
             return _verify_tree(spec, params, state, proposal, inputs.sampling, verify_keys)
         return _pad_verdict(
-            _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys), spec.k
+            _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys, write), spec.k
         )
 
     def skip(state):
-        return _no_drafts(spec, params, state, inputs.sampling, verify_keys)
+        return _no_drafts(spec, params, state, inputs.sampling, verify_keys, write)
 
     if width == 0:
         verdict = skip(state)
@@ -571,16 +601,27 @@ def speculative_step(
     keys = jax.vmap(jax.random.split)(_step_keys(state.keys, state.step))  # [B, 2]
 
     widths = getattr(spec.proposer, "widths", None)
+    # Passes inside a cond or switch leave the cache to `_store` (see FreshEntries). A tree's
+    # verifier writes, since it moves entries after writing them (tree proposers always draft,
+    # so no cond holds their pass).
+    write = spec.tree is not None or (widths is None and spec.proposer.always_drafts)
     if widths is None:
         verdict, proposer_state, valid = _propose_and_verify(
-            spec, params, proposer_params, state, inputs, keys
+            spec, params, proposer_params, state, inputs, keys, write=write
         )
     else:
         need = spec.proposer.needed_width(state.proposer_state, running)
         branch = jnp.searchsorted(jnp.asarray(widths), need)  # the smallest width >= need
         branches = [
             functools.partial(
-                _propose_and_verify, spec, params, proposer_params, inputs=inputs, keys=keys, width=w
+                _propose_and_verify,
+                spec,
+                params,
+                proposer_params,
+                inputs=inputs,
+                keys=keys,
+                width=w,
+                write=write,
             )
             for w in widths
         ]
@@ -611,9 +652,8 @@ def speculative_step(
         + (drafting[:, None] & (jnp.arange(K + 1)[None, :] == num_accepted[:, None])),
         expected_accept_at=m.expected_accept_at + jnp.where(drafted_at, verdict.expected, 0.0),
     )
-    return state.replace(
-        cache=verdict.cache.advance(num_emitted), proposer_state=proposer_state, metrics=metrics
-    )
+    cache = _store(spec, state.cache, verdict.cache)
+    return state.replace(cache=cache.advance(num_emitted), proposer_state=proposer_state, metrics=metrics)
 
 
 def generate_program(
