@@ -51,22 +51,7 @@ def mesh_forward_hidden(
     [T, T] (a static numpy array, e.g. a token tree's) replaces the causal mask of the T tokens.
     `write=False` returns the fresh entries instead of the written cache (see FreshEntries).
     """
-    if mesh is None:
-        return llama.forward_hidden(
-            params,
-            config,
-            tokens,
-            positions,
-            cache,
-            fresh_mask=fresh_mask,
-            empty_cache=empty_cache,
-            write=write,
-        )
-    params_spec = param_specs(config, tensor_parallel)
-    cache_spec = cache_specs(cache.num_layers, tensor_parallel)
-    written_spec = cache_spec if write else fresh_specs(cache.num_layers, tensor_parallel)
-    rows = row_spec()
-    reduce = _sum_over_model if tensor_parallel else None
+    reduce = _sum_over_model if mesh is not None and tensor_parallel else None
 
     def local(params, tokens, positions, cache):  # each device's slice: [B/d, T], K/m kv heads ...
         return llama.forward_hidden(
@@ -81,6 +66,12 @@ def mesh_forward_hidden(
             write=write,
         )
 
+    if mesh is None:
+        return local(params, tokens, positions, cache)
+    params_spec = param_specs(config, tensor_parallel)
+    cache_spec = cache_specs(cache.num_layers, tensor_parallel)
+    written_spec = cache_spec if write else fresh_specs(cache.num_layers, tensor_parallel)
+    rows = row_spec()
     sharded = jax.shard_map(
         local,
         mesh=mesh,
