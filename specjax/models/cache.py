@@ -29,11 +29,11 @@ class KVCache:
     One merged leading axis, rather than [B, K, S, E], because at batch 1 the size-1 row axis made
     XLA:CPU write each fresh key twice, into copies of the cache (four copies of every k buffer
     per step), one for the attention product and one for the loop's state; the merged axis needs
-    none (docs/benchmarks.md: 31 -> 27 ms per step at 760 cached tokens).
+    none (docs/benchmarks.md: 37.9 -> 31.0 ms per plain step at 952 cached tokens).
 
     On a mesh the buffer is split over ("data", "model") along the merged axis: each device holds
     its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
-    forward and `move_slots`, under shard_map: specjax/sharding) reads the entries there.
+    forward, `write` and `move_slots`, under shard_map: specjax/sharding) reads the entries there.
     """
 
     k: tuple[jax.Array, ...]
