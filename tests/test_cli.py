@@ -33,6 +33,7 @@ def save_hf_folder(model, folder) -> None:
 
     from specjax.models.checkpoint import flatten
     from specjax.models.hf_loader import _LAYER_TENSORS
+    from specjax.models.llama import layer_to_checkpoint
 
     c = model.config
     folder.mkdir(parents=True, exist_ok=True)
@@ -50,7 +51,9 @@ def save_hf_folder(model, folder) -> None:
         "tie_word_embeddings": c.tie_word_embeddings,
     }
     (folder / "config.json").write_text(json.dumps(hf_config))
-    flat = {name: np.asarray(value) for name, value in flatten(model.params).items()}
+    flat = {name: np.asarray(value) for name, value in flatten(model.params.replace(layers=())).items()}
+    for i, layer in enumerate(model.params.layers):  # q, k and v apart, as HF keeps them
+        flat |= {f"layers.{i}.{name}": np.asarray(x) for name, x in layer_to_checkpoint(layer, c).items()}
     tensors = {"model.embed_tokens.weight": flat["embed"], "model.norm.weight": flat["final_norm"]}
     tensors["lm_head.weight"] = flat["lm_head"].T
     for hf_name, (ours, transpose) in _LAYER_TENSORS.items():

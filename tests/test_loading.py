@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from specjax.models import load, loading
 from specjax.models.checkpoint import flatten
 from specjax.models.gguf_loader import unpermute_rotary_rows
+from specjax.models.llama import layer_from_checkpoint, layer_to_checkpoint
 
 TOL = 1e-4  # relative float32 logit error (max abs diff / max abs logit)
 
@@ -105,6 +106,44 @@ def test_sharded_hf_folder(tmp_path):
     assert len(list(tmp_path.glob("model-*.safetensors"))) > 1
     error = compare_with_torch(load(tmp_path), torch_model, *random_rows(config.vocab_size, seed=1))
     assert error < TOL
+
+
+def test_qkv_fuses_kv_head_by_kv_head(tmp_path):
+    """The params' qkv holds each kv head's query heads, key and value side by side; the
+    checkpoint layout (q, k, v apart) converts to it and back exactly."""
+    torch_model = tiny_model(tiny_config("qwen2"))  # 4 query / 2 kv heads of dim 8, with biases
+    torch_model.save_pretrained(tmp_path)
+    model = load(tmp_path)
+    E, G = model.config.head_dim, model.config.num_heads // model.config.num_kv_heads
+    attention = torch_model.model.layers[1].self_attn
+    for name, qkv in (("weight", model.params.layers[1].qkv.T), ("bias", model.params.layers[1].qkv_bias)):
+        q, k, v = (getattr(getattr(attention, f"{x}_proj"), name).detach().numpy() for x in "qkv")
+        qkv = np.asarray(qkv)  # rows are output features
+        for j in range(model.config.num_kv_heads):
+            group = qkv[j * (G + 2) * E : (j + 1) * (G + 2) * E]
+            np.testing.assert_array_equal(group[: G * E], q[j * G * E : (j + 1) * G * E])
+            np.testing.assert_array_equal(group[G * E : (G + 1) * E], k[j * E : (j + 1) * E])
+            np.testing.assert_array_equal(group[(G + 1) * E :], v[j * E : (j + 1) * E])
+    layer = model.params.layers[1]
+    fields = layer_to_checkpoint(layer, model.config)
+    assert set(fields) == {
+        "attn_norm",
+        "q",
+        "k",
+        "v",
+        "o",
+        "mlp_norm",
+        "gate",
+        "up",
+        "down",
+        "q_bias",
+        "k_bias",
+        "v_bias",
+    }
+    np.testing.assert_array_equal(fields["k"], attention.k_proj.weight.detach().numpy().T)
+    back = layer_from_checkpoint({name: np.asarray(x) for name, x in fields.items()}, model.config)
+    for got, want in zip(flatten(back).values(), flatten(layer).values(), strict=True):
+        np.testing.assert_array_equal(got, np.asarray(want))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,12 +183,12 @@ def test_param_and_cache_specs_follow_the_table():
     P = jax.sharding.PartitionSpec
     specs = sharding.param_specs(specjax.models.LlamaConfig(qkv_bias=True, tie_word_embeddings=False))
     layer = specs.layers[0]
-    assert (layer.q, layer.k, layer.v, layer.gate, layer.up) == (P(None, "model"),) * 5  # by column
+    assert (layer.qkv, layer.gate, layer.up) == (P(None, "model"),) * 3  # by column
     assert (layer.o, layer.down) == (P("model", None),) * 2  # by row
-    assert (layer.q_bias, layer.k_bias, layer.attn_norm) == (P("model"), P("model"), P(None))
+    assert (layer.qkv_bias, layer.attn_norm) == (P("model"), P(None))
     assert (specs.embed, specs.lm_head) == (P(None, None), P(None, None))  # replicated
     assert sharding.param_specs(TARGET.config).lm_head == P(None, None)
-    assert sharding.param_specs(TARGET.config, tensor_parallel=False).layers[0].q == P(None, None)
+    assert sharding.param_specs(TARGET.config, tensor_parallel=False).layers[0].qkv == P(None, None)
     cache = sharding.cache_specs(2)
     assert cache.k[1] == P(("data", "model"), None, None) and cache.lengths == P("data")
     assert sharding.cache_specs(2, tensor_parallel=False).v[0] == P("data", None, None)
@@ -226,8 +226,8 @@ def test_load_places_each_weight_with_its_sharding(tmp_path, monkeypatch):
     ):
         assert got.sharding == NamedSharding(mesh, spec)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    q = model.params.layers[0].q  # [D, H*E] split by column over 2 devices
-    assert q.addressable_shards[0].data.shape == (q.shape[0], q.shape[1] // 2)
+    qkv = model.params.layers[0].qkv  # [D, K*(G+2)*E] split by column over 2 devices
+    assert qkv.addressable_shards[0].data.shape == (qkv.shape[0], qkv.shape[1] // 2)
     # generate(..., mesh=mesh) uses these arrays as they are: placing them again is a no-op.
     again = sharding.shard_params(model.params, model.config, mesh)
     assert all(a is b for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(model.params), strict=True))
@@ -250,8 +250,8 @@ def builtin_mesh(data=1):
 def smollm2_on_mesh(smollm2_cache_dir, smollm2):
     """The built-in model loaded onto a model-degree-3 mesh (from the session's converted cache)."""
     model = specjax.load("smollm2-135m", cache_dir=smollm2_cache_dir, mesh=builtin_mesh())
-    q = model.params.layers[0].q  # [576, 9 * 64], 3 heads per device
-    assert q.addressable_shards[0].data.shape == (576, 192) and len(q.sharding.device_set) == 3
+    qkv = model.params.layers[0].qkv  # [576, 3 * (3 + 2) * 64]: one kv-head group per device
+    assert qkv.addressable_shards[0].data.shape == (576, 320) and len(qkv.sharding.device_set) == 3
     return model
 
 

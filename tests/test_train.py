@@ -7,6 +7,7 @@ import re
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from tiny import tiny_model
 
@@ -433,8 +434,13 @@ def test_eagle_save_load_round_trip(eagle_head, tmp_path):
     fresh = EagleHead.init(scaled, jax.random.key(1), vocab=[7, 3, 11], scale=2.0)
     save_head(tmp_path / "biased", fresh)
     loaded = load_head(tmp_path / "biased", scaled)
-    assert loaded.config == fresh.config and loaded.params.layer.q_bias is not None
+    assert loaded.config == fresh.config and loaded.params.layer.qkv_bias is not None
     assert _same_params(fresh, loaded) and loaded.vocab.tolist() == [7, 3, 11]
+    # on disk the layer keeps q, k and v apart (the checkpoint layout), as heads saved before the
+    # params fused them did
+    with ocp.StandardCheckpointer() as checkpointer:
+        saved = checkpointer.metadata(tmp_path / "biased" / "params").item_metadata["layer"]
+    assert {"q", "k", "v", "q_bias", "k_bias", "v_bias"} <= set(saved) and "qkv" not in saved
 
 
 def test_eagle_load_refuses_another_target(eagle_head, tmp_path):

@@ -2,9 +2,11 @@
 
 Every loader turns its own tensor names into flat names of our params tree ("embed",
 "layers.q", ..., "lm_head"), each a float32 numpy array in our layout (projections `[in, out]`,
-per-layer weights stacked on a leading L axis). `params_from_arrays` checks them against
-`param_shapes(config)` and builds the `LlamaParams` pytree, so every source is validated the same
-way.
+per-layer weights stacked on a leading L axis). The query, key and value projections stay apart
+here ("layers.q", "layers.k", "layers.v", and their biases), as in HF and GGUF files; the params
+hold them fused (`LayerParams.qkv`, see llama.py). `params_from_arrays` checks the arrays against
+`expected_shapes(config)` and builds the `LlamaParams` pytree, so every source is validated the
+same way.
 """
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import LayerParams, LlamaParams, layer_shapes, param_shapes
+from specjax.models.llama import (
+    LayerParams,
+    LlamaParams,
+    checkpoint_layer_shapes,
+    layer_from_checkpoint,
+    param_shapes,
+)
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -59,11 +67,11 @@ def collect_layers(
 
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """The flat name -> shape table a checkpoint for `config` must fill exactly; per-layer
-    weights are stacked on a leading L axis under "layers.<field>"."""
+    weights are stacked on a leading L axis under "layers.<field>" (checkpoint_layer_shapes)."""
     shapes = param_shapes(config)
     flat = {name: shape for name, shape in flatten(shapes.replace(layers=None)).items()}
-    for name, shape in flatten(layer_shapes(config), prefix="layers.").items():
-        flat[name] = (config.num_layers, *shape)
+    for name, shape in checkpoint_layer_shapes(config).items():
+        flat[f"layers.{name}"] = (config.num_layers, *shape)
     return flat
 
 
@@ -75,8 +83,8 @@ def params_from_arrays(
 ) -> LlamaParams:
     """Check flat arrays against `config` and build float32 `LlamaParams` from them.
 
-    `put(name, host_array)` moves each weight to the devices, one per layer under its per-layer
-    name ("layers.3.q"); the default puts it on the default device, and
+    `put(name, host_array)` moves each weight to the devices, one per layer under its name in the
+    params ("layers.3.qkv", fused here); the default puts it on the default device, and
     `specjax.sharding.param_placer` sends each device just its slice. Raises ValueError naming
     `source` and every missing, unexpected or misshapen tensor.
     """
@@ -102,14 +110,12 @@ def params_from_arrays(
     def get(name):
         return put(name, np.asarray(arrays[name], np.float32)) if name in expected else None
 
-    def layer(i):
-        fields = [field.name for field in dataclasses.fields(LayerParams)]
-        return LayerParams(**{name: get_layer(f"layers.{name}", i) for name in fields})
-
-    def get_layer(name, i):  # one layer's slice of the stacked [L, ...] array
-        if name not in expected:
-            return None
-        return put(name.replace("layers.", f"layers.{i}.", 1), np.asarray(arrays[name][i], np.float32))
+    def layer(i):  # one layer's slices of the stacked [L, ...] arrays, fused and put
+        names = checkpoint_layer_shapes(config)
+        host = layer_from_checkpoint(
+            {name: np.asarray(arrays[f"layers.{name}"][i], np.float32) for name in names}, config
+        )
+        return LayerParams(**{name: put(f"layers.{i}.{name}", x) for name, x in flatten(host).items()})
 
     return LlamaParams(
         embed=get("embed"),

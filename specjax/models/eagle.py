@@ -27,7 +27,7 @@ import numpy as np
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab
-from specjax.models.llama import LayerParams, decoder_layers, layer_shapes
+from specjax.models.llama import LayerParams, checkpoint_layer_shapes, decoder_layers, layer_from_checkpoint
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
 
@@ -107,22 +107,19 @@ def init_eagle(config: EagleConfig, key: jax.Array, scale: float = 1.0) -> Eagle
     fc_key, layer_key = jax.random.split(key)
     fc = jnp.concatenate([jnp.eye(D), jnp.zeros((D, D))], axis=0)
     fc = fc + scale * 0.02 * jax.random.normal(fc_key, (2 * D, D), jnp.float32)
-    shapes = layer_shapes(config.layer_config)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(layer_key, len(leaves))
-    values = []
-    for leaf_key, (path, shape) in zip(keys, leaves, strict=True):
-        name = jax.tree_util.keystr(path)
+    shapes = checkpoint_layer_shapes(config.layer_config)  # drawn with q, k, v apart, then fused
+    fields = {}
+    for leaf_key, (name, shape) in zip(jax.random.split(layer_key, len(shapes)), shapes.items(), strict=True):
         if "norm" in name:
-            values.append(jnp.ones(shape, jnp.float32))
+            fields[name] = jnp.ones(shape, jnp.float32)
         elif "bias" in name:
-            values.append(jnp.zeros(shape, jnp.float32))
+            fields[name] = jnp.zeros(shape, jnp.float32)
         else:
-            small = 0.1 if name.endswith((".o", ".down")) else 1.0
-            values.append(
+            small = 0.1 if name in ("o", "down") else 1.0
+            fields[name] = (
                 scale * small * jax.random.normal(leaf_key, shape, jnp.float32) / math.sqrt(shape[0])
             )
-    layer = jax.tree.unflatten(treedef, values)
+    layer = layer_from_checkpoint(fields, config.layer_config)
     return EagleParams(fc=fc, fc_bias=jnp.zeros((D,), jnp.float32), layer=layer)
 
 

@@ -30,7 +30,7 @@ SUPPORTED_TOKENIZERS = ("gpt2",)  # tokenizer.ggml.model: byte-level BPE
 # missing, is not GPT-2's split, so it is not claimed here.)
 SUPPORTED_PRE_TOKENIZERS = ("gpt2", "smollm")
 
-# GGUF per-layer tensor name -> (our LayerParams field, rows carry llama.cpp's rotary reorder).
+# GGUF per-layer tensor name -> (our checkpoint name, rows carry llama.cpp's rotary reorder).
 _LAYER_TENSORS = {
     "attn_norm.weight": ("attn_norm", False),
     "attn_q.weight": ("q", True),

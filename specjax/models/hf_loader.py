@@ -18,7 +18,7 @@ from specjax.models.checkpoint import collect_layers, params_from_arrays
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
 
-# HF per-layer tensor name -> (our LayerParams field, is a matrix to transpose to [in, out]).
+# HF per-layer tensor name -> (our checkpoint name, is a matrix to transpose to [in, out]).
 _LAYER_TENSORS = {
     "input_layernorm.weight": ("attn_norm", False),
     "self_attn.q_proj.weight": ("q", True),

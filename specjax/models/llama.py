@@ -11,12 +11,24 @@ for SmolLM2-135M (95 ms against 52 ms per token, measured here). The price is co
 grows with depth (about 9 s instead of 5 s for 30 layers). Projection weights are stored
 `[in, out]` and applied as `x @ W`. Checkpoints and the disk cache keep the stacked layout
 (see checkpoint.py), which splits it per layer as it loads.
+
+The query, key and value projections are one weight, `qkv`, so that a decoding step makes one
+product for them, not three: XLA:CPU runs a [576, 576] product on one core at about 18 GB/s
+and the two [576, 192] ones cost nearly as much again, while a [576, 960] product takes both
+cores in about the time of the [576, 576] one (three products made a SmolLM2 step 1.5 to 2 ms
+slower, 6-9% of it; docs/benchmarks.md). Its columns go kv head by kv head: the G query heads
+that share kv head j, then key j, then value j (`fuse_qkv`). A tensor-parallel split of the
+columns into equal parts then hands each device whole groups, its query heads with their keys
+and values. Checkpoints keep the three projections apart, as HF and GGUF files do
+(`checkpoint_layer_shapes`); `layer_from_checkpoint` and `layer_to_checkpoint` convert.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
+from typing import Any
 
 import flax.struct
 import jax
@@ -32,17 +44,13 @@ class LayerParams:
     """Weights of one decoder layer."""
 
     attn_norm: jax.Array  # [D]
-    q: jax.Array  # [D, H*E]
-    k: jax.Array  # [D, K*E]
-    v: jax.Array  # [D, K*E]
+    qkv: jax.Array  # [D, K*(G+2)*E]: per kv head, its G query heads, its key, its value (fuse_qkv)
     o: jax.Array  # [H*E, D]
     mlp_norm: jax.Array  # [D]
     gate: jax.Array  # [D, F]
     up: jax.Array  # [D, F]
     down: jax.Array  # [F, D]
-    q_bias: jax.Array | None = None  # [H*E], only with config.qkv_bias
-    k_bias: jax.Array | None = None  # [K*E]
-    v_bias: jax.Array | None = None  # [K*E]
+    qkv_bias: jax.Array | None = None  # [K*(G+2)*E], ordered as qkv's columns; only with config.qkv_bias
 
 
 @flax.struct.dataclass
@@ -56,22 +64,79 @@ class LlamaParams:
 def layer_shapes(config: LlamaConfig) -> LayerParams:
     """One layer's params with a shape tuple at every leaf."""
     D, F = config.hidden_size, config.intermediate_size
-    q, kv = config.q_size, config.kv_size
-    bias = config.qkv_bias
+    q, qkv = config.q_size, config.q_size + 2 * config.kv_size
     return LayerParams(
         attn_norm=(D,),
-        q=(D, q),
-        k=(D, kv),
-        v=(D, kv),
+        qkv=(D, qkv),
         o=(q, D),
         mlp_norm=(D,),
         gate=(D, F),
         up=(D, F),
         down=(F, D),
-        q_bias=(q,) if bias else None,
-        k_bias=(kv,) if bias else None,
-        v_bias=(kv,) if bias else None,
+        qkv_bias=(qkv,) if config.qkv_bias else None,
     )
+
+
+def checkpoint_layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """One layer's weights by name -> shape in the checkpoint layout (checkpoint.py): the query,
+    key and value projections apart, as HF and GGUF files keep them, in HF's order."""
+    D, F = config.hidden_size, config.intermediate_size
+    q, kv = config.q_size, config.kv_size
+    shapes = {
+        "attn_norm": (D,),
+        "q": (D, q),
+        "k": (D, kv),
+        "v": (D, kv),
+        "o": (q, D),
+        "mlp_norm": (D,),
+        "gate": (D, F),
+        "up": (D, F),
+        "down": (F, D),
+    }
+    if config.qkv_bias:
+        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    return shapes
+
+
+def fuse_qkv(q, k, v, num_kv_heads: int):
+    """The fused projection from separate ones: q [..., H*E], k and v [..., K*E] (weights
+    [D, .] or biases, numpy or jax) -> [..., K*(G+2)*E], kv head by kv head (see the module
+    docstring): the columns of query heads j*G .. j*G+G-1, then of key j, then of value j."""
+    xp = np if isinstance(q, np.ndarray) else jnp
+    K, lead = num_kv_heads, q.shape[:-1]
+    groups = [x.reshape(*lead, K, -1) for x in (q, k, v)]  # [..., K, G*E], [..., K, E], [..., K, E]
+    return xp.concatenate(groups, axis=-1).reshape(*lead, -1)
+
+
+def split_qkv(qkv, num_heads: int, num_kv_heads: int):
+    """(q [..., H*E], k [..., K*E], v [..., K*E]) from a fused [..., K*(G+2)*E]; undoes fuse_qkv."""
+    K, G, lead = num_kv_heads, num_heads // num_kv_heads, qkv.shape[:-1]
+    groups = qkv.reshape(*lead, K, G + 2, -1)  # [..., K, G+2, E]
+    q, k, v = groups[..., :G, :], groups[..., G, :], groups[..., G + 1, :]
+    return q.reshape(*lead, -1), k.reshape(*lead, -1), v.reshape(*lead, -1)
+
+
+def layer_from_checkpoint(fields: dict[str, Any], config: LlamaConfig) -> LayerParams:
+    """A layer's LayerParams from its weights by checkpoint name (q, k, v fused into qkv)."""
+    fields = dict(fields)
+    K = config.num_kv_heads
+    qkv = fuse_qkv(fields.pop("q"), fields.pop("k"), fields.pop("v"), K)
+    qkv_bias = None
+    if "q_bias" in fields:
+        qkv_bias = fuse_qkv(fields.pop("q_bias"), fields.pop("k_bias"), fields.pop("v_bias"), K)
+    return LayerParams(qkv=qkv, qkv_bias=qkv_bias, **fields)
+
+
+def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig) -> dict[str, Any]:
+    """A layer's weights by checkpoint name, in `checkpoint_layer_shapes` order: qkv split into
+    q, k and v (and qkv_bias likewise; absent biases left out)."""
+    H, K = config.num_heads, config.num_kv_heads
+    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerParams)}
+    fields.update(zip(("q", "k", "v"), split_qkv(fields.pop("qkv"), H, K), strict=True))
+    bias = fields.pop("qkv_bias")
+    if bias is not None:
+        fields.update(zip(("q_bias", "k_bias", "v_bias"), split_qkv(bias, H, K), strict=True))
+    return {name: fields[name] for name in checkpoint_layer_shapes(config)}
 
 
 def param_shapes(config: LlamaConfig) -> LlamaParams:
@@ -84,29 +149,33 @@ def param_shapes(config: LlamaConfig) -> LlamaParams:
     )
 
 
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple) and all(isinstance(d, int) for d in x)
-
-
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
     """Random params for tests: unit-variance activations, norms and biases away from trivial
-    values, so that a wrong use of any weight shows in the logits."""
-    shapes = param_shapes(config)
-    paths_and_shapes, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=_is_shape)
-    keys = jax.random.split(key, len(paths_and_shapes))
-    values = []
-    for leaf_key, (path, shape) in zip(keys, paths_and_shapes, strict=True):
-        name = jax.tree_util.keystr(path)
+    values, so that a wrong use of any weight shows in the logits. Drawn in the checkpoint layout
+    (q, k, v apart) and fused as a loaded checkpoint is."""
+    layer_names = checkpoint_layer_shapes(config)
+    shapes = {"embed": (config.vocab_size, config.hidden_size)}
+    for i in range(config.num_layers):
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in layer_names.items()}
+    shapes["final_norm"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    values = {}
+    for leaf_key, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes.items(), strict=True):
         noise = jax.random.normal(leaf_key, shape, dtype)
         if "norm" in name:
-            values.append(1.0 + 0.1 * noise)
+            values[name] = 1.0 + 0.1 * noise
         elif "bias" in name:
-            values.append(0.1 * noise)
+            values[name] = 0.1 * noise
         elif "embed" in name:
-            values.append(noise)
+            values[name] = noise
         else:  # projections [.., in, out]
-            values.append(noise / math.sqrt(shape[-2]))
-    return jax.tree.unflatten(treedef, values)
+            values[name] = noise / math.sqrt(shape[-2])
+    layers = tuple(
+        layer_from_checkpoint({name: values[f"layers.{i}.{name}"] for name in layer_names}, config)
+        for i in range(config.num_layers)
+    )
+    return LlamaParams(values["embed"], layers, values["final_norm"], values.get("lm_head"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,19 +307,20 @@ def _layer(
     `cache.lengths + t`; with `write=False`, the new x and the fresh keys and values [B, T, K, E].
 
     Head counts come from the weights' shapes, not the config, so that the same code runs on a
-    tensor-parallel slice holding H/m query and K/m kv heads; `reduce` then sums the partial
-    outputs of o and down over the slices (see specjax/sharding).
+    tensor-parallel slice holding K/m whole kv-head groups (H/m query and K/m kv heads); `reduce`
+    then sums the partial outputs of o and down over the slices (see specjax/sharding).
     """
     B, T, _ = x.shape
-    E = config.head_dim
-    H, K = lp.q.shape[1] // E, lp.k.shape[1] // E
+    E, G = config.head_dim, config.num_heads // config.num_kv_heads
     h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
-    q, k, v = h @ lp.q, h @ lp.k, h @ lp.v
+    qkv = h @ lp.qkv
     if config.qkv_bias:
-        q, k, v = q + lp.q_bias, k + lp.k_bias, v + lp.v_bias
-    q = apply_rope(q.reshape(B, T, H, E), positions, inv_freq)
-    k = apply_rope(k.reshape(B, T, K, E), positions, inv_freq)
-    v = v.reshape(B, T, K, E)
+        qkv = qkv + lp.qkv_bias
+    qkv = qkv.reshape(B, T, -1, G + 2, E)  # [B, T, K, G+2, E]: K local kv heads, see fuse_qkv
+    K = qkv.shape[2]
+    q = apply_rope(qkv[:, :, :, :G].reshape(B, T, K * G, E), positions, inv_freq)
+    k = apply_rope(qkv[:, :, :, G], positions, inv_freq)
+    v = qkv[:, :, :, G + 1]
     if write:
         fresh = visible is None  # a prefill into an empty cache
         k_buf, v_buf = cache.write_slots(k_buf, k, fresh), cache.write_slots(v_buf, v, fresh)

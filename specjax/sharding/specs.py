@@ -4,9 +4,11 @@ Every weight and cache dimension has a logical name; `RULES` maps each name to a
 None (not split). Everything else (param specs, cache specs, placing arrays on a mesh while they
 load) is derived from these two tables, so a change of layout is a change of one line.
 
-Tensor parallelism is Megatron's: q, k, v, gate and up are split by column (heads, ffw), o and
-down by row, so each device computes a slice of the heads and of the MLP from the full residual
-stream, and one all-reduce after o and one after down restore the full stream.
+Tensor parallelism is Megatron's: qkv, gate and up are split by column (kv-head groups, ffw), o
+and down by row, so each device computes a slice of the heads and of the MLP from the full
+residual stream, and one all-reduce after o and one after down restore the full stream. qkv's
+columns go kv head by kv head (models/llama.py, `fuse_qkv`), so an even split of them gives each
+device whole groups: its query heads with the keys and values they attend with.
 
 The embedding and the LM head are replicated, not split over the vocabulary. A vocab-split head
 gives each device a slice of the logits, but every consumer of the logits needs whole rows:
@@ -37,8 +39,8 @@ from specjax.sharding.mesh import DATA, MODEL
 # Logical axis -> mesh axis (None: every device holds all of it).
 RULES: dict[str, str | None] = {
     "batch": DATA,
-    "heads": MODEL,  # query heads: the H*E columns of q, the H*E rows of o
-    "kv_heads": MODEL,  # kv heads: the K*E columns of k and v, the K axis of the cache
+    "heads": MODEL,  # query heads: the H*E rows of o
+    "kv_heads": MODEL,  # kv heads: qkv's K*(G+2)*E columns (by kv-head group), the cache's K axis
     "ffw": MODEL,  # the F columns of gate and up, the F rows of down
     "embed": None,  # the residual stream D: every device holds all of it
     "vocab": None,  # replicated embedding and head (see the module docstring)
@@ -49,17 +51,13 @@ RULES: dict[str, str | None] = {
 # The logical axes of each weight, in the weight's own dimension order.
 LAYER_AXES: dict[str, tuple[str, ...]] = {
     "attn_norm": ("embed",),
-    "q": ("embed", "heads"),
-    "k": ("embed", "kv_heads"),
-    "v": ("embed", "kv_heads"),
+    "qkv": ("embed", "kv_heads"),
     "o": ("heads", "embed"),
     "mlp_norm": ("embed",),
     "gate": ("embed", "ffw"),
     "up": ("embed", "ffw"),
     "down": ("ffw", "embed"),
-    "q_bias": ("heads",),
-    "k_bias": ("kv_heads",),
-    "v_bias": ("kv_heads",),
+    "qkv_bias": ("kv_heads",),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),

@@ -4,7 +4,8 @@ resume from.
 A saved head is a directory: `head.json` (its kind, "medusa" or "eagle", the config fields, the
 target signature, how the head was made, the specjax version) and `params/`, an orbax checkpoint of
 the params as a dict of arrays: for Medusa w [M, D, D] and b [M, D]; for EAGLE fc [2D, D],
-fc_bias [D] and layer (the decoder layer's weights; q_bias, k_bias, v_bias only with qkv_bias);
+fc_bias [D] and layer (the decoder layer's weights by checkpoint name, q, k and v apart as in
+specjax.models.checkpoint; q_bias, k_bias, v_bias only with qkv_bias);
 and for both vocab [W] int32, the draft vocabulary (Medusa heads saved before they had one lack
 it). Training checkpoints are an orbax CheckpointManager
 directory of params, optimizer state and step, with `train.json` recording the run's settings so a
@@ -24,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
-from specjax.models.llama import LayerParams, layer_shapes
+from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint, layer_to_checkpoint
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.model import Model
 
@@ -63,7 +64,8 @@ def save_head(path: str | Path, head: MedusaHead | EagleHead) -> None:
 
 def _eagle_arrays(head: EagleHead) -> dict:
     params = head.params
-    return {"fc": params.fc, "fc_bias": params.fc_bias, "layer": _fields(params.layer)}
+    layer = layer_to_checkpoint(params.layer, head.config.layer_config)
+    return {"fc": params.fc, "fc_bias": params.fc_bias, "layer": layer}
 
 
 def _abstract_arrays(config: MedusaConfig | EagleConfig, has_vocab: bool) -> dict:
@@ -77,21 +79,15 @@ def _abstract_arrays(config: MedusaConfig | EagleConfig, has_vocab: bool) -> dic
     if isinstance(config, MedusaConfig):
         arrays = {"w": like((config.num_heads, D, D)), "b": like((config.num_heads, D))}
     else:
-        layer = layer_shapes(config.layer_config)
+        layer = checkpoint_layer_shapes(config.layer_config)
         arrays = {
             "fc": like((2 * D, D)),
             "fc_bias": like((D,)),
-            "layer": {name: like(shape) for name, shape in _fields(layer).items()},
+            "layer": {name: like(shape) for name, shape in layer.items()},
         }
     if has_vocab:
         arrays["vocab"] = like((config.draft_vocab_size,), jnp.int32)
     return arrays
-
-
-def _fields(layer: LayerParams) -> dict:
-    """A layer's fields by name, the absent biases (None without qkv_bias) left out."""
-    fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerParams)}
-    return {name: value for name, value in fields.items() if value is not None}
 
 
 def load_head(path: str | Path, target: Model | None = None) -> MedusaHead | EagleHead:
@@ -126,7 +122,7 @@ def load_head(path: str | Path, target: Model | None = None) -> MedusaHead | Eag
     if kind == "medusa":
         head = MedusaHead(config=config, params=MedusaParams(**arrays), **about)
     else:
-        layer = LayerParams(**arrays["layer"])
+        layer = layer_from_checkpoint(arrays["layer"], config.layer_config)
         head = EagleHead(config=config, params=EagleParams(arrays["fc"], arrays["fc_bias"], layer), **about)
     if target is not None:
         head.check_target(target)
