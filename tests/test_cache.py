@@ -2,7 +2,8 @@
 head k; writes land at each row's own length, and tree moves copy each row's slots, both checked
 against numpy on random contents, for a batch written row by row and one past
 UNROLLED_WRITE_ROWS (written by vmap). A pass that defers its writes (FreshEntries) computes what
-a writing pass does, and the compiled loop updates the cache in place (no copies of it)."""
+a writing pass does, and the compiled loop updates the cache in place (no copies of it). A prefill
+whose queries go in chunks (models/llama.py, `_fresh_attention`) computes what one block does."""
 
 import re
 
@@ -14,7 +15,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax import TokenTree
-from specjax.models import FreshEntries, LlamaConfig, forward_hidden, init_cache
+from specjax.models import FreshEntries, LlamaConfig, forward_hidden, init_cache, llama
 from specjax.models.cache import UNROLLED_WRITE_ROWS, KVCache
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
 from specjax.speculate.sampling import SamplingParams, WarpSpec
@@ -87,6 +88,44 @@ def test_a_pass_that_defers_its_writes_matches_one_that_writes(mask):
     stored = cache.write(fresh)
     for got, expected in zip(stored.k + stored.v, written.k + written.v, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def prefill(model, tokens, fresh_mask=None):
+    """Hidden states and cache of a jitted prefill of tokens [B, T] into an empty cache."""
+    B, T = tokens.shape
+
+    def run(params, tokens):
+        positions = jnp.broadcast_to(jnp.arange(T), (B, T))
+        cache = init_cache(model.config, B, T)
+        return forward_hidden(params, model.config, tokens, positions, cache, fresh_mask, empty_cache=True)
+
+    products = str(jax.make_jaxpr(run)(model.params, tokens)).count("dot_general")
+    return jax.jit(run)(model.params, tokens), products
+
+
+@pytest.mark.parametrize("mask", ["causal", "tree", "looks ahead"])
+def test_a_prefill_in_chunks_matches_one_block(mask, monkeypatch):
+    """150 tokens go in chunks of 64, 64 and 22 queries, each scoring only the keys up to its
+    end; the hidden states and cache equal those of one [T, T] block. A mask that lets a token
+    see a later one is not chunked."""
+    model = tiny_model(seed=4)
+    B, T = 2, 150
+    tokens = jax.random.randint(jax.random.key(2), (B, T), 0, model.config.vocab_size)
+    rng = np.random.default_rng(0)
+    fresh_mask = {
+        "causal": None,
+        "tree": np.tril(rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool),  # earlier tokens only
+        "looks ahead": (rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool),
+    }[mask]
+    (hidden, cache), chunked_products = prefill(model, tokens, fresh_mask)
+    monkeypatch.setattr(llama, "PREFILL_CHUNKS", 1)
+    monkeypatch.setattr(llama, "MIN_PREFILL_CHUNK", T)
+    (one_hidden, one_cache), block_products = prefill(model, tokens, fresh_mask)
+    layers = model.config.num_layers
+    assert chunked_products - block_products == (0 if mask == "looks ahead" else 2 * 2 * layers)
+    np.testing.assert_allclose(np.asarray(hidden), np.asarray(one_hidden), rtol=1e-5, atol=1e-5)
+    for got, expected in zip(cache.k + cache.v, one_cache.k + one_cache.v, strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
 def cache_copies_in_the_loop(proposer) -> int:

@@ -218,17 +218,47 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def causal_mask(num_tokens: int) -> jax.Array:
-    """[T, T] bool: fresh token t sees fresh tokens u <= t (a chain; trees pass their own)."""
-    return jnp.tril(jnp.ones((num_tokens, num_tokens), bool))
+def causal_mask(num_tokens: int) -> np.ndarray:
+    """[T, T] bool: fresh token t sees fresh tokens u <= t (a chain; trees pass their own). A
+    numpy array, so that its values are known while tracing (see _fresh_attention)."""
+    return np.tril(np.ones((num_tokens, num_tokens), bool))
+
+
+# Prefill attention handles its queries in about this many chunks, each at least
+# MIN_PREFILL_CHUNK queries long; see _fresh_attention.
+PREFILL_CHUNKS = 8
+MIN_PREFILL_CHUNK = 64
 
 
 def _fresh_attention(q, k_new, v_new, fresh_mask):
-    """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone."""
-    scores = jnp.einsum("btkge,buke->bkgtu", q, k_new)
-    scores = jnp.where(fresh_mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone.
+
+    When the mask is a known numpy array in which no token sees a later one (a causal mask, or a
+    tree in node order), the queries go in chunks and chunk [a, b) scores keys [0, b) only.
+    Scoring all [T, T] pairs spent half the work on pairs the mask drops, and passed a [K, G, T, T]
+    score tensor through memory at every softmax pass: SmolLM2's prefill of 712 tokens took 1.44 s
+    that way and 1.13 s in 8 chunks, of 1,912 tokens 6.8 s and 4.2 s (measured here). Each chunk
+    is its own set of products to compile (2 to 3 s more per prompt bucket at 8 chunks; 16 chunks
+    cost twice that and gained nothing more), hence PREFILL_CHUNKS.
+    """
+    T = q.shape[1]
+    if not (isinstance(fresh_mask, np.ndarray) and not np.triu(fresh_mask, 1).any()):
+        return _masked_attention(q, k_new, v_new, fresh_mask)
+    chunk = max(MIN_PREFILL_CHUNK, -(-T // PREFILL_CHUNKS))
+    outs = []
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        mask = fresh_mask[start:end, :end]
+        outs.append(_masked_attention(q[:, start:end], k_new[:, :end], v_new[:, :end], mask))
+    return jnp.concatenate(outs, axis=1)
+
+
+def _masked_attention(q, k, v, mask):
+    """Queries q [B, T, K, G, E] attend to keys and values k, v [B, U, K, E] under mask [T, U]."""
+    scores = jnp.einsum("btkge,buke->bkgtu", q, k)
+    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    return jnp.einsum("bkgtu,buke->btkge", probs, v_new)
+    return jnp.einsum("bkgtu,buke->btkge", probs, v)
 
 
 def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: int) -> jax.Array:
@@ -238,7 +268,7 @@ def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: in
     T = fresh_mask.shape[0]
     offset = jnp.arange(num_slots)[None, :] - cache_lengths[:, None]  # [B, S]: slot - length
     is_fresh = (offset >= 0) & (offset < T)
-    fresh_visible = fresh_mask[:, jnp.clip(offset, 0, T - 1)]  # [T, B, S]
+    fresh_visible = jnp.asarray(fresh_mask)[:, jnp.clip(offset, 0, T - 1)]  # [T, B, S]
     return (offset < 0)[:, None, :] | (is_fresh[:, None, :] & jnp.swapaxes(fresh_visible, 0, 1))
 
 
@@ -387,7 +417,12 @@ def decoder_layers(
     `visible_slots`; EAGLE's unrolled training loss sets its own). Returns x after the last layer
     (not normed) and the cache, or with `write=False` (a decoding pass only) the fresh entries."""
     T = x.shape[1]
-    fresh_mask = causal_mask(T) if fresh_mask is None else jnp.asarray(fresh_mask, bool)
+    if fresh_mask is None:
+        fresh_mask = causal_mask(T)
+    elif isinstance(fresh_mask, np.ndarray):  # kept on the host: see _fresh_attention
+        fresh_mask = fresh_mask.astype(bool)
+    else:
+        fresh_mask = jnp.asarray(fresh_mask, bool)
     inv_freq = rope_inverse_frequencies(config)
     reduce = _identity if reduce is None else reduce
     if not write:
