@@ -62,19 +62,15 @@ class LlamaParams:
 
 
 def layer_shapes(config: LlamaConfig) -> LayerParams:
-    """One layer's params with a shape tuple at every leaf."""
-    D, F = config.hidden_size, config.intermediate_size
-    q, qkv = config.q_size, config.q_size + 2 * config.kv_size
-    return LayerParams(
-        attn_norm=(D,),
-        qkv=(D, qkv),
-        o=(q, D),
-        mlp_norm=(D,),
-        gate=(D, F),
-        up=(D, F),
-        down=(F, D),
-        qkv_bias=(qkv,) if config.qkv_bias else None,
-    )
+    """One layer's params with a shape tuple at every leaf: `checkpoint_layer_shapes` with q, k
+    and v (and their biases) fused."""
+    shapes = checkpoint_layer_shapes(config)
+    qkv = shapes.pop("q")[-1] + shapes.pop("k")[-1] + shapes.pop("v")[-1]
+    bias = None
+    if config.qkv_bias:
+        bias = (qkv,)
+        del shapes["q_bias"], shapes["k_bias"], shapes["v_bias"]
+    return LayerParams(qkv=(config.hidden_size, qkv), qkv_bias=bias, **shapes)
 
 
 def checkpoint_layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -255,10 +251,35 @@ def _fresh_attention(q, k_new, v_new, fresh_mask):
 
 def _masked_attention(q, k, v, mask):
     """Queries q [B, T, K, G, E] attend to keys and values k, v [B, U, K, E] under mask [T, U]."""
-    scores = jnp.einsum("btkge,buke->bkgtu", q, k)
-    scores = jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
+    probs = _softmax(_masked_scores(q, k, mask), q.dtype)
     return jnp.einsum("bkgtu,buke->btkge", probs, v)
+
+
+def _masked_scores(q, k, mask):
+    """Scores [B, K, G, T, U] of queries q [B, T, K, G, E] against keys k [B, U, K, E], with the
+    pairs mask [T, U] drops set to the lowest float."""
+    scores = jnp.einsum("btkge,buke->bkgtu", q, k)
+    return jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+
+
+def _softmax(scores, dtype):
+    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
+
+
+def _cache_scores(q, k_cache):
+    """Scores [B, K, G, T, S] of queries q [B, T, K, G, E] against the cache [B*K, S, E]. The
+    product runs over the cache's own merged row-and-head axis, with each kv head's G*T queries
+    as the rows of one product, so XLA reads the buffer as it is stored."""
+    B, T, K, G, E = q.shape
+    rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
+    return jnp.einsum("rqe,rse->rqs", rows, k_cache).reshape(B, K, G, T, -1)
+
+
+def _cache_values(probs, v_cache):
+    """Attention weights probs [B, K, G, T, S] applied to the cache [B*K, S, E]: [B, T, K, G, E]."""
+    B, K, G, T, S = probs.shape
+    out = jnp.einsum("rqs,rse->rqe", probs.reshape(B * K, G * T, S), v_cache)
+    return out.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
 
 
 def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: int) -> jax.Array:
@@ -273,36 +294,20 @@ def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: in
 
 
 def _cache_attention(q, k_cache, v_cache, visible):
-    """T queries [B, T, K, G, E] attend to the cache [B*K, S, E] where visible [B, T, S].
-
-    The products run over the cache's own merged row-and-head axis, with each kv head's G*T
-    queries as the rows of one product, so XLA reads the buffers as they are stored.
-    """
-    B, T, K, G, E = q.shape
-    rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
-    scores = jnp.einsum("rqe,rse->rqs", rows, k_cache).reshape(B, K, G, T, -1)
-    scores = jnp.where(visible[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(q.dtype)
-    out = jnp.einsum("rqs,rse->rqe", probs.reshape(B * K, G * T, -1), v_cache)
-    return out.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)  # [B, T, K, G, E]
+    """T queries [B, T, K, G, E] attend to the cache [B*K, S, E] where visible [B, T, S]."""
+    scores = jnp.where(visible[:, None, None], _cache_scores(q, k_cache), jnp.finfo(jnp.float32).min)
+    return _cache_values(_softmax(scores, q.dtype), v_cache)
 
 
 def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
     """T queries [B, T, K, G, E] attend, in one softmax, to the cache's committed slots
     (committed [B, S]; the cache [B*K, S, E] is only read) and to the T fresh keys and values
     [B, T, K, E] under fresh_mask [T, T]: what the write-first form computes, without writing."""
-    B, T, K, G, E = q.shape
     S = k_cache.shape[1]
-    low = jnp.finfo(jnp.float32).min
-    rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)
-    old = jnp.einsum("rqe,rse->rqs", rows, k_cache).reshape(B, K, G, T, S)
-    old = jnp.where(committed[:, None, None, None, :], old, low)
-    new = jnp.einsum("btkge,buke->bkgtu", q, k_new)
-    new = jnp.where(fresh_mask[None, None, None], new, low)
-    probs = jax.nn.softmax(jnp.concatenate([old, new], axis=-1).astype(jnp.float32), axis=-1).astype(q.dtype)
-    from_cache = jnp.einsum("rqs,rse->rqe", probs[..., :S].reshape(B * K, G * T, S), v_cache)
-    from_cache = from_cache.reshape(B, K, G, T, E).transpose(0, 3, 1, 2, 4)
-    return from_cache + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)
+    old = jnp.where(committed[:, None, None, None, :], _cache_scores(q, k_cache), jnp.finfo(jnp.float32).min)
+    new = _masked_scores(q, k_new, fresh_mask)
+    probs = _softmax(jnp.concatenate([old, new], axis=-1), q.dtype)
+    return _cache_values(probs[..., :S], v_cache) + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)
 
 
 def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask, write=True):
