@@ -1,7 +1,7 @@
-"""The KV cache's buffers (models/cache.py): entry b*K + k of each [B*K, S, E] buffer is row b's kv
-head k; writes land at each row's own length, and tree moves copy each row's slots, both checked
-against numpy on random contents, for a batch written row by row and one past
-UNROLLED_WRITE_ROWS (written by vmap). A pass that defers its writes (FreshEntries) computes what
+"""The KV cache's buffers (models/cache.py): entry b*K + k of each buffer (values [B*K, S, E], keys
+[B*K, E, S]) is row b's kv head k; writes land at each row's own length, and tree moves copy each
+row's slots, both checked against numpy on random contents, for a batch written row by row and one
+past UNROLLED_WRITE_ROWS (written by vmap). A pass that defers its writes (FreshEntries) computes what
 a writing pass does, and the compiled loop updates the cache in place (no copies of it). A prefill
 whose queries go in chunks (models/llama.py, `_fresh_attention`) computes what one block does."""
 
@@ -24,10 +24,13 @@ K, S, E, T = 2, 12, 4, 3
 
 
 def random_cache(batch_size, seed):
+    """A one-layer cache of random contents: the values `buffer` [B*K, S, E], the keys `buffer + 1`
+    with each entry transposed to [E, S]."""
     rng = np.random.default_rng(seed)
     buffer = rng.standard_normal((batch_size * K, S, E)).astype(np.float32)
     lengths = rng.integers(0, S - T, batch_size).astype(np.int32)
-    cache = KVCache(k=(jnp.asarray(buffer),), v=(jnp.asarray(buffer) + 1,), lengths=jnp.asarray(lengths))
+    keys = jnp.asarray(np.swapaxes(buffer + 1, 1, 2))
+    cache = KVCache(k=(keys,), v=(jnp.asarray(buffer),), lengths=jnp.asarray(lengths))
     return cache, buffer, lengths, rng
 
 
@@ -35,19 +38,22 @@ def test_an_empty_cache_merges_rows_and_kv_heads():
     config = LlamaConfig(num_layers=3, num_heads=4, num_kv_heads=K, head_dim=E)
     cache = init_cache(config, batch_size=5, capacity=S, num_layers=2)
     assert cache.num_layers == 2 and cache.capacity == S and cache.batch_size == 5
-    assert cache.k[0].shape == (5 * K, S, E) and not np.any(np.asarray(cache.v[1]))
+    assert cache.k[0].shape == (5 * K, E, S) and cache.v[0].shape == (5 * K, S, E)
+    assert not np.any(np.asarray(cache.k[1])) and not np.any(np.asarray(cache.v[1]))
 
 
 @pytest.mark.parametrize("batch_size", [3, UNROLLED_WRITE_ROWS + 2])
-def test_write_slots_stores_each_row_at_its_length(batch_size):
+def test_writes_store_each_row_at_its_length(batch_size):
     cache, buffer, lengths, rng = random_cache(batch_size, seed=batch_size)
     new = rng.standard_normal((batch_size, T, K, E)).astype(np.float32)  # [B, T, K, E]
-    written = np.asarray(jax.jit(cache.write_slots)(cache.k[0], jnp.asarray(new)))
+    values = np.asarray(jax.jit(cache.write_values)(cache.v[0], jnp.asarray(new)))
+    keys = np.asarray(jax.jit(cache.write_keys)(cache.k[0], jnp.asarray(new + 1)))
     expected = buffer.copy()
     for b in range(batch_size):
         for k in range(K):
             expected[b * K + k, lengths[b] : lengths[b] + T] = new[b, :, k]
-    np.testing.assert_array_equal(written, expected)
+    np.testing.assert_array_equal(values, expected)
+    np.testing.assert_array_equal(np.swapaxes(keys, 1, 2), expected + 1)
 
 
 @pytest.mark.parametrize("batch_size", [3, UNROLLED_WRITE_ROWS + 2])
@@ -57,7 +63,7 @@ def test_move_slots_copies_each_rows_sources_into_place(batch_size):
     sources = np.stack([np.sort(rng.integers(lengths[b], lengths[b] + T, T)) for b in range(batch_size)])
     sources = np.maximum(sources, lengths[:, None] + np.arange(T)).astype(np.int32)
     moved = jax.jit(KVCache.move_slots)(cache, jnp.asarray(sources))
-    for got, original in ((moved.k[0], buffer), (moved.v[0], buffer + 1)):
+    for got, original in ((np.swapaxes(moved.k[0], 1, 2), buffer + 1), (moved.v[0], buffer)):
         expected = original.copy()
         for b in range(batch_size):
             for k in range(K):
@@ -129,8 +135,9 @@ def test_a_prefill_in_chunks_matches_one_block(mask, monkeypatch):
 
 
 def cache_copies_in_the_loop(proposer) -> int:
-    """Copies of a whole cache buffer [B*K, S, E] outside the program's entry computation (in the
-    loop's body and the branches of conds inside it), counted in the optimized HLO."""
+    """Copies of a whole cache buffer ([B*K, S, E] or [B*K, E, S]) outside the program's entry
+    computation (in the loop's body and the branches of conds inside it), counted in the optimized
+    HLO."""
     model = tiny_model(seed=6)
     B, S = 1, 128
     warp = WarpSpec.of(specjax.Sampling())
@@ -146,7 +153,8 @@ def cache_copies_in_the_loop(proposer) -> int:
     args = (spec, model.params, proposer_params, inputs)
     hlo = jax.jit(generate_program, static_argnums=0).lower(*args).compile().as_text()
     c = model.config
-    buffer = rf"f32\[{B * c.num_kv_heads},{S},{c.head_dim}\]\{{2,1,0\}} copy\("
+    E = c.head_dim
+    buffer = rf"f32\[{B * c.num_kv_heads},({S},{E}|{E},{S})\]\{{2,1,0\}} copy\("
     computations = hlo.split("\n\n")
     return sum(
         len(re.findall(buffer, text)) for text in computations if not text.lstrip().startswith("ENTRY")

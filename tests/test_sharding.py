@@ -163,9 +163,9 @@ def test_one_loop_with_psums_after_attention_and_mlp(one_device_greedy):
     lengths = np.asarray(state.lengths)
     tokens = [np.asarray(state.tokens)[b, len(PROMPTS[b]) : lengths[b]].tolist() for b in range(B)]
     assert tokens == one_device_greedy[:B]
-    cache = state.cache.k[0]  # [B*K, S, E], kv heads split: each device holds K/2 of them
+    cache = state.cache.k[0]  # [B*K, E, S], kv heads split: each device holds K/2 of them
     assert cache.sharding.is_equivalent_to(NamedSharding(mesh, sharding.cache_specs(1).k[0]), 3)
-    assert cache.addressable_shards[0].data.shape == (B * TARGET.config.num_kv_heads // 2, 128, 8)
+    assert cache.addressable_shards[0].data.shape == (B * TARGET.config.num_kv_heads // 2, 8, 128)
 
 
 @pytest.mark.slow

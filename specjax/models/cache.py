@@ -14,25 +14,31 @@ import jax.numpy as jnp
 
 from specjax.models.config import LlamaConfig
 
-# Batches up to this many rows write their fresh keys and values row by row (see write_slots).
+# Batches up to this many rows write their fresh keys and values row by row (see _write_slots).
 UNROLLED_WRITE_ROWS = 16
 
 
 @flax.struct.dataclass
 class KVCache:
     """One k and one v buffer per layer (separate buffers, as the layers' weights are: see
-    llama.py), each [B*K, S, E]: rows and kv heads merged into one leading axis (entry b*K + k is
-    row b's kv head k), then slots, then head dim.
+    llama.py): values [B*K, S, E] (rows and kv heads merged into one leading axis, entry b*K + k
+    being row b's kv head k, then slots, then head dim), keys [B*K, E, S] (the same entries with
+    the slot axis last).
 
-    Why this shape: slots sit next to the head dim so attention's products read the cache in place
-    (with slots before kv heads, XLA:CPU transposed the whole cache in every layer of every step).
-    One merged leading axis, rather than [B, K, S, E], because at batch 1 the size-1 row axis made
-    XLA:CPU write each fresh key twice, into copies of the cache (four copies of every k buffer
-    per step), one for the attention product and one for the loop's state; the merged axis needs
-    none (docs/benchmarks.md: 37.9 -> 31.0 ms per plain step at 952 cached tokens).
+    Why these shapes: attention's two products read the cache in place as matrices whose rows are
+    contiguous: values [S, E] per entry, contracted over slots, and keys [E, S], contracted over
+    the head dim. With keys stored [S, E] too, XLA:CPU's scores product took four times as long
+    as the values product over the same bytes (125 against 30 us per layer at 896 slots, measured
+    here); stored [E, S] it takes ~70 us. A fresh token's key is then a strided column
+    write of E floats, which costs nothing measurable. With slots before kv heads, XLA:CPU
+    transposed the whole cache in every layer of every step. One merged leading axis, rather than
+    [B, K, ...], because at batch 1 the size-1 row axis made XLA:CPU write each fresh key twice,
+    into copies of the cache (four copies of every k buffer per step), one for the attention
+    product and one for the loop's state; the merged axis needs none (docs/benchmarks.md: 37.9 ->
+    31.0 ms per plain step at 952 cached tokens).
 
-    On a mesh the buffer is split over ("data", "model") along the merged axis: each device holds
-    its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
+    On a mesh the buffers are split over ("data", "model") along the merged axis: each device
+    holds its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
     forward, `write` and `move_slots`, under shard_map: specjax/sharding) reads the entries there.
     """
 
@@ -46,16 +52,27 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k[0].shape[1]
+        return self.v[0].shape[1]
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def write_slots(self, layer_cache: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
-        """Store T fresh entries per row at slots `lengths .. lengths + T - 1` of one layer's
-        buffer [B*K, S, E]; new [B, T, K, E]. The caller decides how many to commit (advance).
-        `fresh=True` promises an empty cache (every length 0, a prefill): one write at slot 0.
+    def write_keys(self, buffer: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
+        """Store T fresh keys per row at slots `lengths .. lengths + T - 1` of one layer's key
+        buffer [B*K, E, S]; new [B, T, K, E]. See `_write_slots`."""
+        return self._write_slots(buffer, jnp.transpose(new, (0, 2, 3, 1)), slot_axis=2, fresh=fresh)
+
+    def write_values(self, buffer: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
+        """Store T fresh values per row at slots `lengths .. lengths + T - 1` of one layer's value
+        buffer [B*K, S, E]; new [B, T, K, E]. See `_write_slots`."""
+        return self._write_slots(buffer, jnp.swapaxes(new, 1, 2), slot_axis=1, fresh=fresh)
+
+    def _write_slots(self, buffer: jax.Array, new: jax.Array, slot_axis: int, fresh: bool) -> jax.Array:
+        """Write new [B, K, ...] (each row's K entries, laid out as one entry of `buffer` is, with
+        T slots on `slot_axis`) at each row's length. The caller decides how many to commit
+        (advance). `fresh=True` promises an empty cache (every length 0, a prefill): one write at
+        slot 0.
 
         A small batch writes each row's K entries with one `dynamic_update_slice` (a scalar
         start), which XLA does in place; the vmapped form becomes a scatter that also reads the
@@ -63,26 +80,30 @@ class KVCache:
         capacity leaves room for T slots past every row's length (see LoopSpec), so no write is
         clamped.
         """
-        B, T, K, E = new.shape
-        new = jnp.swapaxes(new, 1, 2).astype(layer_cache.dtype)  # [B, K, T, E]
+        B, K = new.shape[:2]
+        new = new.astype(buffer.dtype)
+
+        def at_slot(slot, first_entry=0):  # a start index: the entry, then the slot on its axis
+            return (first_entry, slot, 0) if slot_axis == 1 else (first_entry, 0, slot)
+
         if fresh:
-            return jax.lax.dynamic_update_slice(layer_cache, new.reshape(B * K, T, E), (0, 0, 0))
+            return jax.lax.dynamic_update_slice(buffer, new.reshape(B * K, *new.shape[2:]), at_slot(0))
         if B > UNROLLED_WRITE_ROWS:
 
-            def write_row(row, new_row, start):  # [K, S, E], [K, T, E], []
-                return jax.lax.dynamic_update_slice(row, new_row, (0, start, 0))
+            def write_row(row, new_row, start):  # [K, ...] each, and a scalar
+                return jax.lax.dynamic_update_slice(row, new_row, at_slot(start))
 
-            rows = layer_cache.reshape(B, K, *layer_cache.shape[1:])
-            return jax.vmap(write_row)(rows, new, self.lengths).reshape(layer_cache.shape)
+            rows = buffer.reshape(B, K, *buffer.shape[1:])
+            return jax.vmap(write_row)(rows, new, self.lengths).reshape(buffer.shape)
         for b in range(B):
-            layer_cache = jax.lax.dynamic_update_slice(layer_cache, new[b], (b * K, self.lengths[b], 0))
-        return layer_cache
+            buffer = jax.lax.dynamic_update_slice(buffer, new[b], at_slot(self.lengths[b], b * K))
+        return buffer
 
     def write(self, fresh: FreshEntries) -> KVCache:
         """Every layer's fresh entries (a pass run with `write=False`) stored at slots `lengths ..`."""
         return self.replace(
-            k=tuple(self.write_slots(buf, new) for buf, new in zip(self.k, fresh.k, strict=True)),
-            v=tuple(self.write_slots(buf, new) for buf, new in zip(self.v, fresh.v, strict=True)),
+            k=tuple(self.write_keys(buf, new) for buf, new in zip(self.k, fresh.k, strict=True)),
+            v=tuple(self.write_values(buf, new) for buf, new in zip(self.v, fresh.v, strict=True)),
         )
 
     def move_slots(self, sources: jax.Array) -> KVCache:
@@ -93,11 +114,14 @@ class KVCache:
         B = self.batch_size
         rows = jnp.arange(B)[:, None]
 
-        def move(buf):  # [B*K, S, E]; the gather reads every source before any write
-            by_row = buf.reshape(B, buf.shape[0] // B, *buf.shape[1:])  # [B, K, S, E]
-            return self.write_slots(buf, by_row[rows, :, sources])  # [B, D, K, E] at lengths + d
+        def by_row(buf):  # [B, K, ...]; the gathers below read every source before any write
+            return buf.reshape(B, buf.shape[0] // B, *buf.shape[1:])
 
-        return self.replace(k=tuple(move(b) for b in self.k), v=tuple(move(b) for b in self.v))
+        # Each gather gives [B, D, K, E]: the sources' entries, written at lengths + d.
+        return self.replace(
+            k=tuple(self.write_keys(buf, by_row(buf)[rows, :, :, sources]) for buf in self.k),
+            v=tuple(self.write_values(buf, by_row(buf)[rows, :, sources]) for buf in self.v),
+        )
 
     def advance(self, num_committed: jax.Array) -> KVCache:
         """Commit `num_committed[b]` more slots of each row (the ones `write` just filled)."""
@@ -134,10 +158,10 @@ def init_cache(
     """An empty cache of `capacity` slots per row, allocated with zeros; `num_layers` (default all)
     sizes it for an early-exit pass over the first layers only."""
     num_layers = config.num_layers if num_layers is None else num_layers
-    shape = (batch_size * config.num_kv_heads, capacity, config.head_dim)
+    entries = batch_size * config.num_kv_heads
     return KVCache(
-        k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        k=tuple(jnp.zeros((entries, config.head_dim, capacity), dtype) for _ in range(num_layers)),
+        v=tuple(jnp.zeros((entries, capacity, config.head_dim), dtype) for _ in range(num_layers)),
         lengths=jnp.zeros((batch_size,), jnp.int32),
     )
 

@@ -267,16 +267,16 @@ def _softmax(scores, dtype):
 
 
 def _cache_scores(q, k_cache):
-    """Scores [B, K, G, T, S] of queries q [B, T, K, G, E] against the cache [B*K, S, E]. The
-    product runs over the cache's own merged row-and-head axis, with each kv head's G*T queries
-    as the rows of one product, so XLA reads the buffer as it is stored."""
+    """Scores [B, K, G, T, S] of queries q [B, T, K, G, E] against the key cache [B*K, E, S].
+    The product runs over the cache's own merged row-and-head axis, with each kv head's G*T
+    queries as the rows of one product, so XLA reads the buffer as it is stored."""
     B, T, K, G, E = q.shape
     rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
-    return jnp.einsum("rqe,rse->rqs", rows, k_cache).reshape(B, K, G, T, -1)
+    return jnp.einsum("rqe,res->rqs", rows, k_cache).reshape(B, K, G, T, -1)
 
 
 def _cache_values(probs, v_cache):
-    """Attention weights probs [B, K, G, T, S] applied to the cache [B*K, S, E]: [B, T, K, G, E]."""
+    """Attention weights probs [B, K, G, T, S] applied to the value cache [B*K, S, E]: [B, T, K, G, E]."""
     B, K, G, T, S = probs.shape
     out = jnp.einsum("rqs,rse->rqe", probs.reshape(B * K, G * T, S), v_cache)
     return out.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
@@ -294,16 +294,17 @@ def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: in
 
 
 def _cache_attention(q, k_cache, v_cache, visible):
-    """T queries [B, T, K, G, E] attend to the cache [B*K, S, E] where visible [B, T, S]."""
+    """T queries [B, T, K, G, E] attend to the cache (keys [B*K, E, S], values [B*K, S, E])
+    where visible [B, T, S]."""
     scores = jnp.where(visible[:, None, None], _cache_scores(q, k_cache), jnp.finfo(jnp.float32).min)
     return _cache_values(_softmax(scores, q.dtype), v_cache)
 
 
 def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
     """T queries [B, T, K, G, E] attend, in one softmax, to the cache's committed slots
-    (committed [B, S]; the cache [B*K, S, E] is only read) and to the T fresh keys and values
+    (committed [B, S]; the cache is only read) and to the T fresh keys and values
     [B, T, K, E] under fresh_mask [T, T]: what the write-first form computes, without writing."""
-    S = k_cache.shape[1]
+    S = v_cache.shape[1]
     old = jnp.where(committed[:, None, None, None, :], _cache_scores(q, k_cache), jnp.finfo(jnp.float32).min)
     new = _masked_scores(q, k_new, fresh_mask)
     probs = _softmax(jnp.concatenate([old, new], axis=-1), q.dtype)
@@ -314,7 +315,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask, write=True
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E].
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
-    cache k_cache, v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
+    cache k_cache [B*K, E, S], v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
     before reading means the old buffer is dead once written, so XLA can update it in place
     (reading the old cache after the write kept both alive and copied the cache every step; see
     KVCache for the layout that keeps the write in place). A prefill into an empty cache
@@ -337,7 +338,7 @@ def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask, write=True
 def _layer(
     config: LlamaConfig, inv_freq, positions, cache, visible, fresh_mask, x, lp, k_buf, v_buf, reduce, write
 ):
-    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers [B*K, S, E].
+    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers (see KVCache).
     Returns the new x and the buffers with the fresh keys and values written at slots
     `cache.lengths + t`; with `write=False`, the new x and the fresh keys and values [B, T, K, E].
 
@@ -358,7 +359,7 @@ def _layer(
     v = qkv[:, :, :, G + 1]
     if write:
         fresh = visible is None  # a prefill into an empty cache
-        k_buf, v_buf = cache.write_slots(k_buf, k, fresh), cache.write_slots(v_buf, v, fresh)
+        k_buf, v_buf = cache.write_keys(k_buf, k, fresh), cache.write_values(v_buf, v, fresh)
     x = x + reduce(attention(q, k, v, k_buf, v_buf, visible, fresh_mask, write) @ lp.o)
     h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
     x = x + reduce((jax.nn.silu(h @ lp.gate) * (h @ lp.up)) @ lp.down)

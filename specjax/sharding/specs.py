@@ -64,8 +64,10 @@ MODEL_AXES: dict[str, tuple[str, ...]] = {
     "final_norm": ("embed",),
     "lm_head": ("embed", "vocab"),
 }
-# Each layer's k and v [B*K, S, E]: rows and kv heads share the leading axis (models/cache.py).
-CACHE_AXES = (("batch", "kv_heads"), "slots", "head_dim")
+# Each layer's keys [B*K, E, S] and values [B*K, S, E]: rows and kv heads share the leading axis
+# (models/cache.py).
+KEY_CACHE_AXES = (("batch", "kv_heads"), "head_dim", "slots")
+VALUE_CACHE_AXES = (("batch", "kv_heads"), "slots", "head_dim")
 FRESH_AXES = ("batch", "slots", "kv_heads", "head_dim")  # a pass's unwritten keys, values [B, T, K, E]
 ROW_AXES = ("batch",)  # cache lengths [B], and every per-row array of the loop
 
@@ -107,8 +109,9 @@ def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParam
 def cache_specs(num_layers: int, tensor_parallel: bool = True) -> KVCache:
     """A KVCache tree of PartitionSpecs: rows on "data", kv heads on "model" (the buffers' merged
     leading axis is split over both: each device holds its rows' entries for its kv heads)."""
-    buffer = logical_to_spec(CACHE_AXES, tensor_parallel)
-    return KVCache(k=(buffer,) * num_layers, v=(buffer,) * num_layers, lengths=row_spec())
+    keys = logical_to_spec(KEY_CACHE_AXES, tensor_parallel)
+    values = logical_to_spec(VALUE_CACHE_AXES, tensor_parallel)
+    return KVCache(k=(keys,) * num_layers, v=(values,) * num_layers, lengths=row_spec())
 
 
 def fresh_specs(num_layers: int, tensor_parallel: bool = True) -> FreshEntries:
