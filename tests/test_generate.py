@@ -9,6 +9,7 @@ from tiny import tiny_model
 import specjax
 from specjax.api import compiled_program_count, prompt_bucket
 from specjax.models import forward, init_cache
+from specjax.models.llama import project
 
 
 def reference_greedy(model, prompt, num_tokens, width=64):
@@ -40,10 +41,28 @@ def test_greedy_matches_uncached_reference_with_ragged_batch():
     assert m.target_forwards.tolist() == [12] * 4
 
 
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (3, 48), (2, 4, 48), (1, 47)])
+def test_project_equals_the_plain_product(shape):
+    """`project` (models/llama.py) equals x @ w against float64 numpy, and a single row with an
+    even input width goes as one batched product over the two halves of the width (the form
+    XLA:CPU runs on both cores); more rows, or an odd width, as the plain product."""
+    rng = np.random.default_rng(len(shape) + shape[-1])
+    x = rng.standard_normal(shape).astype(np.float32)
+    w = rng.standard_normal((shape[-1], 40)).astype(np.float32)
+    got = jax.jit(project)(jnp.asarray(x), jnp.asarray(w))
+    assert got.shape == (*shape[:-1], 40)
+    np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
+    (dot,) = [e for e in jax.make_jaxpr(project)(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    (_, (batch, _)) = dot.params["dimension_numbers"]
+    halves = np.prod(shape[:-1]) == 1 and shape[-1] % 2 == 0
+    assert batch == ((0,) if halves else ())
+
+
 def test_batch_rows_do_not_interact():
     model = tiny_model(seed=2)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11, 12, 13, 14, 15, 16, 17]]
     together = specjax.generate(model, prompts, max_new_tokens=10).tokens
+    # Alone, each row is a batch of one, whose products go in two halves (see project).
     alone = [specjax.generate(model, [p], max_new_tokens=10).tokens[0] for p in prompts]
     assert together == alone
 
