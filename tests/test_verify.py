@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from laws import assert_law
 
+from specjax.speculate.sampling import greedy_argmax
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
 
 ROWS = 100_000
@@ -393,3 +394,24 @@ def test_greedy_verify_invariants(k, v, seed):
         assert tokens[row, n[row]] == argmax[row, n[row]]
         assert (tokens[row, n[row] + 1 :] == -1).all()
         assert (tokens[row, : n[row] + 1] < v).all()
+
+
+def test_greedy_argmax_equals_jnp_argmax():
+    """The two-reduction argmax every greedy choice uses (specjax/speculate/sampling.py) picks what
+    jnp.argmax does: the first of tied maxima, the first NaN, an infinity, and in an all -inf
+    row the first entry; over a [B, T, V] array as over a [V] one."""
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((6, 3, 200)).astype(np.float32)
+    logits[0, 0, [17, 50, 199]] = 9.0  # ties: the first wins
+    logits[1, 1, [3, 40]] = np.nan  # the first NaN wins over any number
+    logits[2, 2, [60, 61]] = np.inf
+    logits[3, 0] = -np.inf
+    logits[4, 1, -1] = 50.0  # the last entry
+    logits[5] = np.round(logits[5])  # many ties
+    for x in (logits, logits[0, 0]):
+        expected = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+        got = np.asarray(jax.jit(greedy_argmax)(jnp.asarray(x)))
+        assert got.dtype == np.int32 and got.shape == expected.shape
+        np.testing.assert_array_equal(got, expected)
+    assert int(greedy_argmax(jnp.asarray(logits[1, 1]))) == 3  # the first NaN
+    assert int(greedy_argmax(jnp.asarray(logits[0, 0]))) == 17  # the first of three ties

@@ -36,6 +36,7 @@ from specjax.speculate.sampling import (
     WarpSpec,
     adjust_logits,
     choose_tokens,
+    greedy_argmax,
     is_greedy,
     warp_logits,
 )
@@ -390,7 +391,7 @@ def _verify_drafts(
     )
 
     candidates, num_accepted = greedy_verify(logits, draft, valid)
-    expected = (draft == jnp.argmax(logits[:, :K], axis=-1)).astype(jnp.float32)
+    expected = (draft == greedy_argmax(logits[:, :K])).astype(jnp.float32)
     if not spec.warp.greedy:
         target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, K+1, V]
         draft_probs = proposal.draft_probs
@@ -438,7 +439,7 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
     )
 
     candidates, num_accepted, path = tree_greedy_verify(tree, logits, nodes, valid)
-    argmax_probs = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    argmax_probs = jax.nn.one_hot(greedy_argmax(logits), logits.shape[-1], dtype=jnp.float32)
     expected, drafted_at = tree_expected_acceptance(
         tree, argmax_probs, None, nodes, valid, parents_by_depth(tree, path, num_accepted)
     )
@@ -509,7 +510,7 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
         state.history,
         None if state.history is None else state.history.counts[:, None],
     )
-    new = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
+    new = greedy_argmax(logits[:, 0])
     if not spec.warp.greedy:
         target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, 1, V]
         nothing = jnp.zeros((B, 0), jnp.int32)

