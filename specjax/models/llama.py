@@ -256,7 +256,7 @@ def _fresh_attention(q, k_new, v_new, fresh_mask):
         end = min(T, start + chunk)
         mask = np.repeat(fresh_mask[start:end, :end], G, axis=0)  # rows in (token, head) order
         scores = jnp.einsum("rqe,rse->rqs", queries[:, start * G : end * G], keys[:, :end])
-        scores = jnp.where(mask[None], scores, jnp.finfo(jnp.float32).min)
+        scores = _drop_masked(scores, mask[None])
         outs.append(jnp.einsum("rqs,rse->rqe", _softmax(scores, q.dtype), values[:, :end]))
     return jnp.concatenate(outs, axis=1).reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
 
@@ -271,7 +271,13 @@ def _masked_scores(q, k, mask):
     """Scores [B, K, G, T, U] of queries q [B, T, K, G, E] against keys k [B, U, K, E], with the
     pairs mask [T, U] drops set to the lowest float."""
     scores = jnp.einsum("btkge,buke->bkgtu", q, k)
-    return jnp.where(mask[None, None, None], scores, jnp.finfo(jnp.float32).min)
+    return _drop_masked(scores, mask[None, None, None])
+
+
+def _drop_masked(scores, keep):
+    """scores where `keep` (broadcast against them), the lowest float elsewhere: the pairs a mask
+    drops get no weight in the softmax."""
+    return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
 
 
 def _softmax(scores, dtype):
@@ -308,7 +314,7 @@ def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: in
 def _cache_attention(q, k_cache, v_cache, visible):
     """T queries [B, T, K, G, E] attend to the cache (keys [B*K, E, S], values [B*K, S, E])
     where visible [B, T, S]."""
-    scores = jnp.where(visible[:, None, None], _cache_scores(q, k_cache), jnp.finfo(jnp.float32).min)
+    scores = _drop_masked(_cache_scores(q, k_cache), visible[:, None, None])
     return _cache_values(_softmax(scores, q.dtype), v_cache)
 
 
@@ -317,7 +323,7 @@ def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed,
     (committed [B, S]; the cache is only read) and to the T fresh keys and values
     [B, T, K, E] under fresh_mask [T, T]: what the write-first form computes, without writing."""
     S = v_cache.shape[1]
-    old = jnp.where(committed[:, None, None, None, :], _cache_scores(q, k_cache), jnp.finfo(jnp.float32).min)
+    old = _drop_masked(_cache_scores(q, k_cache), committed[:, None, None, None, :])
     new = _masked_scores(q, k_new, fresh_mask)
     probs = _softmax(jnp.concatenate([old, new], axis=-1), q.dtype)
     return _cache_values(probs[..., :S], v_cache) + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)

@@ -391,7 +391,8 @@ def _verify_drafts(
     )
 
     candidates, num_accepted = greedy_verify(logits, draft, valid)
-    expected = (draft == greedy_argmax(logits[:, :K])).astype(jnp.float32)
+    # The same argmax greedy_verify takes (XLA computes it once), sliced to the drafted positions.
+    expected = (draft == greedy_argmax(logits)[:, :K]).astype(jnp.float32)
     if not spec.warp.greedy:
         target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, K+1, V]
         draft_probs = proposal.draft_probs
