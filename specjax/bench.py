@@ -148,6 +148,15 @@ def add_method_arguments(parser) -> None:
         "--heads", default="heads", help="folder with medusa/head and eagle/head (`make heads`)"
     )
     parser.add_argument("--ngram-k", type=int, default=5)
+    parser.add_argument(
+        "--ngram-n-min",
+        type=int,
+        default=1,
+        help="shortest n-gram NGram drafts from (default 1, NGram's own; 3 drafts only on longer matches)",
+    )
+    parser.add_argument(
+        "--ngram-n-max", type=int, default=4, help="longest n-gram NGram looks for (default 4)"
+    )
     parser.add_argument("--self-draft-layers", type=int, default=8)
     parser.add_argument("--self-draft-k", type=int, default=3)
     parser.add_argument("--medusa-tree", default="3,2", help="top-k widths per depth (default 3,2)")
@@ -164,10 +173,14 @@ def parse_widths(text: str) -> tuple[int, ...]:
     return widths
 
 
+NGRAM_DEFAULTS = {"n_max": 4, "n_min": 1}  # NGram's own; the display name shows any other value
+
 METHOD_OPTIONS = (
     "methods",
     "heads",
     "ngram_k",
+    "ngram_n_min",
+    "ngram_n_max",
     "self_draft_layers",
     "self_draft_k",
     "medusa_tree",
@@ -184,6 +197,8 @@ def method_descriptions(
     methods: str | Sequence[str] = METHODS,
     heads: str | os.PathLike = "heads",
     ngram_k: int = 5,
+    ngram_n_min: int = 1,
+    ngram_n_max: int = 4,
     self_draft_layers: int = 8,
     self_draft_k: int = 3,
     medusa_tree: str | Sequence[int] = "3,2",
@@ -192,6 +207,7 @@ def method_descriptions(
     """{display name: proposer description, or None for plain} of the named methods ("ngram,eagle"
     or a list, of METHODS); plain comes first. Medusa and EAGLE read the heads saved in
     `heads`/medusa/head and `heads`/eagle/head. ValueError for an unknown method or a missing head."""
+    from specjax.speculate.proposers import NGram
     from specjax.speculate.tree import TokenTree
 
     wanted = [m.strip() for m in methods.split(",")] if isinstance(methods, str) else list(methods)
@@ -206,8 +222,12 @@ def method_descriptions(
     if "medusa-tree" in wanted:
         widths = parse_widths(medusa_tree) if isinstance(medusa_tree, str) else tuple(medusa_tree)
     medusa, eagle = str(heads / "medusa" / "head"), str(heads / "eagle" / "head")
+    ngram_options = {"k": ngram_k, "n_max": ngram_n_max, "n_min": ngram_n_min}
+    ngram_shown = [f"{n}={v}" for n, v in ngram_options.items() if n == "k" or v != NGRAM_DEFAULTS[n]]
+    if "ngram" in wanted:
+        NGram(**ngram_options)  # its checks, before any model or data is loaded
     every = {
-        "ngram": (f"NGram(k={ngram_k})", {"name": "ngram", "k": ngram_k, "n_max": 4, "n_min": 1}),
+        "ngram": (f"NGram({', '.join(ngram_shown)})", {"name": "ngram", **ngram_options}),
         "selfdraft": (
             f"SelfDraft(layers={self_draft_layers}, k={self_draft_k})",
             {"name": "self_draft", "layers": self_draft_layers, "k": self_draft_k},

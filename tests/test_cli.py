@@ -133,6 +133,7 @@ BAD_ARGUMENTS = [
     (["generate", "--prompts-file", "{tmp}/none.jsonl"], "--prompts-file: no such file"),
     (["generate", "hi", "--model", "{tmp}/no-model"], "no-model"),
     (["bench", "--methods", "plain,nope"], "--methods: unknown method 'nope'; allowed: plain, ngram"),
+    (["bench", "--methods", "ngram", "--ngram-n-min", "5"], "NGram n_min (5) must not exceed n_max (4)"),
     (["bench", "--categories", "qa,poetry"], "--categories: unknown category 'poetry'"),
     (["bench", "--methods", "ngram", "--data", "{tmp}"], "no spec_bench_question.jsonl in {tmp}"),
     (["bench", "--methods", "medusa", "--heads", "{tmp}"], "no Medusa head in {tmp}/medusa/head"),
@@ -300,7 +301,8 @@ def test_run_spec_bench_ticks_and_catches_lossy_methods(tiny_folder):
 def test_bench_command_on_a_tiny_model(tiny_folder, data_folder, tmp_path, capsys):
     out = tmp_path / "table.csv"
     options = (
-        "--categories qa,rag --methods ngram,selfdraft --ngram-k 3 --self-draft-layers 1 --self-draft-k 2 "
+        "--categories qa,rag --methods ngram,selfdraft --ngram-k 3 --ngram-n-min 2 --self-draft-layers 1 "
+        "--self-draft-k 2 "
         "--per-category 2 --max-new-tokens 6 --repeats 1 --format csv"
     )
     argv = ["bench", "--model", str(tiny_folder), "--data", str(data_folder), "--out", str(out)]
@@ -312,8 +314,8 @@ def test_bench_command_on_a_tiny_model(tiny_folder, data_folder, tmp_path, capsy
     assert [row["category"] for row in table] == ["qa", "rag"]
     for row in table:
         assert float(row["plain tok/s"]) > 0
-        assert float(row["NGram(k=3) speedup"]) == pytest.approx(
-            float(row["NGram(k=3) tok/s"]) / float(row["plain tok/s"])
+        assert float(row["NGram(k=3, n_min=2) speedup"]) == pytest.approx(
+            float(row["NGram(k=3, n_min=2) tok/s"]) / float(row["plain tok/s"])
         )
         assert 1.0 <= float(row["SelfDraft(layers=1, k=2) tau"]) <= 3.0
         assert len(row["SelfDraft(layers=1, k=2) conditional acceptance per position"].split()) == 2

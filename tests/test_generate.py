@@ -9,7 +9,7 @@ from tiny import tiny_model
 import specjax
 from specjax.api import compiled_program_count, prompt_bucket
 from specjax.models import forward, init_cache
-from specjax.models.llama import project
+from specjax.models.llama import lm_head, project
 
 
 def reference_greedy(model, prompt, num_tokens, width=64):
@@ -56,6 +56,22 @@ def test_project_equals_the_plain_product(shape):
     (_, (batch, _)) = dot.params["dimension_numbers"]
     halves = np.prod(shape[:-1]) == 1 and shape[-1] % 2 == 0
     assert batch == ((0,) if halves else ())
+
+
+@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 64), (2, 3, 64)])
+@pytest.mark.parametrize("tied", [True, False])
+def test_lm_head_equals_the_plain_product(shape, tied):
+    """`lm_head` equals the float64 product with the head, for one row and for several; a tied
+    head's rows go through the transposed, barriered form ([V, D] @ [D, rows]) when there are
+    several, as the plain [rows, D] @ [D, V] product otherwise."""
+    params = tiny_model(seed=4, tie_word_embeddings=tied).params
+    head = np.asarray(params.embed, np.float64).T if tied else np.asarray(params.lm_head, np.float64)
+    hidden = np.random.default_rng(shape[-2]).standard_normal(shape).astype(np.float32)
+    got = jax.jit(lm_head)(params, jnp.asarray(hidden))
+    assert got.shape == (*shape[:-1], head.shape[1]) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), hidden.astype(np.float64) @ head, rtol=1e-4, atol=1e-4)
+    names = [e.primitive.name for e in jax.make_jaxpr(lm_head)(params, hidden).jaxpr.eqns]
+    assert ("optimization_barrier" in names) == (tied and np.prod(shape[:-1]) > 1)
 
 
 def test_batch_rows_do_not_interact():
