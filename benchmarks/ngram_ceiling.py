@@ -14,24 +14,30 @@ rule needs fewer steps; from every position, no drafter that copies from the con
 Each ratio bounds the wall-time speedup over plain decoding as long as a speculative step costs
 at least a plain one (it scores more tokens; docs/benchmarks.md measures both) and the prefill,
 the same in both, is left out; with the prefill in, as in spec_bench.py's tokens/s, the speedup
-is lower still. Spec-Bench subset: the first --per-category questions of each category (80 is all
-of a Spec-Bench category), chat template, --max-new-tokens new tokens, batch 1 unless
---batch-size says otherwise (all 160 summarization and RAG prompts took about 10 minutes at
-batch 8 on the 2-core CPU of docs/benchmarks.md; batch 1 went several times slower).
+is lower still. With --verify-costs (a k+1-token verify step's time over a plain step's, from
+`benchmarks/step_time.py --proposers plain verify-k1 ...`) it also predicts each setting's
+decoding speedup: a step that drafts costs one verify pass, a step without a draft a plain step
+(at batch 1 the loop then takes its one-token pass). Spec-Bench subset: the first
+--per-category questions of each category (80 is all of a Spec-Bench category), chat template,
+--max-new-tokens new tokens, batch 1 unless --batch-size says otherwise (all 160 summarization
+and RAG prompts took about 10 minutes at batch 8 on the 2-core CPU of docs/benchmarks.md; batch 1
+went several times slower).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
+import numpy as np
 from common import common_arguments, data_dir
 
 import specjax
 from specjax.bench import machine, markdown_table, parse_categories, spec_bench_prompts
 from specjax.speculate.proposers import MAX_SPECULATIVE_TOKENS
-from specjax.speculate.replay import copy_oracle_accepts, ngram_accepts
+from specjax.speculate.replay import copy_oracle_accepts, ngram_replay
 
 
 def plain_outputs(args) -> list[dict]:
@@ -77,6 +83,12 @@ def main() -> None:
     parser.add_argument("--ks", default="1,2,3,4,5,6,8,10,12,16", help="NGram k values to sweep")
     parser.add_argument("--n-max", type=int, default=4, help="NGram n_max; n_min runs 1..n_max")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")
+    parser.add_argument(
+        "--verify-costs",
+        type=parse_costs,
+        help="k:cost,... a k+1-token verify step's time over a plain step's (benchmarks/step_time.py "
+        "--proposers plain verify-k1 ...); adds predicted speedups",
+    )
     parser.add_argument("--outputs", help="a JSON file to keep the plain outputs in (read back if present)")
     args = parser.parse_args()
     ks = [int(k) for k in args.ks.split(",")]
@@ -90,33 +102,34 @@ def main() -> None:
     rows = plain_outputs(args)
 
     settings = [(k, n_min) for n_min in range(1, args.n_max + 1) for k in ks]
-    table = []
+    table, predicted_table = [], []
     for category in args.categories:
         chosen = [r for r in rows if r["category"] == category]
         plain_steps = sum(len(r["output"]) - 1 for r in chosen)
 
-        def ceiling(replay, chosen=chosen, plain_steps=plain_steps):
-            """Pooled plain steps over replayed steps, and the share of prompts at 2x or more."""
-            steps = [len(replay(r["prompt"], r["output"])) for r in chosen]
+        def ceiling(steps_of, chosen=chosen, plain_steps=plain_steps):
+            """Pooled plain steps over replayed steps, and how many prompts reach 2 on their own."""
+            steps = [steps_of(r["prompt"], r["output"]) for r in chosen]
             at_two = sum(2 * s <= len(r["output"]) - 1 for s, r in zip(steps, chosen, strict=True))
             return plain_steps / sum(steps), at_two
 
-        lookup = {
-            (k, n_min): ceiling(lambda p, o, k=k, n_min=n_min: ngram_accepts(p, o, k, args.n_max, n_min))[0]
+        replays = {
+            (k, n_min): [ngram_replay(r["prompt"], r["output"], k, args.n_max, n_min) for r in chosen]
             for k, n_min in settings
         }
+        lookup = {setting: plain_steps / sum(len(r.accepted) for r in rs) for setting, rs in replays.items()}
         best = max(lookup, key=lookup.get)
         any_ngram, any_ngram_at_two = ceiling(
-            lambda p, o: copy_oracle_accepts(p, o, k=MAX_SPECULATIVE_TOKENS, min_match=1)
+            lambda p, o: len(copy_oracle_accepts(p, o, k=MAX_SPECULATIVE_TOKENS, min_match=1))
         )
-        any_copy, any_copy_at_two = ceiling(lambda p, o: copy_oracle_accepts(p, o))
+        any_copy, any_copy_at_two = ceiling(lambda p, o: len(copy_oracle_accepts(p, o)))
         table.append(
             [
                 category,
                 len(chosen),
                 plain_steps,
-                f"{lookup[(5, 1)]:.2f}" if (5, 1) in lookup else "-",
-                f"{lookup[(5, 3)]:.2f}" if (5, 3) in lookup else "-",
+                _cell(lookup, (5, 1)),
+                _cell(lookup, (5, 3)),
                 f"{lookup[best]:.2f} (k={best[0]}, n_min={best[1]})",
                 f"{any_ngram:.2f} ({any_ngram_at_two})",
                 f"{any_copy:.2f} ({any_copy_at_two})",
@@ -126,6 +139,24 @@ def main() -> None:
             f"{category}: " + ", ".join(f"k={k}/n_min={n}: {v:.2f}" for (k, n), v in lookup.items()),
             file=sys.stderr,
         )
+        if args.verify_costs:
+            # A drafting step costs one verify pass over k + 1 tokens; a step without a draft
+            # takes the one-token pass, a plain step's cost.
+            predicted = {
+                (k, n_min): plain_steps
+                / sum(np.where(r.drafted > 0, args.verify_costs[k], 1.0).sum() for r in rs)
+                for (k, n_min), rs in replays.items()
+                if k in args.verify_costs
+            }
+            best_predicted = max(predicted, key=predicted.get)
+            predicted_table.append(
+                [
+                    category,
+                    _cell(predicted, (5, 1)),
+                    _cell(predicted, (5, 3)),
+                    f"{predicted[best_predicted]:.2f} (k={best_predicted[0]}, n_min={best_predicted[1]})",
+                ]
+            )
     print(machine())
     print(
         f"plain decoding steps / NGram steps (n_max={args.n_max}), pooled over each category's "
@@ -149,6 +180,35 @@ def main() -> None:
             table,
         )
     )
+    if predicted_table:
+        print(
+            "\npredicted decoding speedup (prefill apart): plain steps over the replayed steps "
+            "weighted by --verify-costs\n"
+        )
+        header = ["category", "NGram k=5 n_min=1", "NGram k=5 n_min=3", "best NGram setting"]
+        print(markdown_table(header, predicted_table))
+
+
+def _cell(values: dict, setting: tuple[int, int]) -> str:
+    return f"{values[setting]:.2f}" if setting in values else "-"
+
+
+def parse_costs(text: str) -> dict[int, float]:
+    """--verify-costs "1:1.2,5:1.9" -> {1: 1.2, 5: 1.9}."""
+    costs = {}
+    for item in text.split(","):
+        k, _, cost = item.partition(":")
+        try:
+            costs[int(k)] = float(cost)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected k:cost pairs like 1:1.2,5:1.9, got {item!r}"
+            ) from None
+        if not 1 <= int(k) <= MAX_SPECULATIVE_TOKENS or costs[int(k)] < 1:
+            raise argparse.ArgumentTypeError(
+                f"k must be in 1..{MAX_SPECULATIVE_TOKENS} and a cost at least 1 (a plain step), got {item!r}"
+            )
+    return costs
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@
 --proposers times verify steps too: `medusa-*` uses untrained (identity) Medusa heads, which
 accept almost nothing, so every step is one full verify pass over the tree: chain3 scores 4 tokens,
 top32 (`TokenTree.top_k((3, 2))`) 10, top421 21. `eagle-*` uses a random EAGLE head with an
-8192-token draft vocabulary: its drafting passes (one per depth) come on top. Steps are counted
-by the metrics either way.
+8192-token draft vocabulary: its drafting passes (one per depth) come on top. `verify-kN` is
+`ForcedAcceptance(0, k=N)`: N free drafts, all rejected, so every step is one verify pass over
+N + 1 tokens with no drafting cost (what a lookup proposer's drafting steps cost, near enough).
+Steps are counted by the metrics either way.
 
 Each case times whole `generate` calls at two lengths, --short-steps and --long-steps new tokens,
 on the same prompts (median of --repeats after a warm-up), and divides the difference by the
@@ -38,9 +40,14 @@ TREES = {
 EAGLE_DRAFT_VOCAB = 8192  # what `make heads` trains
 
 
+VERIFY_KS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
+
+
 def make_proposer(name: str, model):
     if name == "plain":
         return None
+    if name.startswith("verify-k"):  # k free drafts, all rejected: one k+1-token verify pass a step
+        return specjax.ForcedAcceptance(0.0, k=int(name.removeprefix("verify-k")))
     if name.startswith("eagle"):  # a random head drafting from the first 8192 token ids
         head = EagleHead.init(model, jax.random.key(0), vocab=np.arange(EAGLE_DRAFT_VOCAB))
         return specjax.Eagle(head, tree=TREES[name])
@@ -66,7 +73,12 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="+", default=["1x100", "1x1000", "4x100"], help="BATCHxPROMPT_TOKENS each"
     )
-    parser.add_argument("--proposers", nargs="+", default=["plain"], choices=["plain", *TREES])
+    parser.add_argument(
+        "--proposers",
+        nargs="+",
+        default=["plain"],
+        choices=["plain", *TREES, *(f"verify-k{k}" for k in VERIFY_KS)],
+    )
     args = parser.parse_args()
 
     model = specjax.load("smollm2-135m")

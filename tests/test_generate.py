@@ -41,21 +41,27 @@ def test_greedy_matches_uncached_reference_with_ragged_batch():
     assert m.target_forwards.tolist() == [12] * 4
 
 
-@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (3, 48), (2, 4, 48), (1, 47)])
+@pytest.mark.parametrize("shape", [(1, 48), (1, 1, 48), (2, 48), (1, 2, 48), (3, 48), (2, 4, 48), (1, 47)])
 def test_project_equals_the_plain_product(shape):
-    """`project` (models/llama.py) equals x @ w against float64 numpy, and a single row with an
-    even input width goes as one batched product over the two halves of the width (the form
-    XLA:CPU runs on both cores); more rows, or an odd width, as the plain product."""
+    """`project` (models/llama.py) equals x @ w against float64 numpy. One or two rows with an
+    even input width go row by row, each as one batched product over the two halves of the width
+    (the form XLA:CPU runs on both cores), so a row gets bit for bit what it gets alone; more
+    rows, or an odd width, go as the plain product."""
     rng = np.random.default_rng(len(shape) + shape[-1])
     x = rng.standard_normal(shape).astype(np.float32)
     w = rng.standard_normal((shape[-1], 40)).astype(np.float32)
     got = jax.jit(project)(jnp.asarray(x), jnp.asarray(w))
     assert got.shape == (*shape[:-1], 40)
     np.testing.assert_allclose(np.asarray(got), x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
-    (dot,) = [e for e in jax.make_jaxpr(project)(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
-    (_, (batch, _)) = dot.params["dimension_numbers"]
-    halves = np.prod(shape[:-1]) == 1 and shape[-1] % 2 == 0
-    assert batch == ((0,) if halves else ())
+    dots = [e for e in jax.make_jaxpr(project)(x, w).jaxpr.eqns if e.primitive.name == "dot_general"]
+    rows = int(np.prod(shape[:-1]))
+    halves = rows <= 2 and shape[-1] % 2 == 0
+    assert len(dots) == (rows if halves else 1)
+    assert all(dot.params["dimension_numbers"][1][0] == ((0,) if halves else ()) for dot in dots)
+    if halves:
+        flat = np.asarray(got).reshape(rows, 40)
+        for r, row in enumerate(x.reshape(rows, -1)):
+            np.testing.assert_array_equal(flat[r], np.asarray(jax.jit(project)(jnp.asarray(row[None]), w))[0])
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (2, 64), (2, 3, 64)])

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specjax
-from specjax.speculate.replay import copy_oracle_accepts, ngram_accepts
+from specjax.speculate.replay import copy_oracle_accepts, ngram_replay
 from tests.tiny import tiny_model
 
 # A vocabulary of 12 tokens: greedy outputs of a random model revisit tokens and short n-grams
@@ -31,8 +31,9 @@ def test_ngram_replay_matches_the_loop(k, n_max, n_min):
     assert any(len(t) < 40 for t in plain.tokens)  # some row stops at its EOS
     m = lookup.metrics
     for row, (prompt, output) in enumerate(zip(PROMPTS, plain.tokens, strict=True)):
-        accepts = ngram_accepts(prompt, output, k, n_max, n_min)
+        drafted, accepts = ngram_replay(prompt, output, k, n_max, n_min)
         assert len(accepts) == m.steps[row]
+        assert drafted.sum() == m.drafted[row] and (drafted > 0).sum() == m.drafting_steps[row]
         # The loop's last step may count drafts that agree past the output's end (its EOS or the
         # limit), tokens the replay never sees; every earlier step must agree exactly.
         assert accepts[-1] <= m.accepted[row] - accepts[:-1].sum() <= k
@@ -40,21 +41,27 @@ def test_ngram_replay_matches_the_loop(k, n_max, n_min):
 
 
 def test_ngram_replay_by_hand():
+    prompt, output = [7, 1, 2, 3, 4, 8], [1, 2, 3, 4, 9]
+
+    def replay(k, n_min):
+        drafted, accepted = ngram_replay(prompt, output, k, 4, n_min)
+        return drafted.tolist(), accepted.tolist()
+
     # After the prefill's token 1, the suffix (1,) last occurred at index 1: draft 2, 3, 4, 8, 1
     # against the truth 2, 3, 4, 9 keeps 2, 3, 4 and the target adds 9. One step.
-    assert ngram_accepts([7, 1, 2, 3, 4, 8], [1, 2, 3, 4, 9], k=5, n_max=4, n_min=1).tolist() == [3]
+    assert replay(k=5, n_min=1) == ([5], [3])
     # k caps the draft at 2, 3, then the target adds 4; the next step's 4-gram (1, 2, 3, 4) ended
     # at index 4 before, so it drafts 8, 1, and the target adds the last token, 9.
-    assert ngram_accepts([7, 1, 2, 3, 4, 8], [1, 2, 3, 4, 9], k=2, n_max=4, n_min=1).tolist() == [2, 0]
+    assert replay(k=2, n_min=1) == ([2, 2], [2, 0])
     # n_min = 2: the single token 1 is not enough to draft; (1, 2) then is.
-    assert ngram_accepts([7, 1, 2, 3, 4, 8], [1, 2, 3, 4, 9], k=5, n_max=4, n_min=2).tolist() == [0, 2]
+    assert replay(k=5, n_min=2) == ([0, 5], [0, 2])
 
 
 def test_copy_oracle_beats_the_most_recent_occurrence():
     # The most recent 1 (index 5) is followed by 9, 9: NGram's draft misses, then its 2-gram (1, 2)
     # finds 3. The oracle copies from index 2 (2, 3) and is done in one step.
     prompt, output = [5, 1, 2, 3, 6, 1, 9, 9], [1, 2, 3, 4]
-    assert ngram_accepts(prompt, output, k=5, n_max=4, n_min=1).tolist() == [0, 1]
+    assert ngram_replay(prompt, output, k=5, n_max=4, n_min=1).accepted.tolist() == [0, 1]
     assert copy_oracle_accepts(prompt, output).tolist() == [2]
     assert copy_oracle_accepts(prompt, output, k=1).tolist() == [1, 0]
     assert copy_oracle_accepts(prompt, output, min_match=1).tolist() == [2]  # 2, 3 follows a 1 too
@@ -62,7 +69,7 @@ def test_copy_oracle_beats_the_most_recent_occurrence():
     prompt = [5, 2, 3, 7, 1, 9]
     assert copy_oracle_accepts(prompt, output).tolist() == [2]
     assert copy_oracle_accepts(prompt, output, min_match=1).tolist() == [0, 1]
-    assert ngram_accepts(prompt, output, k=5, n_max=4, n_min=1).tolist() == [0, 1]
+    assert ngram_replay(prompt, output, k=5, n_max=4, n_min=1).accepted.tolist() == [0, 1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -78,7 +85,7 @@ def test_copy_oracle_never_needs_more_steps(sequence, split, k, n_max, n_min):
     prompt, output = sequence[:split], sequence[split:]
     n_min = min(n_min, n_max)
     oracle = copy_oracle_accepts(prompt, output)
-    lookup = ngram_accepts(prompt, output, k, n_max, n_min)
+    lookup = ngram_replay(prompt, output, k, n_max, n_min).accepted
     matched = copy_oracle_accepts(prompt, output, k=k, min_match=n_min)
     assert len(oracle) <= len(copy_oracle_accepts(prompt, output, k=k)) <= len(matched) <= len(lookup)
     assert len(copy_oracle_accepts(prompt, output, min_match=n_min)) <= len(matched)

@@ -390,17 +390,21 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     A single row (a batch of one decoding one token) goes as two half-products over the two
     halves of D_in, summed: one batched product, which XLA:CPU runs on both cores where it ran the
     plain 1-row product of a [576, 576] matrix on one (measured here: 65 -> 40 us, and [576,
-    1,536] 120 -> 100 us; SmolLM2's plain step at 760 cached tokens 26.7 -> 24.0 ms). With two or
-    more rows the plain product was as fast or faster, so they keep it. The halves are a free
-    reshape of w as stored.
+    1,536] 120 -> 100 us; SmolLM2's plain step at 760 cached tokens 26.7 -> 24.0 ms). Two rows (a
+    verify pass with k = 1, or two rows decoding) go the same way one row at a time: SmolLM2's
+    layers over 2 tokens 24.7-28.0 -> 19.8-23.4 ms, a k = 1 verify step 36.6-41.5 -> 28.7-31.6 ms;
+    each row then gets exactly what it gets alone. From three rows on, going row by row gained
+    nothing (3, 4 and 6 tokens), nor did halves over all rows at once (2 to 64 rows), so they keep
+    the plain product. The halves are a free reshape of w as stored.
     """
     rows = math.prod(x.shape[:-1])
     d_in, d_out = w.shape
-    if rows != 1 or d_in % 2:
+    if rows > 2 or d_in % 2:
         return x @ w
-    halves = x.reshape(2, 1, d_in // 2)
-    out = jnp.einsum("hre,hed->hrd", halves, w.reshape(2, d_in // 2, d_out)).sum(0)
-    return out.reshape(*x.shape[:-1], d_out)
+    w_halves = w.reshape(2, d_in // 2, d_out)
+    flat = x.reshape(rows, 2, 1, d_in // 2)
+    out = [jnp.einsum("hre,hed->hrd", flat[r], w_halves).sum(0) for r in range(rows)]
+    return jnp.concatenate(out, 0).reshape(*x.shape[:-1], d_out)
 
 
 def _identity(x: jax.Array) -> jax.Array:

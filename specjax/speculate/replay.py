@@ -20,29 +20,36 @@ count stops there too; the loop's `accepted` metric may count drafts that agree 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 
-def ngram_accepts(prompt: Sequence[int], output: Sequence[int], k: int, n_max: int, n_min: int) -> np.ndarray:
-    """Accepted draft tokens per decoding step of `NGram(k, n_max, n_min)` producing `output`.
+class Replayed(NamedTuple):
+    """One replayed generation, per decoding step (the target forwards after the prefill)."""
 
-    Decoding steps are the target forwards after the prefill, so a plain run takes len(output) - 1
-    of them and this run len(result); their ratio bounds NGram's speedup wherever a verify step
-    costs at least a plain step. The rule is NGram's (proposers/ngram.py), written again here
-    over numpy: the longest n-gram, n from n_max down to n_min, ending at the last token that also
-    ends earlier; its most recent earlier end wins; up to k tokens that followed it, as many as
-    the sequence holds.
+    drafted: np.ndarray  # [steps] draft tokens proposed (0: the step took a one-token pass)
+    accepted: np.ndarray  # [steps] of those, accepted
+
+
+def ngram_replay(prompt: Sequence[int], output: Sequence[int], k: int, n_max: int, n_min: int) -> Replayed:
+    """The decoding steps of `NGram(k, n_max, n_min)` producing `output` after `prompt`.
+
+    A plain run takes len(output) - 1 decoding steps and this one len(result.accepted); their
+    ratio bounds NGram's speedup wherever a verify step costs at least a plain step. The rule is
+    NGram's (proposers/ngram.py), written again here over numpy: the longest n-gram, n from n_max
+    down to n_min, ending at the last token that also ends earlier; its most recent earlier end
+    wins; up to k tokens that followed it, as many as the sequence holds.
     """
     sequence = np.asarray(list(prompt) + list(output), np.int64)
-    accepts = []
+    drafted, accepted = [], []
     length = len(prompt) + 1  # the prefill's token is already out
     while length < len(sequence):
         draft = _ngram_draft(sequence[:length], k, n_max, n_min)
-        accepted = _agreement(draft, sequence[length:])
-        accepts.append(accepted)
-        length += min(accepted + 1, len(sequence) - length)
-    return np.asarray(accepts, np.int64)
+        drafted.append(len(draft))
+        accepted.append(_agreement(draft, sequence[length:]))
+        length += min(accepted[-1] + 1, len(sequence) - length)
+    return Replayed(np.asarray(drafted, np.int64), np.asarray(accepted, np.int64))
 
 
 def _ngram_draft(context: np.ndarray, k: int, n_max: int, n_min: int) -> np.ndarray:
