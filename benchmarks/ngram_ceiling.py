@@ -107,9 +107,9 @@ def main() -> None:
         chosen = [r for r in rows if r["category"] == category]
         plain_steps = sum(len(r["output"]) - 1 for r in chosen)
 
-        def ceiling(steps_of, chosen=chosen, plain_steps=plain_steps):
-            """Pooled plain steps over replayed steps, and how many prompts reach 2 on their own."""
-            steps = [steps_of(r["prompt"], r["output"]) for r in chosen]
+        def ceiling(steps: list[int], chosen=chosen, plain_steps=plain_steps):
+            """Pooled plain steps over replayed steps (one count per prompt), and how many prompts
+            reach 2 on their own."""
             at_two = sum(2 * s <= len(r["output"]) - 1 for s, r in zip(steps, chosen, strict=True))
             return plain_steps / sum(steps), at_two
 
@@ -117,12 +117,14 @@ def main() -> None:
             (k, n_min): [ngram_replay(r["prompt"], r["output"], k, args.n_max, n_min) for r in chosen]
             for k, n_min in settings
         }
-        lookup = {setting: plain_steps / sum(len(r.accepted) for r in rs) for setting, rs in replays.items()}
+        lookup = {setting: ceiling([len(r.accepted) for r in rs])[0] for setting, rs in replays.items()}
         best = max(lookup, key=lookup.get)
         any_ngram, any_ngram_at_two = ceiling(
-            lambda p, o: len(copy_oracle_accepts(p, o, k=MAX_SPECULATIVE_TOKENS, min_match=1))
+            [len(copy_oracle_accepts(r["prompt"], r["output"], MAX_SPECULATIVE_TOKENS, 1)) for r in chosen]
         )
-        any_copy, any_copy_at_two = ceiling(lambda p, o: len(copy_oracle_accepts(p, o)))
+        any_copy, any_copy_at_two = ceiling(
+            [len(copy_oracle_accepts(r["prompt"], r["output"])) for r in chosen]
+        )
         table.append(
             [
                 category,

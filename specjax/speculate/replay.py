@@ -41,14 +41,26 @@ def ngram_replay(prompt: Sequence[int], output: Sequence[int], k: int, n_max: in
     down to n_min, ending at the last token that also ends earlier; its most recent earlier end
     wins; up to k tokens that followed it, as many as the sequence holds.
     """
+
+    def step(sequence: np.ndarray, length: int) -> tuple[int, int]:
+        draft = _ngram_draft(sequence[:length], k, n_max, n_min)
+        return len(draft), _agreement(draft, sequence[length:])
+
+    return _decode_steps(prompt, output, step)
+
+
+def _decode_steps(prompt: Sequence[int], output: Sequence[int], step) -> Replayed:
+    """The compiled loop's accounting: the prefill emits the first output token; then each step,
+    `step(sequence, length) -> (drafted, accepted)` with the first `length` tokens out, emits its
+    accepted tokens plus one of the target's own, never past the end of the output."""
     sequence = np.asarray(list(prompt) + list(output), np.int64)
     drafted, accepted = [], []
-    length = len(prompt) + 1  # the prefill's token is already out
+    length = len(prompt) + 1
     while length < len(sequence):
-        draft = _ngram_draft(sequence[:length], k, n_max, n_min)
-        drafted.append(len(draft))
-        accepted.append(_agreement(draft, sequence[length:]))
-        length += min(accepted[-1] + 1, len(sequence) - length)
+        num_drafted, num_accepted = step(sequence, length)
+        drafted.append(num_drafted)
+        accepted.append(num_accepted)
+        length += min(num_accepted + 1, len(sequence) - length)
     return Replayed(np.asarray(drafted, np.int64), np.asarray(accepted, np.int64))
 
 
@@ -84,24 +96,22 @@ def copy_oracle_accepts(
     min_match, any k up to this k and any rule for choosing among occurrences needs at least as
     many steps; with min_match=0 the same holds for every drafter that copies from the context.
     """
-    sequence = np.asarray(list(prompt) + list(output), np.int64)
-    accepts = []
-    length = len(prompt) + 1
-    while length < len(sequence):
+
+    def step(sequence: np.ndarray, length: int) -> tuple[int, int]:
         truth = sequence[length:]
         limit = len(truth) - 1 if k is None else min(k, len(truth) - 1)  # the step's own token is extra
         starts = np.arange(min_match, length)  # [candidates]
         for i in range(1, min_match + 1):  # the i-th token before the start equals the i-th from the end
             starts = starts[sequence[starts - i] == sequence[length - i]]
-        accepted = 0
-        if limit > 0 and len(starts):
-            span = min(limit, length - int(starts.min()))
-            positions = starts[:, None] + np.arange(span)[None, :]  # [candidates, span]
-            agree = (positions < length) & (sequence[np.minimum(positions, length - 1)] == truth[None, :span])
-            accepted = int(np.cumprod(agree, axis=1).sum(axis=1).max())  # longest agreed prefix
-        accepts.append(accepted)
-        length += min(accepted + 1, len(sequence) - length)
-    return np.asarray(accepts, np.int64)
+        if limit <= 0 or len(starts) == 0:
+            return 0, 0
+        span = min(limit, length - int(starts.min()))
+        positions = starts[:, None] + np.arange(span)[None, :]  # [candidates, span]
+        agree = (positions < length) & (sequence[np.minimum(positions, length - 1)] == truth[None, :span])
+        best = int(np.cumprod(agree, axis=1).sum(axis=1).max())  # longest agreed prefix
+        return best, best  # the oracle drafts just what agrees
+
+    return _decode_steps(prompt, output, step).accepted
 
 
 def _agreement(draft: np.ndarray, truth: np.ndarray) -> int:
