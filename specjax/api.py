@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sharding
-from specjax.models.llama import LlamaParams
+from specjax import kernels, sharding
+from specjax.models.llama import LlamaParams, with_panel_weights
 from specjax.models.model import Model
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes, num_drafted
 from specjax.speculate.metrics import SpecMetrics
@@ -98,6 +99,22 @@ def _signature(tree) -> tuple:
     leaves, treedef = jax.tree.flatten(tree)
     # The sharding too: a program is compiled for its inputs' placement.
     return (treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))
+
+
+# Params with panel weights, one copy per params object while it lives: id -> (weak ref, copy).
+_PANELS: dict[int, tuple[weakref.ref, LlamaParams]] = {}
+
+
+def _with_panels(params: LlamaParams) -> LlamaParams:
+    """`params` with panel weights for the CPU kernel, packed on the first call for these params
+    (about a second for SmolLM2; the copy stays in memory beside the params while they live)."""
+    cached = _PANELS.get(id(params))
+    if cached is not None and cached[0]() is params:
+        return cached[1]
+    packed = with_panel_weights(params)
+    key = id(params)
+    _PANELS[key] = (weakref.ref(params, lambda _: _PANELS.pop(key, None)), packed)
+    return packed
 
 
 def _compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs) -> tuple[Any, float]:
@@ -352,6 +369,10 @@ def generate(
         elif proposer_params is not None:  # heads (Medusa) or a custom proposer's: replicated
             proposer_params = sharding.replicate(proposer_params, mesh)
         inputs = sharding.shard_rows(inputs, mesh, B)
+    elif kernels.enabled():  # the CPU decoding kernel's weight layout (see specjax.kernels)
+        params = _with_panels(params)
+        if isinstance(proposer_params, LlamaParams):
+            proposer_params = _with_panels(proposer_params)
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
     state = program(params, proposer_params, inputs)

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import PanelWeight, pack, panel_matmul
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 
@@ -59,6 +60,9 @@ class LlamaParams:
     layers: tuple[LayerParams, ...]  # one per layer
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
+    # The head ([D, V]: lm_head, or embed transposed) as panels for the CPU kernel; set only by
+    # with_panel_weights, for decoding on the CPU.
+    head_panels: PanelWeight | None = None
 
 
 def layer_shapes(config: LlamaConfig) -> LayerParams:
@@ -387,6 +391,8 @@ def _layer(
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., D_in] @ w [D_in, D_out].
 
+    A weight stored as panels (`with_panel_weights`, for decoding on the CPU) goes through the
+    panel kernel (specjax.kernels), whatever the number of rows. For plain arrays:
     A single row (a batch of one decoding one token) goes as two half-products over the two
     halves of D_in, summed: one batched product, which XLA:CPU runs on both cores where it ran the
     plain 1-row product of a [576, 576] matrix on one (measured here: 65 -> 40 us, and [576,
@@ -397,6 +403,8 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     nothing (3, 4 and 6 tokens), nor did halves over all rows at once (2 to 64 rows), so they keep
     the plain product. The halves are a free reshape of w as stored.
     """
+    if isinstance(w, PanelWeight):
+        return panel_matmul(x, w)
     rows = math.prod(x.shape[:-1])
     d_in, d_out = w.shape
     if rows > 2 or d_in % 2:
@@ -405,6 +413,22 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
     flat = x.reshape(rows, 2, 1, d_in // 2)
     out = [jnp.einsum("hre,hed->hrd", flat[r], w_halves).sum(0) for r in range(rows)]
     return jnp.concatenate(out, 0).reshape(*x.shape[:-1], d_out)
+
+
+PANEL_FIELDS = ("qkv", "o", "gate", "up", "down")
+
+
+def with_panel_weights(params: LlamaParams) -> LlamaParams:
+    """The same model with every layer's projection weights stored as panels (specjax.kernels),
+    which `project` multiplies with the CPU decoding kernel, and a panel copy of the LM head for
+    `lm_head` (the [V, D] embedding stays for token lookups). For inference on the CPU only: the
+    kernel has no gradient and no sharding rule."""
+    layers = tuple(
+        layer.replace(**{name: pack(getattr(layer, name)) for name in PANEL_FIELDS})
+        for layer in params.layers
+    )
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    return params.replace(layers=layers, head_panels=pack(head))
 
 
 def _identity(x: jax.Array) -> jax.Array:
@@ -506,7 +530,9 @@ def lm_head(params: LlamaParams, hidden: jax.Array) -> jax.Array:
     # As one 2-D product: XLA:CPU ran the 3-D einsum over the [V, D] embedding at half the speed
     # (4.9 against 2.4 ms for one row of SmolLM2's 113 MB head, measured here).
     rows = hidden.reshape(-1, hidden.shape[-1])
-    if params.lm_head is None and rows.shape[0] > 1:
+    if params.head_panels is not None:
+        logits = panel_matmul(rows, params.head_panels)
+    elif params.lm_head is None and rows.shape[0] > 1:
         # Several rows (a verify pass, a batch): computed as [V, D] @ [D, rows], the embedding's
         # stored layout, and transposed after. The barrier keeps XLA from folding the transpose
         # back into the product, whose [rows, V] form ran slower (6 rows of SmolLM2's head: 8.0

@@ -1,0 +1,144 @@
+// y [T, P*16] = x [T, D_in] @ W, for a weight W [D_in, P*16] stored as column panels
+// [P, D_in, 16]: panel p holds columns 16p .. 16p+15, one 16-float row per input feature.
+//
+// Why: a decoding step multiplies a few rows (1 token, or the k+1 tokens of a verify pass) by
+// every weight matrix, so its speed is the speed at which the weights stream from memory. XLA:CPU
+// and the BLAS libraries it calls pack the weight before a product with several rows (a second
+// pass over memory), and run products of SmolLM2's sizes at 10-20 GB/s. Stored as panels, each
+// weight is read once, front to back, and every value read is multiplied into all the rows.
+//
+// The work splits by panel pairs across OpenMP threads (the machine's cores by default,
+// OMP_NUM_THREADS otherwise); for each pair, rows go in chunks of up to 8, so one chunk keeps
+// 8 x 32 sums in registers while later chunks of a pass over many rows (a prefill) find the pair
+// in cache. Vector types are GCC's, so the same source builds for AVX-512, AVX2 or NEON.
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float Vec16 __attribute__((vector_size(64)));
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kChunk = 8;
+constexpr int64_t kPartsPerThread = 2;
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+// Rows [0, R) of x (R <= kChunk, a template constant so the sums stay in registers) times
+// `num` (1 or 2) panels starting at `panel`, written to y's columns from `col`.
+template <int R, int NUM>
+void chunk(const float* x, const float* panel, float* y, int64_t d_in, int64_t d_out, int64_t col) {
+  Vec16 sums[R][NUM];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NUM; ++j) sums[r][j] = Vec16{};
+  const int64_t panel_size = d_in * kPanel;
+  for (int64_t i = 0; i < d_in; ++i) {
+    Vec16 w[NUM];
+    for (int j = 0; j < NUM; ++j) w[j] = load16(panel + j * panel_size + i * kPanel);
+    for (int r = 0; r < R; ++r) {
+      const float xi = x[r * d_in + i];
+      for (int j = 0; j < NUM; ++j) sums[r][j] += xi * w[j];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NUM; ++j) store16(y + r * d_out + col + j * kPanel, sums[r][j]);
+}
+
+// All rows times `num` panels, in chunks of at most kChunk rows, of sizes as equal as can be (9 rows
+// go as 5 + 4, not 8 + 1: each chunk costs about the same, whatever its size).
+template <int NUM>
+void rows_times_panels(const float* x, const float* panel, float* y, int64_t rows, int64_t d_in,
+                       int64_t d_out, int64_t col) {
+  const int64_t num_chunks = (rows + kChunk - 1) / kChunk;
+  for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
+    const int64_t size = (rows - r0) / (num_chunks - c);
+    const float* xr = x + r0 * d_in;
+    float* yr = y + r0 * d_out;
+    switch (size) {
+      case 1: chunk<1, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 2: chunk<2, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 3: chunk<3, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 4: chunk<4, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 5: chunk<5, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 6: chunk<6, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 7: chunk<7, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      default: chunk<8, NUM>(xr, panel, yr, d_in, d_out, col); break;
+    }
+    r0 += size;
+  }
+}
+
+// A product's panel pairs, handed out in parts to whichever thread asks next: the calling thread
+// and the tasks it schedules on XLA's intra-op pool. The caller works too and waits only for parts
+// already taken, so a pool with no idle thread delays nothing; a task that starts after the last
+// part is gone returns at once (the shared state outlives the call for it).
+struct Product {
+  const float* x;
+  const float* panels;
+  float* y;
+  int64_t rows, d_in, num_panels, pairs_per_part, num_parts;
+  std::atomic<int64_t> next_part{0};
+  std::atomic<int64_t> parts_done{0};
+
+  void work() {
+    for (int64_t part; (part = next_part.fetch_add(1, std::memory_order_relaxed)) < num_parts;) {
+      const int64_t d_out = num_panels * kPanel;
+      const int64_t end = std::min(num_panels, (part + 1) * pairs_per_part * 2);
+      for (int64_t p = part * pairs_per_part * 2; p < end; p += 2) {
+        const float* panel = panels + p * d_in * kPanel;
+        if (p + 1 < num_panels)
+          rows_times_panels<2>(x, panel, y, rows, d_in, d_out, p * kPanel);
+        else
+          rows_times_panels<1>(x, panel, y, rows, d_in, d_out, p * kPanel);
+      }
+      parts_done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto pd = panels.dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1])
+    return ffi::Error::InvalidArgument("panel_matmul: expected x [T, D_in], panels [P, D_in, 16]");
+  auto product = std::make_shared<Product>();
+  product->x = x.typed_data();
+  product->panels = panels.typed_data();
+  product->y = y->typed_data();
+  product->rows = xd[0];
+  product->d_in = xd[1];
+  product->num_panels = pd[0];
+  const int64_t num_pairs = (pd[0] + 1) / 2;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // About kPartsPerThread parts per thread, so that a thread that starts late still gets a share.
+  product->pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
+  product->num_parts = (num_pairs + product->pairs_per_part - 1) / product->pairs_per_part;
+  for (int64_t t = 1; t < std::min(threads, product->num_parts); ++t)
+    pool.Schedule([product] { product->work(); });
+  product->work();
+  while (product->parts_done.load(std::memory_order_acquire) < product->num_parts) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
