@@ -7,10 +7,11 @@
 // pass over memory), and run products of SmolLM2's sizes at 10-20 GB/s. Stored as panels, each
 // weight is read once, front to back, and every value read is multiplied into all the rows.
 //
-// The work splits by panel pairs across OpenMP threads (the machine's cores by default,
-// OMP_NUM_THREADS otherwise); for each pair, rows go in chunks of up to 8, so one chunk keeps
-// 8 x 32 sums in registers while later chunks of a pass over many rows (a prefill) find the pair
-// in cache. Vector types are GCC's, so the same source builds for AVX-512, AVX2 or NEON.
+// The work splits by panel pairs over the calling thread and XLA's own intra-op threads (see
+// Product: a separate OpenMP team, woken for every product beside XLA's threads, ran at half the
+// speed); for each pair, rows go in chunks of up to 8, so one chunk keeps 8 x 32 sums in registers
+// while later chunks of a pass over many rows (a prefill) find the pair in cache. Vector types are
+// GCC's, so the same source builds for AVX-512, AVX2 or NEON.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
