@@ -1,5 +1,5 @@
-"""The CPU decoding kernel (specjax/kernels): panel products against float64 numpy, the packed
-model against the plain one, and generate's use of it."""
+"""The CPU decoding kernels (specjax/kernels): panel products and cache attention against float64
+numpy, the packed model against the plain one, and generate's use of them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,14 @@ from tiny import tiny_config, tiny_model
 import specjax
 from specjax import api, kernels
 from specjax.models import forward, init_cache, init_params
-from specjax.models.llama import lm_head, with_panel_weights
+from specjax.models.llama import (
+    attention,
+    causal_mask,
+    forward_hidden,
+    lm_head,
+    visible_slots,
+    with_panel_weights,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -77,6 +84,124 @@ def test_panel_params_give_the_plain_models_logits(tied):
     np.testing.assert_allclose(
         np.asarray(lm_head(packed, hidden)), np.asarray(lm_head(model.params, hidden)), rtol=1e-5, atol=1e-5
     )
+
+
+def _float64_attention(queries, keys, values, length):
+    """One cache entry: queries [R, E] against keys [E, S], values [S, E], slots [0, length)."""
+    scores = queries.astype(np.float64) @ keys[:, :length].astype(np.float64)  # [R, length]
+    top = scores.max(axis=1, keepdims=True)
+    weights = np.exp(scores - top)
+    total = weights.sum(axis=1, keepdims=True)
+    return (weights / total) @ values[:length].astype(np.float64), (top + np.log(total))[:, 0]
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 3, 7, 27])
+def test_cache_attention_equals_float64(head_dim, rows):
+    """Lengths that meet every path of the kernel: nothing committed (output 0, log-sum-exp minus
+    infinity), fewer slots than a vector (15), one vector (16), one block (128) and one slot past
+    it (129, a second block of one slot), several blocks with a ragged end (300), and the whole
+    cache (S = 333, not a multiple of 16). Row counts: one chunk, a ragged chunk, several chunks."""
+    lengths = [0, 1, 15, 16, 128, 129, 300, 333]
+    N, S = len(lengths), 333
+    rng = np.random.default_rng(head_dim * 100 + rows)
+    q = rng.standard_normal((N, rows, head_dim)).astype(np.float32) / np.sqrt(head_dim)
+    k = rng.standard_normal((N, head_dim, S)).astype(np.float32)
+    v = rng.standard_normal((N, S, head_dim)).astype(np.float32)
+    out, lse = jax.jit(kernels.cache_attention)(q, k, v, jnp.asarray(lengths, jnp.int32))
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert out.shape == (N, rows, head_dim) and lse.shape == (N, rows)
+    np.testing.assert_array_equal(out[0], 0)
+    assert np.all(lse[0] == -np.inf)
+    for n in range(1, N):
+        want_out, want_lse = _float64_attention(q[n], k[n], v[n], lengths[n])
+        np.testing.assert_allclose(out[n], want_out, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(lse[n], want_lse, rtol=1e-6, atol=1e-5)
+
+
+def test_cache_attention_refuses_an_unsupported_head_dim():
+    q = jnp.zeros((1, 1, 8))
+    with pytest.raises(ValueError, match="head_dim 8"):
+        kernels.cache_attention(q, jnp.zeros((1, 8, 16)), jnp.zeros((1, 16, 8)), jnp.zeros((1,), jnp.int32))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("write", [True, False])
+def test_kernel_attention_equals_xlas_forms(write, tree):
+    """`attention` with `committed` (the kernel, plus the fresh tokens merged in) equals XLA's
+    write-first form and its read-only form, for a chain's causal mask and a tree's ancestor
+    mask, with rows of different lengths (one with nothing committed)."""
+    B, T, K, G, E, S = 3, 5, 2, 3, 16, 80
+    lengths = np.array([0, 17, 70])
+    rng = np.random.default_rng(int(write) * 2 + int(tree))
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, E)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((B, T, K, E)), jnp.float32) for _ in range(2))
+    k_cache = rng.standard_normal((B * K, E, S)).astype(np.float32)
+    v_cache = rng.standard_normal((B * K, S, E)).astype(np.float32)
+    # A tree: node 0 the root, 1 and 2 its children, 3 a child of 1, 4 a child of 2.
+    mask = np.eye(T, dtype=bool)
+    for node, parent in ((1, 0), (2, 0), (3, 1), (4, 2)):
+        mask[node] |= mask[parent]
+    mask = mask if tree else causal_mask(T)
+    if write:  # the write-first form: the fresh entries already sit at slots lengths .. + T - 1
+        for b in range(B):
+            for t in range(T):
+                k_cache[b * K : (b + 1) * K, :, lengths[b] + t] = np.asarray(k_new[b, t])
+                v_cache[b * K : (b + 1) * K, lengths[b] + t] = np.asarray(v_new[b, t])
+        visible = visible_slots(jnp.asarray(lengths), jnp.asarray(mask), S)
+    else:
+        visible = jnp.arange(S)[None, :] < jnp.asarray(lengths)[:, None]
+    args = (q, k_new, v_new, jnp.asarray(k_cache), jnp.asarray(v_cache), visible, mask, write)
+    want = attention(*args)
+    got = attention(*args, committed=jnp.asarray(lengths, jnp.int32))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("write", [True, False])
+def test_panel_model_decodes_from_a_filled_cache(write):
+    """After a 21-token prefill, passes of 1 and 6 tokens with panel weights (kernel attention
+    over the committed slots) give the plain model's hidden states, in the write-first and the
+    read-only form; the compiled pass holds the attention kernel's custom call."""
+    model = tiny_model(seed=5)
+    packed = with_panel_weights(model.params)
+    config = model.config
+    rng = np.random.default_rng(0)
+    prompt = jnp.asarray(rng.integers(0, config.vocab_size, (2, 21)))
+    cache = init_cache(config, batch_size=2, capacity=48)
+    _, _, cache = jax.jit(forward, static_argnums=1)(
+        model.params, config, prompt, jnp.broadcast_to(jnp.arange(21), (2, 21)), cache
+    )
+    cache = cache.replace(lengths=jnp.asarray([21, 13], jnp.int32))  # row 1: its last 8 slots stale
+
+    def hidden(params, tokens, positions):
+        return forward_hidden(params, config, tokens, positions, cache, write=write)[0]
+
+    for num_tokens in (1, 6):
+        tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, num_tokens)))
+        positions = cache.lengths[:, None] + jnp.arange(num_tokens)
+        want = jax.jit(hidden)(model.params, tokens, positions)
+        got = jax.jit(hidden)(packed, tokens, positions)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        program = jax.jit(hidden).lower
+        assert "specjax_cache_attention" in program(packed, tokens, positions).as_text()
+        assert "specjax_cache_attention" not in program(model.params, tokens, positions).as_text()
+
+
+def test_a_head_dim_the_kernel_lacks_keeps_xlas_attention():
+    """head_dim 8 (not one the attention kernel is built for): panel weights still multiply through
+    the panel kernel, attention stays XLA's, and the logits equal the plain model's."""
+    model = tiny_model(seed=6, num_heads=8, num_kv_heads=2)  # head_dim 64 / 8 = 8
+    packed = with_panel_weights(model.params)
+    config = model.config
+    tokens = jnp.asarray([[3, 1, 4, 1, 5]])
+    positions = jnp.arange(5)[None]
+    cache = init_cache(config, batch_size=1, capacity=16).replace(lengths=jnp.zeros((1,), jnp.int32))
+    run = jax.jit(forward, static_argnums=1)
+    text = run.lower(packed, config, tokens, positions, cache).as_text()
+    assert "specjax_panel_matmul" in text and "specjax_cache_attention" not in text
+    want, _, _ = run(model.params, config, tokens, positions, cache)
+    got, _, _ = run(packed, config, tokens, positions, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_generate_decodes_through_the_kernel(monkeypatch):

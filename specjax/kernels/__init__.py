@@ -1,4 +1,4 @@
-"""A CPU kernel for the weight products of decoding: few rows times a weight stored in panels.
+"""CPU kernels for decoding: weight products over a few rows, and attention to a cache's slots.
 
 A decoding step multiplies one row per sequence (or the k+1 rows of a verify pass) by every weight
 matrix, so its speed is the speed at which the weights stream from memory. XLA:CPU, and the BLAS
@@ -6,12 +6,16 @@ libraries it can call, ran SmolLM2's products at 10-20 GB/s for one row and at h
 16 rows, because they repack the weight for each product with several rows. `panel_matmul.cc`
 reads a weight stored as column panels (`PanelWeight`) once, front to back, and multiplies every
 value it reads into all the rows (measured here: 31-46 GB/s at one row and 30-32 GB/s at six).
+XLA:CPU also computes a decoding step's attention over every slot of the static cache, committed
+or not, at a fraction of the bandwidth; `cache_attention.cc` reads each row's committed slots only
+(`cache_attention`), and the model merges in the pass's own fresh tokens.
 
-The kernel is an XLA FFI custom call, compiled from source with the machine's C++ compiler on
+The kernels are XLA FFI custom calls, compiled from source with the machine's C++ compiler on
 first use (a few seconds) and kept under `$SPECJAX_CACHE/kernels` (default
-`~/.cache/specjax/kernels`). `generate` uses it on the CPU backend (`cpu_inference_params`);
-`SPECJAX_CPU_KERNEL=0` turns it off, and where it cannot be built a warning says why and decoding
-keeps XLA's own products.
+`~/.cache/specjax/kernels`). `generate` uses them on the CPU backend: it stores the weights as
+panels (`llama.with_panel_weights`), and a model whose weights are panels takes both kernels.
+`SPECJAX_CPU_KERNEL=0` turns them off, and where they cannot be built a warning says why and
+decoding keeps XLA's own products.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -31,8 +36,9 @@ import jax
 import jax.numpy as jnp
 
 PANEL = 16  # columns per panel: one 64-byte vector of float32 (kPanel in the source)
-SOURCE = Path(__file__).with_name("panel_matmul.cc")
-TARGET = "specjax_panel_matmul"
+SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("cache_attention.cc"))
+TARGETS = {"specjax_panel_matmul": "PanelMatmul", "specjax_cache_attention": "CacheAttention"}
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # what cache_attention.cc is built for
 
 
 @flax.struct.dataclass
@@ -63,13 +69,46 @@ def unpack(w: PanelWeight) -> jax.Array:
 
 
 def panel_matmul(x: jax.Array, w: PanelWeight) -> jax.Array:
-    """x [..., D_in] @ w: [..., D_out] in float32, through the kernel (which must be loaded:
-    `available()`)."""
+    """x [..., D_in] @ w: [..., D_out] in float32, through the kernel."""
+    _require()
     d_in = w.panels.shape[1]
     rows = x.reshape(-1, d_in).astype(jnp.float32)
     out_type = jax.ShapeDtypeStruct((rows.shape[0], w.panels.shape[0] * PANEL), jnp.float32)
-    out = jax.ffi.ffi_call(TARGET, out_type, vmap_method="sequential")(rows, w.panels)
+    out = jax.ffi.ffi_call("specjax_panel_matmul", out_type, vmap_method="sequential")(rows, w.panels)
     return out[:, : w.d_out].reshape(*x.shape[:-1], w.d_out).astype(x.dtype)
+
+
+def cache_attention(
+    queries: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Attention of queries [N, R, E] (already scaled) to the first lengths[n] slots of cache
+    entry n: keys [N, E, S], values [N, S, E] (the KVCache's layouts), lengths [N] int32.
+
+    Returns the output [N, R, E] and each query's log-sum-exp of its scores [N, R] (minus infinity
+    where lengths[n] is 0, with output 0), so that a caller can merge more keys into the same
+    softmax. Float32; E one of ATTENTION_HEAD_DIMS. No gradient.
+    """
+    _require()
+    N, R, E = queries.shape
+    if E not in ATTENTION_HEAD_DIMS:
+        raise ValueError(f"cache_attention: head_dim {E} is not one of {ATTENTION_HEAD_DIMS}")
+    out_types = (
+        jax.ShapeDtypeStruct((N, R, E), jnp.float32),
+        jax.ShapeDtypeStruct((N, R), jnp.float32),
+    )
+    call = jax.ffi.ffi_call("specjax_cache_attention", out_types, vmap_method="sequential")
+    f32 = jnp.float32
+    return call(queries.astype(f32), keys.astype(f32), values.astype(f32), lengths.astype(jnp.int32))
+
+
+def _require() -> None:
+    """Raise, at trace time, where the kernels cannot be loaded (rather than XLA's 'no FFI
+    handler' when the program runs)."""
+    if not available():
+        raise RuntimeError(
+            "specjax: the CPU kernels are not available (see the warning above); use plain weights "
+            "(not llama.with_panel_weights) on this machine"
+        )
 
 
 def enabled() -> bool:
@@ -82,7 +121,7 @@ def enabled() -> bool:
 
 @functools.cache
 def available() -> bool:
-    """Build (once per source and jax version) and register the kernel; False, with a warning
+    """Build (once per source, jax version and CPU) and register the kernels; False, with a warning
     that says why, where that fails."""
     try:
         library = ctypes.cdll.LoadLibrary(str(_build()))
@@ -96,17 +135,21 @@ def available() -> bool:
             stacklevel=2,
         )
         return False
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.PanelMatmul), platform="cpu")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return True
 
 
 def _build() -> Path:
-    """The kernel's shared library, compiled into the cache folder unless already there. Built
-    for this machine's instruction set (-march=native): the cache lives on the machine."""
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + jax.__version__.encode()).hexdigest()[:16]
+    """The kernels' shared library, compiled into the cache folder unless already there. Built
+    for this machine's instruction set (-march=native), so the key holds the CPU's feature flags
+    too: a home folder shared by machines of different CPUs keeps one library for each."""
+    key = hashlib.sha256()
+    for source in SOURCES:
+        key.update(source.read_bytes())
+    key.update(jax.__version__.encode() + _cpu_features().encode())
     root = Path(os.environ.get("SPECJAX_CACHE") or Path.home() / ".cache" / "specjax").expanduser()
-    library = root / "kernels" / f"panel_matmul-{key}.so"
+    library = root / "kernels" / f"specjax_kernels-{key.hexdigest()[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
@@ -116,7 +159,17 @@ def _build() -> Path:
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         partial = Path(scratch) / library.name
         command = [compiler, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w"]
-        command += [f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(partial)]
+        command += [f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(partial, library)
     return library
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine()
+    wanted = ("model name", "flags", "Features", "CPU part")
+    return platform.machine() + "".join(sorted({line for line in lines if line.startswith(wanted)}))

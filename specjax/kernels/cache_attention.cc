@@ -1,0 +1,291 @@
+// Attention of a few query rows to the committed slots of a KV cache: for each cache entry n (one
+// row's kv head), the queries q[n] [R, E] (already scaled) attend to keys k[n] [E, S] and values
+// v[n] [S, E] at slots 0 .. lengths[n] - 1. Returns the attention output [R, E] and each query's
+// log-sum-exp of scores [R], so that the caller can merge in the fresh tokens' keys (a verify
+// pass's own tokens, under a chain's or a tree's mask) with one more softmax term.
+//
+// Why: XLA:CPU computes decoding attention over every slot of the static cache, visible or not,
+// and runs its small batched products at a fraction of the machine's bandwidth (SmolLM2's 30
+// layers over 896 slots: 4-5 ms for one token, 12 ms for 8, 16 ms for 9, measured here). This
+// reads each entry's committed slots once, in blocks of kBlock slots handed out to the calling
+// thread and XLA's intra-op threads, and merges the blocks' partial softmaxes at the end
+// (split-K, as flash-decoding does on GPUs).
+//
+// For one block and at most kMaxRows query rows at a time: the scores (16 slots per vector, keys
+// stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
+// subtracted, then the weighted sum of the values (E/16 vectors per row, in registers).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float Vec16 __attribute__((vector_size(64)));
+typedef int32_t Int16 __attribute__((vector_size(64)));
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 128;  // slots per part of the work
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline Vec16 splat(float x) { return Vec16{} + x; }
+
+// e^x for 16 floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' expf polynomial
+// (relative error about 1e-7), 2^n from the exponent bits. x below -87 (where e^x leaves the
+// normal floats) gives 0.
+inline Vec16 exp16(Vec16 x) {
+  const Vec16 lowest = splat(-87.0f);
+  const Vec16 clamped = x < lowest ? lowest : x;
+  const Vec16 t = clamped * 1.44269504088896341f + 0.5f;
+  Int16 n = __builtin_convertvector(t, Int16);  // rounds toward zero, so up where t < 0:
+  n += __builtin_convertvector(n, Vec16) > t ? Int16{} - 1 : Int16{};  // step down to floor(t)
+  const Vec16 nf = __builtin_convertvector(n, Vec16);
+  const Vec16 r = clamped - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec16 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const Vec16 e_r = p * r * r + r + 1.0f;
+  const Int16 bits = (n + 127) << 23;
+  Vec16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return x < lowest ? Vec16{} : e_r * scale;
+}
+
+// Rows [0, R) of q (R a template constant, so the sums stay in registers) against slots
+// s0 .. s0 + count - 1 (count <= kBlock) of one entry: the block's maximum score per row, the sum
+// of exp(score - maximum) and the values weighted by those exponentials, unnormalized.
+template <int R, int EV>
+void attend_block(const float* q, const float* k, const float* v, int64_t num_slots, int64_t s0,
+                  int64_t count, float* max_out, float* sum_out, float* out) {
+  constexpr int64_t E = EV * kLanes;
+  float scores[R][kBlock];
+  const int64_t vectors = count / kLanes;
+  int64_t j = 0;
+  for (; j + 2 <= vectors; j += 2) {  // two slot vectors at a time: 2R independent sums
+    Vec16 a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = b[r] = Vec16{};
+    const float* column = k + s0 + j * kLanes;
+    for (int64_t e = 0; e < E; ++e) {
+      const Vec16 k0 = load16(column + e * num_slots), k1 = load16(column + e * num_slots + kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float qe = q[r * E + e];
+        a[r] += qe * k0;
+        b[r] += qe * k1;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      store16(&scores[r][j * kLanes], a[r]);
+      store16(&scores[r][(j + 1) * kLanes], b[r]);
+    }
+  }
+  for (; j < vectors; ++j) {
+    Vec16 a[R];
+    for (int r = 0; r < R; ++r) a[r] = Vec16{};
+    const float* column = k + s0 + j * kLanes;
+    for (int64_t e = 0; e < E; ++e) {
+      const Vec16 k0 = load16(column + e * num_slots);
+      for (int r = 0; r < R; ++r) a[r] += q[r * E + e] * k0;
+    }
+    for (int r = 0; r < R; ++r) store16(&scores[r][j * kLanes], a[r]);
+  }
+  for (int64_t s = vectors * kLanes; s < count; ++s)  // the last slots, one at a time
+    for (int r = 0; r < R; ++r) {
+      float dot = 0.0f;
+      for (int64_t e = 0; e < E; ++e) dot += q[r * E + e] * k[e * num_slots + s0 + s];
+      scores[r][s] = dot;
+    }
+
+  for (int r = 0; r < R; ++r) {
+    float top = scores[r][0];
+    for (int64_t s = 1; s < count; ++s) top = std::max(top, scores[r][s]);
+    Vec16 sums = Vec16{};
+    for (int64_t s = 0; s < vectors * kLanes; s += kLanes) {
+      const Vec16 p = exp16(load16(&scores[r][s]) - top);
+      store16(&scores[r][s], p);
+      sums += p;
+    }
+    float sum = 0.0f;
+    for (int i = 0; i < kLanes; ++i) sum += sums[i];
+    for (int64_t s = vectors * kLanes; s < count; ++s) {
+      scores[r][s] = std::exp(scores[r][s] - top);
+      sum += scores[r][s];
+    }
+    max_out[r] = top;
+    sum_out[r] = sum;
+  }
+
+  Vec16 acc[R][EV];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < EV; ++i) acc[r][i] = Vec16{};
+  for (int64_t s = 0; s < count; ++s) {
+    Vec16 value[EV];
+    for (int i = 0; i < EV; ++i) value[i] = load16(v + (s0 + s) * E + i * kLanes);
+    for (int r = 0; r < R; ++r) {
+      const float p = scores[r][s];
+      for (int i = 0; i < EV; ++i) acc[r][i] += p * value[i];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < EV; ++i) store16(out + r * E + i * kLanes, acc[r][i]);
+}
+
+// The rows a chunk may hold: its sums and E/16 value vectors per row fit the 32 vector registers.
+constexpr int MaxRows(int ev) { return ev <= 2 ? 8 : ev == 4 ? 6 : 3; }
+
+template <int EV>
+void attend_rows(const float* q, const float* k, const float* v, int64_t rows, int64_t num_slots,
+                 int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
+  constexpr int64_t E = EV * kLanes;
+  constexpr int64_t kMax = MaxRows(EV);
+  const int64_t num_chunks = (rows + kMax - 1) / kMax;
+  for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {  // chunk sizes as equal as can be
+    const int64_t size = (rows - r0) / (num_chunks - c);
+    const float* qr = q + r0 * E;
+    float *m = max_out + r0, *l = sum_out + r0, *o = out + r0 * E;
+    // A size above kMax never occurs; its case instantiates the 1-row block rather than one whose
+    // sums would not fit the registers.
+#define SPECJAX_ROWS(n) \
+  case n: attend_block<(n <= kMax ? n : 1), EV>(qr, k, v, num_slots, s0, count, m, l, o); break;
+    switch (size) {
+      SPECJAX_ROWS(1)
+      SPECJAX_ROWS(2)
+      SPECJAX_ROWS(3)
+      SPECJAX_ROWS(4)
+      SPECJAX_ROWS(5)
+      SPECJAX_ROWS(6)
+      SPECJAX_ROWS(7)
+      SPECJAX_ROWS(8)
+    }
+#undef SPECJAX_ROWS
+    r0 += size;
+  }
+}
+
+// One call's blocks, handed out to whichever thread asks next (as Product in panel_matmul.cc).
+// Block b of entry n is part first_part[n] + b; its partial results go to the scratch arrays.
+struct Attention {
+  const float *q, *k, *v;
+  int64_t rows, head_dim, num_slots;
+  std::vector<int64_t> part_entry, part_start, part_count;
+  std::vector<float> block_max, block_sum, block_out;  // [parts, rows], [parts, rows], [parts, rows, E]
+  std::atomic<int64_t> next_part{0};
+  std::atomic<int64_t> parts_done{0};
+
+  void work() {
+    const int64_t num_parts = part_entry.size();
+    for (int64_t part; (part = next_part.fetch_add(1, std::memory_order_relaxed)) < num_parts;) {
+      const int64_t n = part_entry[part];
+      const float* qn = q + n * rows * head_dim;
+      const float* kn = k + n * head_dim * num_slots;
+      const float* vn = v + n * num_slots * head_dim;
+      float* m = block_max.data() + part * rows;
+      float* l = block_sum.data() + part * rows;
+      float* o = block_out.data() + part * rows * head_dim;
+      const int64_t s0 = part_start[part], count = part_count[part];
+      switch (head_dim / kLanes) {
+        case 1: attend_rows<1>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+        case 2: attend_rows<2>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+        case 4: attend_rows<4>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+        default: attend_rows<8>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+      }
+      parts_done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || kd[0] != qd[0] || vd[0] != qd[0] ||
+      kd[1] != qd[2] || vd[2] != qd[2] || vd[1] != kd[2] || static_cast<int64_t>(lengths.element_count()) != qd[0])
+    return ffi::Error::InvalidArgument(
+        "cache_attention: expected q [N, R, E], k [N, E, S], v [N, S, E], lengths [N]");
+  const int64_t E = qd[2];
+  if (E != 16 && E != 32 && E != 64 && E != 128)
+    return ffi::Error::InvalidArgument("cache_attention: head_dim must be 16, 32, 64 or 128");
+  const int64_t entries = qd[0], rows = qd[1], num_slots = kd[2];
+
+  auto work = std::make_shared<Attention>();
+  work->q = q.typed_data();
+  work->k = k.typed_data();
+  work->v = v.typed_data();
+  work->rows = rows;
+  work->head_dim = E;
+  work->num_slots = num_slots;
+  std::vector<int64_t> first_part(entries + 1, 0);
+  for (int64_t n = 0; n < entries; ++n) {
+    const int64_t length = std::clamp<int64_t>(lengths.typed_data()[n], 0, num_slots);
+    first_part[n] = work->part_entry.size();
+    for (int64_t s0 = 0; s0 < length; s0 += kBlock) {
+      work->part_entry.push_back(n);
+      work->part_start.push_back(s0);
+      work->part_count.push_back(std::min(kBlock, length - s0));
+    }
+  }
+  const int64_t num_parts = work->part_entry.size();
+  first_part[entries] = num_parts;
+  work->block_max.resize(num_parts * rows);
+  work->block_sum.resize(num_parts * rows);
+  work->block_out.resize(num_parts * rows * E);
+
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  for (int64_t t = 1; t < std::min(threads, num_parts); ++t) pool.Schedule([work] { work->work(); });
+  work->work();
+  while (work->parts_done.load(std::memory_order_acquire) < num_parts) std::this_thread::yield();
+
+  // Merge each entry's blocks: rescale every block's sums to the largest maximum.
+  float* o = out->typed_data();
+  float* logsumexp = lse->typed_data();
+  for (int64_t n = 0; n < entries; ++n)
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o_row = o + (n * rows + r) * E;
+      std::fill(o_row, o_row + E, 0.0f);
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = first_part[n]; p < first_part[n + 1]; ++p) top = std::max(top, work->block_max[p * rows + r]);
+      if (first_part[n] == first_part[n + 1]) {  // nothing committed: no weight at all
+        logsumexp[n * rows + r] = -std::numeric_limits<float>::infinity();
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t p = first_part[n]; p < first_part[n + 1]; ++p) {
+        const float scale = std::exp(work->block_max[p * rows + r] - top);
+        total += scale * work->block_sum[p * rows + r];
+        const float* block = work->block_out.data() + (p * rows + r) * E;
+        for (int64_t e = 0; e < E; ++e) o_row[e] += scale * block[e];
+      }
+      for (int64_t e = 0; e < E; ++e) o_row[e] /= total;
+      logsumexp[n * rows + r] = top + std::log(total);
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttention, CacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
