@@ -11,7 +11,7 @@ import pytest
 import torch
 from logit_check import compare_with_torch
 
-from specjax.models import load
+from specjax.models import gguf_loader, load
 from specjax.models.checkpoint import flatten
 
 TOL = 1e-4  # relative float32 logit error (max abs diff / max abs logit)
@@ -171,13 +171,19 @@ def test_logits_match_transformers(spec_bench, smollm2, hf_smollm2):
     assert error < TOL
 
 
-def test_cached_load_is_fast_and_identical(smollm2_load, smollm2_cache_dir):
+def test_cached_load_skips_the_conversion_and_is_identical(smollm2_load, smollm2_cache_dir, monkeypatch):
+    """A second load reads the converted cache and never parses the GGUF again (its speed is
+    printed, not asserted: timings belong to benchmarks, and a busy machine is slower)."""
     model, first_seconds = smollm2_load
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("the cached load converted the GGUF again")
+
+    monkeypatch.setattr(gguf_loader, "read_gguf", no_conversion)
     start = time.perf_counter()
     again = load("smollm2-135m", cache_dir=smollm2_cache_dir)
     seconds = time.perf_counter() - start
     print(f"first load (converts the GGUF) {first_seconds:.1f} s, cached load {seconds:.1f} s")
-    assert seconds < 5.0
     assert again.config == model.config
     ours, cached = flatten(model.params), flatten(again.params)
     assert ours.keys() == cached.keys()
