@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import specjax
+from specjax import api
 from specjax.models import forward, init_cache
 
 NEW_TOKENS = 64
@@ -25,7 +26,9 @@ def prompts(spec_bench):
 
 @pytest.fixture(scope="module")
 def prompt_ids(prompts, smollm2):
-    return specjax.generate(smollm2, prompts, max_new_tokens=1, chat=True).prompt_tokens
+    """The token ids generate feeds for each prompt with the chat template (its own tokenizing
+    step; a generate call of one new token compiled a program of 8 rows for this, 15 s)."""
+    return api._tokenize(smollm2, prompts, chat=True)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +58,31 @@ def assert_equal_or_near_tie(model, prompt, got, expected, tolerance=1e-4):
     )
 
 
+def hf_greedy_batch(hf_model, prompt_ids: list[list[int]], eos_ids, pad_id: int = 0) -> list[list[int]]:
+    """HF transformers' greedy generate over all prompts in one left-padded batch (with their
+    attention mask); each row cut after its first end-of-sequence token, as ours stop there. One
+    call rather than one per prompt: 37.7 -> 12.2 s here with nothing else running, and the same
+    tokens on these prompts, checked one by one when this changed."""
+    width = max(len(ids) for ids in prompt_ids)
+    tokens = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids])
+    with torch.no_grad():
+        out = hf_model.generate(
+            tokens, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=pad_id
+        )
+    rows = []
+    for row in out[:, width:].tolist():
+        stop = next((i for i, token in enumerate(row) if token in eos_ids), len(row) - 1)
+        rows.append(row[: stop + 1])
+    return rows
+
+
 @pytest.mark.data
 def test_plain_greedy_equals_hf_generate(smollm2, hf_smollm2, prompt_ids, plain):
-    for ids, ours in zip(prompt_ids, plain, strict=True):
-        with torch.no_grad():
-            out = hf_smollm2.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-        theirs = out[0, len(ids) :].tolist()
-        assert_equal_or_near_tie(smollm2, ids, ours, theirs)
+    assert len({len(ids) for ids in prompt_ids}) > 1  # HF's batch is left-padded for real
+    theirs = hf_greedy_batch(hf_smollm2, prompt_ids, set(smollm2.config.eos_token_ids))
+    for ids, ours, their_row in zip(prompt_ids, plain, theirs, strict=True):
+        assert_equal_or_near_tie(smollm2, ids, ours, their_row)
 
 
 @pytest.mark.data
