@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 PANEL = 16  # columns per panel: one 64-byte vector of float32 (kPanel in the source)
 SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("cache_attention.cc"))
+HEADER = Path(__file__).with_name("kernels.h")  # what both sources include
 TARGETS = {"specjax_panel_matmul": "PanelMatmul", "specjax_cache_attention": "CacheAttention"}
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # what cache_attention.cc is built for
 
@@ -145,7 +146,7 @@ def _build() -> Path:
     for this machine's instruction set (-march=native), so the key holds the CPU's feature flags
     too: a home folder shared by machines of different CPUs keeps one library for each."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, HEADER):
         key.update(source.read_bytes())
     key.update(jax.__version__.encode() + _cpu_features().encode())
     root = Path(os.environ.get("SPECJAX_CACHE") or Path.home() / ".cache" / "specjax").expanduser()
@@ -166,7 +167,7 @@ def _build() -> Path:
 
 
 def _cpu_features() -> str:
-    """The CPU's model and feature flags as Linux reports them (empty elsewhere)."""
+    """The machine's architecture, with the CPU's model and feature flags where Linux reports them."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:

@@ -8,40 +8,31 @@
 // and runs its small batched products at a fraction of the machine's bandwidth (SmolLM2's 30
 // layers over 896 slots: 4-5 ms for one token, 12 ms for 8, 16 ms for 9, measured here). This
 // reads each entry's committed slots once, in blocks of kBlock slots handed out to the calling
-// thread and XLA's intra-op threads, and merges the blocks' partial softmaxes at the end
-// (split-K, as flash-decoding does on GPUs).
+// thread and XLA's intra-op threads (run_parts, kernels.h), and merges the blocks' partial
+// softmaxes at the end (split-K, as flash-decoding does on GPUs).
 //
-// For one block and at most kMaxRows query rows at a time: the scores (16 slots per vector, keys
+// For one block and at most MaxRows(E / 16) query rows at a time: the scores (16 slots per vector, keys
 // stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
 // subtracted, then the weighted sum of the values (E/16 vectors per row, in registers).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "kernels.h"
 
 namespace ffi = xla::ffi;
+using specjax::load16;
+using specjax::store16;
+using specjax::Vec16;
 
 namespace {
 
-typedef float Vec16 __attribute__((vector_size(64)));
 typedef int32_t Int16 __attribute__((vector_size(64)));
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 128;  // slots per part of the work
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
 inline Vec16 splat(float x) { return Vec16{} + x; }
 
@@ -179,38 +170,6 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t rows, i
   }
 }
 
-// One call's blocks, handed out to whichever thread asks next (as Product in panel_matmul.cc).
-// Block b of entry n is part first_part[n] + b; its partial results go to the scratch arrays.
-struct Attention {
-  const float *q, *k, *v;
-  int64_t rows, head_dim, num_slots;
-  std::vector<int64_t> part_entry, part_start, part_count;
-  std::vector<float> block_max, block_sum, block_out;  // [parts, rows], [parts, rows], [parts, rows, E]
-  std::atomic<int64_t> next_part{0};
-  std::atomic<int64_t> parts_done{0};
-
-  void work() {
-    const int64_t num_parts = part_entry.size();
-    for (int64_t part; (part = next_part.fetch_add(1, std::memory_order_relaxed)) < num_parts;) {
-      const int64_t n = part_entry[part];
-      const float* qn = q + n * rows * head_dim;
-      const float* kn = k + n * head_dim * num_slots;
-      const float* vn = v + n * num_slots * head_dim;
-      float* m = block_max.data() + part * rows;
-      float* l = block_sum.data() + part * rows;
-      float* o = block_out.data() + part * rows * head_dim;
-      const int64_t s0 = part_start[part], count = part_count[part];
-      switch (head_dim / kLanes) {
-        case 1: attend_rows<1>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-        case 2: attend_rows<2>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-        case 4: attend_rows<4>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-        default: attend_rows<8>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-      }
-      parts_done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
@@ -224,33 +183,37 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("cache_attention: head_dim must be 16, 32, 64 or 128");
   const int64_t entries = qd[0], rows = qd[1], num_slots = kd[2];
 
-  auto work = std::make_shared<Attention>();
-  work->q = q.typed_data();
-  work->k = k.typed_data();
-  work->v = v.typed_data();
-  work->rows = rows;
-  work->head_dim = E;
-  work->num_slots = num_slots;
-  std::vector<int64_t> first_part(entries + 1, 0);
+  // Block b of entry n is part first_part[n] + b; its partial results go to the block arrays.
+  const int32_t* length_of = lengths.typed_data();
+  std::vector<int64_t> first_part(entries + 1, 0), part_entry, part_start;
   for (int64_t n = 0; n < entries; ++n) {
-    const int64_t length = std::clamp<int64_t>(lengths.typed_data()[n], 0, num_slots);
-    first_part[n] = work->part_entry.size();
-    for (int64_t s0 = 0; s0 < length; s0 += kBlock) {
-      work->part_entry.push_back(n);
-      work->part_start.push_back(s0);
-      work->part_count.push_back(std::min(kBlock, length - s0));
+    first_part[n] = part_entry.size();
+    for (int64_t s0 = 0; s0 < std::clamp<int64_t>(length_of[n], 0, num_slots); s0 += kBlock) {
+      part_entry.push_back(n);
+      part_start.push_back(s0);
     }
   }
-  const int64_t num_parts = work->part_entry.size();
+  const int64_t num_parts = part_entry.size();
   first_part[entries] = num_parts;
-  work->block_max.resize(num_parts * rows);
-  work->block_sum.resize(num_parts * rows);
-  work->block_out.resize(num_parts * rows * E);
+  std::vector<float> block_max(num_parts * rows), block_sum(num_parts * rows), block_out(num_parts * rows * E);
 
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  for (int64_t t = 1; t < std::min(threads, num_parts); ++t) pool.Schedule([work] { work->work(); });
-  work->work();
-  while (work->parts_done.load(std::memory_order_acquire) < num_parts) std::this_thread::yield();
+  const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
+  const int64_t *entry_of = part_entry.data(), *start_of = part_start.data();
+  float *maxima = block_max.data(), *sums = block_sum.data(), *outs = block_out.data();
+  specjax::run_parts(pool, num_parts, [=](int64_t part) {
+    const int64_t n = entry_of[part], s0 = start_of[part];
+    const int64_t count = std::min<int64_t>(kBlock, std::min<int64_t>(length_of[n], num_slots) - s0);
+    const float* qn = qs + n * rows * E;
+    const float* kn = ks + n * E * num_slots;
+    const float* vn = vs + n * num_slots * E;
+    float *m = maxima + part * rows, *l = sums + part * rows, *o = outs + part * rows * E;
+    switch (E / kLanes) {
+      case 1: attend_rows<1>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+      case 2: attend_rows<2>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+      case 4: attend_rows<4>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+      default: attend_rows<8>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+    }
+  });
 
   // Merge each entry's blocks: rescale every block's sums to the largest maximum.
   float* o = out->typed_data();
@@ -260,16 +223,16 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       float* o_row = o + (n * rows + r) * E;
       std::fill(o_row, o_row + E, 0.0f);
       float top = -std::numeric_limits<float>::infinity();
-      for (int64_t p = first_part[n]; p < first_part[n + 1]; ++p) top = std::max(top, work->block_max[p * rows + r]);
+      for (int64_t p = first_part[n]; p < first_part[n + 1]; ++p) top = std::max(top, block_max[p * rows + r]);
       if (first_part[n] == first_part[n + 1]) {  // nothing committed: no weight at all
         logsumexp[n * rows + r] = -std::numeric_limits<float>::infinity();
         continue;
       }
       float total = 0.0f;
       for (int64_t p = first_part[n]; p < first_part[n + 1]; ++p) {
-        const float scale = std::exp(work->block_max[p * rows + r] - top);
-        total += scale * work->block_sum[p * rows + r];
-        const float* block = work->block_out.data() + (p * rows + r) * E;
+        const float scale = std::exp(block_max[p * rows + r] - top);
+        total += scale * block_sum[p * rows + r];
+        const float* block = block_out.data() + (p * rows + r) * E;
         for (int64_t e = 0; e < E; ++e) o_row[e] += scale * block[e];
       }
       for (int64_t e = 0; e < E; ++e) o_row[e] /= total;

@@ -7,36 +7,24 @@
 // pass over memory), and run products of SmolLM2's sizes at 10-20 GB/s. Stored as panels, each
 // weight is read once, front to back, and every value read is multiplied into all the rows.
 //
-// The work splits by panel pairs over the calling thread and XLA's own intra-op threads (see
-// Product: a separate OpenMP team, woken for every product beside XLA's threads, ran at half the
-// speed); for each pair, rows go in chunks of up to 8, so one chunk keeps 8 x 32 sums in registers
-// while later chunks of a pass over many rows (a prefill) find the pair in cache. Vector types are
-// GCC's, so the same source builds for AVX-512, AVX2 or NEON.
+// The work splits by panel pairs over the calling thread and XLA's own intra-op threads
+// (run_parts, kernels.h); for each pair, rows go in chunks of up to 8, so one chunk keeps 8 x 32
+// sums in registers while later chunks of a pass over many rows (a prefill) find the pair in cache.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
-#include "xla/ffi/api/ffi.h"
+#include "kernels.h"
 
 namespace ffi = xla::ffi;
+using specjax::load16;
+using specjax::store16;
+using specjax::Vec16;
 
 namespace {
-
-typedef float Vec16 __attribute__((vector_size(64)));
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kChunk = 8;
 constexpr int64_t kPartsPerThread = 2;
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
 // Rows [0, R) of x (R <= kChunk, a template constant so the sums stay in registers) times
 // `num` (1 or 2) panels starting at `panel`, written to y's columns from `col`.
@@ -82,56 +70,31 @@ void rows_times_panels(const float* x, const float* panel, float* y, int64_t row
   }
 }
 
-// A product's panel pairs, handed out in parts to whichever thread asks next: the calling thread
-// and the tasks it schedules on XLA's intra-op pool. The caller works too and waits only for parts
-// already taken, so a pool with no idle thread delays nothing; a task that starts after the last
-// part is gone returns at once (the shared state outlives the call for it).
-struct Product {
-  const float* x;
-  const float* panels;
-  float* y;
-  int64_t rows, d_in, num_panels, pairs_per_part, num_parts;
-  std::atomic<int64_t> next_part{0};
-  std::atomic<int64_t> parts_done{0};
-
-  void work() {
-    for (int64_t part; (part = next_part.fetch_add(1, std::memory_order_relaxed)) < num_parts;) {
-      const int64_t d_out = num_panels * kPanel;
-      const int64_t end = std::min(num_panels, (part + 1) * pairs_per_part * 2);
-      for (int64_t p = part * pairs_per_part * 2; p < end; p += 2) {
-        const float* panel = panels + p * d_in * kPanel;
-        if (p + 1 < num_panels)
-          rows_times_panels<2>(x, panel, y, rows, d_in, d_out, p * kPanel);
-        else
-          rows_times_panels<1>(x, panel, y, rows, d_in, d_out, p * kPanel);
-      }
-      parts_done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
 ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                            ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1])
     return ffi::Error::InvalidArgument("panel_matmul: expected x [T, D_in], panels [P, D_in, 16]");
-  auto product = std::make_shared<Product>();
-  product->x = x.typed_data();
-  product->panels = panels.typed_data();
-  product->y = y->typed_data();
-  product->rows = xd[0];
-  product->d_in = xd[1];
-  product->num_panels = pd[0];
-  const int64_t num_pairs = (pd[0] + 1) / 2;
+  const float* xs = x.typed_data();
+  const float* all_panels = panels.typed_data();
+  float* ys = y->typed_data();
+  const int64_t rows = xd[0], d_in = xd[1], num_panels = pd[0], d_out = num_panels * kPanel;
+  const int64_t num_pairs = (num_panels + 1) / 2;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // About kPartsPerThread parts per thread, so that a thread that starts late still gets a share.
-  product->pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
-  product->num_parts = (num_pairs + product->pairs_per_part - 1) / product->pairs_per_part;
-  for (int64_t t = 1; t < std::min(threads, product->num_parts); ++t)
-    pool.Schedule([product] { product->work(); });
-  product->work();
-  while (product->parts_done.load(std::memory_order_acquire) < product->num_parts) std::this_thread::yield();
+  const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
+  const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
+  specjax::run_parts(pool, num_parts, [=](int64_t part) {
+    const int64_t end = std::min(num_panels, (part + 1) * pairs_per_part * 2);
+    for (int64_t p = part * pairs_per_part * 2; p < end; p += 2) {
+      const float* panel = all_panels + p * d_in * kPanel;
+      if (p + 1 < num_panels)
+        rows_times_panels<2>(xs, panel, ys, rows, d_in, d_out, p * kPanel);
+      else
+        rows_times_panels<1>(xs, panel, ys, rows, d_in, d_out, p * kPanel);
+    }
+  });
   return ffi::Error::Success();
 }
 
