@@ -20,10 +20,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={FAKE_DEVICES}"
     ).strip()
 
-# Under pytest-xdist, each worker's OpenMP (torch's CPU threads, for the transformers references)
-# gets its share of the cores. torch starts one thread per core in every worker; on 2 cores with
-# 2 workers its threads spun against the other worker's and HF's references ran 4 to 7 times
-# slower than alone (a 64-token greedy batch 8 -> 60 s, the logit check 13 -> 53 s).
+# Under pytest-xdist, each worker's OpenMP (torch's CPU threads, for the transformers references;
+# numpy's OpenBLAS reads the same variable) gets its share of the cores. torch starts one thread
+# per core in every worker; on 2 cores with 2 workers its threads spun against the other
+# worker's and HF's references ran 4 to 7 times slower than alone (a 64-token greedy batch
+# 8 -> 60 s, the logit check 13 -> 53 s).
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
