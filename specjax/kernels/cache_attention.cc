@@ -7,13 +7,17 @@
 // Why: XLA:CPU computes decoding attention over every slot of the static cache, visible or not,
 // and runs its small batched products at a fraction of the machine's bandwidth (SmolLM2's 30
 // layers over 896 slots: 4-5 ms for one token, 12 ms for 8, 16 ms for 9, measured here). This
-// reads each entry's committed slots once, in blocks of kBlock slots handed out to the calling
-// thread and XLA's intra-op threads (run_parts, kernels.h), and merges the blocks' partial
+// reads each entry's committed slots once, in blocks of at most kMaxBlock slots handed out to the
+// calling thread and XLA's intra-op threads (run_parts, kernels.h), and merges the blocks' partial
 // softmaxes at the end (split-K, as flash-decoding does on GPUs).
 //
-// For one block and at most MaxRows(E / 16) query rows at a time: the scores (16 slots per vector, keys
-// stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
-// subtracted, then the weighted sum of the values (E/16 vectors per row, in registers).
+// For one block and at most MaxRows(E / 16) query rows at a time: the scores (16 slots per vector,
+// keys stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
+// subtracted, then the weighted sum of the values (E/16 vectors per row, in registers). The scores
+// take kKeyRows key rows at a time, each read along the whole block, and keep their sums in a
+// small array (L1): reading all E rows for 32 slots, then the next 32, made E short strided
+// streams that the hardware prefetcher followed poorly (16-18 GB/s over 900 slots here, against
+// 21-24 GB/s this way; docs/benchmarks.md, "Attention: key rows read along the block").
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -32,7 +36,8 @@ namespace {
 typedef int32_t Int16 __attribute__((vector_size(64)));
 
 constexpr int64_t kLanes = 16;
-constexpr int64_t kBlock = 128;  // slots per part of the work
+constexpr int64_t kMaxBlock = 512;  // slots per part of the work, at most
+constexpr int64_t kKeyRows = 8;     // key rows (head dims) per pass over a block's slots
 
 inline Vec16 splat(float x) { return Vec16{} + x; }
 
@@ -61,42 +66,27 @@ inline Vec16 exp16(Vec16 x) {
 }
 
 // Rows [0, R) of q (R a template constant, so the sums stay in registers) against slots
-// s0 .. s0 + count - 1 (count <= kBlock) of one entry: the block's maximum score per row, the sum
+// s0 .. s0 + count - 1 (count <= kMaxBlock) of one entry: the block's maximum score per row, the sum
 // of exp(score - maximum) and the values weighted by those exponentials, unnormalized.
 template <int R, int EV>
 void attend_block(const float* q, const float* k, const float* v, int64_t num_slots, int64_t s0,
                   int64_t count, float* max_out, float* sum_out, float* out) {
   constexpr int64_t E = EV * kLanes;
-  float scores[R][kBlock];
+  float scores[R][kMaxBlock];
   const int64_t vectors = count / kLanes;
-  int64_t j = 0;
-  for (; j + 2 <= vectors; j += 2) {  // two slot vectors at a time: 2R independent sums
-    Vec16 a[R], b[R];
-    for (int r = 0; r < R; ++r) a[r] = b[r] = Vec16{};
-    const float* column = k + s0 + j * kLanes;
-    for (int64_t e = 0; e < E; ++e) {
-      const Vec16 k0 = load16(column + e * num_slots), k1 = load16(column + e * num_slots + kLanes);
-      for (int r = 0; r < R; ++r) {
-        const float qe = q[r * E + e];
-        a[r] += qe * k0;
-        b[r] += qe * k1;
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < vectors; ++j) store16(&scores[r][j * kLanes], Vec16{});
+  static_assert(E % kKeyRows == 0);
+  for (int64_t e0 = 0; e0 < E; e0 += kKeyRows)
+    for (int64_t j = 0; j < vectors; ++j) {
+      Vec16 sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = load16(&scores[r][j * kLanes]);
+      for (int64_t e = e0; e < e0 + kKeyRows; ++e) {
+        const Vec16 keys = load16(k + e * num_slots + s0 + j * kLanes);
+        for (int r = 0; r < R; ++r) sums[r] += q[r * E + e] * keys;
       }
+      for (int r = 0; r < R; ++r) store16(&scores[r][j * kLanes], sums[r]);
     }
-    for (int r = 0; r < R; ++r) {
-      store16(&scores[r][j * kLanes], a[r]);
-      store16(&scores[r][(j + 1) * kLanes], b[r]);
-    }
-  }
-  for (; j < vectors; ++j) {
-    Vec16 a[R];
-    for (int r = 0; r < R; ++r) a[r] = Vec16{};
-    const float* column = k + s0 + j * kLanes;
-    for (int64_t e = 0; e < E; ++e) {
-      const Vec16 k0 = load16(column + e * num_slots);
-      for (int r = 0; r < R; ++r) a[r] += q[r * E + e] * k0;
-    }
-    for (int r = 0; r < R; ++r) store16(&scores[r][j * kLanes], a[r]);
-  }
   for (int64_t s = vectors * kLanes; s < count; ++s)  // the last slots, one at a time
     for (int r = 0; r < R; ++r) {
       float dot = 0.0f;
@@ -183,14 +173,21 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     return ffi::Error::InvalidArgument("cache_attention: head_dim must be 16, 32, 64 or 128");
   const int64_t entries = qd[0], rows = qd[1], num_slots = kd[2];
 
-  // Block b of entry n is part first_part[n] + b; its partial results go to the block arrays.
+  // Block b of entry n is part first_part[n] + b; its partial results go to the block arrays. An
+  // entry's committed slots split into blocks of equal size (a multiple of 16 slots, at most
+  // kMaxBlock), so that no thread is left with a short last block while another reads a long one.
   const int32_t* length_of = lengths.typed_data();
-  std::vector<int64_t> first_part(entries + 1, 0), part_entry, part_start;
+  std::vector<int64_t> first_part(entries + 1, 0), part_entry, part_start, part_count;
   for (int64_t n = 0; n < entries; ++n) {
     first_part[n] = part_entry.size();
-    for (int64_t s0 = 0; s0 < std::clamp<int64_t>(length_of[n], 0, num_slots); s0 += kBlock) {
+    const int64_t length = std::clamp<int64_t>(length_of[n], 0, num_slots);
+    const int64_t num_blocks = (length + kMaxBlock - 1) / kMaxBlock;
+    if (num_blocks == 0) continue;
+    const int64_t block = ((length + num_blocks - 1) / num_blocks + kLanes - 1) / kLanes * kLanes;
+    for (int64_t s0 = 0; s0 < length; s0 += block) {
       part_entry.push_back(n);
       part_start.push_back(s0);
+      part_count.push_back(std::min(block, length - s0));
     }
   }
   const int64_t num_parts = part_entry.size();
@@ -198,11 +195,10 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   std::vector<float> block_max(num_parts * rows), block_sum(num_parts * rows), block_out(num_parts * rows * E);
 
   const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
-  const int64_t *entry_of = part_entry.data(), *start_of = part_start.data();
+  const int64_t *entry_of = part_entry.data(), *start_of = part_start.data(), *count_of = part_count.data();
   float *maxima = block_max.data(), *sums = block_sum.data(), *outs = block_out.data();
   specjax::run_parts(pool, num_parts, [=](int64_t part) {
-    const int64_t n = entry_of[part], s0 = start_of[part];
-    const int64_t count = std::min<int64_t>(kBlock, std::min<int64_t>(length_of[n], num_slots) - s0);
+    const int64_t n = entry_of[part], s0 = start_of[part], count = count_of[part];
     const float* qn = qs + n * rows * E;
     const float* kn = ks + n * E * num_slots;
     const float* vn = vs + n * num_slots * E;
