@@ -42,7 +42,7 @@ HEADS_SET := --prompts $(DATA)/spec_bench_question.jsonl --exclude $(DATA)/mt_be
 
 heads: $(STAMP)
 	$(VENV)/bin/specjax train-medusa $(HEADS_SET) --out heads/medusa --heads 3 --steps 300
-	$(VENV)/bin/specjax train-eagle $(HEADS_SET) --out heads/eagle --steps 400
+	$(VENV)/bin/specjax train-eagle $(HEADS_SET) --out heads/eagle --steps 400 --unroll 2
 
 # Heads for open-ended chat (not committed; about 110 minutes here, see docs/benchmarks.md): the
 # same Spec-Bench prompts plus 800 chat prompts the model writes itself, 1,200 EAGLE steps unrolled

@@ -593,7 +593,7 @@ def parser() -> argparse.ArgumentParser:
     eagle = commands.add_parser(
         "train-eagle", help="train an EAGLE head for a model by self-distillation", description=TRAIN_HELP
     )
-    add_training_options(eagle, learning_rate=3e-4)
+    add_training_options(eagle, learning_rate=3e-3)
     eagle.add_argument(
         "--noise", type=float, default=0.1, help="uniform noise on the input features (default 0.1)"
     )

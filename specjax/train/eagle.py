@@ -195,7 +195,7 @@ def train_eagle(
     draft_vocab_size: int | None = None,
     steps: int = 1000,
     batch_size: int = 8,
-    learning_rate: float = 3e-4,
+    learning_rate: float = 3e-3,
     warmup_steps: int | None = None,
     weight_decay: float = 0.0,
     clip_norm: float = 0.5,

@@ -1,0 +1,136 @@
+"""How often trained heads agree with the target on held-out chat answers, teacher-forced.
+
+    .venv/bin/python benchmarks/head_accuracy.py heads/eagle/head heads/medusa/head \
+        [--questions 8:48] [--passes 3] [--cache /tmp/mt_bench_val.npz]
+
+The validation set: MT-bench first turns (Spec-Bench's mt_bench category, in the round-robin order
+of `spec_bench_prompts`) at positions --questions, default 8:48 (40 questions, five of each
+sub-category; `spec_bench.py --categories mt_bench --per-category 4` times positions 0-3, so
+the two never meet), each with the target's greedy answer (128 tokens, chat template) and its
+hidden states. None of MT-bench is in the heads' training sets (`make heads` excludes it).
+
+Scored on the answers only (the input at t counts from the last prompt token on): top-1
+agreement of the head's draft with the target's own next token, over the head's draft
+vocabulary. For EAGLE, pass p feeds the head its own predicted features p - 1 times before the
+scored position (EAGLE's "n-alpha", over all positions, not only where the earlier passes were
+right); pass 1 is what the first draft position of a chain accepts under greedy decoding. For
+Medusa, head i predicts the token i + 2 past the input. Training on a set and validating here
+is the quick loop (seconds per head) behind the tables in docs/benchmarks.md; acceptance in the
+speculative loop itself is `spec_bench.py`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from common import data_dir, spec_bench_prompts
+
+import specjax
+from specjax.models.draft_vocab import draft_head_matrix
+from specjax.models.eagle import EagleHead
+from specjax.train import DistillationData, distill_data, eagle_loss, evaluate_medusa, load_head
+
+MAX_LEN = 256
+NEW_TOKENS = 128
+
+
+def validation_set(model, questions: list[str], cache: Path | None) -> tuple[DistillationData, np.ndarray]:
+    """The target's answers to `questions` with its hidden states, and where each answer starts
+    [N]; read from `cache` (and its .starts.npy) when both exist, else built and saved there."""
+    starts_file = cache.with_suffix(".starts.npy") if cache else None
+    if cache and cache.is_file() and starts_file.is_file():
+        return DistillationData.load(cache), np.load(starts_file)
+    sequences, starts = [], []
+    for first in range(0, len(questions), 16):
+        result = specjax.generate(model, questions[first : first + 16], max_new_tokens=NEW_TOKENS, chat=True)
+        for prompt, answer in zip(result.prompt_tokens, result.tokens, strict=True):
+            whole = list(prompt) + list(answer)
+            cut = max(0, len(whole) - MAX_LEN)  # keep the end: the answer matters here
+            sequences.append(whole[cut:])
+            starts.append(max(0, len(prompt) - cut))
+    data, starts = distill_data(model, sequences, max_len=MAX_LEN), np.array(starts)
+    if cache:
+        data.save(cache)
+        np.save(starts_file, starts)
+    return data, starts
+
+
+_eagle_loss = jax.jit(eagle_loss, static_argnums=1, static_argnames=("unroll",))
+
+
+def eagle_accuracy(
+    head: EagleHead, model, data: DistillationData, passes: int, batch_size: int = 8
+) -> list[float]:
+    """Top-1 agreement of each pass 1..passes over `data`'s scored positions, every batch weighted
+    by the positions its pass scores (pass p needs the p + 1 tokens t-p+1 .. t+1 in the mask)."""
+    matrix = draft_head_matrix(model.params, jnp.asarray(head.vocab))
+    hits, counts = np.zeros(passes), np.zeros(passes)
+    for first in range(0, data.num_sequences, batch_size):
+        rows = slice(first, first + batch_size)
+        hidden, tokens, mask = data.hidden[rows], data.tokens[rows], data.mask[rows]
+        _, metrics = _eagle_loss(
+            head.params,
+            head.config,
+            model.params,
+            matrix,
+            hidden,
+            tokens,
+            mask,
+            jax.random.key(0),
+            0.0,
+            unroll=passes,
+        )
+        valid = mask[:, :-1] & mask[:, 1:]
+        for p in range(passes):
+            if p:
+                valid = valid & np.pad(valid[:, :-1], ((0, 0), (1, 0)))
+            name = "accuracy" if p == 0 else f"accuracy_{p + 1}"
+            hits[p] += float(metrics[name]) * valid.sum()
+            counts[p] += valid.sum()
+    return list(hits / np.maximum(counts, 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("heads", nargs="+", help="folders of saved heads (e.g. heads/eagle/head)")
+    parser.add_argument(
+        "--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA or ../shared/data)"
+    )
+    parser.add_argument(
+        "--questions", default="8:48", help="positions in MT-bench's round-robin order (default 8:48)"
+    )
+    parser.add_argument("--passes", type=int, default=3, help="EAGLE passes to score (default 3)")
+    parser.add_argument("--cache", type=Path, help="an .npz to keep the validation set in between runs")
+    args = parser.parse_args()
+    start, _, stop = args.questions.partition(":")
+    if not (start.isdigit() and stop.isdigit() and int(start) < int(stop) <= 80):
+        raise SystemExit(f"--questions must be START:STOP within 0:80, got {args.questions!r}")
+
+    model = specjax.load("smollm2-135m")
+    order = [text for _, text in spec_bench_prompts(data_dir(args.data), 80, ["mt_bench"])]
+    data, starts = validation_set(model, order[int(start) : int(stop)], args.cache)
+    positions = np.arange(data.tokens.shape[1])[None, :]
+    answers = dataclasses.replace(data, mask=data.mask & (positions >= starts[:, None] - 1))
+    print(
+        f"{data.num_sequences} MT-bench questions ({args.questions}), {int(answers.mask.sum())} answer tokens"
+    )
+    for path in args.heads:
+        head = load_head(path, model)
+        if isinstance(head, EagleHead):
+            scores = eagle_accuracy(head, model, answers, args.passes)
+            label = "EAGLE, passes 1.."
+        else:
+            scores = evaluate_medusa(head, model, answers)["head_accuracy"]
+            label = "Medusa, heads 1.."
+        print(f"{path}: {label}{len(scores)}: " + " ".join(f"{s:.3f}" for s in scores))
+
+
+if __name__ == "__main__":
+    main()
