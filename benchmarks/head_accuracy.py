@@ -25,15 +25,12 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from common import data_dir, spec_bench_prompts
 
 import specjax
-from specjax.models.draft_vocab import draft_head_matrix
 from specjax.models.eagle import EagleHead
-from specjax.train import DistillationData, distill_data, eagle_loss, evaluate_medusa, load_head
+from specjax.train import DistillationData, distill_data, evaluate_eagle, evaluate_medusa, load_head
 
 MAX_LEN = 256
 NEW_TOKENS = 128
@@ -60,41 +57,6 @@ def validation_set(model, questions: list[str], cache: Path | None) -> tuple[Dis
     return data, starts
 
 
-_eagle_loss = jax.jit(eagle_loss, static_argnums=1, static_argnames=("unroll",))
-
-
-def eagle_accuracy(
-    head: EagleHead, model, data: DistillationData, passes: int, batch_size: int = 8
-) -> list[float]:
-    """Top-1 agreement of each pass 1..passes over `data`'s scored positions, every batch weighted
-    by the positions its pass scores (pass p needs the p + 1 tokens t-p+1 .. t+1 in the mask)."""
-    matrix = draft_head_matrix(model.params, jnp.asarray(head.vocab))
-    hits, counts = np.zeros(passes), np.zeros(passes)
-    for first in range(0, data.num_sequences, batch_size):
-        rows = slice(first, first + batch_size)
-        hidden, tokens, mask = data.hidden[rows], data.tokens[rows], data.mask[rows]
-        _, metrics = _eagle_loss(
-            head.params,
-            head.config,
-            model.params,
-            matrix,
-            hidden,
-            tokens,
-            mask,
-            jax.random.key(0),
-            0.0,
-            unroll=passes,
-        )
-        valid = mask[:, :-1] & mask[:, 1:]
-        for p in range(passes):
-            if p:
-                valid = valid & np.pad(valid[:, :-1], ((0, 0), (1, 0)))
-            name = "accuracy" if p == 0 else f"accuracy_{p + 1}"
-            hits[p] += float(metrics[name]) * valid.sum()
-            counts[p] += valid.sum()
-    return list(hits / np.maximum(counts, 1))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -113,6 +75,8 @@ def main() -> None:
     if not (start.isdigit() and stop.isdigit() and int(start) < int(stop) <= 80):
         raise SystemExit(f"--questions must be START:STOP within 0:80, got {args.questions!r}")
 
+    if args.passes < 1:
+        raise SystemExit(f"--passes must be at least 1, got {args.passes}")
     model = specjax.load("smollm2-135m")
     order = [text for _, text in spec_bench_prompts(data_dir(args.data), 80, ["mt_bench"])]
     data, starts = validation_set(model, order[int(start) : int(stop)], args.cache)
@@ -124,7 +88,8 @@ def main() -> None:
     for path in args.heads:
         head = load_head(path, model)
         if isinstance(head, EagleHead):
-            scores = eagle_accuracy(head, model, answers, args.passes)
+            metrics = evaluate_eagle(head, model, answers, unroll=args.passes)
+            scores = [metrics["accuracy"]] + [metrics[f"accuracy_{p}"] for p in range(2, args.passes + 1)]
             label = "EAGLE, passes 1.."
         else:
             scores = evaluate_medusa(head, model, answers)["head_accuracy"]

@@ -402,6 +402,23 @@ def test_eagle_training_reduces_loss_and_raises_accuracy(data, eagle_head):
     assert eagle_head.meta["data"] == {"num_sequences": 8, "num_tokens": int(data.mask.sum())}
 
 
+def test_evaluate_eagle_weights_each_pass_by_its_positions(data, eagle_head):
+    """Batch by batch, each pass's accuracy is weighted by the positions that pass scores (rows of
+    different lengths score L - p positions in pass p), so one sequence per batch gives what one
+    batch of all of them gives."""
+    from specjax.models.draft_vocab import draft_head_matrix
+    from specjax.train import eagle_loss
+
+    assert len(set(data.mask.sum(axis=1))) > 1  # rows of different lengths: the weights differ
+    matrix = draft_head_matrix(TARGET.params, eagle_head.vocab)
+    args = _loss_args(eagle_head, matrix, data.hidden, data.tokens, data.mask)
+    _, whole = jax.jit(eagle_loss, static_argnums=1, static_argnames="unroll")(*args, unroll=3)
+    by_row = evaluate_eagle(eagle_head, TARGET, data, batch_size=1, unroll=3)
+    for name in ("accuracy", "accuracy_2", "accuracy_3", "regression", "classification"):
+        np.testing.assert_allclose(by_row[name], whole[name], rtol=1e-5)
+    assert evaluate_eagle(eagle_head, TARGET, data)["accuracy"] == pytest.approx(by_row["accuracy"])
+
+
 def test_eagle_deterministic_given_seed(data, eagle_head):
     assert _same_params(eagle_head, train_eagle(TARGET, data, **EAGLE_SETTINGS))
     assert not _same_params(eagle_head, train_eagle(TARGET, data, **{**EAGLE_SETTINGS, "seed": 1}))

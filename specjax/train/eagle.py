@@ -20,6 +20,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from specjax.models.cache import init_cache
@@ -156,18 +157,26 @@ def _objective(config: EagleConfig, reg_weight: float, cls_weight: float, unroll
     return loss
 
 
-def evaluate_eagle(head: EagleHead, target: Model, data: DistillationData, batch_size: int = 8) -> dict:
+def evaluate_eagle(
+    head: EagleHead, target: Model, data: DistillationData, batch_size: int = 8, unroll: int = 1
+) -> dict:
     """The loss (default weights), its two parts and top-1 accuracy of `head` over all of `data`,
-    without noise: {"loss", "regression", "classification", "accuracy"}, host floats, every batch
-    weighted by the positions it scores."""
+    without noise: {"loss", "regression", "classification", "accuracy"}, host floats. With
+    `unroll = n > 1`, also "accuracy_p" for p = 2..n: the head fed its own predicted features
+    p - 1 times before the scored position, as it drafts, and "loss" is `eagle_loss`'s mean over
+    the passes (its parts and "accuracy" stay pass 1's). Each figure weights every batch by the
+    positions it scores: pass p needs tokens t-p+1 .. t+1 in the mask."""
     if not isinstance(head, EagleHead):
         raise ValueError(f"head must be a specjax.models.EagleHead, got {type(head).__name__}")
     head.check_target(target)
     check_int("batch_size", batch_size, 1)
+    check_int("unroll", unroll, 1)
     head_matrix = draft_head_matrix(target.params, jnp.asarray(head.vocab))
     key = jax.random.key(0)  # unused: no noise
-    totals = dict.fromkeys(("loss", "regression", "classification", "accuracy"), 0.0)
-    count = 0
+    names = ["loss", "regression", "classification", "accuracy"] + [
+        f"accuracy_{p}" for p in range(2, unroll + 1)
+    ]
+    totals, counts = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
     for start in range(0, data.num_sequences, batch_size):
         rows = slice(start, start + batch_size)
         mask = data.mask[rows]
@@ -181,12 +190,16 @@ def evaluate_eagle(head: EagleHead, target: Model, data: DistillationData, batch
             mask,
             key,
             0.0,
+            unroll=unroll,
         )
-        n = int((mask[:, :-1] & mask[:, 1:]).sum())
-        for name in totals:
-            totals[name] += float(metrics[name]) * n
-        count += n
-    return {name: total / max(count, 1) for name, total in totals.items()}
+        scored = mask[:, :-1] & mask[:, 1:]  # pass 1's positions; the loss's parts are pass 1's
+        for p in range(1, unroll + 1):
+            if p > 1:
+                scored = scored & np.pad(scored[:, :-1], ((0, 0), (1, 0)))
+            for name in names[:4] if p == 1 else [f"accuracy_{p}"]:
+                totals[name] += float(metrics[name]) * int(scored.sum())
+                counts[name] += int(scored.sum())
+    return {name: totals[name] / max(counts[name], 1) for name in names}
 
 
 def train_eagle(
