@@ -95,7 +95,7 @@ def _float64_attention(queries, keys, values, length):
     return (weights / total) @ values[:length].astype(np.float64), (top + np.log(total))[:, 0]
 
 
-@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
 @pytest.mark.parametrize("rows", [1, 3, 7, 27])
 def test_cache_attention_equals_float64(head_dim, rows):
     """Lengths that meet every path of the kernel: nothing committed (output 0, log-sum-exp minus
@@ -103,7 +103,7 @@ def test_cache_attention_equals_float64(head_dim, rows):
     the largest single block (512), one slot past it (513: two equal blocks, 272 and 241 slots, the
     second ending in one slot on its own), two blocks (1000: 512 and 488) and the whole cache
     (S = 1100, not a multiple of 16: three blocks). Row counts: one chunk, a ragged chunk, several
-    chunks."""
+    chunks (head_dim 256 takes its values in two halves)."""
     lengths = [0, 1, 15, 16, 300, 512, 513, 1000, 1100]
     N, S = len(lengths), 1100
     rng = np.random.default_rng(head_dim * 100 + rows)
@@ -119,6 +119,105 @@ def test_cache_attention_equals_float64(head_dim, rows):
         want_out, want_lse = _float64_attention(q[n], k[n], v[n], lengths[n])
         np.testing.assert_allclose(out[n], want_out, rtol=1e-5, atol=2e-6)
         np.testing.assert_allclose(lse[n], want_lse, rtol=1e-6, atol=1e-5)
+
+
+def _float64_window_attention(queries, keys, values, length, starts):
+    """One cache entry, query row r seeing slots [max(starts[r], 0), length): output [R, E] and
+    log-sum-exp [R], with 0 and minus infinity for a row that sees no slot."""
+    out, lse = np.zeros(queries.shape), np.full(len(queries), -np.inf)
+    for r, start in enumerate(starts):
+        first = max(int(start), 0)
+        if first < length:
+            seen = _float64_attention(queries[r : r + 1], keys[:, first:], values[first:], length - first)
+            out[r], lse[r] = seen[0][0], seen[1][0]
+    return out, lse
+
+
+def _check_window_attention(q, k, v, lengths, starts):
+    """The kernel with starts [N, R] against the float64 reference, entry by entry: exactly 0 and
+    minus infinity for the rows that see nothing, 1e-5 elsewhere (as without starts)."""
+    out, lse = jax.jit(kernels.cache_attention)(q, k, v, jnp.asarray(lengths, jnp.int32), jnp.asarray(starts))
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    for n, length in enumerate(lengths):
+        want_out, want_lse = _float64_window_attention(q[n], k[n], v[n], length, starts[n])
+        blind = want_lse == -np.inf
+        np.testing.assert_array_equal(lse[n] == -np.inf, blind)
+        np.testing.assert_array_equal(out[n][blind], 0)
+        np.testing.assert_allclose(out[n][~blind], want_out[~blind], rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(lse[n][~blind], want_lse[~blind], rtol=1e-6, atol=1e-5)
+
+
+def _random_cache(rng, num_entries, rows, head_dim, num_slots):
+    """Queries [N, R, E] (scaled), keys [N, E, S], values [N, S, E]: standard normal float32."""
+    q = rng.standard_normal((num_entries, rows, head_dim)).astype(np.float32) / np.sqrt(head_dim)
+    k = rng.standard_normal((num_entries, head_dim, num_slots)).astype(np.float32)
+    v = rng.standard_normal((num_entries, num_slots, head_dim)).astype(np.float32)
+    return q, k, v
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("rows", [1, 7, 27])
+def test_cache_attention_with_starts_equals_float64(head_dim, rows):
+    """Each entry's rows draw their starts from one range (different starts for different rows):
+    all 0, all negative, inside the first vector, through a two-block entry's blocks (513: 272 + 241
+    slots), from inside the second block (1000), anywhere from below 0 to past the length, all at or
+    past the length (no row sees a slot), all 1 (the blocks begin at slot 1 and mask nothing), and
+    a mix of those. Rows of one chunk mask different slots,
+    a block can begin past some rows' windows' starts, and a row can see nothing in one block but
+    something in another."""
+    entries = [  # (length, the range [low, high) its rows' starts come from)
+        (0, (-5, 5)),
+        (1, (0, 1)),
+        (15, (-20, 0)),
+        (300, (1, 16)),
+        (513, (0, 513)),
+        (1000, (520, 990)),
+        (1100, (-100, 1200)),
+        (1000, (1000, 1010)),
+        (1100, (1, 2)),
+    ]
+    lengths = [length for length, _ in entries]
+    rng = np.random.default_rng(head_dim * 100 + rows)
+    q, k, v = _random_cache(rng, len(entries), rows, head_dim, num_slots=1100)
+    starts = np.stack([rng.integers(low, high, rows) for _, (low, high) in entries]).astype(np.int32)
+    starts[-1] = rng.permutation(np.resize([-1, 0, 7, 300, 600, 1099, 1100, 5000], rows))  # the mix
+    _check_window_attention(q, k, v, lengths, starts)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("groups, tokens", [(1, 1), (3, 4), (2, 9)])
+def test_cache_attention_with_a_sliding_window_equals_float64(head_dim, groups, tokens):
+    """What a sliding-window model asks: `tokens` queries at positions L .. L + T - 1 after L
+    committed slots, window W, so query t starts at L + t - W + 1, in the rows (g, t) of a kv head's
+    `groups` query heads (row g*T + t). Windows 1 (a query sees only itself: no cache slot), 7 (a
+    few of the last slots), 300 and 600 (through the blocks) and 4096 (all of them)."""
+    lengths = [0, 1, 15, 300, 513, 1000, 1100]
+    windows = [1, 7, 300, 600, 4096]
+    cases = [(length, window) for length in lengths for window in windows]
+    rng = np.random.default_rng(head_dim * 100 + groups * 10 + tokens)
+    q, k, v = _random_cache(rng, len(cases), groups * tokens, head_dim, num_slots=1100)
+    t = np.arange(tokens)
+    starts = np.stack([np.tile(length + t - window + 1, groups) for length, window in cases]).astype(np.int32)
+    _check_window_attention(q, k, v, [length for length, _ in cases], starts)
+
+
+def test_cache_attention_without_starts_equals_starts_zero_bit_for_bit():
+    """starts None, all 0 and all negative read the same blocks with no mask: the same bits."""
+    lengths = jnp.asarray([0, 15, 300, 513, 1000, 1100], jnp.int32)
+    rng = np.random.default_rng(7)
+    q, k, v = _random_cache(rng, len(lengths), 9, 64, num_slots=1100)
+    want_out, want_lse = jax.jit(kernels.cache_attention)(q, k, v, lengths)
+    for starts in (np.zeros((6, 9), np.int32), np.full((6, 9), -3, np.int32)):
+        out, lse = jax.jit(kernels.cache_attention)(q, k, v, lengths, jnp.asarray(starts))
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want_out))
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+
+
+def test_cache_attention_refuses_starts_of_another_shape():
+    q, k, v = jnp.zeros((2, 3, 16)), jnp.zeros((2, 16, 32)), jnp.zeros((2, 32, 16))
+    with pytest.raises(ValueError, match=r"starts has shape \(2,\)"):
+        kernels.cache_attention(q, k, v, jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32))
 
 
 def test_cache_attention_refuses_an_unsupported_head_dim():

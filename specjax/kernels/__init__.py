@@ -8,7 +8,8 @@ reads a weight stored as column panels (`PanelWeight`) once, front to back, and 
 value it reads into all the rows (measured here: 31-46 GB/s at one row and 30-32 GB/s at six).
 XLA:CPU also computes a decoding step's attention over every slot of the static cache, committed
 or not, at a fraction of the bandwidth; `cache_attention.cc` reads each row's committed slots only
-(`cache_attention`), and the model merges in the pass's own fresh tokens.
+(`cache_attention`; with a sliding window, only those inside it), and the model merges in the pass's
+own fresh tokens.
 
 The kernels are XLA FFI custom calls, compiled from source with the machine's C++ compiler on
 first use (a few seconds) and kept under `$SPECJAX_CACHE/kernels` (default
@@ -38,8 +39,12 @@ import jax.numpy as jnp
 PANEL = 16  # columns per panel: one 64-byte vector of float32 (kPanel in the source)
 SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("cache_attention.cc"))
 HEADER = Path(__file__).with_name("kernels.h")  # what both sources include
-TARGETS = {"specjax_panel_matmul": "PanelMatmul", "specjax_cache_attention": "CacheAttention"}
-ATTENTION_HEAD_DIMS = (16, 32, 64, 128)  # what cache_attention.cc is built for
+TARGETS = {
+    "specjax_panel_matmul": "PanelMatmul",
+    "specjax_cache_attention": "CacheAttention",
+    "specjax_cache_attention_window": "CacheAttentionWindow",  # with starts [N, R]
+}
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # what cache_attention.cc is built for
 
 
 @flax.struct.dataclass
@@ -80,14 +85,24 @@ def panel_matmul(x: jax.Array, w: PanelWeight) -> jax.Array:
 
 
 def cache_attention(
-    queries: jax.Array, keys: jax.Array, values: jax.Array, lengths: jax.Array
+    queries: jax.Array,
+    keys: jax.Array,
+    values: jax.Array,
+    lengths: jax.Array,
+    starts: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [N, R, E] (already scaled) to the first lengths[n] slots of cache
     entry n: keys [N, E, S], values [N, S, E] (the KVCache's layouts), lengths [N] int32.
 
+    starts [N, R] int32 (a sliding window: a query at position p with window W starts at
+    p - W + 1): query r of entry n sees only slots max(starts[n, r], 0) .. lengths[n] - 1. Slots
+    below every row's start are never read; None (every row from slot 0) runs the kernel without
+    the masking.
+
     Returns the output [N, R, E] and each query's log-sum-exp of its scores [N, R] (minus infinity
-    where lengths[n] is 0, with output 0), so that a caller can merge more keys into the same
-    softmax. Float32; E one of ATTENTION_HEAD_DIMS. No gradient.
+    where a query sees no slot, lengths[n] 0 or its start at or past lengths[n], with output 0), so
+    that a caller can merge more keys into the same softmax. Float32; E one of
+    ATTENTION_HEAD_DIMS. No gradient.
     """
     _require()
     N, R, E = queries.shape
@@ -97,9 +112,15 @@ def cache_attention(
         jax.ShapeDtypeStruct((N, R, E), jnp.float32),
         jax.ShapeDtypeStruct((N, R), jnp.float32),
     )
-    call = jax.ffi.ffi_call("specjax_cache_attention", out_types, vmap_method="sequential")
     f32 = jnp.float32
-    return call(queries.astype(f32), keys.astype(f32), values.astype(f32), lengths.astype(jnp.int32))
+    args = [queries.astype(f32), keys.astype(f32), values.astype(f32), lengths.astype(jnp.int32)]
+    target = "specjax_cache_attention"
+    if starts is not None:
+        if jnp.shape(starts) != (N, R):
+            raise ValueError(f"cache_attention: starts has shape {jnp.shape(starts)}, not [N, R] = {(N, R)}")
+        args.append(jnp.asarray(starts).astype(jnp.int32))
+        target = "specjax_cache_attention_window"
+    return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args)
 
 
 def _require() -> None:

@@ -4,6 +4,13 @@
 // log-sum-exp of scores [R], so that the caller can merge in the fresh tokens' keys (a verify
 // pass's own tokens, under a chain's or a tree's mask) with one more softmax term.
 //
+// Sliding windows (Mistral, Gemma 3's local layers): CacheAttentionWindow takes starts [N, R] too,
+// and query r of entry n sees only slots max(starts[n, r], 0) .. lengths[n] - 1 (none where its
+// start is at or past the length: log-sum-exp -inf, output 0). The blocks then cover the entry's
+// slots from its rows' lowest start, so slots below every row's window are never read, and only a
+// block that begins below some row's start masks that row's earlier slots. CacheAttention (no
+// starts) runs the same code with no mask and pays nothing for it.
+//
 // Why: XLA:CPU computes decoding attention over every slot of the static cache, visible or not,
 // and runs its small batched products at a fraction of the machine's bandwidth (SmolLM2's 30
 // layers over 896 slots: 4-5 ms for one token, 12 ms for 8, 16 ms for 9, measured here). This
@@ -13,7 +20,8 @@
 //
 // For one block and at most MaxRows(E / 16) query rows at a time: the scores (16 slots per vector,
 // keys stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
-// subtracted, then the weighted sum of the values (E/16 vectors per row, in registers). The scores
+// subtracted, then the weighted sum of the values (E/16 vectors per row, in registers; at most 8
+// at a time, so E = 256 takes the values' two halves one after the other). The scores
 // take kKeyRows key rows at a time, each read along the whole block, and keep their sums in a
 // small array (L1): reading all E rows for 32 slots, then the next 32, made E short strided
 // streams that the hardware prefetcher followed poorly (16-18 GB/s over 900 slots here, against
@@ -67,11 +75,14 @@ inline Vec16 exp16(Vec16 x) {
 
 // Rows [0, R) of q (R a template constant, so the sums stay in registers) against slots
 // s0 .. s0 + count - 1 (count <= kMaxBlock) of one entry: the block's maximum score per row, the sum
-// of exp(score - maximum) and the values weighted by those exponentials, unnormalized.
+// of exp(score - maximum) and the values weighted by those exponentials, unnormalized. `first`
+// [R] (null where every row sees the whole block): row r's first visible slot; the slots below it
+// get no weight, and a row that sees none of the block gets maximum -inf, sum 0 and output 0.
 template <int R, int EV>
-void attend_block(const float* q, const float* k, const float* v, int64_t num_slots, int64_t s0,
-                  int64_t count, float* max_out, float* sum_out, float* out) {
+void attend_block(const float* q, const float* k, const float* v, const int32_t* first, int64_t num_slots,
+                  int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
   constexpr int64_t E = EV * kLanes;
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
   float scores[R][kMaxBlock];
   const int64_t vectors = count / kLanes;
   for (int r = 0; r < R; ++r)
@@ -93,58 +104,78 @@ void attend_block(const float* q, const float* k, const float* v, int64_t num_sl
       for (int64_t e = 0; e < E; ++e) dot += q[r * E + e] * k[e * num_slots + s0 + s];
       scores[r][s] = dot;
     }
+  if (first != nullptr)
+    for (int r = 0; r < R; ++r) {
+      const int64_t hidden = std::clamp<int64_t>(first[r] - s0, 0, count);  // slots before row r's window
+      std::fill(scores[r], scores[r] + hidden, kNone);
+    }
 
   for (int r = 0; r < R; ++r) {
     float top = scores[r][0];
     for (int64_t s = 1; s < count; ++s) top = std::max(top, scores[r][s]);
+    // A row that sees nothing here (top -inf) subtracts 0: every exponential is then e^-inf = 0,
+    // where -inf - -inf would be NaN.
+    const float shift = top == kNone ? 0.0f : top;
     Vec16 sums = Vec16{};
     for (int64_t s = 0; s < vectors * kLanes; s += kLanes) {
-      const Vec16 p = exp16(load16(&scores[r][s]) - top);
+      const Vec16 p = exp16(load16(&scores[r][s]) - shift);
       store16(&scores[r][s], p);
       sums += p;
     }
     float sum = 0.0f;
     for (int i = 0; i < kLanes; ++i) sum += sums[i];
     for (int64_t s = vectors * kLanes; s < count; ++s) {
-      scores[r][s] = std::exp(scores[r][s] - top);
+      scores[r][s] = std::exp(scores[r][s] - shift);
       sum += scores[r][s];
     }
     max_out[r] = top;
     sum_out[r] = sum;
   }
 
-  Vec16 acc[R][EV];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < EV; ++i) acc[r][i] = Vec16{};
-  for (int64_t s = 0; s < count; ++s) {
-    Vec16 value[EV];
-    for (int i = 0; i < EV; ++i) value[i] = load16(v + (s0 + s) * E + i * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const float p = scores[r][s];
-      for (int i = 0; i < EV; ++i) acc[r][i] += p * value[i];
+  // The values in groups of G vectors per row (all E/16 of them up to E = 128, two halves at 256),
+  // so that R rows' sums and one slot's value vectors fit the registers.
+  constexpr int G = EV < 8 ? EV : 8;
+  for (int g = 0; g < EV; g += G) {
+    Vec16 acc[R][G];
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < G; ++i) acc[r][i] = Vec16{};
+    for (int64_t s = 0; s < count; ++s) {
+      Vec16 value[G];
+      for (int i = 0; i < G; ++i) value[i] = load16(v + (s0 + s) * E + (g + i) * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float p = scores[r][s];
+        for (int i = 0; i < G; ++i) acc[r][i] += p * value[i];
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int i = 0; i < G; ++i) store16(out + r * E + (g + i) * kLanes, acc[r][i]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < EV; ++i) store16(out + r * E + i * kLanes, acc[r][i]);
 }
 
-// The rows a chunk may hold: its sums and E/16 value vectors per row fit the 32 vector registers.
+// The rows a chunk may hold: its sums and a group of at most 8 value vectors per row (E/16 of them
+// up to E = 128, half of them at 256) fit the 32 vector registers.
 constexpr int MaxRows(int ev) { return ev <= 2 ? 8 : ev == 4 ? 6 : 3; }
 
+// All `rows` of one entry against one block, in chunks of at most MaxRows(EV) rows. `first`
+// [rows] (null without starts): each row's first visible slot; a chunk whose rows all start at or
+// before s0 (every block of full attention, most of a window's) masks nothing.
 template <int EV>
-void attend_rows(const float* q, const float* k, const float* v, int64_t rows, int64_t num_slots,
-                 int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
+void attend_rows(const float* q, const float* k, const float* v, const int32_t* first, int64_t rows,
+                 int64_t num_slots, int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
   constexpr int64_t E = EV * kLanes;
   constexpr int64_t kMax = MaxRows(EV);
   const int64_t num_chunks = (rows + kMax - 1) / kMax;
   for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {  // chunk sizes as equal as can be
     const int64_t size = (rows - r0) / (num_chunks - c);
     const float* qr = q + r0 * E;
+    const int32_t* f = nullptr;
+    if (first != nullptr && std::any_of(first + r0, first + r0 + size, [=](int32_t x) { return x > s0; }))
+      f = first + r0;
     float *m = max_out + r0, *l = sum_out + r0, *o = out + r0 * E;
     // A size above kMax never occurs; its case instantiates the 1-row block rather than one whose
     // sums would not fit the registers.
 #define SPECJAX_ROWS(n) \
-  case n: attend_block<(n <= kMax ? n : 1), EV>(qr, k, v, num_slots, s0, count, m, l, o); break;
+  case n: attend_block<(n <= kMax ? n : 1), EV>(qr, k, v, f, num_slots, s0, count, m, l, o); break;
     switch (size) {
       SPECJAX_ROWS(1)
       SPECJAX_ROWS(2)
@@ -160,31 +191,40 @@ void attend_rows(const float* q, const float* k, const float* v, int64_t rows, i
   }
 }
 
-ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
-                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+// Both handlers: `starts` [N, R] as in the header, or null (every row from slot 0).
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                  ffi::Buffer<ffi::S32> lengths, const int32_t* starts, ffi::ResultBuffer<ffi::F32> out,
+                  ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || kd[0] != qd[0] || vd[0] != qd[0] ||
       kd[1] != qd[2] || vd[2] != qd[2] || vd[1] != kd[2] || static_cast<int64_t>(lengths.element_count()) != qd[0])
     return ffi::Error::InvalidArgument(
         "cache_attention: expected q [N, R, E], k [N, E, S], v [N, S, E], lengths [N]");
   const int64_t E = qd[2];
-  if (E != 16 && E != 32 && E != 64 && E != 128)
-    return ffi::Error::InvalidArgument("cache_attention: head_dim must be 16, 32, 64 or 128");
+  if (E != 16 && E != 32 && E != 64 && E != 128 && E != 256)
+    return ffi::Error::InvalidArgument("cache_attention: head_dim must be 16, 32, 64, 128 or 256");
   const int64_t entries = qd[0], rows = qd[1], num_slots = kd[2];
 
-  // Block b of entry n is part first_part[n] + b; its partial results go to the block arrays. An
-  // entry's committed slots split into blocks of equal size (a multiple of 16 slots, at most
-  // kMaxBlock), so that no thread is left with a short last block while another reads a long one.
+  // Block b of entry n is part first_part[n] + b; its partial results go to the block arrays. The
+  // slots some row of an entry sees, from its rows' lowest start to its length, split into blocks of
+  // equal size (a multiple of 16 slots, at most kMaxBlock), so that no thread is left with a short
+  // last block while another reads a long one.
   const int32_t* length_of = lengths.typed_data();
   std::vector<int64_t> first_part(entries + 1, 0), part_entry, part_start, part_count;
   for (int64_t n = 0; n < entries; ++n) {
     first_part[n] = part_entry.size();
     const int64_t length = std::clamp<int64_t>(length_of[n], 0, num_slots);
-    const int64_t num_blocks = (length + kMaxBlock - 1) / kMaxBlock;
+    int64_t lowest = 0;
+    if (starts != nullptr) {
+      lowest = length;
+      for (int64_t r = 0; r < rows; ++r) lowest = std::min<int64_t>(lowest, starts[n * rows + r]);
+      lowest = std::max<int64_t>(lowest, 0);
+    }
+    const int64_t seen = length - lowest;
+    const int64_t num_blocks = (seen + kMaxBlock - 1) / kMaxBlock;
     if (num_blocks == 0) continue;
-    const int64_t block = ((length + num_blocks - 1) / num_blocks + kLanes - 1) / kLanes * kLanes;
-    for (int64_t s0 = 0; s0 < length; s0 += block) {
+    const int64_t block = ((seen + num_blocks - 1) / num_blocks + kLanes - 1) / kLanes * kLanes;
+    for (int64_t s0 = lowest; s0 < length; s0 += block) {
       part_entry.push_back(n);
       part_start.push_back(s0);
       part_count.push_back(std::min(block, length - s0));
@@ -202,16 +242,20 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
     const float* qn = qs + n * rows * E;
     const float* kn = ks + n * E * num_slots;
     const float* vn = vs + n * num_slots * E;
+    const int32_t* first = starts == nullptr ? nullptr : starts + n * rows;
     float *m = maxima + part * rows, *l = sums + part * rows, *o = outs + part * rows * E;
     switch (E / kLanes) {
-      case 1: attend_rows<1>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-      case 2: attend_rows<2>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-      case 4: attend_rows<4>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
-      default: attend_rows<8>(qn, kn, vn, rows, num_slots, s0, count, m, l, o); break;
+      case 1: attend_rows<1>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 2: attend_rows<2>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 4: attend_rows<4>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 8: attend_rows<8>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      default: attend_rows<16>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
     }
   });
 
-  // Merge each entry's blocks: rescale every block's sums to the largest maximum.
+  // Merge each entry's blocks: rescale every block's sums to the largest maximum. A block where the
+  // row saw nothing (maximum -inf, sum 0, output 0) gets scale e^-inf = 0; a row that saw nothing
+  // in any block (none committed, or none inside its window) keeps output 0 and log-sum-exp -inf.
   float* o = out->typed_data();
   float* logsumexp = lse->typed_data();
   for (int64_t n = 0; n < entries; ++n)
@@ -220,8 +264,8 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
       std::fill(o_row, o_row + E, 0.0f);
       float top = -std::numeric_limits<float>::infinity();
       for (int64_t p = first_part[n]; p < first_part[n + 1]; ++p) top = std::max(top, block_max[p * rows + r]);
-      if (first_part[n] == first_part[n + 1]) {  // nothing committed: no weight at all
-        logsumexp[n * rows + r] = -std::numeric_limits<float>::infinity();
+      if (top == -std::numeric_limits<float>::infinity()) {  // no weight at all
+        logsumexp[n * rows + r] = top;
         continue;
       }
       float total = 0.0f;
@@ -237,6 +281,22 @@ ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi
   return ffi::Error::Success();
 }
 
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                              ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
+                              ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  return Attend(pool, q, k, v, lengths, nullptr, out, lse);
+}
+
+ffi::Error CacheAttentionWindowImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                    ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
+                                    ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
+                                    ffi::ResultBuffer<ffi::F32> lse) {
+  const auto qd = q.dimensions(), sd = starts.dimensions();
+  if (qd.size() != 3 || sd.size() != 2 || sd[0] != qd[0] || sd[1] != qd[1])
+    return ffi::Error::InvalidArgument("cache_attention: expected q [N, R, E] and starts [N, R]");
+  return Attend(pool, q, k, v, lengths, starts.typed_data(), out, lse);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttention, CacheAttentionImpl,
@@ -245,6 +305,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttention, CacheAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttentionWindow, CacheAttentionWindowImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
