@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kernels, sharding
+from specjax.models.checkpoint import dtype_name
 from specjax.models.llama import LlamaParams, with_panel_weights
 from specjax.models.model import Model
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes, num_drafted
@@ -296,11 +297,14 @@ def generate(
     key: jax.Array | None = None,
     chat: bool = False,
     mesh=None,
+    cache_dtype=None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
     `sampling` is one Sampling for every row or a list with one per prompt; rows may mix greedy
-    and sampled decoding and any options in one compiled program.
+    and sampled decoding and any options in one compiled program. `cache_dtype` ("float32",
+    "bfloat16" or "float16"; default: the model's dtype) is the dtype of the target's KV cache; a
+    proposer's own cache (a draft model's, an EAGLE head's) follows its own weights.
     """
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
@@ -309,6 +313,11 @@ def generate(
         sharding.check_model_split(mesh, model.config)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    dtype = model.params.dtype.name
+    try:
+        cache_dtype = dtype if cache_dtype is None else dtype_name(cache_dtype)
+    except ValueError as error:
+        raise ValueError(f"cache_dtype: {error}") from None
     rows = _tokenize(model, prompts, chat)
     samplings = _per_row_sampling(sampling, len(rows))
     _check_token_options(samplings, model)
@@ -338,6 +347,8 @@ def generate(
         warp=warp,
         proposer=proposer_spec,
         mesh=mesh,
+        dtype=dtype,
+        cache_dtype=cache_dtype,
     )
     _check_memory(spec, max_new_tokens)
     padded = np.zeros((B, bucket), np.int32)
@@ -370,8 +381,11 @@ def generate(
             proposer_params = sharding.replicate(proposer_params, mesh)
         inputs = sharding.shard_rows(inputs, mesh, B)
     elif kernels.enabled():  # the CPU decoding kernel's weight layout (see specjax.kernels)
-        params = _with_panels(params)
-        if isinstance(proposer_params, LlamaParams):
+        # The kernels compute in float32: a bfloat16 or float16 model keeps XLA's products, so it
+        # runs in its own dtype (slowly on a CPU, which has no fast bfloat16 products).
+        if dtype == "float32":
+            params = _with_panels(params)
+        if isinstance(proposer_params, LlamaParams) and proposer_params.dtype == jnp.float32:
             proposer_params = _with_panels(proposer_params)
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()

@@ -8,6 +8,7 @@ import json
 import re
 from types import SimpleNamespace
 
+import hf_export
 import jax
 import numpy as np
 import pytest
@@ -29,39 +30,7 @@ CHAT_TEMPLATE = (
 def save_hf_folder(model, folder) -> None:
     """Write a specjax model as an HF checkpoint folder (config.json, model.safetensors) with the
     tiny character tokenizer and a chat template: what `--model PATH` reads, without torch."""
-    from safetensors.numpy import save_file
-
-    from specjax.models.checkpoint import flatten
-    from specjax.models.hf_loader import _LAYER_TENSORS
-    from specjax.models.llama import layer_to_checkpoint
-
-    c = model.config
-    folder.mkdir(parents=True, exist_ok=True)
-    hf_config = {
-        "model_type": "llama",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "max_position_embeddings": c.max_position_embeddings,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "tie_word_embeddings": c.tie_word_embeddings,
-    }
-    (folder / "config.json").write_text(json.dumps(hf_config))
-    flat = {name: np.asarray(value) for name, value in flatten(model.params.replace(layers=())).items()}
-    for i, layer in enumerate(model.params.layers):  # q, k and v apart, as HF keeps them
-        flat |= {f"layers.{i}.{name}": np.asarray(x) for name, x in layer_to_checkpoint(layer, c).items()}
-    tensors = {"model.embed_tokens.weight": flat["embed"], "model.norm.weight": flat["final_norm"]}
-    tensors["lm_head.weight"] = flat["lm_head"].T
-    for hf_name, (ours, transpose) in _LAYER_TENSORS.items():
-        for i in range(c.num_layers):
-            if f"layers.{i}.{ours}" in flat:
-                value = flat[f"layers.{i}.{ours}"]
-                tensors[f"model.layers.{i}.{hf_name}"] = value.T if transpose else value
-    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, folder / "model.safetensors")
+    hf_export.save_hf_folder(model, folder)
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)

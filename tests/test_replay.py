@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny import tiny_model
 
 import specjax
 from specjax.speculate.replay import copy_oracle_accepts, ngram_replay
-from tests.tiny import tiny_model
 
 # A vocabulary of 12 tokens: greedy outputs of a random model revisit tokens and short n-grams
 # often, so lookups match, and are right only some of the time. Token 5 ends a row.

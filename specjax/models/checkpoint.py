@@ -1,18 +1,22 @@
-"""Flat, named params: the common currency of the checkpoint loaders and the on-disk cache.
+"""Flat, named weights: the common currency of the checkpoint loaders and the on-disk cache.
 
-Every loader turns its own tensor names into flat names of our params tree ("embed",
-"layers.q", ..., "lm_head"), each a float32 numpy array in our layout (projections `[in, out]`,
-per-layer weights stacked on a leading L axis). The query, key and value projections stay apart
-here ("layers.q", "layers.k", "layers.v", and their biases), as in HF and GGUF files; the params
-hold them fused (`LayerParams.qkv`, see llama.py). `params_from_arrays` checks the arrays against
-`expected_shapes(config)` and builds the `LlamaParams` pytree, so every source is validated the
-same way.
+Every loader maps its own tensor names onto flat names of our params tree in the checkpoint
+layout: "embed", "layers.3.q", "layers.3.k", ..., "final_norm", "lm_head", each an unread
+`LazyTensor` (models/tensors.py) in our layout (matrices `[in, out]`). The query, key and value
+projections stay apart here ("layers.3.q", ... and their biases), as in HF and GGUF files; the
+params hold them fused (`LayerParams.qkv`, see llama.py). A mixture's experts are one tensor per
+weight and layer ("layers.3.expert_gate" [X, D, F]).
+
+`params_from_tensors` checks every name, shape and stored dtype against the config before it
+reads anything, then reads, converts and places the weights layer by layer: the host holds one
+layer's tensors at a time, so loading a checkpoint needs about its parameters' size on the
+devices plus one layer (or the embedding, the largest single tensor) in host memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -20,13 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import (
-    LayerParams,
-    LlamaParams,
-    checkpoint_layer_shapes,
-    layer_from_checkpoint,
-    param_shapes,
-)
+from specjax.models.llama import LayerParams, LlamaParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.tensors import WEIGHT_DTYPES, LazyTensor, of_array
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -45,94 +46,112 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def collect_layers(
-    per_layer: dict[str, dict[int, np.ndarray]], unknown: list[str], num_layers: int, source: str
-) -> dict[str, np.ndarray]:
-    """Refuse tensors a loader did not recognise, check every layer is present, and stack each
-    field's per-layer arrays into the flat "layers.<field>" [L, ...] of the checkpoint layout."""
-    if unknown:
-        more = " ..." if len(unknown) > 8 else ""
-        raise ValueError(
-            f"{source} has tensors a Llama-family model does not use: {sorted(unknown)[:8]}{more}"
-        )
-    arrays = {}
-    for field, layers in per_layer.items():
-        if sorted(layers) != list(range(num_layers)):
-            raise ValueError(
-                f"{source}: {field} found for layers {sorted(layers)}, expected 0..{num_layers - 1}"
-            )
-        arrays[f"layers.{field}"] = np.stack([layers[i] for i in range(num_layers)])
-    return arrays
-
-
 def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The flat name -> shape table a checkpoint for `config` must fill exactly; per-layer
-    weights are stacked on a leading L axis under "layers.<field>" (checkpoint_layer_shapes)."""
-    shapes = param_shapes(config)
-    flat = {name: shape for name, shape in flatten(shapes.replace(layers=None)).items()}
-    for name, shape in checkpoint_layer_shapes(config).items():
-        flat[f"layers.{name}"] = (config.num_layers, *shape)
-    return flat
+    """The flat name -> shape table a checkpoint for `config` must fill exactly."""
+    shapes = {"embed": (config.vocab_size, config.hidden_size)}
+    for i in range(config.num_layers):
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in checkpoint_layer_shapes(config, i).items()}
+    shapes["final_norm"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
 
 
-def params_from_arrays(
+def dtype_name(dtype: Any) -> str:
+    """ "float32", "bfloat16" or "float16" for a dtype given as a name or a dtype; ValueError
+    naming `dtype` otherwise."""
+    try:
+        name = jnp.dtype(dtype).name
+    except TypeError:
+        name = None
+    if name not in SUPPORTED_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
+    return name
+
+
+def check_tensors(config: LlamaConfig, tensors: Mapping[str, LazyTensor], source: str) -> None:
+    """ValueError naming `source` and every missing, unexpected, misshapen or wrongly typed
+    tensor, before anything is read."""
+    expected = expected_shapes(config)
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    problems = []
+    if missing:
+        problems.append(f"missing {_first(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {_first([tensors[name].source for name in unexpected])}")
+    wrong = [
+        f"{tensors[name].source} ({name}): got {tuple(tensors[name].shape)}, expected {shape}"
+        for name, shape in expected.items()
+        if name in tensors and tuple(tensors[name].shape) != shape
+    ]
+    if wrong:
+        problems.append("wrong shapes: " + "; ".join(wrong[:8]))
+    bad_types = [
+        f"{tensors[name].source} is {tensors[name].dtype.name}"
+        for name in expected
+        if name in tensors and tensors[name].dtype.name not in WEIGHT_DTYPES
+    ]
+    if bad_types:
+        problems.append(f"dtypes other than {', '.join(WEIGHT_DTYPES)}: " + "; ".join(bad_types[:8]))
+    if problems:
+        raise ValueError(f"checkpoint {source} does not match its config: " + ", ".join(problems))
+
+
+def _first(names: list[str]) -> list[str]:
+    """At most 8 names, and how many more there are."""
+    return names[:8] + ([f"... {len(names) - 8} more"] if len(names) > 8 else [])
+
+
+def params_from_tensors(
     config: LlamaConfig,
-    arrays: dict[str, np.ndarray],
+    tensors: Mapping[str, LazyTensor | np.ndarray],
     source: str,
+    dtype: Any = "float32",
     put: Callable[[str, np.ndarray], jax.Array] | None = None,
 ) -> LlamaParams:
-    """Check flat arrays against `config` and build float32 `LlamaParams` from them.
+    """Check flat tensors against `config`, then build `LlamaParams` of `dtype` from them.
 
-    `put(name, host_array)` moves each weight to the devices, one per layer under its name in the
-    params ("layers.3.qkv", fused here); the default puts it on the default device, and
-    `specjax.sharding.param_placer` sends each device just its slice. Raises ValueError naming
-    `source` and every missing, unexpected or misshapen tensor.
+    Reads one layer's tensors at a time, converts them to `dtype` and fuses q, k and v; `put(name,
+    host_array)` moves each weight to the devices under its name in the params ("layers.3.qkv");
+    the default puts it on the default device, and `specjax.sharding.param_placer` sends each
+    device just its slice. Raises ValueError naming `source` and every missing, unexpected,
+    misshapen or wrongly typed tensor before reading any.
     """
-    expected = expected_shapes(config)
-    missing = sorted(set(expected) - set(arrays))
-    unexpected = sorted(set(arrays) - set(expected))
-    wrong = [
-        f"{name}: got {tuple(arrays[name].shape)}, expected {shape}"
-        for name, shape in expected.items()
-        if name in arrays and tuple(arrays[name].shape) != shape
-    ]
-    if missing or unexpected or wrong:
-        problems = []
-        if missing:
-            problems.append(f"missing {missing}")
-        if unexpected:
-            problems.append(f"unexpected {unexpected}")
-        if wrong:
-            problems.append("wrong shapes: " + "; ".join(wrong))
-        raise ValueError(f"checkpoint {source} does not match its config: " + ", ".join(problems))
+    tensors = {name: t if isinstance(t, LazyTensor) else of_array(t, name) for name, t in tensors.items()}
+    check_tensors(config, tensors, source)
+    target = np.dtype(jnp.dtype(dtype_name(dtype)))
     put = _put_on_default_device if put is None else put
 
-    def get(name):
-        return put(name, np.asarray(arrays[name], np.float32)) if name in expected else None
+    def read(name):
+        values = tensors[name].read()
+        return values if values.dtype == target else values.astype(target)
 
-    def layer(i):  # one layer's slices of the stacked [L, ...] arrays, fused and put
-        names = checkpoint_layer_shapes(config)
-        host = layer_from_checkpoint(
-            {name: np.asarray(arrays[f"layers.{name}"][i], np.float32) for name in names}, config
-        )
+    def get(name):
+        return put(name, read(name)) if name in tensors else None
+
+    def layer(i):  # read, fused and put, before the next layer is read
+        names = checkpoint_layer_shapes(config, i)
+        host = layer_from_checkpoint({name: read(f"layers.{i}.{name}") for name in names}, config)
         return LayerParams(**{name: put(f"layers.{i}.{name}", x) for name, x in flatten(host).items()})
 
-    return LlamaParams(
-        embed=get("embed"),
-        layers=tuple(layer(i) for i in range(config.num_layers)),
-        final_norm=get("final_norm"),
-        lm_head=get("lm_head"),
-    )
+    embed = get("embed")
+    layers = tuple(layer(i) for i in range(config.num_layers))
+    return LlamaParams(embed=embed, layers=layers, final_norm=get("final_norm"), lm_head=get("lm_head"))
 
 
 def _put_on_default_device(name: str, array: np.ndarray) -> jax.Array:
-    return jnp.asarray(array)
+    # device_put copies a strided view (a transposed weight) straight into the device buffer;
+    # jnp.asarray made a contiguous host copy first, one more tensor's worth of memory.
+    return jax.device_put(array)
 
 
 def config_to_dict(config: LlamaConfig) -> dict[str, Any]:
     """A JSON-ready dict of a config (the on-disk cache stores it next to the weights)."""
     out = dataclasses.asdict(config)
-    out["eos_token_ids"] = list(config.eos_token_ids)
+    for name in ("eos_token_ids", "layer_types", "dense_layers"):
+        if out[name] is not None:
+            out[name] = list(out[name])
     return out
 
 
@@ -140,5 +159,7 @@ def config_from_dict(data: dict[str, Any]) -> LlamaConfig:
     data = dict(data)
     if data.get("rope_scaling") is not None:
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
-    data["eos_token_ids"] = tuple(data.get("eos_token_ids", ()))
+    for name in ("eos_token_ids", "layer_types", "dense_layers"):
+        if data.get(name) is not None:
+            data[name] = tuple(data[name])
     return LlamaConfig(**data)

@@ -1,4 +1,10 @@
-"""The static description of a Llama-family model.
+"""The static description of a decoder-only transformer of the Llama lineage.
+
+One config class covers every supported family (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral,
+Qwen3-MoE): a family is a setting of the fields below (specjax/models/families.py maps each HF
+`model_type` onto them), not a model of its own. The forward (models/llama.py) picks each piece
+from the config: the norm's form, query/key norms, rotary variant and bases, full or sliding-window
+attention per layer, a gated MLP or a mixture of experts per layer.
 
 A config is frozen and hashable: it is passed to jitted functions as a static argument, so two
 models with equal configs share compiled programs.
@@ -7,10 +13,14 @@ models with equal configs share compiled programs.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import math
 
-# HF `model_type`s whose checkpoints this forward reproduces exactly.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Activations of the gated MLP: "silu" (SwiGLU, most families) and "gelu_tanh" (GeGLU, Gemma).
+ACTIVATIONS = ("silu", "gelu_tanh")
+# Forms of RMSNorm: "rms" scales by w (Llama: normalize in float32, cast, then times w), "gemma" by
+# 1 + w (in float32, then cast).
+NORMS = ("rms", "gemma")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +51,27 @@ class LlamaConfig:
     qkv_bias: bool = False  # Qwen2-style biases on the q, k and v projections
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    model_type: str = "llama"
+    model_type: str = "llama"  # the HF family it came from (for messages and the GGUF cache)
+    # --- the pieces other families choose (defaults: Llama's) ---
+    hidden_act: str = "silu"  # ACTIVATIONS
+    norm: str = "rms"  # NORMS
+    qk_norm: bool = False  # RMSNorm over each query and key head before the rotation (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms on the attention and MLP outputs too (Gemma 3)
+    embed_scale: bool = False  # token embeddings times sqrt(hidden_size) (Gemma)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    rotary_dim: int | None = None  # rotated dims of each head (Phi-3's partial rotary); None: all
+    sliding_window: int | None = None  # a sliding layer's query sees the last `sliding_window` positions
+    layer_types: tuple[str, ...] | None = None  # per layer, LAYER_TYPES; None: all sliding with a window
+    local_rope_theta: float | None = None  # rotary base of sliding layers (Gemma 3); None: rope_theta
+    final_logit_softcapping: float | None = None  # logits = c * tanh(logits / c)
+    # --- mixture of experts (num_experts 0: every layer has a dense MLP) ---
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None  # each expert's ffw size; None: intermediate_size
+    norm_topk_prob: bool = True  # renormalize the chosen experts' router probabilities to sum to 1
+    dense_layers: tuple[
+        int, ...
+    ] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE's mlp_only_layers)
 
     def __post_init__(self):
         for name in (
@@ -54,7 +84,7 @@ class LlamaConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -68,14 +98,57 @@ class LlamaConfig:
                     f"({self.num_heads}) when head_dim is not given"
                 )
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-        if self.head_dim % 2:
-            raise ValueError(f"LlamaConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
+        if self.rotary_dim is None:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ValueError(
-                f"LlamaConfig.model_type {self.model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                f"LlamaConfig.rotary_dim must be even and in 2..head_dim ({self.head_dim}), "
+                f"got {self.rotary_dim}"
             )
+        self._check_choice("hidden_act", ACTIVATIONS)
+        self._check_choice("norm", NORMS)
+        self._check_layers()
+        self._check_experts()
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
+
+    def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
+        value = getattr(self, name)
+        if value not in allowed:
+            raise ValueError(
+                f"LlamaConfig.{name} {value!r} is not supported; supported: {', '.join(allowed)}"
+            )
+
+    def _check_layers(self) -> None:
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"LlamaConfig.sliding_window must be a positive integer or None, got {window!r}")
+        if self.layer_types is None:
+            return
+        types = tuple(self.layer_types)
+        object.__setattr__(self, "layer_types", types)
+        if len(types) != self.num_layers or any(t not in LAYER_TYPES for t in types):
+            raise ValueError(
+                f"LlamaConfig.layer_types must give one of {LAYER_TYPES} for each of the "
+                f"{self.num_layers} layers, got {types!r}"
+            )
+        if "sliding_attention" in types and window is None:
+            raise ValueError("LlamaConfig.layer_types has sliding layers but sliding_window is None")
+
+    def _check_experts(self) -> None:
+        if self.num_experts == 0:
+            if self.num_experts_per_tok or self.dense_layers:
+                raise ValueError("LlamaConfig: num_experts_per_tok and dense_layers need num_experts > 0")
+            return
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"LlamaConfig.num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                f"got {self.num_experts_per_tok}"
+            )
+        object.__setattr__(self, "dense_layers", tuple(sorted(int(i) for i in self.dense_layers)))
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise ValueError(f"LlamaConfig.dense_layers must be layer indices, got {self.dense_layers}")
+        if self.moe_intermediate_size is None:
+            object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
 
     @property
     def q_size(self) -> int:
@@ -85,68 +158,29 @@ class LlamaConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> LlamaConfig:
-        """Build a config from an HF `config.json` dict, refusing what the forward cannot run."""
-        model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(
-                f"config.json model_type {model_type!r} is not supported; "
-                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json hidden_act {hf['hidden_act']!r} is not supported; only 'silu' is")
-        if model_type == "mistral" and hf.get("sliding_window"):
-            # Sliding-window attention would change the logits once a sequence outgrows the window.
-            raise ValueError(
-                f"config.json sliding_window={hf['sliding_window']} is not supported; "
-                "only full attention (sliding_window null) is"
-            )
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        return cls(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-            head_dim=hf.get("head_dim"),
-            rope_theta=float(_rope_parameters(hf).get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling_from_hf(_rope_parameters(hf)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            qkv_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            model_type=model_type,
-        )
+    @property
+    def attention_scale(self) -> float:
+        """What the scores q . k are multiplied by before the softmax."""
+        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
 
-
-def _rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 nests rope settings in `rope_parameters`; older configs keep them flat."""
-    params = dict(hf.get("rope_scaling") or {})
-    params.update(hf.get("rope_parameters") or {})
-    if "rope_theta" in hf:
-        params.setdefault("rope_theta", hf["rope_theta"])
-    return params
-
-
-def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type in (None, "default"):
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None where it attends to every earlier position."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
         return None
-    if rope_type == "linear":
-        return RopeScaling(rope_type="linear", factor=float(params["factor"]))
-    if rope_type == "llama3":
-        return RopeScaling(
-            rope_type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    raise ValueError(
-        f"config.json rope_scaling type {rope_type!r} is not supported; supported: default, linear, llama3"
-    )
+
+    def layer_rope(self, layer: int) -> tuple[float, RopeScaling | None]:
+        """(rotary base, scaling) of `layer`: sliding layers of a model with `local_rope_theta`
+        (Gemma 3) use that base unscaled, every other layer `rope_theta` and `rope_scaling`."""
+        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+            return self.local_rope_theta, None
+        return self.rope_theta, self.rope_scaling
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def has_window(self) -> bool:
+        return any(self.layer_window(i) is not None for i in range(self.num_layers))

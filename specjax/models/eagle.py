@@ -84,11 +84,21 @@ class EagleConfig:
         return LlamaConfig(num_layers=1, **{name: getattr(self, name) for name in _LAYER_FIELDS})
 
     def matches(self, config: LlamaConfig) -> bool:
-        """Whether a target of `config` has the shapes and rotary settings this head was built for."""
-        return (
-            dataclasses.replace(EagleConfig.for_target(config), draft_vocab_size=self.draft_vocab_size)
-            == self
-        )
+        """Whether a target of `config` has the shapes and rotary settings this head was built for.
+        Floats compare to float32 precision: a GGUF stores them as float32 (1e-5 reads back as
+        9.99999975e-06 or as 1e-5, depending on the reader), and a head saved with one form
+        belongs to the target read with the other."""
+        theirs = EagleConfig.for_target(config)
+        for field in dataclasses.fields(self):
+            mine, other = getattr(self, field.name), getattr(theirs, field.name)
+            if field.name == "draft_vocab_size":
+                continue
+            if isinstance(mine, float) and isinstance(other, float):
+                if not math.isclose(mine, other, rel_tol=1e-6):
+                    return False
+            elif mine != other:
+                return False
+        return True
 
 
 @flax.struct.dataclass

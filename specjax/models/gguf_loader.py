@@ -1,76 +1,156 @@
 """Read a llama.cpp `.gguf` file: config, float32 weights and tokenizer, without torch.
 
-Three things differ from an HF checkpoint:
+The architectures (`general.architecture`) read are those llama.cpp's converter
+(convert_hf_to_gguf.py) writes for the families specjax runs:
+
+- llama: Llama, Mistral (whose GGUF architecture is llama) and Mixtral (each layer's experts
+  stacked in `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, its router in `ffn_gate_inp`);
+- qwen2 (q/k/v biases), qwen3 (q/k norms; `attention.key_length` apart from hidden / heads) and
+  qwen3moe (experts as Mixtral's, each `expert_feed_forward_length` wide);
+- gemma3 (four norms a layer, q/k norms, local and global layers).
+
+What differs from an HF checkpoint:
 
 - Weights may be quantized (Q4_1, Q8_0, ...); `gguf.quants.dequantize` turns each into float32.
-- llama.cpp's converter reorders the rows of the q and k projections within each head, for its
-  rotary kernel that rotates adjacent pairs (x[2i], x[2i+1]). Our forward, like HF, rotates the
-  halves (x[i], x[i + E/2]), so the reorder is undone here (`unpermute_rotary_rows`).
+- llama only: the converter reorders the rows of the q and k projections within each head, for
+  llama.cpp's rotary kernel that rotates adjacent pairs (x[2i], x[2i+1]). Our forward, like HF,
+  rotates the halves (x[i], x[i + E/2]), so the reorder is undone here (`unpermute_rotary_rows`).
+  llama.cpp runs the other architectures with its NEOX kernel, which rotates halves: their rows are
+  stored as HF's.
+- gemma3: the converter stores every norm weight as 1 + w (llama.cpp's RMSNorm multiplies by the
+  stored weight); our "gemma" norm multiplies by 1 + w, so 1 is subtracted here.
 - There is no `tokenizer.json`: the vocabulary, merges and special ids are metadata
   (`tokenizer.ggml.*`), from which `tokenizer_from_gguf` builds a byte-level BPE tokenizer with the
   `tokenizers` library. (transformers can read GGUF too, but its code imports torch.)
+
+What the format does not say, and what is assumed instead (llama.cpp's own choices):
+
+- llama: the converter writes no sliding window for Mistral or Mixtral, and llama.cpp runs them
+  with full attention; a file that does carry `llama.attention.sliding_window` gets that window.
+- gemma3: query_pre_attn_scalar is not stored; llama.cpp scales scores by head_dim ** -0.5, or by
+  (hidden / heads) ** -0.5 for the 62-layer 27B, which is what Gemma 3's own configs say. Which
+  layers are local: `attention.sliding_window_pattern` (a bool per layer, or n: every n-th layer
+  global), which the converter does not write, else every sixth layer global. Local layers rotate
+  with `rope.freq_base_swa` (default 10000) and no scaling.
+- qwen3moe: norm_topk_prob is not stored; llama.cpp renormalizes the chosen experts' weights, as
+  every released Qwen3-MoE does. Dense layers among the experts (mlp_only_layers) cannot be written.
+
+Anything else a file carries that the forward does not compute (another rope scaling, attention
+logit soft-capping, shared experts, ...) is a ValueError naming the key or tensor.
 """
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specjax.models.checkpoint import collect_layers, params_from_arrays
+from specjax.models.checkpoint import check_tensors, expected_shapes, params_from_tensors
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.llama import LlamaParams
+from specjax.models.tensors import LazyTensor
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+# general.architecture -> (the HF model_type it comes from, the LlamaConfig fields it fixes).
+_ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", dict(qk_norm=True)),
+    "qwen3moe": ("qwen3_moe", dict(qk_norm=True)),
+    "gemma3": (
+        "gemma3_text",
+        dict(norm="gemma", qk_norm=True, sandwich_norms=True, embed_scale=True, hidden_act="gelu_tanh"),
+    ),
+}
+SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
+# The architectures llama.cpp rotates in adjacent pairs, whose q/k rows its converter reorders.
+_PERMUTED_ARCHITECTURES = ("llama",)
+# llama.cpp's default for Gemma 3 files without a sliding_window_pattern: every sixth layer global.
+_DEFAULT_WINDOW_PATTERN = {"gemma3": 6}
 SUPPORTED_TOKENIZERS = ("gpt2",)  # tokenizer.ggml.model: byte-level BPE
 # tokenizer.ggml.pre: how text is split before BPE. (llama.cpp's "default", used when the key is
 # missing, is not GPT-2's split, so it is not claimed here.)
 SUPPORTED_PRE_TOKENIZERS = ("gpt2", "smollm")
 
-# GGUF per-layer tensor name -> (our checkpoint name, rows carry llama.cpp's rotary reorder).
-_LAYER_TENSORS = {
-    "attn_norm.weight": ("attn_norm", False),
-    "attn_q.weight": ("q", True),
-    "attn_k.weight": ("k", True),
-    "attn_v.weight": ("v", False),
-    "attn_output.weight": ("o", False),
-    "ffn_norm.weight": ("mlp_norm", False),
-    "ffn_gate.weight": ("gate", False),
-    "ffn_up.weight": ("up", False),
-    "ffn_down.weight": ("down", False),
-    "attn_q.bias": ("q_bias", True),
-    "attn_k.bias": ("k_bias", True),
-    "attn_v.bias": ("v_bias", False),
-}
+# GGUF tensor name -> our checkpoint name: global tensors, and per layer (after "blk.{i}.").
 _GLOBAL_TENSORS = {
     "token_embd.weight": "embed",
     "output_norm.weight": "final_norm",
     "output.weight": "lm_head",
 }
+_LAYER_TENSORS = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_q_norm.weight": "q_norm",
+    "attn_k_norm.weight": "k_norm",
+    "attn_output.weight": "o",
+    "post_attention_norm.weight": "attn_out_norm",  # Gemma 3: the norm of the attention's output
+    "ffn_norm.weight": "mlp_norm",  # the MLP's input norm (Gemma 3's pre_feedforward_layernorm)
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_exps.weight": "expert_gate",  # [X, out, in] as stored: all experts of the layer
+    "ffn_up_exps.weight": "expert_up",
+    "ffn_down_exps.weight": "expert_down",
+    "post_ffw_norm.weight": "mlp_out_norm",
+}
+_GGUF_NAMES = {ours: theirs for theirs, ours in (_GLOBAL_TENSORS | _LAYER_TENSORS).items()}
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
+_ROTARY_ROWS = ("q", "k", "q_bias", "k_bias")
+
+# Keys (after "{arch}.") that some writers set and that change what the model computes in ways the
+# forward does not: each must be absent or hold its neutral value.
+_NEUTRAL_KEYS: dict[str, Callable[[Any], bool]] = {
+    "attention.causal": bool,
+    "attn_logit_softcapping": lambda v: not v,
+    "attention.clamp_kqv": lambda v: not v,
+    "attention.max_alibi_bias": lambda v: not v,
+    "logit_scale": lambda v: v in (0, 1),
+    "embedding_scale": lambda v: v in (0, 1),
+    "residual_scale": lambda v: v in (0, 1),
+    "rope.dimension_sections": lambda v: not any(v),
+    "expert_shared_count": lambda v: not v,
+    "expert_shared_feed_forward_length": lambda v: not v,
+    "expert_weights_scale": lambda v: v in (0, 1),
+    "expert_gating_func": lambda v: v in (0, 1),  # llama.cpp: 0 the architecture's own, 1 softmax
+    "expert_group_count": lambda v: v in (0, 1),
+    "leading_dense_block_count": lambda v: not v,
+    "interleave_moe_layer_step": lambda v: v in (0, 1),
+    "moe_every_n_layers": lambda v: v in (0, 1),
+}
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def load_gguf(path: str | Path) -> tuple[LlamaConfig, LlamaParams, Any]:
-    """(config, float32 params, tokenizer or None) from a `.gguf` file."""
-    config, arrays, tokenizer = read_gguf(path)
-    return config, params_from_arrays(config, arrays, source=str(path)), tokenizer
+def load_gguf(path: str | Path, dtype: Any = "float32") -> tuple[LlamaConfig, LlamaParams, Any]:
+    """(config, params of `dtype`, tokenizer or None) from a `.gguf` file."""
+    config, tensors, tokenizer = read_gguf(path)
+    return config, params_from_tensors(config, tensors, str(path), dtype), tokenizer
 
 
-def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
-    """(config, flat float32 numpy arrays in our layout, tokenizer or None) from a `.gguf` file."""
+def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
+    """(config, unread tensors by our flat names, dequantized to float32 when read, tokenizer or
+    None) from a `.gguf` file. A tensor the model does not use, or one it needs that the file
+    lacks, is a ValueError naming it."""
     import gguf  # deferred: only GGUF sources need it
 
     reader = gguf.GGUFReader(str(path))
     metadata = _Metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = config_from_gguf(metadata, tensors)
-    arrays = _convert_tensors(config, tensors, path)
+    permuted = metadata.require("general.architecture") in _PERMUTED_ARCHITECTURES
+    arrays = _convert_tensors(config, tensors, path, permuted)
     return config, arrays, tokenizer_from_gguf(metadata)
 
 
@@ -93,10 +173,33 @@ class _Metadata:
             raise ValueError(f"GGUF file {self.path} lacks the metadata key {key!r}")
         return self.get(key)
 
+    def get_int(self, key: str, default: int | None = None, required: bool = False) -> int | None:
+        """One integer for the whole model: per-layer arrays (which some architectures use for
+        head counts and ffw sizes) are a ValueError naming the key."""
+        value = self.require(key) if required else self.get(key, default)
+        if isinstance(value, list):
+            raise ValueError(
+                f"GGUF file {self.path} gives {key} per layer ({value[:4]} ...); only one value "
+                "for all layers is supported"
+            )
+        return None if value is None else int(value)
+
+    def get_float(self, key: str, default: float | None = None) -> float | None:
+        """A float32 value as the shortest decimal that rounds to it: the converter stored the
+        config's decimal (rms_norm_eps 1e-06) as float32, and this gives back that decimal rather
+        than its float32 neighbour (9.99999997e-07), so configs compare equal to HF's."""
+        field = self._fields.get(key)
+        if field is None:
+            return default
+        value = field.contents()
+        if len(field.types) == 1 and field.types[0].name == "FLOAT32":
+            value = str(np.float32(value))
+        return float(value)
+
 
 def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfig:
     arch = metadata.require("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in _ARCHITECTURES:
         raise ValueError(
             f"GGUF file {metadata.path} has architecture {arch!r}, which is not supported; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -107,19 +210,23 @@ def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfi
             f"GGUF file {metadata.path} carries a rope_freqs tensor (Llama 3.1-style rope scaling), "
             "which is not supported; load the HF checkpoint folder instead"
         )
-    hidden = int(metadata.require(f"{arch}.embedding_length"))
-    num_heads = int(metadata.require(f"{arch}.attention.head_count"))
-    num_kv_heads = int(metadata.get(f"{arch}.attention.head_count_kv", num_heads))
-    head_dim = int(metadata.get(f"{arch}.attention.key_length", hidden // num_heads))
-    rotary_dim = int(metadata.get(f"{arch}.rope.dimension_count", head_dim))
-    if rotary_dim != head_dim:
-        raise ValueError(
-            f"GGUF file {metadata.path} rotates {rotary_dim} of {head_dim} head dims; "
-            "only full rotary embeddings are supported"
-        )
-    ffw = metadata.require(f"{arch}.feed_forward_length")
-    if isinstance(ffw, list):
-        raise ValueError(f"GGUF file {metadata.path} has per-layer feed_forward_length; not supported")
+    _refuse_unsupported_keys(metadata, arch)
+    model_type, family_fields = _ARCHITECTURES[arch]
+    hidden = metadata.get_int(f"{arch}.embedding_length", required=True)
+    num_heads = metadata.get_int(f"{arch}.attention.head_count", required=True)
+    num_layers = metadata.get_int(f"{arch}.block_count", required=True)
+    head_dim = metadata.get_int(f"{arch}.attention.key_length", hidden // num_heads)
+    rotary_dim = _rotary_dim(metadata, arch, head_dim)
+    experts = _experts(metadata, arch)
+    if arch == "llama" and experts:
+        model_type = "mixtral"
+    fields = dict(family_fields, **experts, **_windows(metadata, arch, num_layers))
+    if arch == "gemma3":
+        # llama.cpp's scale (after gemma_pytorch's configs): head_dim, except the 62-layer 27B's
+        # hidden / heads (168, where its head_dim is 128).
+        fields["query_pre_attn_scalar"] = float(hidden // num_heads if num_layers == 62 else head_dim)
+    if arch == "gemma3" or f"{arch}.rope.freq_base_swa" in metadata:
+        fields["local_rope_theta"] = metadata.get_float(f"{arch}.rope.freq_base_swa", 10000.0)
 
     tokens = metadata.get("tokenizer.ggml.tokens")
     vocab_size = metadata.get(f"{arch}.vocab_size") or (len(tokens) if tokens else None)
@@ -131,36 +238,131 @@ def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfi
         if key in metadata
     ]
     bos = metadata.get("tokenizer.ggml.bos_token_id")
-    return LlamaConfig(
+    config = LlamaConfig(
         vocab_size=int(vocab_size),
         hidden_size=hidden,
-        intermediate_size=int(ffw),
-        num_layers=int(metadata.require(f"{arch}.block_count")),
+        intermediate_size=metadata.get_int(f"{arch}.feed_forward_length", required=True),
+        num_layers=num_layers,
         num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=metadata.get_int(f"{arch}.attention.head_count_kv", num_heads),
         head_dim=head_dim,
-        rope_theta=float(metadata.get(f"{arch}.rope.freq_base", 10000.0)),
+        rotary_dim=rotary_dim,
+        rope_theta=metadata.get_float(f"{arch}.rope.freq_base", 10000.0),
         rope_scaling=_rope_scaling(metadata, arch),
-        rms_norm_eps=float(metadata.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(metadata.get(f"{arch}.context_length", 2048)),
+        rms_norm_eps=metadata.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+        max_position_embeddings=metadata.get_int(f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
+        final_logit_softcapping=metadata.get_float(f"{arch}.final_logit_softcapping") or None,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
-        model_type="llama",
+        model_type=model_type,
+        **fields,
+    )
+    _check_attention_scale(metadata, arch, config)
+    return config
+
+
+def _refuse_unsupported_keys(metadata: _Metadata, arch: str) -> None:
+    for suffix, neutral in _NEUTRAL_KEYS.items():
+        key = f"{arch}.{suffix}"
+        if key in metadata and not neutral(metadata.get(key)):
+            raise ValueError(
+                f"GGUF file {metadata.path} has {key} = {metadata.get(key)!r}, which specjax does "
+                "not compute; only the family's default attention and MLP are supported"
+            )
+
+
+def _rotary_dim(metadata: _Metadata, arch: str, head_dim: int) -> int:
+    """The rotated dims of each head, after checking that values, and local layers' heads, have
+    the keys' size (the forward has one head size)."""
+    rotary_dim = metadata.get_int(f"{arch}.rope.dimension_count", head_dim)
+    for key, same_as in (
+        ("attention.value_length", head_dim),
+        ("attention.key_length_swa", head_dim),
+        ("attention.value_length_swa", head_dim),
+        ("rope.dimension_count_swa", rotary_dim),
+    ):
+        value = metadata.get(f"{arch}.{key}")
+        if value is not None and value != same_as:
+            raise ValueError(
+                f"GGUF file {metadata.path} has {arch}.{key} = {value!r}, not {same_as!r}; heads "
+                "of one size on every layer, for keys and values alike, are supported"
+            )
+    # The NEOX kernel rotates the halves of the first rotary_dim dims, as our partial rotary does;
+    # llama.cpp refuses partial rotation for llama, whose rows are stored reordered.
+    if rotary_dim != head_dim and arch in _PERMUTED_ARCHITECTURES:
+        raise ValueError(
+            f"GGUF file {metadata.path} rotates {rotary_dim} of {head_dim} head dims "
+            f"({arch}.rope.dimension_count); a {arch} model rotates them all"
+        )
+    return rotary_dim
+
+
+def _experts(metadata: _Metadata, arch: str) -> dict[str, Any]:
+    """The mixture's fields, or none for a dense model: every layer has the experts."""
+    count = metadata.get_int(f"{arch}.expert_count", 0)
+    if not count:
+        return {}
+    return dict(
+        num_experts=count,
+        num_experts_per_tok=metadata.get_int(f"{arch}.expert_used_count", required=True),
+        # Mixtral's experts are feed_forward_length wide (llama.cpp reads no other key for llama).
+        moe_intermediate_size=metadata.get_int(f"{arch}.expert_feed_forward_length"),
+        # Not written for llama or qwen3moe, whose llama.cpp graphs always renormalize.
+        norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", True)),
     )
 
 
+def _windows(metadata: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """sliding_window and layer_types: no window, one on every layer, or local and global layers
+    as llama.cpp's sliding_window_pattern reads (a bool per layer, or n: every n-th global)."""
+    window = metadata.get_int(f"{arch}.attention.sliding_window", 0)
+    if not window:
+        return {}
+    key = f"{arch}.attention.sliding_window_pattern"
+    pattern = metadata.get(key, _DEFAULT_WINDOW_PATTERN.get(arch))
+    if pattern is None:
+        return dict(sliding_window=window)
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(
+                f"GGUF file {metadata.path} has {key} of {len(pattern)} entries for {num_layers} layers"
+            )
+        sliding = [bool(x) for x in pattern]
+    else:
+        n = int(pattern)
+        sliding = [n == 0 or i % n < n - 1 for i in range(num_layers)]  # llama.cpp's set_swa_pattern
+    types = tuple("sliding_attention" if s else "full_attention" for s in sliding)
+    return dict(sliding_window=window, layer_types=types)
+
+
 def _rope_scaling(metadata: _Metadata, arch: str) -> RopeScaling | None:
-    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
-    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0) or 1.0)
-    if kind == "none" or (kind == "linear" and factor == 1.0):
+    # llama.cpp's defaults: type linear, the factor from rope.scaling.factor or the older
+    # rope.scale_linear, 0 or absent meaning 1 (no scaling).
+    kind = metadata.get(f"{arch}.rope.scaling.type", "linear")
+    factor = metadata.get_float(f"{arch}.rope.scaling.factor") or metadata.get_float(
+        f"{arch}.rope.scale_linear"
+    )
+    if kind == "none" or (kind == "linear" and factor in (None, 0.0, 1.0)):
         return None
     if kind == "linear":
         return RopeScaling(rope_type="linear", factor=factor)
     raise ValueError(
-        f"GGUF file {metadata.path} rope.scaling.type {kind!r} is not supported; supported: none, linear"
+        f"GGUF file {metadata.path} {arch}.rope.scaling.type {kind!r} is not supported; "
+        "supported: none, linear"
     )
+
+
+def _check_attention_scale(metadata: _Metadata, arch: str, config: LlamaConfig) -> None:
+    """A stored score scale must be the one the config implies (no architecture here reads one)."""
+    key = f"{arch}.attention.scale"
+    scale = metadata.get_float(key)
+    if scale is not None and not math.isclose(scale, config.attention_scale, rel_tol=1e-6):
+        raise ValueError(
+            f"GGUF file {metadata.path} has {key} = {scale}, but a {arch} model scales attention "
+            f"scores by {config.attention_scale:.6g}; other scales are not supported"
+        )
 
 
 def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -175,41 +377,77 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return interleaved.swapaxes(1, 2).reshape(weight.shape)
 
 
-def _convert_tensors(config: LlamaConfig, tensors: dict[str, Any], path) -> dict[str, np.ndarray]:
-    """Dequantize every tensor into our flat names and layout; unknown tensors are an error."""
-    from gguf.quants import dequantize
-
-    def as_float32(tensor) -> np.ndarray:
-        values = dequantize(tensor.data, tensor.tensor_type)
-        return np.array(values, np.float32).reshape(  # a copy: F32 data is a view of the mmap
-            tuple(int(n) for n in reversed(tensor.shape))
-        )
-
-    heads = {
-        "q": config.num_heads,
-        "k": config.num_kv_heads,
-        "q_bias": config.num_heads,
-        "k_bias": config.num_kv_heads,
-    }
-    arrays: dict[str, np.ndarray] = {}
-    per_layer: dict[str, dict[int, np.ndarray]] = {}
+def _convert_tensors(
+    config: LlamaConfig, tensors: dict[str, Any], path, permuted: bool
+) -> dict[str, LazyTensor]:
+    """Every tensor under our flat name, in our layout, dequantized to float32 when read. Unknown
+    tensors, and tensors the config needs that the file lacks, are errors naming them."""
+    arrays: dict[str, LazyTensor] = {}
     unknown = []
     for name, tensor in tensors.items():
         match = _LAYER_NAME.fullmatch(name)
         if name in _GLOBAL_TENSORS:
             ours = _GLOBAL_TENSORS[name]
-            value = as_float32(tensor)
-            arrays[ours] = value.T if ours == "lm_head" else value  # output.weight is HF's [V, D]
         elif match and match.group(2) in _LAYER_TENSORS:
-            ours, permuted = _LAYER_TENSORS[match.group(2)]
-            value = as_float32(tensor)  # HF layout: [out, in] or [out]
-            if permuted:
-                value = unpermute_rotary_rows(value, heads[ours])
-            per_layer.setdefault(ours, {})[int(match.group(1))] = value.T  # -> [in, out]; no-op on 1-D
+            ours = f"layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
         else:
             unknown.append(name)
-    arrays.update(collect_layers(per_layer, unknown, config.num_layers, f"GGUF file {path}"))
+            continue
+        arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
+    if unknown:
+        more = " ..." if len(unknown) > 8 else ""
+        raise ValueError(
+            f"GGUF file {path} has tensors a {config.model_type} model does not use: "
+            f"{sorted(unknown)[:8]}{more}"
+        )
+    missing = [_gguf_name(name) for name in expected_shapes(config) if name not in arrays]
+    if missing:
+        more = " ..." if len(missing) > 8 else ""
+        raise ValueError(
+            f"GGUF file {path} lacks tensors a {config.model_type} model needs: {missing[:8]}{more}"
+        )
+    # Shapes too, here rather than only when params are built: the loader caches what this
+    # returns, and the cache's tensors no longer carry their GGUF names for the message.
+    check_tensors(config, arrays, str(path))
     return arrays
+
+
+def _gguf_name(ours: str) -> str:
+    """The GGUF name of one of our flat names ("layers.3.q" -> "blk.3.attn_q.weight")."""
+    if ours.startswith("layers."):
+        _, layer, short = ours.split(".", 2)
+        return f"blk.{layer}.{_GGUF_NAMES[short]}"
+    return _GGUF_NAMES[ours]
+
+
+def _in_our_layout(value: LazyTensor, ours: str, config: LlamaConfig, permuted: bool) -> LazyTensor:
+    """A tensor as stored (HF's layout: [out, in], experts [X, out, in]) -> ours ([in, out])."""
+    short = ours.rsplit(".", 1)[-1]
+    if permuted and short in _ROTARY_ROWS:
+        heads = config.num_heads if short.startswith("q") else config.num_kv_heads
+        value = value.mapped(lambda w: unpermute_rotary_rows(w, heads))
+    if config.norm == "gemma" and short.endswith("norm"):
+        value = value.mapped(lambda w: w - np.float32(1))  # stored as 1 + w (see the module docstring)
+    if short == "embed":
+        return value  # [V, D] in both
+    if len(value.shape) == 3:
+        X, n_out, n_in = value.shape
+        return value.mapped(lambda w: np.ascontiguousarray(w.swapaxes(1, 2)), (X, n_in, n_out))
+    return value.transposed()  # matrices [out, in] -> [in, out] (output.weight: [V, D] -> [D, V])
+
+
+def _dequantized(tensor, name: str) -> LazyTensor:
+    """A GGUF tensor in HF's layout (ggml lists dimensions innermost first: reversed), dequantized
+    to float32 when read."""
+    from gguf.quants import dequantize
+
+    shape = tuple(int(n) for n in reversed(tensor.shape))
+
+    def read():
+        values = dequantize(tensor.data, tensor.tensor_type)
+        return np.array(values, np.float32).reshape(shape)  # a copy: F32 data is a view of the mmap
+
+    return LazyTensor(shape, np.dtype(np.float32), read, name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""Read an HF checkpoint folder (`config.json` + safetensors) without torch.
+"""Read an HF checkpoint folder (`config.json` + safetensors) without torch, one tensor at a time.
 
 The folder is what `save_pretrained` writes: `config.json`, then either `model.safetensors` or
-shards listed in `model.safetensors.index.json`. Torch weights are `[out, in]`; ours are `[in, out]`
-and stacked over layers, so every projection is transposed and the layers are stacked here.
+shards listed in `model.safetensors.index.json`. `open_hf_folder` parses the config (its family:
+models/families.py), maps every tensor's HF name onto ours and returns them unread
+(models/tensors.py), so that `checkpoint.params_from_tensors` can check the whole checkpoint
+first and then read, convert and place it tensor by tensor. Torch keeps matrices `[out, in]`;
+ours are `[in, out]`, so matrices are transposed as they are read.
 """
 
 from __future__ import annotations
@@ -12,43 +15,25 @@ import re
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from specjax.models.checkpoint import collect_layers, params_from_arrays
+from specjax.models import families
+from specjax.models.checkpoint import params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
+from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 
-# HF per-layer tensor name -> (our checkpoint name, is a matrix to transpose to [in, out]).
-_LAYER_TENSORS = {
-    "input_layernorm.weight": ("attn_norm", False),
-    "self_attn.q_proj.weight": ("q", True),
-    "self_attn.k_proj.weight": ("k", True),
-    "self_attn.v_proj.weight": ("v", True),
-    "self_attn.o_proj.weight": ("o", True),
-    "self_attn.q_proj.bias": ("q_bias", False),
-    "self_attn.k_proj.bias": ("k_bias", False),
-    "self_attn.v_proj.bias": ("v_bias", False),
-    "post_attention_layernorm.weight": ("mlp_norm", False),
-    "mlp.gate_proj.weight": ("gate", True),
-    "mlp.up_proj.weight": ("up", True),
-    "mlp.down_proj.weight": ("down", True),
-}
-_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Buffers some old checkpoints saved; recomputed by the forward.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 # Files whose presence means the folder carries a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 
-def load_hf_folder(folder: str | Path) -> tuple[LlamaConfig, LlamaParams, Any]:
-    """(config, float32 params, tokenizer or None) from an HF checkpoint folder."""
-    config, arrays, tokenizer = read_hf_folder(folder)
-    return config, params_from_arrays(config, arrays, source=str(folder)), tokenizer
+def load_hf_folder(folder: str | Path, dtype: Any = "float32") -> tuple[LlamaConfig, LlamaParams, Any]:
+    """(config, params of `dtype`, tokenizer or None) from an HF checkpoint folder."""
+    config, tensors, tokenizer = open_hf_folder(folder)
+    return config, params_from_tensors(config, tensors, str(folder), dtype), tokenizer
 
 
-def read_hf_folder(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
-    """(config, flat float32 numpy arrays in our layout, tokenizer or None) from a folder."""
-    folder = Path(folder)
+def read_config(folder: Path) -> LlamaConfig:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(
@@ -58,25 +43,40 @@ def read_hf_folder(folder: str | Path) -> tuple[LlamaConfig, dict[str, np.ndarra
     with open(config_path) as f:
         hf_config = json.load(f)
     try:
-        config = LlamaConfig.from_hf(hf_config)
+        return families.config_from_hf(hf_config)
     except ValueError as error:
         raise ValueError(f"{config_path}: {error}") from None
-    arrays = _convert_tensors(config, _read_safetensors(folder), folder)
-    return config, arrays, tokenizer_from_folder(folder)
 
 
-def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+def open_hf_folder(folder: str | Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
+    """(config, unread tensors by our flat names, tokenizer or None) from a folder. Tensors the
+    family does not use are a ValueError naming them."""
+    folder = Path(folder)
+    config = read_config(folder)
+    tensors, unknown = map_tensors(config, checkpoint_tensors(folder))
+    if unknown:
+        more = " ..." if len(unknown) > 8 else ""
+        raise ValueError(
+            f"checkpoint {folder} has tensors a {config.model_type} model does not use: "
+            f"{sorted(unknown)[:8]}{more}"
+        )
+    return config, tensors, tokenizer_from_folder(folder)
 
+
+def checkpoint_tensors(folder: Path) -> dict[str, LazyTensor]:
+    """Every tensor of the folder's safetensors file or shards, by HF name, unread."""
     single, index = folder / "model.safetensors", folder / "model.safetensors.index.json"
     if single.is_file():
-        return load_file(single)
+        return open_safetensors(single)
     if index.is_file():
         with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
+            weight_map = json.load(f)["weight_map"]
         tensors = {}
-        for shard in shards:
-            tensors.update(load_file(folder / shard))
+        for shard in sorted(set(weight_map.values())):
+            tensors.update(open_safetensors(folder / shard))
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise ValueError(f"{index} lists tensors its shards do not hold: {missing[:8]}")
         return tensors
     raise ValueError(
         f"{folder} has no model.safetensors or model.safetensors.index.json; only safetensors "
@@ -84,30 +84,64 @@ def _read_safetensors(folder: Path) -> dict[str, np.ndarray]:
     )
 
 
-def _convert_tensors(config: LlamaConfig, tensors: dict[str, np.ndarray], folder) -> dict[str, np.ndarray]:
-    def f32(x):
-        return np.asarray(x, np.float32)
+def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], list[str]]:
+    """(our flat name -> tensor in our layout, the HF names left over). Nothing is read."""
+    hf = {name: tensor for name, tensor in hf.items() if not _IGNORED.fullmatch(name)}
+    used: set[str] = set()
 
-    arrays = {}
-    for hf_name, ours in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "final_norm")):
-        if hf_name in tensors:
-            arrays[ours] = f32(tensors.pop(hf_name))
-    # With tied embeddings HF ignores a saved lm_head.weight (it equals embed), and so do we.
-    lm_head = tensors.pop("lm_head.weight", None)
-    if lm_head is not None and not config.tie_word_embeddings:
-        arrays["lm_head"] = f32(lm_head).T  # [V, D] -> [D, V]
+    def take(name: str) -> LazyTensor | None:
+        tensor = hf.get(name)
+        if tensor is not None:
+            used.add(name)
+        return tensor
 
-    per_layer: dict[str, dict[int, np.ndarray]] = {}
-    unknown = []
-    for name, value in tensors.items():
-        match = _LAYER_NAME.fullmatch(name)
-        if match and match.group(2) in _LAYER_TENSORS:
-            ours, transpose = _LAYER_TENSORS[match.group(2)]
-            per_layer.setdefault(ours, {})[int(match.group(1))] = f32(value).T if transpose else f32(value)
-        elif not _IGNORED.fullmatch(name):
-            unknown.append(name)
-    arrays.update(collect_layers(per_layer, unknown, config.num_layers, f"checkpoint {folder}"))
-    return arrays
+    ours: dict[str, LazyTensor] = {}
+    for hf_name, name in (("model.embed_tokens.weight", "embed"), ("model.norm.weight", "final_norm")):
+        if (tensor := take(hf_name)) is not None:
+            ours[name] = tensor
+    head = take("lm_head.weight")  # with tied embeddings HF ignores a saved one, and so do we
+    if head is not None and not config.tie_word_embeddings:
+        ours["lm_head"] = head.transposed()  # [V, D] -> [D, V]
+    for i in range(config.num_layers):
+        for name, tensor in _layer_tensors(config, i, take).items():
+            ours[f"layers.{i}.{name}"] = tensor
+    return ours, [name for name in hf if name not in used]
+
+
+def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
+    """Layer i's tensors by our names (those present; `params_from_tensors` names what is missing)."""
+    prefix = f"model.layers.{i}."
+    names = dict(families.ATTENTION_TENSORS) | families.norm_tensors(config)
+    if not config.is_moe_layer(i):
+        names |= families.DENSE_MLP_TENSORS
+    out = {}
+    for ours, theirs in names.items():
+        if (tensor := take(prefix + theirs)) is not None:
+            out[ours] = tensor.transposed()  # matrices [out, in] -> [in, out]; vectors as they are
+    if (fused := take(prefix + "self_attn.qkv_proj.weight")) is not None:  # Phi-3: q, k, v rows
+        q, kv = config.q_size, config.kv_size
+        for name, (start, stop) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
+            out[name] = fused.rows(start, stop).transposed()
+    if (fused := take(prefix + "mlp.gate_up_proj.weight")) is not None:  # Phi-3: gate rows, then up
+        F = config.intermediate_size
+        out["gate"], out["up"] = fused.rows(0, F).transposed(), fused.rows(F, 2 * F).transposed()
+    if config.is_moe_layer(i):
+        out.update(_expert_tensors(config, prefix, take))
+    return out
+
+
+def _expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTensor]:
+    """A mixture's router [D, X] and its experts' weights stacked [X, in, out], from the
+    checkpoint's one tensor per expert."""
+    router_name, per_expert = families.expert_tensors(config)
+    out = {}
+    if (router := take(prefix + router_name)) is not None:
+        out["router"] = router.transposed()
+    for ours, pattern in per_expert.items():
+        parts = [take(prefix + pattern.format(j=j)) for j in range(config.num_experts)]
+        if all(part is not None for part in parts):
+            out[ours] = stacked([part.transposed() for part in parts], prefix + pattern.format(j="*"))
+    return out
 
 
 def tokenizer_from_folder(folder: str | Path):

@@ -1,4 +1,10 @@
-"""The Llama-family transformer as pure functions over a params pytree.
+"""The decoder transformer of every supported family, as pure functions over a params pytree.
+
+One forward serves Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral and Qwen3-MoE: the config
+(models/config.py) picks each piece, one small function per concern: `rms_norm` (Llama's or
+Gemma's form), q/k norms, `apply_rope` (per-layer bases, partial rotary), `attention` (full or a
+sliding window, through `_layer_masks`), `_dense_mlp` (SwiGLU or GeGLU) or `moe_mlp`. Weights and
+activations are in the params' dtype; norm statistics, softmax and logits are float32.
 
 Einsum letters, used throughout:
     B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
@@ -42,16 +48,24 @@ from specjax.models.config import LlamaConfig
 
 @flax.struct.dataclass
 class LayerParams:
-    """Weights of one decoder layer."""
+    """Weights of one decoder layer; a field the layer's family does not have is None."""
 
     attn_norm: jax.Array  # [D]
     qkv: jax.Array  # [D, K*(G+2)*E]: per kv head, its G query heads, its key, its value (fuse_qkv)
     o: jax.Array  # [H*E, D]
     mlp_norm: jax.Array  # [D]
-    gate: jax.Array  # [D, F]
-    up: jax.Array  # [D, F]
-    down: jax.Array  # [F, D]
+    gate: jax.Array | None = None  # [D, F]; None in a mixture-of-experts layer
+    up: jax.Array | None = None  # [D, F]
+    down: jax.Array | None = None  # [F, D]
     qkv_bias: jax.Array | None = None  # [K*(G+2)*E], ordered as qkv's columns; only with config.qkv_bias
+    q_norm: jax.Array | None = None  # [E]: config.qk_norm
+    k_norm: jax.Array | None = None  # [E]
+    attn_out_norm: jax.Array | None = None  # [D]: config.sandwich_norms, on the attention's output
+    mlp_out_norm: jax.Array | None = None  # [D]: on the MLP's output
+    router: jax.Array | None = None  # [D, X]: X experts; only in a mixture-of-experts layer
+    expert_gate: jax.Array | None = None  # [X, D, F]
+    expert_up: jax.Array | None = None  # [X, D, F]
+    expert_down: jax.Array | None = None  # [X, F, D]
 
 
 @flax.struct.dataclass
@@ -64,11 +78,16 @@ class LlamaParams:
     # with_panel_weights, for decoding on the CPU.
     head_panels: PanelWeight | None = None
 
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype the model runs in: its embedding's."""
+        return self.embed.dtype
 
-def layer_shapes(config: LlamaConfig) -> LayerParams:
-    """One layer's params with a shape tuple at every leaf: `checkpoint_layer_shapes` with q, k
-    and v (and their biases) fused."""
-    shapes = checkpoint_layer_shapes(config)
+
+def layer_shapes(config: LlamaConfig, layer: int = 0) -> LayerParams:
+    """Layer `layer`'s params with a shape tuple at every leaf: `checkpoint_layer_shapes` with q,
+    k and v (and their biases) fused."""
+    shapes = checkpoint_layer_shapes(config, layer)
     qkv = shapes.pop("q")[-1] + shapes.pop("k")[-1] + shapes.pop("v")[-1]
     bias = None
     if config.qkv_bias:
@@ -77,24 +96,28 @@ def layer_shapes(config: LlamaConfig) -> LayerParams:
     return LayerParams(qkv=(config.hidden_size, qkv), qkv_bias=bias, **shapes)
 
 
-def checkpoint_layer_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """One layer's weights by name -> shape in the checkpoint layout (checkpoint.py): the query,
-    key and value projections apart, as HF and GGUF files keep them, in HF's order."""
-    D, F = config.hidden_size, config.intermediate_size
+def checkpoint_layer_shapes(config: LlamaConfig, layer: int = 0) -> dict[str, tuple[int, ...]]:
+    """Layer `layer`'s weights by name -> shape in the checkpoint layout (checkpoint.py): the
+    query, key and value projections apart, as HF and GGUF files keep them, in HF's order. Only
+    the weights the config gives the layer are listed."""
+    D, F, E = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.q_size, config.kv_size
-    shapes = {
-        "attn_norm": (D,),
-        "q": (D, q),
-        "k": (D, kv),
-        "v": (D, kv),
-        "o": (q, D),
-        "mlp_norm": (D,),
-        "gate": (D, F),
-        "up": (D, F),
-        "down": (F, D),
-    }
+    shapes = {"attn_norm": (D,), "q": (D, q), "k": (D, kv), "v": (D, kv)}
     if config.qkv_bias:
         shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+    if config.qk_norm:
+        shapes.update(q_norm=(E,), k_norm=(E,))
+    shapes["o"] = (q, D)
+    if config.sandwich_norms:
+        shapes["attn_out_norm"] = (D,)
+    shapes["mlp_norm"] = (D,)
+    if config.is_moe_layer(layer):
+        X, Fm = config.num_experts, config.moe_intermediate_size
+        shapes.update(router=(D, X), expert_gate=(X, D, Fm), expert_up=(X, D, Fm), expert_down=(X, Fm, D))
+    else:
+        shapes.update(gate=(D, F), up=(D, F), down=(F, D))
+    if config.sandwich_norms:
+        shapes["mlp_out_norm"] = (D,)
     return shapes
 
 
@@ -127,23 +150,23 @@ def layer_from_checkpoint(fields: dict[str, Any], config: LlamaConfig) -> LayerP
     return LayerParams(qkv=qkv, qkv_bias=qkv_bias, **fields)
 
 
-def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig) -> dict[str, Any]:
-    """A layer's weights by checkpoint name, in `checkpoint_layer_shapes` order: qkv split into
-    q, k and v (and qkv_bias likewise; absent biases left out)."""
+def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig, index: int = 0) -> dict[str, Any]:
+    """Layer `index`'s weights by checkpoint name, in `checkpoint_layer_shapes` order: qkv split
+    into q, k and v (and qkv_bias likewise; absent weights left out)."""
     H, K = config.num_heads, config.num_kv_heads
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerParams)}
     fields.update(zip(("q", "k", "v"), split_qkv(fields.pop("qkv"), H, K), strict=True))
     bias = fields.pop("qkv_bias")
     if bias is not None:
         fields.update(zip(("q_bias", "k_bias", "v_bias"), split_qkv(bias, H, K), strict=True))
-    return {name: fields[name] for name in checkpoint_layer_shapes(config)}
+    return {name: fields[name] for name in checkpoint_layer_shapes(config, index)}
 
 
 def param_shapes(config: LlamaConfig) -> LlamaParams:
     """The params tree with a shape tuple at every leaf."""
     return LlamaParams(
         embed=(config.vocab_size, config.hidden_size),
-        layers=(layer_shapes(config),) * config.num_layers,
+        layers=tuple(layer_shapes(config, i) for i in range(config.num_layers)),
         final_norm=(config.hidden_size,),
         lm_head=None if config.tie_word_embeddings else (config.hidden_size, config.vocab_size),
     )
@@ -151,18 +174,17 @@ def param_shapes(config: LlamaConfig) -> LlamaParams:
 
 def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> LlamaParams:
     """Random params for tests: unit-variance activations, norms and biases away from trivial
-    values, so that a wrong use of any weight shows in the logits. Drawn in the checkpoint layout
-    (q, k, v apart) and fused as a loaded checkpoint is."""
-    layer_names = checkpoint_layer_shapes(config)
+    values, so that a wrong use of any weight shows in the logits. Drawn in float32 in the
+    checkpoint layout (q, k, v apart), fused as a loaded checkpoint is, then cast to `dtype`."""
     shapes = {"embed": (config.vocab_size, config.hidden_size)}
     for i in range(config.num_layers):
-        shapes |= {f"layers.{i}.{name}": shape for name, shape in layer_names.items()}
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in checkpoint_layer_shapes(config, i).items()}
     shapes["final_norm"] = (config.hidden_size,)
     if not config.tie_word_embeddings:
         shapes["lm_head"] = (config.hidden_size, config.vocab_size)
     values = {}
     for leaf_key, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes.items(), strict=True):
-        noise = jax.random.normal(leaf_key, shape, dtype)
+        noise = jax.random.normal(leaf_key, shape, jnp.float32)
         if "norm" in name:
             values[name] = 1.0 + 0.1 * noise
         elif "bias" in name:
@@ -171,8 +193,11 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
             values[name] = noise
         else:  # projections [.., in, out]
             values[name] = noise / math.sqrt(shape[-2])
+    values = {name: value.astype(dtype) for name, value in values.items()}
     layers = tuple(
-        layer_from_checkpoint({name: values[f"layers.{i}.{name}"] for name in layer_names}, config)
+        layer_from_checkpoint(
+            {name: values[f"layers.{i}.{name}"] for name in checkpoint_layer_shapes(config, i)}, config
+        )
         for i in range(config.num_layers)
     )
     return LlamaParams(values["embed"], layers, values["final_norm"], values.get("lm_head"))
@@ -182,17 +207,27 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
 # Building blocks
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, form: str = "rms") -> jax.Array:
+    """RMSNorm over the last axis, its statistics in float32. `form` "rms" (Llama) casts the
+    normalized x back to x's dtype and then scales by w; "gemma" scales by 1 + w in float32 and
+    casts after, each as its family's reference does (the two round differently in bfloat16)."""
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (normed * weight).astype(x.dtype)
+    if form == "gemma":
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return (weight * normed.astype(x.dtype)).astype(x.dtype)
 
 
-def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
-    """[E/2] float64 inverse frequencies, with HF's "linear" or "llama3" scaling applied."""
-    E = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (np.arange(0, E, 2, dtype=np.float64) / E))
-    scaling = config.rope_scaling
+def _norm(config: LlamaConfig, x: jax.Array, weight: jax.Array) -> jax.Array:
+    return rms_norm(x, weight, config.rms_norm_eps, config.norm)
+
+
+def rope_inverse_frequencies(config: LlamaConfig, layer: int = 0) -> np.ndarray:
+    """[R/2] float64 inverse frequencies of layer `layer` (R = config.rotary_dim), with its base and
+    HF's "linear" or "llama3" scaling applied (see LlamaConfig.layer_rope)."""
+    R = config.rotary_dim
+    theta, scaling = config.layer_rope(layer)
+    inv_freq = 1.0 / (theta ** (np.arange(0, R, 2, dtype=np.float64) / R))
     if scaling is None:
         return inv_freq
     if scaling.rope_type == "linear":
@@ -211,11 +246,14 @@ def rope_inverse_frequencies(config: LlamaConfig) -> np.ndarray:
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x [B, T, N, E] by positions [B, T], in HF's half-split (rotate_half) layout."""
-    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, T, E/2]
+    """Rotate x [B, T, N, E] by positions [B, T], in HF's half-split (rotate_half) layout. With
+    fewer frequencies than E/2 (a partial rotary), only the first 2 * len(inv_freq) dims turn."""
+    R = 2 * len(inv_freq)
+    angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, T, R/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = jnp.split(x[..., :R].astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return rotated if R == x.shape[-1] else jnp.concatenate([rotated, x[..., R:]], axis=-1)
 
 
 def causal_mask(num_tokens: int) -> np.ndarray:
@@ -230,8 +268,9 @@ PREFILL_CHUNKS = 8
 MIN_PREFILL_CHUNK = 64
 
 
-def _fresh_attention(q, k_new, v_new, fresh_mask):
-    """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone.
+def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None):
+    """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone,
+    under fresh_mask [T, T] and, for a sliding-window layer, window_keep [B, T, T].
 
     When the mask is a known numpy array in which no token sees a later one (a causal mask, or a
     tree in node order), the queries go in chunks and chunk [a, b) scores keys [0, b) only.
@@ -249,7 +288,8 @@ def _fresh_attention(q, k_new, v_new, fresh_mask):
     """
     T = q.shape[1]
     if not (isinstance(fresh_mask, np.ndarray) and not np.triu(fresh_mask, 1).any()):
-        return _masked_attention(q, k_new, v_new, fresh_mask)
+        mask = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
+        return _masked_attention(q, k_new, v_new, mask)
     B, _, K, G, E = q.shape
     queries = q.transpose(0, 2, 1, 3, 4).reshape(B * K, T * G, E)
     keys = k_new.transpose(0, 2, 1, 3).reshape(B * K, T, E)
@@ -258,24 +298,41 @@ def _fresh_attention(q, k_new, v_new, fresh_mask):
     outs = []
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
-        mask = np.repeat(fresh_mask[start:end, :end], G, axis=0)  # rows in (token, head) order
-        scores = jnp.einsum("rqe,rse->rqs", queries[:, start * G : end * G], keys[:, :end])
-        scores = _drop_masked(scores, mask[None])
-        outs.append(jnp.einsum("rqs,rse->rqe", _softmax(scores, q.dtype), values[:, :end]))
+        keep = np.repeat(fresh_mask[start:end, :end], G, axis=0)[None]  # rows in (token, head) order
+        if window_keep is not None:  # [B, t, u] -> [B*K, t*G, u], as the queries are laid out
+            window = jnp.broadcast_to(
+                window_keep[:, None, start:end, None, :end], (B, K, end - start, G, end)
+            )
+            keep = keep & window.reshape(B * K, (end - start) * G, end)
+        scores = jnp.einsum("rqe,rse->rqs", queries[:, start * G : end * G], keys[:, :end], **_F32)
+        scores = _drop_masked(scores, keep)
+        outs.append(jnp.einsum("rqs,rse->rqe", _softmax(scores, q.dtype), values[:, :end], **_F32))
     return jnp.concatenate(outs, axis=1).reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
 
 
 def _masked_attention(q, k, v, mask):
-    """Queries q [B, T, K, G, E] attend to keys and values k, v [B, U, K, E] under mask [T, U]."""
+    """Queries q [B, T, K, G, E] attend to keys and values k, v [B, U, K, E] under mask [T, U] (or
+    [B, T, U])."""
     probs = _softmax(_masked_scores(q, k, mask), q.dtype)
-    return jnp.einsum("bkgtu,buke->btkge", probs, v)
+    return jnp.einsum("bkgtu,buke->btkge", probs, v, **_F32)
+
+
+def _per_row(mask):
+    """A mask [T, U] or [B, T, U] shaped to broadcast against scores [B, K, G, T, U]."""
+    return mask[None, None, None] if mask.ndim == 2 else mask[:, None, None]
 
 
 def _masked_scores(q, k, mask):
     """Scores [B, K, G, T, U] of queries q [B, T, K, G, E] against keys k [B, U, K, E], with the
-    pairs mask [T, U] drops set to the lowest float."""
-    scores = jnp.einsum("btkge,buke->bkgtu", q, k)
-    return _drop_masked(scores, mask[None, None, None])
+    pairs mask [T, U] (or [B, T, U]) drops set to the lowest float."""
+    scores = jnp.einsum("btkge,buke->bkgtu", q, k, **_F32)
+    return _drop_masked(scores, _per_row(mask))
+
+
+# Attention's products accumulate and return float32 (a no-op for a float32 model). In bfloat16,
+# a verify pass and a one-token pass then differ only in float32 summation order, not in where
+# partial results are rounded to bfloat16: the rounding happens once, at the attention's output.
+_F32 = {"preferred_element_type": jnp.float32}
 
 
 def _drop_masked(scores, keep):
@@ -294,13 +351,13 @@ def _cache_scores(q, k_cache):
     queries as the rows of one product, so XLA reads the buffer as it is stored."""
     B, T, K, G, E = q.shape
     rows = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
-    return jnp.einsum("rqe,res->rqs", rows, k_cache).reshape(B, K, G, T, -1)
+    return jnp.einsum("rqe,res->rqs", rows, k_cache.astype(q.dtype), **_F32).reshape(B, K, G, T, -1)
 
 
 def _cache_values(probs, v_cache):
     """Attention weights probs [B, K, G, T, S] applied to the value cache [B*K, S, E]: [B, T, K, G, E]."""
     B, K, G, T, S = probs.shape
-    out = jnp.einsum("rqs,rse->rqe", probs.reshape(B * K, G * T, S), v_cache)
+    out = jnp.einsum("rqs,rse->rqe", probs.reshape(B * K, G * T, S), v_cache.astype(probs.dtype), **_F32)
     return out.reshape(B, K, G, T, -1).transpose(0, 3, 1, 2, 4)
 
 
@@ -315,6 +372,23 @@ def visible_slots(cache_lengths: jax.Array, fresh_mask: jax.Array, num_slots: in
     return (offset < 0)[:, None, :] | (is_fresh[:, None, :] & jnp.swapaxes(fresh_visible, 0, 1))
 
 
+def slot_positions(cache_lengths: jax.Array, positions: jax.Array, num_slots: int) -> jax.Array:
+    """[B, S] int32: the position each cache slot holds once the T fresh tokens (positions
+    [B, T]) sit at slots `lengths .. lengths + T - 1`. A committed slot s holds position s: a row's
+    sequence starts at slot 0 and a tree's accepted path is moved to where a chain puts it."""
+    T = positions.shape[1]
+    slots = jnp.arange(num_slots)[None, :]
+    offset = slots - cache_lengths[:, None]  # [B, S]
+    fresh = jnp.take_along_axis(positions, jnp.clip(offset, 0, T - 1), axis=1)
+    return jnp.where((offset >= 0) & (offset < T), fresh, slots)
+
+
+def in_window(query_positions: jax.Array, key_positions: jax.Array, window: int) -> jax.Array:
+    """[B, T, U] bool: a query at position p sees a key at position p' when p - p' < window (HF's
+    sliding-window rule); query_positions [B, T], key_positions [B, U]."""
+    return query_positions[:, :, None] - key_positions[:, None, :] < window
+
+
 def _cache_attention(q, k_cache, v_cache, visible):
     """T queries [B, T, K, G, E] attend to the cache (keys [B*K, E, S], values [B*K, S, E])
     where visible [B, T, S]."""
@@ -324,20 +398,24 @@ def _cache_attention(q, k_cache, v_cache, visible):
 
 def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
     """T queries [B, T, K, G, E] attend, in one softmax, to the cache's committed slots
-    (committed [B, S]; the cache is only read) and to the T fresh keys and values
-    [B, T, K, E] under fresh_mask [T, T]: what the write-first form computes, without writing."""
+    (committed [B, S], or [B, T, S] under a sliding window; the cache is only read) and to the T
+    fresh keys and values [B, T, K, E] under fresh_mask [T, T] (or [B, T, T]): what the
+    write-first form computes, without writing."""
     S = v_cache.shape[1]
-    old = _drop_masked(_cache_scores(q, k_cache), committed[:, None, None, None, :])
+    keep = committed[:, None, None, None, :] if committed.ndim == 2 else committed[:, None, None]
+    old = _drop_masked(_cache_scores(q, k_cache), keep)
     new = _masked_scores(q, k_new, fresh_mask)
     probs = _softmax(jnp.concatenate([old, new], axis=-1), q.dtype)
-    return _cache_values(probs[..., :S], v_cache) + jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new)
+    new = jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new, **_F32)
+    return _cache_values(probs[..., :S], v_cache) + new
 
 
-def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
+def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None):
     """T queries [B, T, K, G, E] attend, in one softmax, to each row's committed cache slots
-    (0 .. committed[b] - 1, read by the kernel specjax.kernels.cache_attention) and to the T fresh
-    keys and values [B, T, K, E] under fresh_mask [T, T]: what `_committed_and_fresh_attention`
-    and `_cache_attention` compute.
+    (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the kernel
+    specjax.kernels.cache_attention) and to the T fresh keys and values [B, T, K, E] under
+    fresh_mask [T, T] (or [B, T, T]): what `_committed_and_fresh_attention` and `_cache_attention`
+    compute.
 
     XLA:CPU scored every slot of the static cache, committed or not, and ran the small products at
     a fraction of the bandwidth (30 layers over 896 slots: 4-5 ms for one token, 16 ms for nine).
@@ -346,7 +424,9 @@ def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
     """
     B, T, K, G, E = q.shape
     queries = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
-    old, old_lse = cache_attention(queries, k_cache, v_cache, jnp.repeat(committed, K))
+    if starts is not None:  # [B, T] -> one per query row, in the same (entry, head, token) order
+        starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
+    old, old_lse = cache_attention(queries, k_cache, v_cache, jnp.repeat(committed, K), starts)
     old = old.reshape(B, K, G, T, E)
     old_lse = old_lse.reshape(B, K, G, T)
     scores = _masked_scores(q, k_new, fresh_mask).astype(jnp.float32)  # [B, K, G, T, T]
@@ -357,8 +437,22 @@ def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, K, G, E]
 
 
-def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask, write=True, committed=None):
-    """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E].
+def attention(
+    q,
+    k_new,
+    v_new,
+    k_cache,
+    v_cache,
+    visible,
+    fresh_mask,
+    write=True,
+    committed=None,
+    scale=None,
+    window_keep=None,
+    starts=None,
+):
+    """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E]. Scores are scaled by
+    `scale` (default 1/sqrt(E)).
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
     cache k_cache [B*K, E, S], v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
@@ -366,31 +460,150 @@ def attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask, write=True
     (reading the old cache after the write kept both alive and copied the cache every step; see
     KVCache for the layout that keeps the write in place). A prefill into an empty cache
     (`visible` None) attends to the fresh k_new, v_new [B, T, K, E] alone under fresh_mask
-    [T, T], and never reads the all-zero buffers. With `write=False` the cache holds only
-    committed entries and `visible [B, S]` marks them; the fresh keys join under fresh_mask.
+    [T, T]. With `write=False` the cache holds only committed entries and `visible` ([B, S], or
+    [B, T, S] under a sliding window) marks them; the fresh keys join under fresh_mask.
     With `committed [B]` (each row's committed slots; a decoding pass of a model whose weights are
-    panels, see `decoder_layers`), either form goes through the CPU kernel: `_kernel_attention`.
+    panels, see `decoder_layers`), either form goes through the CPU kernel: `_kernel_attention`,
+    where `starts [B, T]` (a sliding window) is the first committed slot each token sees.
+    `window_keep [B, T, T]`: which fresh pairs a sliding window keeps (prefill, read-only and
+    kernel forms; the write-first form has it in `visible`).
     """
     B, T, H, E = q.shape
     K = k_new.shape[2]
-    q = q.reshape(B, T, K, H // K, E) * (1.0 / math.sqrt(E))
+    scale = 1.0 / math.sqrt(E) if scale is None else scale
+    q = q.reshape(B, T, K, H // K, E) * scale
+    fresh = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
     if committed is not None:
-        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask)
+        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts)
     elif visible is None:
-        out = _fresh_attention(q, k_new, v_new, fresh_mask)
+        out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep)
     elif not write:
-        out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh_mask)
+        out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh)
     else:
         out = _cache_attention(q, k_cache, v_cache, visible)
-    return out.reshape(B, T, H * E)
+    return out.reshape(B, T, H * E).astype(q.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerMasks:
+    """What the fresh tokens of one pass attend to in layers of one kind (full attention, or one
+    sliding window): the arguments of `attention` that depend on the window."""
+
+    visible: jax.Array | None  # see `attention`
+    window_keep: jax.Array | None  # [B, T, T], only under a window
+    starts: jax.Array | None  # [B, T], only under a window with the kernel
+
+
+def _layer_masks(window, positions, cache, fresh_mask, visible, write, committed) -> _LayerMasks:
+    """Masks for the layers with sliding window `window` (None: full attention), from the pass's
+    full-attention `visible` (None for a prefill)."""
+    if window is None:
+        return _LayerMasks(visible, None, None)
+    keep = in_window(positions, positions, window)  # [B, T, T]
+    if visible is None:  # a prefill: only fresh pairs
+        return _LayerMasks(None, keep, None)
+    S = cache.capacity
+    if committed is not None:  # the kernel: committed slots from positions - window + 1 on
+        return _LayerMasks(visible, keep, positions - (window - 1))
+    if not write:  # committed slots [B, S] -> [B, T, S]; slot s holds position s
+        slots = jnp.broadcast_to(jnp.arange(S)[None, :], (positions.shape[0], S))
+        return _LayerMasks(visible[:, None, :] & in_window(positions, slots, window), keep, None)
+    near = in_window(positions, slot_positions(cache.lengths, positions, S), window)
+    return _LayerMasks(visible & near, None, None)
+
+
+def _activation(config: LlamaConfig, x: jax.Array) -> jax.Array:
+    if config.hidden_act == "gelu_tanh":
+        return jax.nn.gelu(x, approximate=True)
+    return jax.nn.silu(x)
+
+
+def _dense_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
+    return project(_activation(config, project(h, lp.gate)) * project(h, lp.up), lp.down)
+
+
+def route(config: LlamaConfig, x: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The experts each of N tokens x [N, D] goes to and their weights: softmax of the router's
+    logits in float32, the top num_experts_per_tok, renormalized to sum to 1 where the family says
+    so. Returns (weights [N, k] float32, experts [N, k] int32)."""
+    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [N, X]
+    weights, experts = jax.lax.top_k(probs, config.num_experts_per_tok)
+    if config.norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
+    """A mixture of experts over h [B, T, D]: each token through its num_experts_per_tok experts
+    (gated MLPs with weights expert_gate, expert_up [X, D, F], expert_down [X, F, D]), summed with
+    the router's weights (`route`). Only the routed experts' weights are read:
+
+    - on GPU and TPU, the (token, expert) assignments are sorted by expert and each expert applied
+      to its group by `jax.lax.ragged_dot`, a grouped product over the routed experts only;
+    - on the CPU, where XLA lowers ragged_dot to a masked product over every expert and every
+      assignment (a decoding step 5 to 25 times slower here), a loop over the experts skips those
+      no token was routed to and runs each routed one once over all the tokens
+      (`_experts_one_by_one`).
+
+    Under tensor parallelism each device holds every expert's slice of F, routes the same way (the
+    router is replicated) and the caller sums the partial outputs.
+    """
+    B, T, D = h.shape
+    x = h.reshape(B * T, D)
+    weights, experts = route(config, x, lp.router)  # [N, k]
+    if jax.default_backend() == "cpu":
+        mixed = _experts_one_by_one(config, x, weights, experts, lp)
+    else:
+        mixed = _experts_grouped(config, x, weights, experts, lp)
+    return mixed.astype(h.dtype).reshape(B, T, D)
+
+
+def _expert_mlp(config: LlamaConfig, x, gate_w, up_w, down_w):
+    return (_activation(config, x @ gate_w) * (x @ up_w)) @ down_w
+
+
+def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParams) -> jax.Array:
+    """[N, D] float32: for each expert some token was routed to, its MLP over all N tokens, added
+    with each token's weight for it (0 for the tokens not routed to it); the other experts are
+    skipped (a lax.cond), their weights never read."""
+
+    def add_expert(j, out):
+        routed = experts == j  # [N, k]
+        weight = jnp.sum(jnp.where(routed, weights, 0.0), axis=-1)  # [N]
+
+        def run(out):
+            y = _expert_mlp(config, x, lp.expert_gate[j], lp.expert_up[j], lp.expert_down[j])
+            return out + y.astype(jnp.float32) * weight[:, None]
+
+        return jax.lax.cond(jnp.any(routed), run, lambda out: out, out)
+
+    # Zeros typed like an expert's output: under shard_map, varying over the same mesh axes as the
+    # weights' slices (lax.cond wants both branches, and the loop its carry, of one type).
+    zeros = jnp.zeros_like(x[:, :1] * lp.expert_down[0, :1, :], jnp.float32)  # [N, D]
+    return jax.lax.fori_loop(0, lp.expert_gate.shape[0], add_expert, zeros)
+
+
+def _experts_grouped(config: LlamaConfig, x, weights, experts, lp: LayerParams) -> jax.Array:
+    """[N, D] float32: the assignments sorted by expert, each expert's MLP applied to its group by
+    `jax.lax.ragged_dot`, the results put back in assignment order and summed per token."""
+    N, k = experts.shape
+    chosen = experts.reshape(-1)  # [M]: assignment m belongs to token m // k
+    order = jnp.argsort(chosen, stable=True)
+    sizes = jnp.bincount(chosen, length=lp.expert_gate.shape[0]).astype(jnp.int32)
+    rows = x[order // k]
+    gate = jax.lax.ragged_dot(rows, lp.expert_gate, sizes)
+    up = jax.lax.ragged_dot(rows, lp.expert_up, sizes)
+    grouped = jax.lax.ragged_dot(_activation(config, gate) * up, lp.expert_down, sizes)
+    out = jnp.zeros_like(grouped).at[order].set(grouped)  # back in assignment order
+    return jnp.sum(out.reshape(N, k, -1).astype(jnp.float32) * weights[..., None], axis=1)
 
 
 def _layer(
     config: LlamaConfig,
-    inv_freq,
+    masks: _LayerMasks,
+    inv_freq: np.ndarray,
     positions,
     cache,
-    visible,
     fresh_mask,
     x,
     lp,
@@ -400,33 +613,51 @@ def _layer(
     write,
     committed=None,
 ):
-    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers (see KVCache).
+    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers (see KVCache);
+    `masks` what its kind of attention sees (`_layer_masks`), inv_freq its rotary frequencies.
     Returns the new x and the buffers with the fresh keys and values written at slots
     `cache.lengths + t`; with `write=False`, the new x and the fresh keys and values [B, T, K, E].
 
     Head counts come from the weights' shapes, not the config, so that the same code runs on a
     tensor-parallel slice holding K/m whole kv-head groups (H/m query and K/m kv heads); `reduce`
-    then sums the partial outputs of o and down over the slices (see specjax/sharding).
+    then sums the partial outputs of o and down over the slices (see specjax/sharding). Norms of
+    an output (Gemma's sandwich norms) come after the sum: they need the whole vector.
     `committed` (each row's committed slots) sends attention through the CPU kernel (`attention`).
     """
     B, T, _ = x.shape
     E, G = config.head_dim, config.num_heads // config.num_kv_heads
-    h = rms_norm(x, lp.attn_norm, config.rms_norm_eps)
+    h = _norm(config, x, lp.attn_norm)
     qkv = project(h, lp.qkv)
     if config.qkv_bias:
         qkv = qkv + lp.qkv_bias
     qkv = qkv.reshape(B, T, -1, G + 2, E)  # [B, T, K, G+2, E]: K local kv heads, see fuse_qkv
     K = qkv.shape[2]
-    q = apply_rope(qkv[:, :, :, :G].reshape(B, T, K * G, E), positions, inv_freq)
-    k = apply_rope(qkv[:, :, :, G], positions, inv_freq)
-    v = qkv[:, :, :, G + 1]
+    q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, E), qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if config.qk_norm:
+        q, k = _norm(config, q, lp.q_norm), _norm(config, k, lp.k_norm)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     if write:
-        fresh = visible is None  # a prefill into an empty cache
+        fresh = masks.visible is None  # a prefill into an empty cache
         k_buf, v_buf = cache.write_keys(k_buf, k, fresh), cache.write_values(v_buf, v, fresh)
-    attended = attention(q, k, v, k_buf, v_buf, visible, fresh_mask, write, committed)
-    x = x + reduce(project(attended, lp.o))
-    h = rms_norm(x, lp.mlp_norm, config.rms_norm_eps)
-    x = x + reduce(project(jax.nn.silu(project(h, lp.gate)) * project(h, lp.up), lp.down))
+    attended = attention(
+        q,
+        k,
+        v,
+        k_buf,
+        v_buf,
+        masks.visible,
+        fresh_mask,
+        write,
+        committed,
+        scale=config.attention_scale,
+        window_keep=masks.window_keep,
+        starts=masks.starts,
+    )
+    out = reduce(project(attended, lp.o))
+    x = x + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
+    h = _norm(config, x, lp.mlp_norm)
+    out = reduce(_dense_mlp(config, h, lp) if lp.router is None else moe_mlp(config, h, lp))
+    x = x + (out if lp.mlp_out_norm is None else _norm(config, out, lp.mlp_out_norm))
     return (x, k_buf, v_buf) if write else (x, k, v)
 
 
@@ -449,7 +680,7 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
         return panel_matmul(x, w)
     rows = math.prod(x.shape[:-1])
     d_in, d_out = w.shape
-    if rows > 2 or d_in % 2:
+    if rows > 2 or d_in % 2 or w.dtype != jnp.float32:  # (in bfloat16 the sum of halves rounds twice)
         return x @ w
     w_halves = w.reshape(2, d_in // 2, d_out)
     flat = x.reshape(rows, 2, 1, d_in // 2)
@@ -464,9 +695,12 @@ def with_panel_weights(params: LlamaParams) -> LlamaParams:
     """The same model with every layer's projection weights stored as panels (specjax.kernels),
     which `project` multiplies with the CPU decoding kernel, and a panel copy of the LM head for
     `lm_head` (the [V, D] embedding stays for token lookups). For inference on the CPU only: the
-    kernel has no gradient and no sharding rule."""
+    kernel has no gradient and no sharding rule, and it computes in float32 (`generate` packs
+    float32 models only). A mixture of experts' weights stay as they are (see `moe_mlp`)."""
     layers = tuple(
-        layer.replace(**{name: pack(getattr(layer, name)) for name in PANEL_FIELDS})
+        layer.replace(
+            **{name: pack(getattr(layer, name)) for name in PANEL_FIELDS if getattr(layer, name) is not None}
+        )
         for layer in params.layers
     )
     head = params.embed.T if params.lm_head is None else params.lm_head
@@ -474,6 +708,15 @@ def with_panel_weights(params: LlamaParams) -> LlamaParams:
 
 
 def _identity(x: jax.Array) -> jax.Array:
+    return x
+
+
+def embed_tokens(params: LlamaParams, config: LlamaConfig, tokens: jax.Array) -> jax.Array:
+    """The token embeddings [..., D] of tokens [...], times sqrt(hidden_size) for the families
+    that scale them (Gemma: the factor rounded to the model's dtype first, as HF does)."""
+    x = params.embed[tokens]
+    if config.embed_scale:
+        x = x * jnp.asarray(math.sqrt(config.hidden_size), x.dtype)
     return x
 
 
@@ -503,12 +746,12 @@ def forward_hidden(
     """
     if cache.num_layers > config.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model only {config.num_layers}")
-    x = params.embed[tokens]  # [B, T, D]
+    x = embed_tokens(params, config, tokens)  # [B, T, D]
     layers = params.layers[: cache.num_layers]
     x, cache = decoder_layers(
         layers, config, x, positions, cache, fresh_mask, empty_cache, reduce, write=write
     )
-    return rms_norm(x, params.final_norm, config.rms_norm_eps), cache
+    return _norm(config, x, params.final_norm), cache
 
 
 def decoder_layers(
@@ -536,7 +779,6 @@ def decoder_layers(
         fresh_mask = fresh_mask.astype(bool)
     else:
         fresh_mask = jnp.asarray(fresh_mask, bool)
-    inv_freq = rope_inverse_frequencies(config)
     reduce = _identity if reduce is None else reduce
     # Layers whose weights are panels (decoding on the CPU) attend through the kernel, which reads
     # each row's committed slots only; not where `visible` is given (it says what to attend to).
@@ -555,14 +797,23 @@ def decoder_layers(
         visible = jnp.arange(cache.capacity)[None, :] < cache.lengths[:, None]  # [B, S] committed
     elif visible is None and not empty_cache:
         visible = visible_slots(cache.lengths, fresh_mask, cache.capacity)
+    # Layers of one kind (window, rotary base) share their masks and frequencies: Gemma 3
+    # interleaves two kinds, other families have one.
+    masks, frequencies = {}, {}
     new_k, new_v = [], []
     for i, layer in enumerate(layers):
+        window = config.layer_window(i)
+        if window not in masks:
+            masks[window] = _layer_masks(window, positions, cache, fresh_mask, visible, write, committed)
+        rope = config.layer_rope(i)
+        if rope not in frequencies:
+            frequencies[rope] = rope_inverse_frequencies(config, i)
         x, k_out, v_out = _layer(
             config,
-            inv_freq,
+            masks[window],
+            frequencies[rope],
             positions,
             cache,
-            visible,
             fresh_mask,
             x,
             layer,
@@ -579,8 +830,10 @@ def decoder_layers(
     return x, cache.replace(k=tuple(new_k), v=tuple(new_v))
 
 
-def lm_head(params: LlamaParams, hidden: jax.Array) -> jax.Array:
-    """Logits [..., V] in float32 from final-normed hidden states [..., D]."""
+def lm_head(params: LlamaParams, hidden: jax.Array, config: LlamaConfig | None = None) -> jax.Array:
+    """Logits [..., V] in float32 from final-normed hidden states [..., D]; with `config`, soft-capped
+    where its family does that (`final_logit_softcapping`; every caller in the loop passes it).
+    The product accumulates in float32 whatever the model's dtype."""
     # As one 2-D product: XLA:CPU ran the 3-D einsum over the [V, D] embedding at half the speed
     # (4.9 against 2.4 ms for one row of SmolLM2's 113 MB head, measured here).
     rows = hidden.reshape(-1, hidden.shape[-1])
@@ -591,12 +844,19 @@ def lm_head(params: LlamaParams, hidden: jax.Array) -> jax.Array:
         # stored layout, and transposed after. The barrier keeps XLA from folding the transpose
         # back into the product, whose [rows, V] form ran slower (6 rows of SmolLM2's head: 8.0
         # -> 6.7 ms; a 6-token verify step 45.7 -> 42.1 ms, measured here).
-        logits = jax.lax.optimization_barrier(params.embed @ rows.T).T
+        logits = jax.lax.optimization_barrier(_product(params.embed, rows.T)).T
     elif params.lm_head is None:
-        logits = rows @ params.embed.T
+        logits = _product(rows, params.embed.T)
     else:
-        logits = rows @ params.lm_head
-    return logits.reshape(*hidden.shape[:-1], logits.shape[-1]).astype(jnp.float32)
+        logits = _product(rows, params.lm_head)
+    logits = logits.reshape(*hidden.shape[:-1], logits.shape[-1]).astype(jnp.float32)
+    cap = None if config is None else config.final_logit_softcapping
+    return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+
+def _product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a @ b, accumulated and returned in float32 (a no-op choice for float32 operands)."""
+    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
 def forward(
@@ -609,4 +869,4 @@ def forward(
 ) -> tuple[jax.Array, jax.Array, KVCache]:
     """Logits [B, T, V], hidden states [B, T, D] and the cache after writing the tokens."""
     hidden, cache = forward_hidden(params, config, tokens, positions, cache, fresh_mask)
-    return lm_head(params, hidden), hidden, cache
+    return lm_head(params, hidden, config), hidden, cache

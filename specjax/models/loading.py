@@ -1,10 +1,15 @@
 """`load(source)`: a built-in model name, an HF checkpoint folder or a `.gguf` file -> `Model`.
 
+Every source is read one tensor at a time (models/tensors.py): checked whole against its config
+first, then each layer's tensors read, converted to the dtype asked for and sent to their devices
+(or their slices of a mesh) before the next are read, so the host never holds more than one layer
+(or the embedding) beside what is already placed.
+
 Dequantizing a GGUF takes several seconds (plus a few to parse its metadata), so the float32
 result is cached on disk: `$SPECJAX_CACHE` (default `~/.cache/specjax`) holds one folder per file,
-keyed by the file's path, size and modification time, with the flat params as safetensors, the
-config as JSON and the tokenizer as `tokenizer.json`. HF folders are already float32-ready
-safetensors and are read directly.
+keyed by the file's path, size and modification time, with the flat params as safetensors (written
+tensor by tensor as they are dequantized), the config as JSON and the tokenizer as
+`tokenizer.json`. HF folders are safetensors already and are read directly.
 """
 
 from __future__ import annotations
@@ -20,15 +25,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from specjax.models import gguf_loader, hf_loader
-from specjax.models.checkpoint import config_from_dict, config_to_dict, params_from_arrays
+from specjax.models.checkpoint import config_from_dict, config_to_dict, dtype_name, params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.model import Model
+from specjax.models.tensors import LazyTensor, open_safetensors, write_safetensors
 
 # Bump when the conversion changes, so stale caches are not reused.
-_CACHE_FORMAT = "specjax-gguf-cache-v1"
+_CACHE_FORMAT = "specjax-gguf-cache-v3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +52,6 @@ BUILTIN_MODELS = {
     ),
 }
 
-SUPPORTED_DTYPES = ("float32",)
-
 
 def load(
     source: str | os.PathLike,
@@ -61,18 +63,23 @@ def load(
 
     source: a built-in name (see `BUILTIN_MODELS`), an HF checkpoint folder (`config.json` +
         safetensors), or a `.gguf` file. A built-in name wins over a folder of the same name.
-    dtype: the parameter dtype; only "float32" for now.
+    dtype: the dtype weights and activations run in: "float32", "bfloat16" or "float16" (or the
+        jnp dtype). Norm statistics, attention softmax, logits, sampling and verification stay
+        float32 whatever it is.
     cache_dir: where converted GGUF weights are kept; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
     mesh: a jax Mesh from `specjax.sharding.make_mesh`: each weight goes from host memory straight
         to its devices with its sharding (each device gets only its slice), ready for
         `generate(..., mesh=mesh)`. The model's heads and ffw size must divide the mesh's model axis.
     """
-    _check_dtype(dtype)
+    try:
+        dtype = dtype_name(dtype)
+    except ValueError as error:
+        raise ValueError(f"load: {error}") from None
     path, name = _resolve(source)
     if path.is_dir():
-        config, arrays, tokenizer = hf_loader.read_hf_folder(path)
+        config, tensors, tokenizer = hf_loader.open_hf_folder(path)
     else:
-        config, arrays, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
+        config, tensors, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
     put = None
     if mesh is not None:
         from specjax import sharding  # imported here: specjax.sharding builds on this package
@@ -80,7 +87,7 @@ def load(
         sharding.check_mesh(mesh)
         sharding.check_model_split(mesh, config)
         put = sharding.param_placer(config, mesh)
-    params = params_from_arrays(config, arrays, source=str(path), put=put)
+    params = params_from_tensors(config, tensors, str(path), dtype, put=put)
     return Model(config, params, tokenizer, name=name)
 
 
@@ -97,15 +104,6 @@ def builtin_path(name: str) -> Path:
     if not path.is_file():
         raise ValueError(f"the built-in model {name!r}: {path} is missing; reinstall with `{entry.install}`")
     return path
-
-
-def _check_dtype(dtype: Any) -> None:
-    try:
-        name = np.dtype(dtype).name
-    except TypeError:
-        name = None
-    if name not in SUPPORTED_DTYPES:
-        raise ValueError(f"load: dtype {dtype!r} is not supported; supported: {', '.join(SUPPORTED_DTYPES)}")
 
 
 def _resolve(source) -> tuple[Path, str]:
@@ -146,7 +144,7 @@ def cache_path(gguf_path: str | os.PathLike, cache_root: Path) -> Path:
     return cache_root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _read_gguf_cached(path: Path, cache_root: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
+def _read_gguf_cached(path: Path, cache_root: Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
     folder = cache_path(path, cache_root)
     if folder.is_dir():
         try:
@@ -156,23 +154,22 @@ def _read_gguf_cached(path: Path, cache_root: Path) -> tuple[LlamaConfig, dict[s
                 f"ignoring the damaged specjax cache {folder} ({error}); rebuilding it", stacklevel=3
             )
             shutil.rmtree(folder, ignore_errors=True)
-    config, arrays, tokenizer = gguf_loader.read_gguf(path)
+    config, tensors, tokenizer = gguf_loader.read_gguf(path)
     try:
-        _write_cache(folder, config, arrays, tokenizer)
+        _write_cache(folder, config, tensors, tokenizer)
     except OSError as error:
         warnings.warn(
             f"could not write the specjax cache {folder} ({error}); the next load converts again",
             stacklevel=3,
         )
-    return config, arrays, tokenizer
+        return config, tensors, tokenizer
+    return _read_cache(folder)  # the converted copy: dequantized once, read tensor by tensor
 
 
-def _read_cache(folder: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
-    from safetensors.numpy import load_file
-
+def _read_cache(folder: Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
     with open(folder / "config.json") as f:
         config = config_from_dict(json.load(f))
-    arrays = load_file(folder / "params.safetensors")
+    arrays = open_safetensors(folder / "params.safetensors")
     tokenizer = None
     if (folder / "tokenizer").is_dir():
         from transformers import PreTrainedTokenizerFast
@@ -181,15 +178,13 @@ def _read_cache(folder: Path) -> tuple[LlamaConfig, dict[str, np.ndarray], Any]:
     return config, arrays, tokenizer
 
 
-def _write_cache(folder: Path, config: LlamaConfig, arrays: dict[str, np.ndarray], tokenizer) -> None:
+def _write_cache(folder: Path, config: LlamaConfig, tensors: dict[str, LazyTensor], tokenizer) -> None:
     """Write into a temporary sibling folder, then rename it into place: readers never see half a cache."""
-    from safetensors.numpy import save_file
-
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache is as readable as the GGUF it mirrors
     try:
-        save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, tmp / "params.safetensors")
+        write_safetensors(tmp / "params.safetensors", tensors)
         with open(tmp / "config.json", "w") as f:
             json.dump(config_to_dict(config), f, indent=1)
         if tokenizer is not None:

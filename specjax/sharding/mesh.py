@@ -96,6 +96,8 @@ def check_model_split(mesh: Mesh, config: LlamaConfig, who: str = "model") -> No
         "num_kv_heads": config.num_kv_heads,
         "intermediate_size": config.intermediate_size,
     }
+    if config.num_experts:
+        dims["moe_intermediate_size"] = config.moe_intermediate_size
     allowed = [d for d in _divisors(config.num_kv_heads) if all(v % d == 0 for v in dims.values())]
     for name, value in dims.items():
         if value % m:

@@ -41,7 +41,8 @@ RULES: dict[str, str | None] = {
     "batch": DATA,
     "heads": MODEL,  # query heads: the H*E rows of o
     "kv_heads": MODEL,  # kv heads: qkv's K*(G+2)*E columns (by kv-head group), the cache's K axis
-    "ffw": MODEL,  # the F columns of gate and up, the F rows of down
+    "ffw": MODEL,  # the F columns of gate and up, the F rows of down (an expert's too)
+    "experts": None,  # every device holds every expert's slice of F (see models/llama.py, moe_mlp)
     "embed": None,  # the residual stream D: every device holds all of it
     "vocab": None,  # replicated embedding and head (see the module docstring)
     "slots": None,  # cache positions S
@@ -58,6 +59,14 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "up": ("embed", "ffw"),
     "down": ("ffw", "embed"),
     "qkv_bias": ("kv_heads",),
+    "q_norm": ("head_dim",),
+    "k_norm": ("head_dim",),
+    "attn_out_norm": ("embed",),
+    "mlp_out_norm": ("embed",),
+    "router": ("embed", "experts"),
+    "expert_gate": ("experts", "embed", "ffw"),
+    "expert_up": ("experts", "embed", "ffw"),
+    "expert_down": ("experts", "ffw", "embed"),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
@@ -87,18 +96,21 @@ def logical_to_spec(axes: tuple[str | tuple[str, ...], ...], tensor_parallel: bo
 
 def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParams:
     """A LlamaParams tree with a PartitionSpec where `init_params(config)` has an array."""
-    shapes = layer_shapes(config)  # None where the model has no such weight (biases)
-    layer = LayerParams(
-        **{
-            field.name: None
-            if getattr(shapes, field.name) is None
-            else logical_to_spec(LAYER_AXES[field.name], tensor_parallel)
-            for field in dataclasses.fields(LayerParams)
-        }
-    )
+
+    def layer(i):
+        shapes = layer_shapes(config, i)  # None where the layer has no such weight (biases, ...)
+        return LayerParams(
+            **{
+                field.name: None
+                if getattr(shapes, field.name) is None
+                else logical_to_spec(LAYER_AXES[field.name], tensor_parallel)
+                for field in dataclasses.fields(LayerParams)
+            }
+        )
+
     return LlamaParams(
         embed=logical_to_spec(MODEL_AXES["embed"], tensor_parallel),
-        layers=(layer,) * config.num_layers,
+        layers=tuple(layer(i) for i in range(config.num_layers)),
         final_norm=logical_to_spec(MODEL_AXES["final_norm"], tensor_parallel),
         lm_head=None
         if config.tie_word_embeddings

@@ -61,6 +61,8 @@ class LoopSpec:
     warp: WarpSpec
     proposer: Any = None  # a proposer spec (see speculate/proposers), None for plain decoding
     mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
+    dtype: str = "float32"  # the target's weights and activations
+    cache_dtype: str = "float32"  # the target's KV cache
 
     @property
     def k(self) -> int:
@@ -92,14 +94,15 @@ def memory_bytes(spec: LoopSpec) -> int:
     temporaries (one verify pass's logits and probabilities, the prefill's activations)."""
     c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.num_drafted
     V, T = c.vocab_size, spec.prompt_bucket
-    total = cache_bytes(c, B, S) + B * S * 4
+    total = cache_bytes(c, B, S, np.dtype(jnp.dtype(spec.cache_dtype)).itemsize) + B * S * 4
     if spec.proposer is not None:
         total += spec.proposer.state_bytes(B, S)
     if spec.warp.penalties:
         total += B * V * 5 + B * (K + 1) * V * 4  # counts, prompt mask, counts at the drafts
     total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
-    total += B * T * (2 * c.intermediate_size + 4 * c.hidden_size) * 4  # prefill activations
-    return total
+    ffw = max(c.intermediate_size, (c.moe_intermediate_size or 0) * c.num_experts_per_tok)
+    activations = B * T * (2 * ffw + 4 * c.hidden_size)  # the prefill's, in the model's dtype
+    return total + activations * np.dtype(jnp.dtype(spec.dtype)).itemsize
 
 
 @flax.struct.dataclass
@@ -233,13 +236,13 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     """Run the prompts through the target (and the proposer) and pick each row's first token."""
     B, T = inputs.prompt_tokens.shape
     rows = jnp.arange(B)
-    cache = init_cache(spec.config, B, spec.capacity)
+    cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     hidden, cache = mesh_forward_hidden(
         spec.mesh, params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
     )
     # Only each row's last prompt position needs logits (right padding follows it).
-    logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1])  # [B, V]
+    logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1], spec.config)  # [B, V]
     cache = cache.advance(inputs.prompt_lengths)
     proposer_state = None
     if spec.proposer is not None:
@@ -285,7 +288,7 @@ def _target_forward(
     hidden, cache = mesh_forward_hidden(
         spec.mesh, params, spec.config, tokens, positions, cache, fresh_mask=fresh_mask, write=write
     )
-    return lm_head(params, hidden), hidden, cache
+    return lm_head(params, hidden, spec.config), hidden, cache
 
 
 def _store(spec: LoopSpec, cache: KVCache, written: KVCache | FreshEntries) -> KVCache:

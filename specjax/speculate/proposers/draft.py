@@ -16,6 +16,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
@@ -43,11 +44,13 @@ class DraftSpec:
     warp: WarpSpec = WarpSpec()
     mesh: Any = None  # a jax Mesh to run on, or None (one device)
     tensor_parallel: bool = False  # heads split over the mesh like the target's; else replicated
+    dtype: str = "float32"  # the draft's weights, which its KV cache follows
     always_drafts = True  # every row drafts k tokens every step
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         """Device memory of the state (the draft's KV cache), to check before allocating."""
-        return cache_bytes(self.config, batch_size, capacity, num_layers=self.num_layers)
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
+        return cache_bytes(self.config, batch_size, capacity, itemsize, num_layers=self.num_layers)
 
     def _forward(self, params, tokens, positions, cache, empty_cache=False):
         return mesh_forward_hidden(
@@ -57,7 +60,7 @@ class DraftSpec:
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         params = target_params if self.shares_target_params else params
         B, T = prompt_tokens.shape
-        cache = init_cache(self.config, B, capacity, num_layers=self.num_layers)
+        cache = init_cache(self.config, B, capacity, self.dtype, num_layers=self.num_layers)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         _, cache = self._forward(params, prompt_tokens, positions, cache, empty_cache=True)
         return DraftState(cache=cache.advance(prompt_lengths))
@@ -87,7 +90,7 @@ class DraftSpec:
 
         def draft_one(cache, counts, fed, fed_positions, step_keys):
             hidden, cache = self._forward(params, fed, fed_positions, cache)
-            logits = lm_head(params, hidden[:, -1])  # [B, V]
+            logits = lm_head(params, hidden[:, -1], self.config)  # [B, V]
             cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
             if history is not None:
                 logits = adjust_logits(logits, sampling, self.warp, counts, history.in_prompt)
@@ -154,6 +157,7 @@ class DraftModel:
             warp=warp,
             mesh=mesh,
             tensor_parallel=self.tensor_parallel,
+            dtype=self.model.params.dtype.name,
         )
 
     def params(self, target: Model):
@@ -186,6 +190,7 @@ class SelfDraft:
             warp=warp,
             mesh=mesh,
             tensor_parallel=True,  # the target's weights, split as they are
+            dtype=target.params.dtype.name,
         )
 
     def params(self, target: Model):

@@ -79,6 +79,7 @@ class EagleSpec:
     config: EagleConfig
     k: int
     tree: TokenTree | None = None
+    dtype: str = "float32"  # the head's weights, which its KV cache follows
     always_drafts = True
 
     @property
@@ -86,14 +87,15 @@ class EagleSpec:
         return TokenTree.chain(self.k) if self.tree is None else self.tree
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
+        itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
         pending = batch_size * (self.k + 1) * self.config.hidden_size * 4
-        return cache_bytes(self.config.layer_config, batch_size, capacity) + pending
+        return cache_bytes(self.config.layer_config, batch_size, capacity, itemsize) + pending
 
     def init(self, target_params, params: HeadInputs, prompt_tokens, prompt_lengths, capacity, target_hidden):
         """Feed the prompt's pairs (f_p, x_{p+1}), p < T - 1; f_{T-1} waits for the first token."""
         B, T = prompt_tokens.shape
         rows = jnp.arange(B)
-        cache = init_cache(self.config.layer_config, B, capacity)
+        cache = init_cache(self.config.layer_config, B, capacity, self.dtype)
         next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         _, cache = eagle_features(
@@ -204,7 +206,8 @@ class Eagle:
 
     def spec(self, target: Model, warp=None, mesh=None) -> EagleSpec:
         self.head.check_target(target)
-        return EagleSpec(config=self.head.config, k=self.k, tree=self.tree)
+        dtype = self.head.params.fc.dtype.name
+        return EagleSpec(config=self.head.config, k=self.k, tree=self.tree, dtype=dtype)
 
     def params(self, target: Model) -> HeadInputs:
         vocab = jnp.asarray(self.head.vocab)

@@ -1,0 +1,167 @@
+"""Checkpoint tensors read one at a time: a `LazyTensor` knows its shape and stored dtype and
+reads its values only when asked, so a loader can check a whole checkpoint before reading any of
+it, and hold one tensor at a time in host memory while it converts and places the weights.
+
+Safetensors files are read here directly (`open_safetensors`): the format is an 8-byte header
+length, a JSON header of names, dtypes, shapes and byte ranges, then the raw little-endian data.
+Reading a tensor is one seek and one `readinto` a fresh numpy array of its size: unlike pages of
+a memory map, which count in the process's resident memory until the kernel drops them, nothing
+of the file stays once the array is freed. bfloat16 reads as `ml_dtypes.bfloat16`, JAX's own. The
+writer (`write_safetensors`) streams the same way: the header first, then each tensor as it is
+produced (files the `safetensors` package reads alike).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+# Safetensors dtype names -> numpy dtypes (the ones a checkpoint of weights may hold).
+SAFETENSORS_DTYPES = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# Dtypes a model weight may be stored in; anything else in a checkpoint is an error naming it.
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyTensor:
+    """A tensor of `shape` stored as `dtype`, read by `read()` (a fresh array each call).
+    `source` names where it comes from, for messages (a checkpoint name, or a few)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    read: Callable[[], np.ndarray]
+    source: str
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    def transposed(self) -> LazyTensor:
+        """A 2-D tensor's transpose (HF's [out, in] -> our [in, out]); 1-D tensors as they are."""
+        if len(self.shape) < 2:
+            return self
+        # A view: placing it (jax.device_put) copies once, into the device's layout.
+        return dataclasses.replace(self, shape=self.shape[::-1], read=lambda: self.read().T)
+
+    def rows(self, start: int, stop: int) -> LazyTensor:
+        """Rows start .. stop - 1 of the first axis (one part of a fused checkpoint tensor)."""
+        return dataclasses.replace(
+            self,
+            shape=(stop - start, *self.shape[1:]),
+            read=lambda: np.ascontiguousarray(self.read()[start:stop]),
+        )
+
+    def mapped(self, function: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
+        """The tensor with `function` applied to its values when read (shape changed to `shape`)."""
+        return dataclasses.replace(
+            self, shape=self.shape if shape is None else tuple(shape), read=lambda: function(self.read())
+        )
+
+
+def of_array(array: np.ndarray, source: str) -> LazyTensor:
+    """An array already in memory, as a LazyTensor."""
+    array = np.asarray(array)
+    return LazyTensor(tuple(array.shape), array.dtype, lambda: array, source)
+
+
+def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
+    """One tensor [N, ...] from N tensors of one shape (a mixture's per-expert weights), read in turn."""
+    first = parts[0]
+
+    def read():
+        out = np.empty((len(parts), *first.shape), first.dtype)
+        for i, part in enumerate(parts):
+            out[i] = part.read()
+        return out
+
+    return LazyTensor((len(parts), *first.shape), first.dtype, read, source)
+
+
+def open_safetensors(path: str | Path) -> dict[str, LazyTensor]:
+    """Every tensor of one safetensors file by name, unread. ValueError for a file that is not
+    safetensors or a dtype this reader does not know."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than its header length)")
+        (header_size,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{path} is not a safetensors file: its header is not JSON ({error})") from None
+    data_start = 8 + header_size
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if entry["dtype"] not in SAFETENSORS_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {entry['dtype']}, which specjax cannot read")
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        shape = tuple(int(n) for n in entry["shape"])
+        begin, end = entry["data_offsets"]
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"{path}: tensor {name!r} holds {end - begin} bytes, not {shape} of {dtype}")
+        tensors[name] = LazyTensor(shape, dtype, _reader(path, data_start + begin, shape, dtype), name)
+    return tensors
+
+
+def _reader(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) -> Callable[[], np.ndarray]:
+    def read() -> np.ndarray:
+        out = np.empty(shape, dtype)
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            view = memoryview(out.reshape(-1).view(np.uint8))
+            done = 0
+            while done < len(view):  # readinto may return less than asked
+                count = f.readinto(view[done:])
+                if not count:
+                    raise ValueError(f"{path} ends inside a tensor (truncated file)")
+                done += count
+        return out if np.little_endian else out.byteswap()  # the format is little-endian
+
+    return read
+
+
+def write_safetensors(
+    path: str | Path, tensors: Mapping[str, LazyTensor], metadata: dict | None = None
+) -> None:
+    """Write tensors to one safetensors file, reading each LazyTensor only when its turn comes."""
+    header, offset = {}, 0
+    for name, tensor in tensors.items():
+        header[name] = {
+            "dtype": _NAMES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + tensor.nbytes],
+        }
+        offset += tensor.nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for name, tensor in tensors.items():
+            values = np.ascontiguousarray(tensor.read(), dtype=tensor.dtype)
+            if values.shape != tensor.shape:
+                raise ValueError(f"write_safetensors: {name} read as {values.shape}, declared {tensor.shape}")
+            f.write(values.tobytes())

@@ -1,0 +1,324 @@
+"""GGUF files of the families whose architecture llama.cpp's format names: llama (Llama, Mistral,
+Mixtral), qwen2, qwen3, qwen3moe and gemma3. Each is written here from a tiny random HF folder
+(tests/families.py) the way llama.cpp's converter (convert_hf_to_gguf.py) writes it: its metadata
+keys, gguf-py's own tensor name map, q/k rows reordered for llama only, Gemma's norms stored as
+1 + w. `specjax.load` must read from the .gguf the config and weights it reads from the folder,
+and give transformers' logits over 64-token prompts (past the sliding windows of 16)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import families
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from logit_check import compare_with_torch
+
+import specjax
+from specjax.models import gguf_loader
+from specjax.models.checkpoint import flatten
+from specjax.models.tensors import open_safetensors
+
+TOL = 1e-4  # relative float32 logit error (max abs diff / max abs logit, worst position)
+# Config fields the two loads may differ in: model_type, as GGUF's llama architecture holds Llama
+# and Mistral alike. The other fields a GGUF may lack are compared: bos/eos ids come with a
+# tokenizer (these tiny configs have none either), max_position_embeddings as context_length.
+IGNORED_FIELDS = ("model_type",)
+LLAMA_CPP_ARCH = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    family: str  # tests/families.py
+    arch: str  # general.architecture
+    # Changes to the family's tiny config that the format needs (see the cases below).
+    overrides: tuple[tuple[str, object], ...] = ()
+    # Write {arch}.attention.sliding_window, which llama.cpp's converter leaves out for llama: the
+    # format can hold Mistral's window, the converter just does not write it (llama.cpp runs
+    # Mistral with full attention).
+    window_key: bool = False
+
+
+CASES = {
+    "mistral": Case("mistral", "llama", window_key=True),
+    "mixtral": Case("mixtral", "llama", window_key=True),
+    "qwen2": Case("qwen2", "qwen2"),
+    "qwen3": Case("qwen3", "qwen3"),
+    # qwen3moe has no dense-MLP tensor names: mlp_only_layers cannot be written.
+    "qwen3_moe": Case("qwen3_moe", "qwen3moe", overrides=(("mlp_only_layers", []),)),
+    # query_pre_attn_scalar is not stored; llama.cpp takes head_dim (32 here), as Gemma 3's 1B-12B do.
+    "gemma3": Case("gemma3", "gemma3", overrides=(("query_pre_attn_scalar", 32),)),
+}
+
+
+def build_folder(case: Case, folder: Path) -> torch.nn.Module:
+    """The family's tiny random float32 model with the case's overrides, saved to `folder`."""
+    config = families.hf_config(case.family)
+    for name, value in case.overrides:
+        setattr(config, name, value)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    families.peaky_random_weights(model.float(), seed=0)
+    model.eval().save_pretrained(folder)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# A GGUF written from an HF folder as llama.cpp's converter writes it
+
+
+def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """The converter's reorder of llama's q/k rows: per head, rows (i, i + E/2) become neighbours."""
+    return (
+        weight.reshape(num_heads, 2, weight.shape[0] // num_heads // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
+
+
+def write_gguf(
+    path: Path,
+    folder: Path,
+    case: Case,
+    *,
+    window_pattern: object = "layer_types",
+    f16: bool = False,
+    edit=None,
+    extra: dict | None = None,
+) -> None:
+    """Write the folder's model as a GGUF of `case.arch`.
+
+    window_pattern: gemma3's attention.sliding_window_pattern: "layer_types" writes config.json's
+        layer_types as a bool per layer (which llama.cpp reads; its converter writes none), None
+        writes nothing, an int writes that int.
+    f16: store matrices as F16 (the converter's default outtype), vectors as F32.
+    edit: `edit(tensors)` changes the {GGUF name: array} dict before it is written.
+    extra: more metadata, {key: (value, GGUFValueType)}.
+    """
+    hp = json.loads((folder / "config.json").read_text())
+    writer = gguf.GGUFWriter(str(path), case.arch)
+    _write_metadata(writer, hp, case, window_pattern)
+    for key, (value, kind) in (extra or {}).items():
+        writer.add_key_value(key, value, kind)
+    tensors = _converted_tensors(hp, folder, case.arch)
+    if edit is not None:
+        edit(tensors)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array.astype(np.float16) if f16 and array.ndim >= 2 else array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _write_metadata(writer, hp: dict, case: Case, window_pattern) -> None:
+    """The keys TextModel.set_gguf_parameters and the architecture's model class write."""
+    arch = case.arch
+    writer.add_block_count(hp["num_hidden_layers"])
+    writer.add_context_length(hp["max_position_embeddings"])
+    writer.add_embedding_length(hp["hidden_size"])
+    writer.add_feed_forward_length(hp["intermediate_size"])
+    writer.add_head_count(hp["num_attention_heads"])
+    writer.add_head_count_kv(hp["num_key_value_heads"])
+    rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
+    full = rope.get("full_attention", rope)  # Gemma 3: one entry per layer type
+    if full.get("rope_type") == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(full["factor"])
+    writer.add_rope_freq_base(full.get("rope_theta", hp.get("rope_theta")))
+    if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
+        writer.add_rope_freq_base_swa(local)
+    writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
+    experts = hp.get("num_local_experts") or hp.get("num_experts")
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(hp["num_experts_per_tok"])
+    if hp.get("head_dim") is not None:
+        writer.add_key_length(hp["head_dim"])
+        writer.add_value_length(hp["head_dim"])
+    if arch == "llama":
+        writer.add_vocab_size(hp["vocab_size"])
+        writer.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    if arch == "gemma3":
+        if hp.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(hp["final_logit_softcapping"])
+        writer.add_sliding_window(hp["sliding_window"])
+        if window_pattern == "layer_types":
+            writer.add_sliding_window_pattern([t == "sliding_attention" for t in hp["layer_types"]])
+        elif window_pattern is not None:
+            writer.add_sliding_window_pattern(window_pattern)
+    if case.window_key and hp.get("sliding_window"):
+        writer.add_sliding_window(hp["sliding_window"])
+
+
+def _converted_tensors(hp: dict, folder: Path, arch: str) -> dict[str, np.ndarray]:
+    """{GGUF name: array in HF's layout} as the converter's modify_tensors yields them: experts
+    stacked [X, out, in], llama's q/k rows reordered, Gemma's norms plus 1, names from gguf-py's
+    tensor map (a name it cannot map is an error there too)."""
+    hf = {name: tensor.read() for name, tensor in open_safetensors(folder / "model.safetensors").items()}
+    names = gguf.get_tensor_name_map(LLAMA_CPP_ARCH[arch], hp["num_hidden_layers"])
+    heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
+    stacked = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.0\.(\w+)\.weight")
+    out = {}
+    for name in sorted(hf):
+        array = hf[name]
+        if ".experts." in name:
+            match = stacked.fullmatch(name)
+            if not match:
+                continue  # stacked with expert 0
+            layer, block, weight = match.groups()
+            count = hp.get("num_local_experts") or hp["num_experts"]
+            array = np.stack([hf[name.replace(".experts.0.", f".experts.{j}.")] for j in range(count)])
+            # The converter's merged names: Mixtral's feed_forward.experts.w1, Qwen's mlp.experts.gate_proj.
+            name = (
+                f"layers.{layer}.feed_forward.experts.{weight}.weight"
+                if block == "block_sparse_moe"
+                else f"model.layers.{layer}.mlp.experts.{weight}.weight"
+            )
+        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
+            array = llama_cpp_permute(array, heads)
+        if arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
+            array = llama_cpp_permute(array, kv_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + np.float32(1)
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise ValueError(f"the converter cannot map {name} for {arch}")
+        out[gguf_name] = np.ascontiguousarray(array, np.float32)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The same model from the .gguf and from the folder
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """case name -> (folder holding hf/ and <name>.gguf, the torch model), each built once."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            root = tmp_path_factory.mktemp(name)
+            torch_model = build_folder(CASES[name], root / "hf")
+            write_gguf(root / f"{name}.gguf", root / "hf", CASES[name])
+            cache[name] = (root, torch_model)
+        return cache[name]
+
+    return get
+
+
+def comparable(config) -> dict:
+    fields = dataclasses.asdict(config)
+    return {name: value for name, value in fields.items() if name not in IGNORED_FIELDS}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_gguf_matches_folder_and_transformers(built, name):
+    root, torch_model = built(name)
+    from_gguf = specjax.load(root / f"{name}.gguf", cache_dir=root / "cache")
+    from_folder = specjax.load(root / "hf")
+    assert comparable(from_gguf.config) == comparable(from_folder.config)
+    assert from_gguf.config.model_type == {"mistral": "llama"}.get(name, from_folder.config.model_type)
+
+    ours, reference = flatten(from_gguf.params), flatten(from_folder.params)
+    assert ours.keys() == reference.keys()
+    for leaf, value in ours.items():
+        # Gemma's norms went through 1 + w and back in float32: within half an ulp of 1 + w.
+        atol = 1e-6 if from_gguf.config.norm == "gemma" and leaf.endswith("norm") else 0.0
+        np.testing.assert_allclose(
+            np.asarray(value), np.asarray(reference[leaf]), rtol=0, atol=atol, err_msg=leaf
+        )
+
+    continuations = [[3, 4, 5, 6], [7, 8, 9, 10]]
+    error = compare_with_torch(from_gguf, torch_model, families.prompts(), continuations)
+    print(f"{name}: max relative logit error vs transformers {error:.1e}")
+    assert error < TOL
+
+
+def test_f16_tensors_dequantize(built, tmp_path):
+    """The converter's default outtype: matrices F16, vectors F32. The loaded weights are the
+    folder's rounded to float16, exactly."""
+    root, _ = built("qwen2")
+    path = tmp_path / "f16.gguf"
+    write_gguf(path, root / "hf", CASES["qwen2"], f16=True)
+    kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(str(path)).tensors}
+    assert kinds["blk.0.attn_q.weight"] == gguf.GGMLQuantizationType.F16
+    assert kinds["blk.0.attn_q.bias"] == gguf.GGMLQuantizationType.F32
+    ours = flatten(specjax.load(path, cache_dir=tmp_path / "cache").params)
+    for leaf, value in flatten(specjax.load(root / "hf").params).items():
+        value = np.asarray(value)
+        expected = value.astype(np.float16).astype(np.float32) if value.ndim >= 2 else value
+        np.testing.assert_array_equal(np.asarray(ours[leaf]), expected, err_msg=leaf)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the format leaves unsaid
+
+
+def test_mistral_as_converted_has_no_window(built, tmp_path):
+    """llama.cpp's converter writes no window for Mistral: the file loads with full attention."""
+    root, _ = built("mistral")
+    path = tmp_path / "m.gguf"
+    write_gguf(path, root / "hf", dataclasses.replace(CASES["mistral"], window_key=False))
+    config = gguf_loader.read_gguf(path)[0]
+    assert config.sliding_window is None and config.model_type == "llama"
+
+
+@pytest.mark.parametrize(
+    "pattern, sliding",
+    [
+        (None, [True, True, True, True]),  # llama.cpp's default: every sixth layer global
+        (2, [True, False, True, False]),
+        (3, [True, True, False, True]),
+    ],
+)
+def test_gemma3_window_pattern(built, tmp_path, pattern, sliding):
+    root, _ = built("gemma3")
+    path = tmp_path / "g.gguf"
+    write_gguf(path, root / "hf", CASES["gemma3"], window_pattern=pattern)
+    config = gguf_loader.read_gguf(path)[0]
+    assert [config.layer_window(i) == families.WINDOW for i in range(4)] == sliding
+    assert config.query_pre_attn_scalar == 32.0 and config.local_rope_theta == 10000.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors at the door
+
+
+def test_missing_tensor_is_named(built, tmp_path):
+    root, _ = built("mistral")
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, root / "hf", CASES["mistral"], edit=lambda tensors: tensors.pop("blk.1.attn_k.weight"))
+    with pytest.raises(ValueError, match=r"lacks tensors .*\['blk\.1\.attn_k\.weight'\]"):
+        specjax.load(path, cache_dir=tmp_path / "cache")
+
+
+def test_misshapen_tensor_is_named(built, tmp_path):
+    root, _ = built("mistral")
+    path = tmp_path / "misshapen.gguf"
+
+    def edit(tensors):
+        tensors["blk.0.attn_v.weight"] = tensors["blk.0.attn_v.weight"][:-1]  # one row short
+
+    write_gguf(path, root / "hf", CASES["mistral"], edit=edit)
+    match = r"blk\.0\.attn_v\.weight \(layers\.0\.v\): got \(64, 31\), expected \(64, 32\)"
+    with pytest.raises(ValueError, match=match):
+        specjax.load(path, cache_dir=tmp_path / "cache")
+
+
+def test_unsupported_key_is_named(built, tmp_path):
+    root, _ = built("qwen3")
+    path = tmp_path / "capped.gguf"
+    extra = {"qwen3.attn_logit_softcapping": (50.0, gguf.GGUFValueType.FLOAT32)}
+    write_gguf(path, root / "hf", CASES["qwen3"], extra=extra)
+    with pytest.raises(ValueError, match="qwen3.attn_logit_softcapping = 50.0"):
+        specjax.load(path, cache_dir=tmp_path / "cache")
