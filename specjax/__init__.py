@@ -3,6 +3,7 @@
 from specjax import models, sharding, speculate
 from specjax.ablation import ablate, load_ablation, save_ablation
 from specjax.api import GenerateResult, generate
+from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load
 from specjax.speculate import (
     DraftModel,
@@ -40,6 +41,7 @@ __all__ = [
     "HeuristicSchedule",
     "Eagle",
     "GenerateResult",
+    "MemoryEstimate",
     "Medusa",
     "Model",
     "NGram",
@@ -48,6 +50,7 @@ __all__ = [
     "SpecMetrics",
     "TokenTree",
     "ablate",
+    "estimate_memory",
     "generate",
     "load",
     "load_ablation",

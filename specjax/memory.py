@@ -1,0 +1,108 @@
+"""How much device memory a model and its KV cache take, before anything is loaded: what a user
+needs for an 8B or a 70B model with a given cache, per device of a mesh.
+
+The figures follow from the same tables the library places and allocates with: every weight's
+shape (`models.llama.param_shapes`) divided over the mesh axes its PartitionSpec splits it on
+(`sharding.param_specs`), and the cache's layout (`models.cache`), split by rows over "data" and
+by kv heads over "model". docs/models.md calls `estimate_memory` for its tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from specjax import sharding
+from specjax.models.checkpoint import dtype_name, flatten
+from specjax.models.config import LlamaConfig
+from specjax.models.llama import param_shapes
+from specjax.sharding.mesh import DATA, MODEL
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per device (the most loaded one)."""
+
+    weights: int  # the model's weights
+    kv_cache: int  # the target's KV cache for the batch
+    logits: int  # one verify pass's float32 logits and probabilities (target and draft)
+    data: int  # mesh degrees the estimate is for
+    model: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.logits
+
+    def summary(self) -> dict[str, float]:
+        """The figures in GiB, for a table."""
+        gib = 1 << 30
+        return {
+            "weights_gib": self.weights / gib,
+            "kv_cache_gib": self.kv_cache / gib,
+            "logits_gib": self.logits / gib,
+            "total_gib": self.total / gib,
+        }
+
+
+def estimate_memory(
+    config: LlamaConfig,
+    batch_size: int,
+    max_len: int,
+    dtype: Any = "bfloat16",
+    mesh: Any = None,
+    cache_dtype: Any = None,
+    num_speculative_tokens: int = 0,
+) -> MemoryEstimate:
+    """Device memory per device for `config` in `dtype` decoding `batch_size` rows of up to
+    `max_len` tokens (prompt and output; the cache holds that many slots per row).
+
+    mesh: None (one device), a jax Mesh from `specjax.sharding.make_mesh`, or the degrees as a
+        dict {"data": d, "model": m}, to plan for devices this machine does not have.
+    cache_dtype: default `dtype`. num_speculative_tokens: k, for the verify pass's logits.
+    """
+    itemsize = jnp.dtype(dtype_name(dtype)).itemsize
+    cache_size = jnp.dtype(dtype_name(cache_dtype or dtype)).itemsize
+    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"estimate_memory: {name} must be an integer >= 1, got {value!r}")
+    degrees = _degrees(mesh)
+    data, model = degrees[DATA], degrees[MODEL]
+    if model > 1 and (config.num_kv_heads % model or config.num_heads % model):
+        raise ValueError(
+            f"estimate_memory: a model degree of {model} does not divide the {config.num_heads} query "
+            f"and {config.num_kv_heads} kv heads"
+        )
+    shapes, specs = flatten(param_shapes(config)), flatten(sharding.param_specs(config))
+    weights = sum(math.prod(shape) // _split(specs[name], degrees) for name, shape in shapes.items())
+    rows = -(-batch_size // data)
+    kv_cache = 2 * config.num_layers * rows * (config.kv_size // model) * max_len * cache_size
+    logits = 3 * rows * (num_speculative_tokens + 1) * config.vocab_size * 4
+    return MemoryEstimate(weights * itemsize, kv_cache, logits, data, model)
+
+
+def _degrees(mesh) -> dict[str, int]:
+    if mesh is None:
+        return {DATA: 1, MODEL: 1}
+    if isinstance(mesh, dict):
+        unknown = set(mesh) - {DATA, MODEL}
+        if unknown or not all(isinstance(v, int) and v >= 1 for v in mesh.values()):
+            raise ValueError(
+                f"estimate_memory: mesh as a dict gives positive degrees for {DATA!r} and {MODEL!r}, "
+                f"got {mesh!r}"
+            )
+        return {DATA: mesh.get(DATA, 1), MODEL: mesh.get(MODEL, 1)}
+    sharding.check_mesh(mesh)
+    return {DATA: sharding.data_degree(mesh), MODEL: sharding.model_degree(mesh)}
+
+
+def _split(spec: P, degrees: dict[str, int]) -> int:
+    """How many devices share one copy of a weight with this PartitionSpec."""
+    parts = 1
+    for axis in jax.tree.leaves(tuple(spec)):
+        parts *= degrees.get(axis, 1)
+    return parts
