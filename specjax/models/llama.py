@@ -612,6 +612,7 @@ def _layer(
     reduce,
     write,
     committed=None,
+    attention_input=None,
 ):
     """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers (see KVCache);
     `masks` what its kind of attention sees (`_layer_masks`), inv_freq its rotary frequencies.
@@ -623,10 +624,16 @@ def _layer(
     then sums the partial outputs of o and down over the slices (see specjax/sharding). Norms of
     an output (Gemma's sandwich norms) come after the sum: they need the whole vector.
     `committed` (each row's committed slots) sends attention through the CPU kernel (`attention`).
+    `attention_input(x, lp) -> (attention's input, the residual)` replaces the usual (norm of x,
+    x): an EAGLE-3 head's first layer reads a token embedding and a feature side by side
+    (models/eagle3.py).
     """
     B, T, _ = x.shape
     E, G = config.head_dim, config.num_heads // config.num_kv_heads
-    h = _norm(config, x, lp.attn_norm)
+    if attention_input is None:
+        h, residual = _norm(config, x, lp.attn_norm), x
+    else:
+        h, residual = attention_input(x, lp)
     qkv = project(h, lp.qkv)
     if config.qkv_bias:
         qkv = qkv + lp.qkv_bias
@@ -654,7 +661,7 @@ def _layer(
         starts=masks.starts,
     )
     out = reduce(project(attended, lp.o))
-    x = x + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
+    x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
     h = _norm(config, x, lp.mlp_norm)
     out = reduce(_dense_mlp(config, h, lp) if lp.router is None else moe_mlp(config, h, lp))
     x = x + (out if lp.mlp_out_norm is None else _norm(config, out, lp.mlp_out_norm))
@@ -730,7 +737,8 @@ def forward_hidden(
     empty_cache: bool = False,
     reduce: Callable[[jax.Array], jax.Array] | None = None,
     write: bool = True,
-) -> tuple[jax.Array, KVCache | FreshEntries]:
+    capture: tuple[int, ...] = (),
+) -> tuple[jax.Array, KVCache | FreshEntries] | tuple[jax.Array, KVCache | FreshEntries, jax.Array]:
     """Run T new tokens per row through the model and its final norm.
 
     tokens, positions [B, T] int32. The tokens' keys and values are written into the cache at
@@ -742,16 +750,18 @@ def forward_hidden(
     outputs before they join the residual stream: under tensor parallelism, the sum over the model
     axis of the partial products. Returns the final-normed hidden states [B, T, D] and the cache,
     or with `write=False` the cache untouched and the fresh entries returned instead
-    (FreshEntries, for `KVCache.write`; see there for why).
+    (FreshEntries, for `KVCache.write`; see there for why). With `capture` (layer ids; id i is the
+    residual stream entering layer i, id L the last layer's output, before the final norm), a
+    third value: those streams side by side, [B, T, len(capture) * D] (an EAGLE-3 head's input).
     """
     if cache.num_layers > config.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model only {config.num_layers}")
     x = embed_tokens(params, config, tokens)  # [B, T, D]
     layers = params.layers[: cache.num_layers]
-    x, cache = decoder_layers(
-        layers, config, x, positions, cache, fresh_mask, empty_cache, reduce, write=write
+    out = decoder_layers(
+        layers, config, x, positions, cache, fresh_mask, empty_cache, reduce, write=write, capture=capture
     )
-    return _norm(config, x, params.final_norm), cache
+    return (_norm(config, out[0], params.final_norm), *out[1:])
 
 
 def decoder_layers(
@@ -765,13 +775,17 @@ def decoder_layers(
     reduce: Callable[[jax.Array], jax.Array] | None = None,
     visible: jax.Array | None = None,
     write: bool = True,
-) -> tuple[jax.Array, KVCache | FreshEntries]:
+    first_attention_input: Callable | None = None,
+    capture: tuple[int, ...] = (),
+) -> tuple[jax.Array, KVCache | FreshEntries] | tuple[jax.Array, KVCache | FreshEntries, jax.Array]:
     """Run the residual stream x [B, T, D] through `layers` (one cache buffer each), writing the
     fresh keys and values at slots `cache.lengths + t`. The body of `forward_hidden`, and the
     decoder layer of an EAGLE head (which feeds its own inputs rather than token embeddings).
     `visible [B, T, S]` overrides which cache slots each fresh token attends to (default:
     `visible_slots`; EAGLE's unrolled training loss sets its own). Returns x after the last layer
-    (not normed) and the cache, or with `write=False` (a decoding pass only) the fresh entries."""
+    (not normed) and the cache, or with `write=False` (a decoding pass only) the fresh entries.
+    `first_attention_input`: the first layer's `attention_input` (see `_layer`). `capture`: see
+    `forward_hidden` (a third value, the captured streams side by side)."""
     T = x.shape[1]
     if fresh_mask is None:
         fresh_mask = causal_mask(T)
@@ -800,8 +814,12 @@ def decoder_layers(
     # Layers of one kind (window, rotary base) share their masks and frequencies: Gemma 3
     # interleaves two kinds, other families have one.
     masks, frequencies = {}, {}
-    new_k, new_v = [], []
+    if any(not 0 <= i <= len(layers) for i in capture):
+        raise ValueError(f"capture: layer ids must be in 0..{len(layers)}, got {capture}")
+    new_k, new_v, captured = [], [], {}
     for i, layer in enumerate(layers):
+        if i in capture:
+            captured[i] = x
         window = config.layer_window(i)
         if window not in masks:
             masks[window] = _layer_masks(window, positions, cache, fresh_mask, visible, write, committed)
@@ -822,12 +840,19 @@ def decoder_layers(
             reduce,
             write,
             committed,
+            first_attention_input if i == 0 else None,
         )
         new_k.append(k_out)
         new_v.append(v_out)
-    if not write:
-        return x, FreshEntries(k=tuple(new_k), v=tuple(new_v))
-    return x, cache.replace(k=tuple(new_k), v=tuple(new_v))
+    captured[len(layers)] = x
+    entries = (
+        FreshEntries(k=tuple(new_k), v=tuple(new_v))
+        if not write
+        else cache.replace(k=tuple(new_k), v=tuple(new_v))
+    )
+    if not capture:
+        return x, entries
+    return x, entries, jnp.concatenate([captured[i] for i in capture], axis=-1)
 
 
 def lm_head(params: LlamaParams, hidden: jax.Array, config: LlamaConfig | None = None) -> jax.Array:

@@ -42,7 +42,8 @@ def mesh_forward_hidden(
     tensor_parallel: bool = True,
     fresh_mask=None,
     write: bool = True,
-) -> tuple[jax.Array, KVCache | FreshEntries]:
+    capture: tuple[int, ...] = (),
+) -> tuple[jax.Array, KVCache | FreshEntries] | tuple[jax.Array, KVCache | FreshEntries, jax.Array]:
     """`models.forward_hidden` on `mesh`; with mesh None, the plain single-device call.
 
     tokens, positions [B, T]; returns hidden [B, T, D] (split by row) and the cache. With
@@ -50,6 +51,8 @@ def mesh_forward_hidden(
     model and runs the same rows: no all-reduce, at the price of repeated compute. `fresh_mask`
     [T, T] (a static numpy array, e.g. a token tree's) replaces the causal mask of the T tokens.
     `write=False` returns the fresh entries instead of the written cache (see FreshEntries).
+    `capture` (layer ids) adds the residual streams entering those layers, [B, T, n*D], split by
+    row like the hidden states (see models.forward_hidden).
     """
     reduce = _sum_over_model if mesh is not None and tensor_parallel else None
 
@@ -64,6 +67,7 @@ def mesh_forward_hidden(
             empty_cache=empty_cache,
             reduce=reduce,
             write=write,
+            capture=capture,
         )
 
     if mesh is None:
@@ -76,7 +80,7 @@ def mesh_forward_hidden(
         local,
         mesh=mesh,
         in_specs=(params_spec, rows, rows, cache_spec),
-        out_specs=(P(*rows, None, None), written_spec),
+        out_specs=(P(*rows, None, None), written_spec) + ((P(*rows, None, None),) if capture else ()),
     )
     return sharded(params, tokens, positions, cache)
 

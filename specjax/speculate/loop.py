@@ -238,16 +238,14 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, cache = mesh_forward_hidden(
-        spec.mesh, params, spec.config, inputs.prompt_tokens, positions, cache, empty_cache=True
-    )
+    hidden, features, cache = _forward(spec, params, inputs.prompt_tokens, positions, cache, empty_cache=True)
     # Only each row's last prompt position needs logits (right padding follows it).
     logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1], spec.config)  # [B, V]
     cache = cache.advance(inputs.prompt_lengths)
     proposer_state = None
     if spec.proposer is not None:
         proposer_state = spec.proposer.init(
-            params, proposer_params, inputs.prompt_tokens, inputs.prompt_lengths, spec.capacity, hidden
+            params, proposer_params, inputs.prompt_tokens, inputs.prompt_lengths, spec.capacity, features
         )
     history = None
     if spec.warp.penalties:
@@ -281,14 +279,31 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
 def _target_forward(
     spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, fresh_mask=None, write=True
 ):
-    """The target's logits [B, T, V], final-normed hidden states [B, T, D] and cache after feeding
-    tokens [B, T] in a decoding step (fresh_mask [T, T]: a tree's, or None for a chain); its body
-    runs under shard_map on `spec.mesh` when there is one. `write=False` (inside the batch-wide
-    cond) returns the fresh entries in place of the cache, for `_store` after the cond."""
-    hidden, cache = mesh_forward_hidden(
-        spec.mesh, params, spec.config, tokens, positions, cache, fresh_mask=fresh_mask, write=write
+    """The target's logits [B, T, V], the features its proposer drafts from [B, T, .] (see
+    `_forward`) and cache after feeding tokens [B, T] in a decoding step (fresh_mask [T, T]: a
+    tree's, or None for a chain); its body runs under shard_map on `spec.mesh` when there is one.
+    `write=False` (inside the batch-wide cond) returns the fresh entries in place of the cache,
+    for `_store` after the cond."""
+    hidden, features, cache = _forward(
+        spec, params, tokens, positions, cache, fresh_mask=fresh_mask, write=write
     )
-    return lm_head(params, hidden, spec.config), hidden, cache
+    return lm_head(params, hidden, spec.config), features, cache
+
+
+def _forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, **options):
+    """(final-normed hidden states [B, T, D], the proposer's features, cache). The features are
+    the hidden states, or, for a proposer with `feature_layers` (EAGLE-3), the residual streams
+    entering those layers side by side [B, T, n*D], taken in the same pass."""
+    layers = getattr(spec.proposer, "feature_layers", None)
+    if not layers:
+        hidden, cache = mesh_forward_hidden(
+            spec.mesh, params, spec.config, tokens, positions, cache, **options
+        )
+        return hidden, hidden, cache
+    hidden, cache, features = mesh_forward_hidden(
+        spec.mesh, params, spec.config, tokens, positions, cache, capture=layers, **options
+    )
+    return hidden, features, cache
 
 
 def _store(spec: LoopSpec, cache: KVCache, written: KVCache | FreshEntries) -> KVCache:

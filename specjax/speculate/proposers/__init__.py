@@ -33,12 +33,13 @@ from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, S
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
 from specjax.speculate.proposers.dynamic import Dynamic, DynamicSpec, GoodputSchedule, HeuristicSchedule
 from specjax.speculate.proposers.eagle import Eagle, EagleSpec
+from specjax.speculate.proposers.eagle3 import Eagle3, Eagle3Spec
 from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
-PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle, Dynamic, ForcedAcceptance)
+PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle, Eagle3, Dynamic, ForcedAcceptance)
 
 
 def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
@@ -48,7 +49,7 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return None, None
     if isinstance(proposer, NGram):
         return proposer, None
-    if isinstance(proposer, DraftModel | SelfDraft | Medusa | Eagle | Dynamic | ForcedAcceptance):
+    if isinstance(proposer, DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | Dynamic | ForcedAcceptance):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
         return proposer.spec(target, warp, mesh), proposer.params(target)  # a custom proposer
@@ -70,6 +71,8 @@ __all__ = [
     "GoodputSchedule",
     "HeuristicSchedule",
     "Eagle",
+    "Eagle3",
+    "Eagle3Spec",
     "EagleSpec",
     "Medusa",
     "MedusaSpec",

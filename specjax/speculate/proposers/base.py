@@ -62,6 +62,10 @@ class Wrapper:
     def always_drafts(self) -> bool:
         return self.inner.always_drafts
 
+    @property
+    def feature_layers(self):
+        return getattr(self.inner, "feature_layers", None)
+
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return self.inner.state_bytes(batch_size, capacity)
 

@@ -86,10 +86,35 @@ class EagleSpec:
     def drafting_tree(self) -> TokenTree:
         return TokenTree.chain(self.k) if self.tree is None else self.tree
 
+    # What the loop hands `init` and `update` as the target's hidden states: None, its final-normed
+    # hidden states (EAGLE-1); EAGLE-3 asks for the streams entering some of its layers.
+    feature_layers = None
+
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
-        pending = batch_size * (self.k + 1) * self.config.hidden_size * 4
+        pending = batch_size * (self.k + 1) * self._pending_width * 4
         return cache_bytes(self.config.layer_config, batch_size, capacity, itemsize) + pending
+
+    # The three things a kind of head does; Eagle3Spec (proposers/eagle3.py) overrides them.
+    @property
+    def _pending_width(self) -> int:
+        return self.config.hidden_size
+
+    def _feed_target(self, params: HeadInputs, embed, target_features, tokens, positions, cache, **options):
+        """The head's outputs [B, T, D] for pairs (the target's features, the next tokens)."""
+        return eagle_features(
+            params.head, self.config, embed, target_features, tokens, positions, cache, **options
+        )
+
+    def _feed_own(self, params: HeadInputs, embed, own_features, tokens, positions, cache, **options):
+        """The head's outputs for pairs (its own outputs one step back, the drafted tokens)."""
+        return eagle_features(
+            params.head, self.config, embed, own_features, tokens, positions, cache, **options
+        )
+
+    def _logits(self, params: HeadInputs, outputs):
+        """Logits [..., W] over the head's draft vocabulary (params.vocab maps them to token ids)."""
+        return draft_logits(params.head_matrix, outputs)
 
     def init(self, target_params, params: HeadInputs, prompt_tokens, prompt_lengths, capacity, target_hidden):
         """Feed the prompt's pairs (f_p, x_{p+1}), p < T - 1; f_{T-1} waits for the first token."""
@@ -98,15 +123,8 @@ class EagleSpec:
         cache = init_cache(self.config.layer_config, B, capacity, self.dtype)
         next_tokens = jnp.concatenate([prompt_tokens[:, 1:], jnp.zeros((B, 1), jnp.int32)], axis=1)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        _, cache = eagle_features(
-            params.head,
-            self.config,
-            target_params.embed,
-            target_hidden,
-            next_tokens,
-            positions,
-            cache,
-            empty_cache=True,
+        _, cache = self._feed_target(
+            params, target_params.embed, target_hidden, next_tokens, positions, cache, empty_cache=True
         )  # pair T-1 (padding as its token) sits past the length: stale, overwritten by the first step
         pending = jnp.zeros((B, self.k + 1, target_hidden.shape[-1]), target_hidden.dtype)
         pending = pending.at[:, 0].set(target_hidden[rows, prompt_lengths - 1])
@@ -134,14 +152,14 @@ class EagleSpec:
         offsets = jnp.arange(P)[None, :]
         block_tokens = tokens[rows[:, None], jnp.minimum(start[:, None] + 1 + offsets, S - 1)]
         cache = state.cache.replace(lengths=start)
-        features, cache = eagle_features(
-            params.head, self.config, embed, state.pending, block_tokens, start[:, None] + offsets, cache
+        features, cache = self._feed_target(
+            params, embed, state.pending, block_tokens, start[:, None] + offsets, cache
         )
         cache = cache.advance(state.num_pending)  # lengths - 1: pairs 0 .. L-2 are in
         root = features[rows, state.num_pending - 1]  # [B, D] predicts f_{L-1}
 
         def candidates(parent_features, width):  # [B, n, D] -> token ids [B, n, width]
-            _, index = jax.lax.top_k(draft_logits(params.head_matrix, parent_features), width)
+            _, index = jax.lax.top_k(self._logits(params, parent_features), width)
             return params.vocab[index]
 
         node_tokens = jnp.zeros((B, N), jnp.int32)
@@ -155,19 +173,26 @@ class EagleSpec:
             node_tokens = node_tokens.at[:, nodes].set(ranked[:, parent_slot, ranks])
             node_inputs = node_inputs.at[:, nodes].set(parent_features[:, parent_slot])
             if d + 1 < tree.depth:  # the last level's features are not needed
-                features, cache = eagle_features(
-                    params.head,
-                    self.config,
-                    embed,
-                    node_inputs,
-                    node_tokens,
-                    node_positions,
-                    cache,
-                    fresh_mask=node_mask,
+                features, cache = self._feed_own(
+                    params, embed, node_inputs, node_tokens, node_positions, cache, fresh_mask=node_mask
                 )  # written past the length: scratch, never committed
                 parent_features = features[:, nodes]
         proposal = Proposal(draft_tokens=node_tokens, valid=jnp.ones((B, N), bool))
         return proposal, state.replace(cache=cache)
+
+
+def chain_or_tree(owner: str, k: int | None, tree) -> tuple[int, TokenTree | None]:
+    """(k, tree) of a head proposer: a chain of k (default 4), or a TokenTree (or list of paths)
+    whose depth is k; a one-branch tree becomes a chain, verified by the chain code."""
+    if tree is not None and not isinstance(tree, TokenTree):
+        tree = TokenTree(tree)
+    if tree is None:
+        k = 4 if k is None else k
+        check_k(owner, k)
+        return k, None
+    if k is not None and k != tree.depth:
+        raise ValueError(f"{owner} k={k!r} disagrees with the tree's depth {tree.depth}: give one of them")
+    return tree.depth, None if tree.is_chain else tree
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -187,20 +212,7 @@ class Eagle:
                 f"Eagle head must be a specjax.models.EagleHead (see specjax.train.load_head), "
                 f"got {type(self.head).__name__}"
             )
-        tree = self.tree
-        if tree is not None and not isinstance(tree, TokenTree):
-            tree = TokenTree(tree)
-        if tree is None:
-            k = 4 if self.k is None else self.k
-            check_k("Eagle", k)
-        else:
-            if self.k is not None and self.k != tree.depth:
-                raise ValueError(
-                    f"Eagle k={self.k!r} disagrees with the tree's depth {tree.depth}: give one of them"
-                )
-            k = tree.depth
-            if tree.is_chain:
-                tree = None  # a chain is verified by the chain code
+        k, tree = chain_or_tree("Eagle", self.k, self.tree)
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "tree", tree)
 

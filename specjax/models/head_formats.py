@@ -1,0 +1,332 @@
+"""Drafter checkpoints as the ecosystem publishes them, read as they are (and written, for the
+speculators format, so that heads trained here can be served by vLLM).
+
+- speculators (vLLM's format): `config.json` with `speculators_model_type` "eagle3" (or
+  "dflash", see models/dflash.py) and the decoder layer's own HF config under
+  `transformer_layer_config`; `model.safetensors` with `fc`, `layers.{i}.*` (HF names), `norm`,
+  `lm_head` over the draft vocabulary, `d2t` (draft index -> target id, as an offset: target id =
+  index + d2t[index]) and `t2d` (which target ids are drafted); an `embed_tokens` copy of the
+  target's embedding, which the head does not need (the target's own is used).
+- EAGLE-3's original release: a Llama-like `config.json` with `draft_vocab_size`, and the same
+  tensors with the decoder layer under `midlayer.*`.
+
+Tensors are read with specjax's own safetensors reader (models/tensors.py): no torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from specjax.models.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    default_aux_layer_ids,
+    param_shapes,
+    params_from_flat,
+)
+from specjax.models.families import rope_parameters, rope_scaling_from_hf
+from specjax.models.tensors import LazyTensor, of_array, open_safetensors, write_safetensors
+
+# HF's per-layer names under layers.{i}. (or midlayer.) -> ours.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.o_proj.weight": "o",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.q_norm.weight": "q_norm",
+    "self_attn.k_norm.weight": "k_norm",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+_LAYER_TYPES = ("llama", "qwen3")  # decoder layers a published EAGLE-3 head may have
+
+
+def read_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ValueError(f"head folder {str(folder)!r} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from None
+
+
+def head_format(folder: Path) -> str | None:
+    """ "speculators", "eagle3-release" or None (not a published head this module reads)."""
+    if not (folder / "config.json").is_file():
+        return None
+    config = read_config(folder)
+    if "speculators_model_type" in config:
+        return "speculators"
+    names = _tensor_names(folder)
+    if any(name.startswith("midlayer.") for name in names):
+        return "eagle3-release"
+    return None
+
+
+def _tensor_names(folder: Path) -> list[str]:
+    files = sorted(folder.glob("*.safetensors"))
+    return [name for file in files for name in open_safetensors(file)]
+
+
+def _tensors(folder: Path) -> dict[str, LazyTensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"head folder {str(folder)!r} has no safetensors file (only safetensors heads are read)"
+        )
+    tensors = {}
+    for file in files:
+        tensors.update(open_safetensors(file))
+    return tensors
+
+
+def eagle3_config_from_layer_config(
+    layer: dict[str, Any], draft_vocab_size: int, aux_layer_ids, source: str, **options
+) -> Eagle3Config:
+    """An Eagle3Config from a decoder layer's HF config dict (speculators' transformer_layer_config,
+    or the release's own config.json)."""
+    model_type = layer.get("model_type", "llama")
+    if model_type not in _LAYER_TYPES:
+        raise ValueError(
+            f"{source}: a decoder layer of model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(_LAYER_TYPES)}"
+        )
+    if layer.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {layer['hidden_act']!r} is not supported; only silu is")
+    rope = rope_parameters(layer)
+    heads = layer["num_attention_heads"]
+    return Eagle3Config(
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=layer.get("num_key_value_heads") or heads,
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        vocab_size=layer["vocab_size"],
+        draft_vocab_size=draft_vocab_size,
+        aux_layer_ids=tuple(aux_layer_ids),
+        num_layers=layer.get("num_hidden_layers", 1),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling_from_hf(rope),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(layer.get("attention_bias", False)),
+        qk_norm=model_type == "qwen3",
+        **options,
+    )
+
+
+def read_eagle3(folder: Path, target_num_layers: int | None = None) -> Eagle3Head:
+    """An EAGLE-3 head from a speculators folder or from EAGLE-3's original release layout.
+    A head that names no fused layers takes the published default (2, L/2, L-3), which needs
+    the target's layer count: `target_num_layers`."""
+    fmt = head_format(folder)
+    config = read_config(folder)
+    source = f"head {str(folder)!r}"
+    if fmt == "speculators":
+        if config["speculators_model_type"] != "eagle3":
+            raise ValueError(
+                f"{source} is a speculators {config['speculators_model_type']!r} head, not eagle3"
+            )
+        layer = dict(config["transformer_layer_config"])
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        options = {
+            k: bool(config.get(k, False))
+            for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+        }
+        target_hidden = config.get("target_hidden_size")
+        prefix = "layers."
+    elif fmt == "eagle3-release":
+        layer = dict(config)
+        layer["vocab_size"] = config.get("vocab_size")
+        ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        options = {"norm_before_residual": bool(config.get("norm_before_residual", False))}
+        target_hidden = config.get("target_hidden_size")
+        prefix = "midlayer."
+    else:
+        raise ValueError(f"{source} is neither a speculators head nor an EAGLE-3 release")
+    if ids is None:
+        if target_num_layers is None:
+            raise ValueError(
+                f"{source} names no fused target layers; load it with its target (load_head(path, target))"
+            )
+        ids = default_aux_layer_ids(target_num_layers)
+    tensors = _tensors(folder)
+    draft_vocab = int(config.get("draft_vocab_size") or tensors["lm_head.weight"].shape[0])
+    head_config = eagle3_config_from_layer_config(
+        layer, draft_vocab, ids, source, target_hidden_size=target_hidden, **options
+    )
+    flat, used = {}, set()
+    for name, tensor in tensors.items():
+        ours = _our_name(name, prefix)
+        if ours is not None:
+            flat[ours] = tensor
+            used.add(name)
+    unknown = sorted(set(tensors) - used - {"d2t", "t2d", "embed_tokens.weight"})
+    if unknown:
+        raise ValueError(f"{source} has tensors an EAGLE-3 head does not use: {unknown[:8]}")
+    arrays = _checked_arrays(flat, param_shapes(head_config), source)
+    vocab = _draft_vocab(tensors, head_config, source)
+    ours = config.get("specjax") or {}  # a head specjax wrote: who it belongs to, how it was made
+    meta = ours.get("meta") or {"source": str(folder), "format": fmt}
+    params = params_from_flat(head_config, arrays)
+    return Eagle3Head(head_config, params, vocab, target=ours.get("target") or {}, meta=meta)
+
+
+def _our_name(name: str, layer_prefix: str) -> str | None:
+    """A head tensor's flat name in our layout (see eagle3.param_shapes), or None."""
+    globals_ = {
+        "fc.weight": "fc",
+        "norm.weight": "norm",
+        "lm_head.weight": "lm_head",
+        "input_norm.weight": "input_norm",
+    }
+    if name in globals_:
+        return globals_[name]
+    if name.startswith("fc_norm."):  # fc_norm.{j}.weight: stacked below
+        return f"fc_norms.{name.split('.')[1]}"
+    if name.startswith(layer_prefix):
+        rest = name[len(layer_prefix) :]
+        index, _, hf = rest.partition(".") if layer_prefix == "layers." else ("0", ".", rest)
+        if hf == "hidden_norm.weight":
+            return "hidden_norm" if index == "0" else None
+        if hf in _LAYER_NAMES:
+            return f"layers.{index}.{_LAYER_NAMES[hf]}"
+    return None
+
+
+def _checked_arrays(flat: dict[str, LazyTensor], shapes: dict[str, tuple[int, ...]], source: str) -> dict:
+    """Our arrays ([in, out] matrices) after checking every name and shape against the config."""
+    norms = sorted(name for name in flat if name.startswith("fc_norms."))
+    if norms:
+        parts = [flat.pop(name).read() for name in norms]
+        flat["fc_norms"] = of_array(np.stack(parts), "fc_norm.*")
+    missing = sorted(set(shapes) - set(flat))
+    unexpected = sorted(set(flat) - set(shapes))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match its config: missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    arrays = {}
+    for name, shape in shapes.items():
+        tensor = flat[name]
+        value = tensor.read()
+        value = value.T if value.ndim == 2 and name != "fc_norms" else value  # torch [out, in] -> [in, out]
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(
+                f"{source}: {tensor.source} has shape {tuple(tensor.shape)}, the config needs {shape[::-1]}"
+            )
+        arrays[name] = np.ascontiguousarray(value)  # in the dtype it was stored in
+    return arrays
+
+
+def _draft_vocab(tensors: dict[str, LazyTensor], config: Eagle3Config, source: str) -> np.ndarray:
+    """Draft index -> target id from `d2t` (offsets); all ids in order when the head drafts the
+    whole vocabulary and has none."""
+    W = config.draft_vocab_size
+    if "d2t" not in tensors:
+        if W != config.vocab_size:
+            raise ValueError(f"{source} drafts over {W} tokens of {config.vocab_size} but has no d2t map")
+        return np.arange(W, dtype=np.int32)
+    d2t = tensors["d2t"].read().astype(np.int64)
+    if d2t.shape != (W,):
+        raise ValueError(f"{source}: d2t has shape {d2t.shape}, the config's draft vocabulary is {W}")
+    vocab = np.arange(W) + d2t
+    if "t2d" in tensors:
+        t2d = tensors["t2d"].read().astype(bool)
+        if t2d.shape != (config.vocab_size,) or not np.array_equal(np.flatnonzero(t2d), np.sort(vocab)):
+            raise ValueError(f"{source}: t2d does not mark the target ids d2t maps to")
+    return vocab.astype(np.int32)
+
+
+def write_speculators_eagle3(folder: Path, head: Eagle3Head, verifier: str | None = None) -> None:
+    """The head as a speculators "eagle3" folder (config.json, model.safetensors), which vLLM
+    serves: matrices in torch's [out, in], d2t as offsets, t2d as a mask."""
+    from specjax.models.llama import layer_to_checkpoint
+
+    c = head.config
+    folder.mkdir(parents=True, exist_ok=True)
+    p = head.params
+    tensors = {
+        "fc.weight": np.asarray(p.fc).T,
+        "norm.weight": np.asarray(p.norm),
+        "lm_head.weight": np.asarray(p.lm_head).T,
+    }
+    if p.input_norm is not None:
+        tensors["input_norm.weight"] = np.asarray(p.input_norm)
+    if p.fc_norms is not None:
+        for j, weight in enumerate(np.asarray(p.fc_norms)):
+            tensors[f"fc_norm.{j}.weight"] = weight
+    hf = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
+    for i, layer in enumerate(p.layers):
+        for name, value in layer_to_checkpoint(layer, c.layer_config, i).items():
+            value = np.asarray(value)
+            tensors[f"layers.{i}.{hf[name]}"] = value.T if value.ndim == 2 else value
+    tensors["layers.0.hidden_norm.weight"] = np.asarray(p.hidden_norm)
+    vocab = np.asarray(head.vocab, np.int64)
+    tensors["d2t"] = vocab - np.arange(len(vocab))
+    t2d = np.zeros(c.vocab_size, bool)
+    t2d[vocab] = True
+    tensors["t2d"] = t2d
+    write_safetensors(
+        folder / "model.safetensors", {n: of_array(np.ascontiguousarray(v), n) for n, v in tensors.items()}
+    )
+    layer_config = {
+        "model_type": "qwen3" if c.qk_norm else "llama",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": c.hidden_act,
+        "rms_norm_eps": c.rms_norm_eps,
+        "attention_bias": c.qkv_bias,
+        "rope_parameters": _rope_dict(c),
+    }
+    config = {
+        "architectures": ["Eagle3DraftModel"],
+        "speculators_model_type": "eagle3",
+        "draft_vocab_size": c.draft_vocab_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "target_hidden_size": c.target_hidden_size,
+        "norm_before_residual": c.norm_before_residual,
+        "norm_before_fc": c.norm_before_fc,
+        "fc_norm": c.fc_norm,
+        "norm_output": c.norm_output,
+        "transformer_layer_config": layer_config,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]},
+        },
+        "specjax": {"target": head.target, "meta": head.meta},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def _rope_dict(c: Eagle3Config) -> dict:
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    s = c.rope_scaling
+    if s is not None and s.rope_type == "linear":
+        rope.update(rope_type="linear", factor=s.factor)
+    elif s is not None:
+        rope.update(
+            rope_type="llama3",
+            factor=s.factor,
+            low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor,
+            original_max_position_embeddings=s.original_max_position_embeddings,
+        )
+    return rope
