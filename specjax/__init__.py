@@ -6,6 +6,7 @@ from specjax.api import GenerateResult, generate
 from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load
 from specjax.speculate import (
+    DFlash,
     DraftModel,
     Dynamic,
     Eagle,
@@ -42,6 +43,7 @@ __all__ = [
     "HeuristicSchedule",
     "Eagle",
     "Eagle3",
+    "DFlash",
     "GenerateResult",
     "MemoryEstimate",
     "Medusa",

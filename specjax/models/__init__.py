@@ -2,6 +2,7 @@
 
 from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig, RopeScaling
+from specjax.models.dflash import DFlashConfig, DFlashHead, DFlashParams
 from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, Eagle3Params
@@ -13,6 +14,9 @@ from specjax.models.signature import target_signature
 
 __all__ = [
     "BUILTIN_MODELS",
+    "DFlashConfig",
+    "DFlashHead",
+    "DFlashParams",
     "Eagle3Config",
     "Eagle3Head",
     "Eagle3Params",

@@ -21,6 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from specjax.models.dflash import DFlashConfig, DFlashHead
+from specjax.models.dflash import param_shapes as dflash_shapes
+from specjax.models.dflash import params_from_flat as dflash_from_flat
 from specjax.models.eagle3 import (
     Eagle3Config,
     Eagle3Head,
@@ -189,6 +192,7 @@ def _our_name(name: str, layer_prefix: str) -> str | None:
         "norm.weight": "norm",
         "lm_head.weight": "lm_head",
         "input_norm.weight": "input_norm",
+        "hidden_norm.weight": "hidden_norm",  # DFlash's (EAGLE-3's sits in its first layer)
     }
     if name in globals_:
         return globals_[name]
@@ -229,7 +233,7 @@ def _checked_arrays(flat: dict[str, LazyTensor], shapes: dict[str, tuple[int, ..
     return arrays
 
 
-def _draft_vocab(tensors: dict[str, LazyTensor], config: Eagle3Config, source: str) -> np.ndarray:
+def _draft_vocab(tensors: dict[str, LazyTensor], config, source: str) -> np.ndarray:
     """Draft index -> target id from `d2t` (offsets); all ids in order when the head drafts the
     whole vocabulary and has none."""
     W = config.draft_vocab_size
@@ -316,7 +320,7 @@ def write_speculators_eagle3(folder: Path, head: Eagle3Head, verifier: str | Non
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
-def _rope_dict(c: Eagle3Config) -> dict:
+def _rope_dict(c: Eagle3Config | DFlashConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     s = c.rope_scaling
     if s is not None and s.rope_type == "linear":
@@ -330,3 +334,122 @@ def _rope_dict(c: Eagle3Config) -> dict:
             original_max_position_embeddings=s.original_max_position_embeddings,
         )
     return rope
+
+
+def read_dflash(folder: Path, target_num_layers: int | None = None) -> DFlashHead:
+    """A DFlash head from a speculators "dflash" folder."""
+    config = read_config(folder)
+    source = f"head {str(folder)!r}"
+    if config.get("speculators_model_type") != "dflash":
+        raise ValueError(f"{source} is not a speculators dflash head")
+    if config.get("sample_from_anchor"):
+        raise ValueError(f"{source}: sample_from_anchor=true (the anchor slot drafting too) is not supported")
+    layer = dict(config["transformer_layer_config"])
+    if any(t != "full_attention" for t in layer.get("layer_types") or []):
+        raise ValueError(f"{source}: sliding-window draft layers are not supported; only full attention")
+    if layer.get("model_type", "qwen3") != "qwen3":
+        raise ValueError(
+            f"{source}: draft layers of model_type {layer['model_type']!r}; only qwen3 is supported"
+        )
+    ids = config.get("aux_hidden_state_layer_ids")
+    if ids is None:
+        if target_num_layers is None:
+            raise ValueError(f"{source} names no fused target layers; load it with its target")
+        ids = default_aux_layer_ids(target_num_layers)
+    if config.get("mask_token_id") is None:
+        raise ValueError(f"{source} has no mask_token_id")
+    rope = rope_parameters(layer)
+    heads = layer["num_attention_heads"]
+    tensors = _tensors(folder)
+    head_config = DFlashConfig(
+        hidden_size=layer["hidden_size"],
+        intermediate_size=layer["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=layer.get("num_key_value_heads") or heads,
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // heads,
+        vocab_size=layer["vocab_size"],
+        num_layers=layer.get("num_hidden_layers", 1),
+        aux_layer_ids=tuple(ids),
+        block_size=int(config.get("block_size", 8)),
+        mask_token_id=int(config["mask_token_id"]),
+        draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+        target_hidden_size=config.get("target_hidden_size"),
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling_from_hf(rope),
+        rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(layer.get("attention_bias", False)),
+    )
+    flat, used = {}, set()
+    for name, tensor in tensors.items():
+        ours = _our_name(name, "layers.")
+        if ours is not None:
+            flat[ours] = tensor
+            used.add(name)
+    unknown = sorted(set(tensors) - used - {"d2t", "t2d", "embed_tokens.weight"})
+    if unknown:
+        raise ValueError(f"{source} has tensors a DFlash head does not use: {unknown[:8]}")
+    arrays = _checked_arrays(flat, dflash_shapes(head_config), source)
+    vocab = _draft_vocab(tensors, head_config, source)
+    ours = config.get("specjax") or {}
+    meta = ours.get("meta") or {"source": str(folder), "format": "speculators"}
+    params = dflash_from_flat(head_config, arrays)
+    return DFlashHead(head_config, params, vocab, target=ours.get("target") or {}, meta=meta)
+
+
+def write_speculators_dflash(folder: Path, head: DFlashHead, verifier: str | None = None) -> None:
+    """The head as a speculators "dflash" folder, which vLLM serves."""
+    from specjax.models.llama import layer_to_checkpoint
+
+    c, p = head.config, head.params
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "fc.weight": np.asarray(p.fc).T,
+        "hidden_norm.weight": np.asarray(p.hidden_norm),
+        "norm.weight": np.asarray(p.norm),
+    }
+    if p.lm_head is not None:
+        tensors["lm_head.weight"] = np.asarray(p.lm_head).T
+        vocab = np.asarray(head.vocab, np.int64)
+        tensors["d2t"] = vocab - np.arange(len(vocab))
+        t2d = np.zeros(c.vocab_size, bool)
+        t2d[vocab] = True
+        tensors["t2d"] = t2d
+    hf = {ours: theirs for theirs, ours in _LAYER_NAMES.items()}
+    for i, layer in enumerate(p.layers):
+        for name, value in layer_to_checkpoint(layer, c.layer_config, i).items():
+            value = np.asarray(value)
+            tensors[f"layers.{i}.{hf[name]}"] = value.T if value.ndim == 2 else value
+    arrays = {n: of_array(np.ascontiguousarray(v), n) for n, v in tensors.items()}
+    write_safetensors(folder / "model.safetensors", arrays)
+    layer_config = {
+        "model_type": "qwen3",
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "rms_norm_eps": c.rms_norm_eps,
+        "attention_bias": c.qkv_bias,
+        "rope_parameters": _rope_dict(c),
+    }
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "draft_vocab_size": c.draft_vocab_size,
+        "block_size": c.block_size,
+        "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "mask_token_id": c.mask_token_id,
+        "target_hidden_size": c.target_hidden_size,
+        "sample_from_anchor": False,
+        "transformer_layer_config": layer_config,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": c.block_size - 1}],
+            "verifier": {"name_or_path": verifier, "architectures": ["Qwen3ForCausalLM"]},
+        },
+        "specjax": {"target": head.target, "meta": head.meta},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")

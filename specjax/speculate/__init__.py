@@ -3,6 +3,7 @@
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import (
     MAX_SPECULATIVE_TOKENS,
+    DFlash,
     DraftModel,
     Dynamic,
     Eagle,
@@ -27,6 +28,7 @@ __all__ = [
     "HeuristicSchedule",
     "Eagle",
     "Eagle3",
+    "DFlash",
     "Medusa",
     "NGram",
     "Sampling",

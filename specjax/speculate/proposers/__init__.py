@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Stateless
+from specjax.speculate.proposers.dflash import DFlash, DFlashSpec
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
 from specjax.speculate.proposers.dynamic import Dynamic, DynamicSpec, GoodputSchedule, HeuristicSchedule
 from specjax.speculate.proposers.eagle import Eagle, EagleSpec
@@ -39,7 +40,7 @@ from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
-PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle, Eagle3, Dynamic, ForcedAcceptance)
+PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle, Eagle3, DFlash, Dynamic, ForcedAcceptance)
 
 
 def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
@@ -49,7 +50,9 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return None, None
     if isinstance(proposer, NGram):
         return proposer, None
-    if isinstance(proposer, DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | Dynamic | ForcedAcceptance):
+    if isinstance(
+        proposer, DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | Dynamic | ForcedAcceptance
+    ):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
         return proposer.spec(target, warp, mesh), proposer.params(target)  # a custom proposer
@@ -73,6 +76,8 @@ __all__ = [
     "Eagle",
     "Eagle3",
     "Eagle3Spec",
+    "DFlash",
+    "DFlashSpec",
     "EagleSpec",
     "Medusa",
     "MedusaSpec",
