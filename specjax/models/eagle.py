@@ -59,6 +59,9 @@ class EagleConfig:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-5
     qkv_bias: bool = False
+    # Whether the layer norms its input (EAGLE-1's released heads do not: their layer 0 has no
+    # input_layernorm, and the fused input goes to attention as it is).
+    input_norm: bool = True
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -91,7 +94,7 @@ class EagleConfig:
         theirs = EagleConfig.for_target(config)
         for field in dataclasses.fields(self):
             mine, other = getattr(self, field.name), getattr(theirs, field.name)
-            if field.name == "draft_vocab_size":
+            if field.name in ("draft_vocab_size", "input_norm"):  # the head's own choices
                 continue
             if isinstance(mine, float) and isinstance(other, float):
                 if not math.isclose(mine, other, rel_tol=1e-6):
@@ -150,8 +153,17 @@ def eagle_features(
     (advancing is the caller's). `embed` is the target's embedding table [V, D]; `visible`
     [B, T, S] overrides which cache slots each input attends to (see `decoder_layers`)."""
     x = jnp.concatenate([hidden, embed[next_tokens]], axis=-1) @ params.fc + params.fc_bias
+    unnormed = None if config.input_norm else (lambda x, lp: (x, x))
     return decoder_layers(
-        (params.layer,), config.layer_config, x, positions, cache, fresh_mask, empty_cache, visible=visible
+        (params.layer,),
+        config.layer_config,
+        x,
+        positions,
+        cache,
+        fresh_mask,
+        empty_cache,
+        visible=visible,
+        first_attention_input=unnormed,
     )
 
 
@@ -182,12 +194,16 @@ class EagleHead:
         return cls(config, init_eagle(config, key, scale), vocab, target_signature(target), dict(meta))
 
     def check_target(self, model: Model) -> None:
-        """Refuse a model the head was not trained for, naming both."""
-        if not self.config.matches(model.config):
+        """Refuse a model the head was not trained for, naming both. A published head (no target
+        signature) brings its own layer; only the widths it shares with the target must agree."""
+        c, t = self.config, model.config
+        fits = c.matches(t) if self.target else (c.hidden_size, c.vocab_size) == (t.hidden_size, t.vocab_size)
+        if not fits:
             raise ValueError(
                 f"EAGLE head has hidden size {self.config.hidden_size}, vocab {self.config.vocab_size} "
                 f"and a layer of {self.config.num_heads}/{self.config.num_kv_heads} heads; the target "
                 f"{model.name!r} has {model.config.hidden_size}, {model.config.vocab_size} and "
                 f"{model.config.num_heads}/{model.config.num_kv_heads}"
             )
-        check_signature("EAGLE", self.target, model, "specjax.train.train_eagle")
+        if self.target:  # a head trained here; a published one ({}) is checked by its shapes only
+            check_signature("EAGLE", self.target, model, "specjax.train.train_eagle")

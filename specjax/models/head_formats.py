@@ -19,11 +19,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.dflash import DFlashConfig, DFlashHead
 from specjax.models.dflash import param_shapes as dflash_shapes
 from specjax.models.dflash import params_from_flat as dflash_from_flat
+from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
 from specjax.models.eagle3 import (
     Eagle3Config,
     Eagle3Head,
@@ -32,7 +35,10 @@ from specjax.models.eagle3 import (
     params_from_flat,
 )
 from specjax.models.families import rope_parameters, rope_scaling_from_hf
+from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.tensors import LazyTensor, of_array, open_safetensors, write_safetensors
+from specjax.models.torch_checkpoint import load_torch_checkpoint
 
 # HF's per-layer names under layers.{i}. (or midlayer.) -> ours.
 _LAYER_NAMES = {
@@ -54,6 +60,11 @@ _LAYER_NAMES = {
 _LAYER_TYPES = ("llama", "qwen3")  # decoder layers a published EAGLE-3 head may have
 
 
+def _on_device(params):
+    """Params read from a file (numpy) as arrays on the default device."""
+    return jax.tree.map(jnp.asarray, params)
+
+
 def read_config(folder: Path) -> dict[str, Any]:
     path = folder / "config.json"
     if not path.is_file():
@@ -65,33 +76,49 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def head_format(folder: Path) -> str | None:
-    """ "speculators", "eagle3-release" or None (not a published head this module reads)."""
+    """ "speculators", "eagle3-release", "eagle1-release", "medusa-release" or None (not a
+    published head this module reads)."""
     if not (folder / "config.json").is_file():
         return None
     config = read_config(folder)
     if "speculators_model_type" in config:
         return "speculators"
+    if "medusa_num_heads" in config:
+        return "medusa-release"
     names = _tensor_names(folder)
     if any(name.startswith("midlayer.") for name in names):
         return "eagle3-release"
+    if "fc.weight" in names and any(name.startswith("layers.0.") for name in names):
+        return "eagle1-release"
     return None
 
 
 def _tensor_names(folder: Path) -> list[str]:
-    files = sorted(folder.glob("*.safetensors"))
-    return [name for file in files for name in open_safetensors(file)]
+    try:
+        return list(_tensors(folder))
+    except ValueError:  # no weights at all: not a head (the caller says so)
+        return []
+
+
+# torch pickles the releases ship, read without torch (models/torch_checkpoint.py).
+_TORCH_FILES = ("pytorch_model.bin", "medusa_lm_head.pt")
 
 
 def _tensors(folder: Path) -> dict[str, LazyTensor]:
+    """Every tensor of a head folder: its safetensors files, or a torch pickle of a release."""
     files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(
-            f"head folder {str(folder)!r} has no safetensors file (only safetensors heads are read)"
-        )
-    tensors = {}
-    for file in files:
-        tensors.update(open_safetensors(file))
-    return tensors
+    if files:
+        tensors = {}
+        for file in files:
+            tensors.update(open_safetensors(file))
+        return tensors
+    for name in _TORCH_FILES:
+        if (folder / name).is_file():
+            return {key: of_array(value, key) for key, value in load_torch_checkpoint(folder / name).items()}
+    raise ValueError(
+        f"head folder {str(folder)!r} has no weights: expected *.safetensors or one of "
+        f"{', '.join(_TORCH_FILES)}"
+    )
 
 
 def eagle3_config_from_layer_config(
@@ -181,7 +208,7 @@ def read_eagle3(folder: Path, target_num_layers: int | None = None) -> Eagle3Hea
     vocab = _draft_vocab(tensors, head_config, source)
     ours = config.get("specjax") or {}  # a head specjax wrote: who it belongs to, how it was made
     meta = ours.get("meta") or {"source": str(folder), "format": fmt}
-    params = params_from_flat(head_config, arrays)
+    params = _on_device(params_from_flat(head_config, arrays))
     return Eagle3Head(head_config, params, vocab, target=ours.get("target") or {}, meta=meta)
 
 
@@ -392,7 +419,7 @@ def read_dflash(folder: Path, target_num_layers: int | None = None) -> DFlashHea
     vocab = _draft_vocab(tensors, head_config, source)
     ours = config.get("specjax") or {}
     meta = ours.get("meta") or {"source": str(folder), "format": "speculators"}
-    params = dflash_from_flat(head_config, arrays)
+    params = _on_device(dflash_from_flat(head_config, arrays))
     return DFlashHead(head_config, params, vocab, target=ours.get("target") or {}, meta=meta)
 
 
@@ -453,3 +480,126 @@ def write_speculators_dflash(folder: Path, head: DFlashHead, verifier: str | Non
         "specjax": {"target": head.target, "meta": head.meta},
     }
     (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+def read_eagle1_release(folder: Path) -> EagleHead:
+    """An EAGLE-1 head as its authors released it: a Llama-like config.json, and `fc` (over
+    [token embedding, feature], with a bias), one decoder layer `layers.0.*` without an input
+    norm, and a copy of the target's embedding (unused: the target's own is read)."""
+    config = read_config(folder)
+    source = f"head {str(folder)!r}"
+    if config.get("num_hidden_layers", 1) != 1:
+        raise ValueError(
+            f"{source}: EAGLE-1 heads of {config['num_hidden_layers']} layers; only 1 is supported"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{source}: hidden_act {config['hidden_act']!r} is not supported; only silu is")
+    rope = rope_parameters(config)
+    heads = config["num_attention_heads"]
+    D = config["hidden_size"]
+    head_config = EagleConfig(
+        hidden_size=D,
+        intermediate_size=config["intermediate_size"],
+        num_heads=heads,
+        num_kv_heads=config.get("num_key_value_heads") or heads,
+        head_dim=config.get("head_dim") or D // heads,
+        vocab_size=config["vocab_size"],
+        draft_vocab_size=config["vocab_size"],
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        rope_scaling=rope_scaling_from_hf(rope),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        qkv_bias=bool(config.get("attention_bias", False)),
+        input_norm=False,
+    )
+    tensors = _tensors(folder)
+    flat, used = {}, set()
+    for name, tensor in tensors.items():
+        ours = _our_name(name, "layers.")
+        if ours is not None and ours.startswith("layers.0."):
+            flat[ours.removeprefix("layers.0.")] = tensor
+            used.add(name)
+    unknown = sorted(set(tensors) - used - {"fc.weight", "fc.bias", "embed_tokens.weight"})
+    if unknown:
+        raise ValueError(f"{source} has tensors an EAGLE-1 head does not use: {unknown[:8]}")
+    shapes = checkpoint_layer_shapes(head_config.layer_config)
+    shapes.pop("attn_norm")  # the released layer has none (see input_norm)
+    arrays = _checked_arrays(flat, shapes, source)
+    arrays["attn_norm"] = np.ones((D,), arrays["q"].dtype)  # never read: input_norm=False
+    if "fc.weight" not in tensors:
+        raise ValueError(f"{source} has no fc.weight")
+    fc = tensors["fc.weight"].read().T  # [2D, D] over inputs [embedding, feature]
+    if fc.shape != (2 * D, D):
+        raise ValueError(f"{source}: fc.weight has shape {fc.T.shape}, the config needs {(D, 2 * D)}")
+    fc = np.ascontiguousarray(np.concatenate([fc[D:], fc[:D]]))  # ours reads [feature, embedding]
+    bias = tensors["fc.bias"].read() if "fc.bias" in tensors else np.zeros((D,), fc.dtype)
+    params = _on_device(
+        EagleParams(fc=fc, fc_bias=bias, layer=layer_from_checkpoint(arrays, head_config.layer_config))
+    )
+    meta = {"source": str(folder), "format": "eagle1-release"}
+    vocab = np.arange(head_config.vocab_size, dtype=np.int32)
+    return EagleHead(head_config, params, vocab, target={}, meta=meta)
+
+
+def read_medusa_release(folder: Path) -> MedusaHead:
+    """Medusa heads as released: config.json with medusa_num_heads and medusa_num_layers, and per
+    head i its residual blocks `{i}.{j}.linear.*` and its own LM head `{i}.{L}.weight` (in
+    medusa_lm_head.pt, or under `medusa_head.` in safetensors)."""
+    config = read_config(folder)
+    source = f"head {str(folder)!r}"
+    M, L = int(config["medusa_num_heads"]), int(config.get("medusa_num_layers", 1))
+    tensors = {name.removeprefix("medusa_head."): t for name, t in _tensors(folder).items()}
+    expected = {f"{i}.{j}.linear.{p}" for i in range(M) for j in range(L) for p in ("weight", "bias")}
+    expected |= {f"{i}.{L}.weight" for i in range(M)}
+    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match medusa_num_heads={M}, medusa_num_layers={L}: missing "
+            f"{missing[:6]}, unexpected {unexpected[:6]}"
+        )
+    V, D = tensors[f"0.{L}.weight"].shape
+    w = np.stack([[tensors[f"{i}.{j}.linear.weight"].read().T for j in range(L)] for i in range(M)])
+    b = np.stack([[tensors[f"{i}.{j}.linear.bias"].read() for j in range(L)] for i in range(M)])
+    if w.shape[2:] != (D, D):
+        raise ValueError(f"{source}: residual blocks of shape {w.shape[2:]}, the LM heads' width is {D}")
+    lm_heads = np.stack([tensors[f"{i}.{L}.weight"].read().T for i in range(M)])  # [M, D, V]
+    more = L > 1
+    params = MedusaParams(
+        w=w[:, 0],
+        b=b[:, 0],
+        more_w=w[:, 1:] if more else None,
+        more_b=b[:, 1:] if more else None,
+        lm_heads=lm_heads,
+    )
+    params = _on_device(params)
+    head_config = MedusaConfig(M, D, V, V, num_layers=L, own_lm_heads=True)
+    meta = {"source": str(folder), "format": "medusa-release"}
+    return MedusaHead(head_config, params, target={}, meta=meta, vocab=np.arange(V, dtype=np.int32))
+
+
+def read_published_head(folder: Path, target=None):
+    """Any published head this module reads, by what the folder holds (see `head_format`);
+    `target` (a Model) resolves what a head leaves to its target and is checked against it."""
+    fmt = head_format(folder)
+    layers = None if target is None else target.config.num_layers
+    if fmt == "speculators":
+        kind = read_config(folder)["speculators_model_type"]
+        if kind not in ("eagle3", "dflash"):
+            raise ValueError(
+                f"head {str(folder)!r}: speculators_model_type {kind!r} is not supported; "
+                "supported: eagle3, dflash"
+            )
+        head = read_eagle3(folder, layers) if kind == "eagle3" else read_dflash(folder, layers)
+    elif fmt == "eagle3-release":
+        head = read_eagle3(folder, layers)
+    elif fmt == "eagle1-release":
+        head = read_eagle1_release(folder)
+    elif fmt == "medusa-release":
+        head = read_medusa_release(folder)
+    else:
+        raise ValueError(
+            f"head {str(folder)!r} is not a head specjax reads: expected a specjax head (head.json), a "
+            "speculators folder, an EAGLE-1 or EAGLE-3 release, or a Medusa release"
+        )
+    if target is not None:
+        head.check_target(target)
+    return head

@@ -31,6 +31,10 @@ class MedusaConfig:
     hidden_size: int
     vocab_size: int  # the target's: heads read tokens through its LM head
     draft_vocab_size: int | None = None  # tokens the heads draft from (models/draft_vocab.py); None: all
+    # Medusa's released heads: residual blocks per head, and an LM head of each head's own (trained
+    # from a copy of the target's) rather than the target's frozen one.
+    num_layers: int = 1
+    own_lm_heads: bool = False
 
     def __post_init__(self):
         for name in ("num_heads", "hidden_size", "vocab_size"):
@@ -50,6 +54,9 @@ class MedusaConfig:
 class MedusaParams:
     w: jax.Array  # [M, D, D]
     b: jax.Array  # [M, D]
+    more_w: jax.Array | None = None  # [M, L-1, D, D]: residual blocks after the first (num_layers > 1)
+    more_b: jax.Array | None = None  # [M, L-1, D]
+    lm_heads: jax.Array | None = None  # [M, D, V]: each head's own LM head (own_lm_heads)
 
 
 def init_medusa(config: MedusaConfig, key: jax.Array | None = None, scale: float = 0.0) -> MedusaParams:
@@ -65,7 +72,17 @@ def init_medusa(config: MedusaConfig, key: jax.Array | None = None, scale: float
 def medusa_hidden(params: MedusaParams, hidden: jax.Array) -> jax.Array:
     """hidden [..., D] -> every head's features [..., M, D]."""
     pre = jnp.einsum("...d,mde->...me", hidden, params.w) + params.b
-    return hidden[..., None, :] + jax.nn.silu(pre)
+    features = hidden[..., None, :] + jax.nn.silu(pre)
+    if params.more_w is not None:
+        for layer in range(params.more_w.shape[1]):
+            pre = jnp.einsum("...md,mde->...me", features, params.more_w[:, layer]) + params.more_b[:, layer]
+            features = features + jax.nn.silu(pre)
+    return features
+
+
+def medusa_logits(params: MedusaParams, features: jax.Array) -> jax.Array:
+    """features [..., M, D] -> each head's logits through its own LM head [..., M, V], float32."""
+    return jnp.einsum("...md,mdv->...mv", features, params.lm_heads, preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -114,4 +131,5 @@ class MedusaHead:
                 f"Medusa head is for hidden size {self.config.hidden_size} and vocab "
                 f"{self.config.vocab_size}, the target {model.name!r} has {c.hidden_size} and {c.vocab_size}"
             )
-        check_signature("Medusa", self.target, model, "specjax.train.train_medusa")
+        if self.target:  # heads trained here; published ones ({}) are checked by their shapes only
+            check_signature("Medusa", self.target, model, "specjax.train.train_medusa")

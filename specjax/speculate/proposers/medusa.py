@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
-from specjax.models.medusa import MedusaHead, medusa_hidden
+from specjax.models.medusa import MedusaHead, medusa_hidden, medusa_logits
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, Proposal
 from specjax.speculate.tree import TokenTree
@@ -53,7 +53,11 @@ class MedusaSpec:
     def propose(self, target_params, params, state: MedusaState, tokens, lengths, keys, sampling, history):
         tree = self.tree
         features = medusa_hidden(params.head, state.hidden)[:, : tree.depth]  # [B, D, hidden]
-        _, candidates = jax.lax.top_k(draft_logits(params.head_matrix, features), max(tree.widths))
+        if params.head.lm_heads is None:  # the target's head, over the draft vocabulary
+            logits = draft_logits(params.head_matrix, features)
+        else:  # each head's own (a released Medusa head): its whole vocabulary
+            logits = medusa_logits(params.head.replace(lm_heads=params.head.lm_heads[: tree.depth]), features)
+        _, candidates = jax.lax.top_k(logits, max(tree.widths))
         depth, rank = tree.depths[1:] - 1, tree.ranks[1:]  # per drafted node
         draft = params.vocab[candidates[:, depth, rank]]  # [B, N] token ids
         return Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool)), state
@@ -73,7 +77,7 @@ class Medusa:
     def __post_init__(self):
         if not isinstance(self.head, MedusaHead):
             raise ValueError(
-                f"Medusa head must be a specjax.models.MedusaHead (see specjax.train.load_head), "
+                f"Medusa head must be a specjax.models.MedusaHead (see specjax.load_head), "
                 f"got {type(self.head).__name__}"
             )
         tree = self.tree
@@ -94,4 +98,6 @@ class Medusa:
 
     def params(self, target: Model) -> HeadInputs:
         vocab = jnp.asarray(self.head.vocab)
+        if self.head.config.own_lm_heads:  # reads its own LM heads, not the target's
+            return HeadInputs(self.head.params, None, vocab)
         return HeadInputs(self.head.params, draft_head_matrix(target.params, vocab), vocab)
