@@ -23,8 +23,9 @@ from specjax.bench import (  # noqa: F401  (re-exported for the benchmark script
 REPO = Path(__file__).resolve().parent.parent
 
 
-def common_arguments(description: str):
-    """The options every benchmark takes; returns an argparse parser to add to."""
+def common_arguments(description: str, timed: bool = True):
+    """The options the Spec-Bench benchmarks take; returns an argparse parser to add to. `timed`:
+    also --repeats and --no-hf, for the scripts that time generate against HF transformers."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -33,10 +34,20 @@ def common_arguments(description: str):
     parser.add_argument(
         "--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA or ../shared/data)"
     )
-    parser.add_argument("--per-category", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
+    parser.add_argument(
+        "--per-category",
+        type=int,
+        default=2,
+        help="the first N questions of each category (default %(default)s)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=128, help="new tokens per prompt (default %(default)s)"
+    )
+    if timed:
+        parser.add_argument(
+            "--repeats", type=int, default=3, help="timed runs per measurement after a warm-up (median)"
+        )
+        parser.add_argument("--no-hf", action="store_true", help="skip the HF transformers baselines")
     return parser
 
 

@@ -2,16 +2,19 @@
 
     .venv/bin/python benchmarks/dynamic_k.py --per-category 1 --max-new-tokens 128
 
-Part 1 (issue 6, item 4): for NGram and SelfDraft, every fixed k in --ks against Dynamic(...) at
-the largest k with HF's heuristic schedule and with the goodput controller (its draft and verify
-costs measured first on this machine by GoodputSchedule.measure). Spec-Bench prompts, batch 1,
-greedy; outputs are checked equal to plain greedy decoding.
+Part "dynamic": for NGram and SelfDraft, every fixed k in --ks against Dynamic(...) at the
+largest k with HF's heuristic schedule and with the goodput controller (its draft and verify costs
+measured first on this machine by GoodputSchedule.measure). Spec-Bench prompts, batch 1, greedy,
+chat template: every configuration emits plain greedy decoding's tokens (the script does not check
+this; tests/test_dynamic.py does, on tiny models).
 
-Part 2 (issue 6, item 3): ForcedAcceptance at rates 0, 0.25, ..., 1 with free drafts (the loop's
-own ceiling) and with SelfDraft's drafts (plus its drafting cost), k = 4, EOS banned so every row
-runs to max_new_tokens. Shows how much of a speedup system overhead leaves at each acceptance.
+Part "forced": ForcedAcceptance at the --rates with free drafts (the loop's own ceiling) and with
+SelfDraft's drafts (plus its drafting cost), k = 4, the first question of each category, EOS
+banned so every row runs to max_new_tokens. Shows how much of a speedup system overhead leaves at
+each acceptance.
 
-Both parts run through specjax.ablate (speedup over plain decoding measured in the same sweep).
+Both parts run through specjax.ablate (speedup over plain decoding measured in the same sweep),
+print their tables and write them as CSV files to --out.
 """
 
 from __future__ import annotations
@@ -98,15 +101,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--data", default=None, help="folder of spec_bench_question.jsonl")
-    parser.add_argument("--per-category", type=int, default=1)
-    parser.add_argument("--categories", default=",".join(SPEC_BENCH_CATEGORIES))
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="folder of spec_bench_question.jsonl (default: $SPECJAX_DATA or ../shared/data)",
+    )
+    parser.add_argument(
+        "--per-category", type=int, default=1, help="the first N questions of each category (default 1)"
+    )
+    parser.add_argument(
+        "--categories",
+        default=",".join(SPEC_BENCH_CATEGORIES),
+        help=f"comma-separated, of: {', '.join(SPEC_BENCH_CATEGORIES)} (default: all)",
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--ks", default="1,2,4,8", help="fixed k values; dynamic runs at the largest")
     parser.add_argument("--rates", default="0,0.25,0.5,0.75,1", help="forced acceptance rates")
-    parser.add_argument("--parts", default="dynamic,forced")
+    parser.add_argument("--parts", default="dynamic,forced", help="comma-separated, of: dynamic, forced")
     parser.add_argument("--out", default="/tmp/specjax_dynamic_k", help="folder for the CSV tables")
     args = parser.parse_args()
+    args.parts = [part.strip() for part in args.parts.split(",")]
+    if not args.parts or set(args.parts) - {"dynamic", "forced"}:
+        parser.error(f"--parts must be comma-separated, of: dynamic, forced; got {','.join(args.parts)!r}")
     args.ks = [int(k) for k in args.ks.split(",")]
     args.rates = [float(r) for r in args.rates.split(",")]
     args.out = Path(args.out)

@@ -77,9 +77,14 @@ def plain_outputs(args) -> list[dict]:
 
 
 def main() -> None:
-    parser = common_arguments(__doc__)
+    parser = common_arguments(__doc__, timed=False)  # nothing is timed: steps are counted
     parser.set_defaults(per_category=80)
-    parser.add_argument("--categories", default="summarization,rag", type=parse_categories)
+    parser.add_argument(
+        "--categories",
+        default="summarization,rag",
+        type=parse_categories,
+        help="comma-separated Spec-Bench categories (default summarization,rag)",
+    )
     parser.add_argument("--ks", default="1,2,3,4,5,6,8,10,12,16", help="NGram k values to sweep")
     parser.add_argument("--n-max", type=int, default=4, help="NGram n_max; n_min runs 1..n_max")
     parser.add_argument("--batch-size", type=int, default=1, help="prompts per generate call")

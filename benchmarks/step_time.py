@@ -1,4 +1,5 @@
-"""Milliseconds per plain decoding step, apart from prefill, at several cache lengths and batch sizes.
+r"""Milliseconds per decoding step, apart from prefill, at several cache lengths and batch sizes:
+plain steps, and with --proposers verify steps (one target pass over a chain or a tree of drafts).
 
     .venv/bin/python benchmarks/step_time.py [--repeats 3] [--long-steps 136]
     .venv/bin/python benchmarks/step_time.py --cases 1x100 \

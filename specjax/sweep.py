@@ -9,7 +9,7 @@
       category_field: category      #   optional; without it (or a missing key) the category is "all"
       per_category: 2               #   optional: the first N prompts of each category
       limit: 40                     #   optional: the first N records of the file
-    proposers:                      # descriptions, see specjax.speculate.proposers.named
+    proposers:                      # descriptions, see specjax.named
       - {name: ngram, k: 4}
       - {name: self_draft, layers: 8}
     ks: [2, 4]                      # optional: every proposer at each k

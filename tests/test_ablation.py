@@ -251,7 +251,7 @@ def test_speedup_is_over_plain_of_the_same_cell(sweep):
 def test_rows_match_independent_generate_calls(sweep, model):
     # Every speculative row against the same calls made by hand (the programs are cached, so
     # this is quick) and rates computed here from the raw counters.
-    from specjax.speculate.proposers.named import with_k
+    from specjax.speculate.proposers import with_k
 
     proposers = {
         "NGram(n_max=2, n_min=1)": specjax.NGram(n_max=2),

@@ -4,7 +4,7 @@ import pytest
 from tiny import tiny_model
 
 import specjax
-from specjax.speculate.proposers.named import proposer_from_description, with_k
+from specjax.named import proposer_from_description, with_k
 
 TARGET = tiny_model(seed=0)
 

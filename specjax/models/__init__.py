@@ -6,6 +6,7 @@ from specjax.models.dflash import DFlashConfig, DFlashHead, DFlashParams
 from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, Eagle3Params
+from specjax.models.heads import load_head, save_head
 from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
 from specjax.models.loading import BUILTIN_MODELS, load
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
@@ -41,5 +42,7 @@ __all__ = [
     "init_params",
     "lm_head",
     "load",
+    "load_head",
+    "save_head",
     "target_signature",
 ]

@@ -30,24 +30,18 @@ from specjax.models.llama import LlamaParams, lm_head
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
-from specjax.speculate.proposers.forced import forced_num_accepted
+from specjax.speculate.proposers.forced import ForcedVerifier
 from specjax.speculate.sampling import (
     SamplingParams,
     WarpSpec,
     adjust_logits,
     choose_tokens,
     greedy_argmax,
-    is_greedy,
     warp_logits,
 )
 from specjax.speculate.stops import StopStrings
-from specjax.speculate.tree import (
-    parents_by_depth,
-    tree_expected_acceptance,
-    tree_greedy_verify,
-    tree_rejection_sample,
-)
-from specjax.speculate.verify import assemble, expected_acceptance, greedy_verify, rejection_sample
+from specjax.speculate.verifiers import LOSSLESS
+from specjax.speculate.verify import rejection_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,15 +352,6 @@ class Verdict:
     #                         accepted drafts (entry num_accepted: the state the next token came from)
 
 
-def _mixed_rows(sampling, greedy_result, sampled_result, num_accepted_greedy):
-    """Per row, the greedy verifier's result or the sampled one's (tuples of [B, ...] arrays)."""
-    greedy = is_greedy(sampling, num_accepted_greedy)  # [B]
-    return tuple(
-        jnp.where(greedy.reshape((-1,) + (1,) * (g.ndim - 1)), g, r)
-        for g, r in zip(greedy_result, sampled_result, strict=True)
-    )
-
-
 def _score(
     spec: LoopSpec,
     params: LlamaParams,
@@ -399,94 +384,43 @@ def _score(
 def _verify_drafts(
     spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys, write=True
 ):
-    """Score the last token and the K drafts in one target pass and verify them, each row by its
-    own rule (greedy rows by argmax, sampled rows by rejection sampling). Returns a Verdict."""
-    draft, valid = proposal.draft_tokens, proposal.valid
-    K = draft.shape[1]  # spec.k, or fewer when a Dynamic proposer drafts a narrower step
+    """Score the last token and the K drafts in one target pass and verify them (`verifier`).
+    Returns a Verdict."""
+    valid = proposal.valid
+    K = valid.shape[1]  # spec.k, or fewer when a Dynamic proposer drafts a narrower step
     depths, fresh_mask = np.arange(K + 1), np.tril(np.ones((K + 1, K + 1), bool))
     logits, finite_at, hidden, cache = _score(
         spec, params, state, proposal, sampling, depths, fresh_mask, write
     )
-
-    candidates, num_accepted = greedy_verify(logits, draft, valid)
-    # The same argmax greedy_verify takes (XLA computes it once), sliced to the drafted positions.
-    expected = (draft == greedy_argmax(logits)[:, :K]).astype(jnp.float32)
-    if not spec.warp.greedy:
-        target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, K+1, V]
-        draft_probs = proposal.draft_probs
-        if draft_probs is None:  # a deterministic proposer: q is one-hot on the draft token
-            draft_probs = jax.nn.one_hot(draft, logits.shape[-1], dtype=jnp.float32)
-        sampled, sampled_accepted = rejection_sample(keys, target_probs, draft_probs, draft, valid)
-        candidates, num_accepted, expected = _mixed_rows(
-            sampling,
-            (candidates, num_accepted, expected),
-            (sampled, sampled_accepted, expected_acceptance(target_probs, draft_probs)),
-            num_accepted,
-        )
-    rates = forced_rates(spec)
-    if rates is not None:  # synthetic acceptance (a measurement tool): overrides the verdict
-        num_accepted = forced_num_accepted(_fold(keys, 1), rates[:K], valid)
-        own = choose_tokens(
-            _fold(keys, 2), logits[jnp.arange(draft.shape[0]), num_accepted], sampling, spec.warp
-        )[0]
-        candidates = assemble(jnp.concatenate([draft, own[:, None]], axis=1), num_accepted, own)
+    candidates, num_accepted, expected = verifier(spec).chain(spec.warp, logits, proposal, sampling, keys)
     # Positions after the stop position are never used: a bad value there (say, after an absurd
     # draft token) is not an error of the output.
     finite = jnp.all(finite_at | (jnp.arange(K + 1)[None, :] > num_accepted[:, None]), axis=1)
     return Verdict(candidates, num_accepted, expected, valid, finite, cache, path_hidden=hidden)
 
 
-def forced_rates(spec: LoopSpec) -> tuple[float, ...] | None:
-    """The forced acceptance rates of a ForcedAcceptance proposer (possibly wrapped), else None."""
-    return getattr(spec.proposer, "forced_acceptance", None)
-
-
-def _fold(keys: jax.Array, data: int) -> jax.Array:
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, data)
+def verifier(spec: LoopSpec):
+    """What decides each verify pass (speculate/verifiers.py): the lossless verifier, or, for a
+    ForcedAcceptance proposer (a measurement tool, possibly inside Dynamic), its ForcedVerifier
+    wrapped around the lossless one."""
+    rates = getattr(spec.proposer, "forced_acceptance", None)
+    return LOSSLESS if rates is None else ForcedVerifier(rates, LOSSLESS)
 
 
 def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
     """Score the last token and every node of the proposer's token tree in one target pass (the
-    tree's attention mask and depths as positions), verify, and move the accepted path's keys and
-    values to the slots a chain would have written them to. Returns a Verdict."""
+    tree's attention mask and depths as positions), verify them (`verifier`), and move the
+    accepted path's keys and values to the slots a chain would have written them to. Returns a
+    Verdict."""
     tree = spec.tree
     B, N, D = state.tokens.shape[0], tree.num_nodes, tree.depth
     rows = jnp.arange(B)
-    nodes, valid = proposal.draft_tokens, proposal.valid  # [B, N]
     logits, finite_at, hidden, cache = _score(
         spec, params, state, proposal, sampling, tree.depths, tree.attention_mask
     )
-
-    candidates, num_accepted, path = tree_greedy_verify(tree, logits, nodes, valid)
-    argmax_probs = jax.nn.one_hot(greedy_argmax(logits), logits.shape[-1], dtype=jnp.float32)
-    expected, drafted_at = tree_expected_acceptance(
-        tree, argmax_probs, None, nodes, valid, parents_by_depth(tree, path, num_accepted)
+    candidates, num_accepted, path, expected, drafted_at = verifier(spec).tree(
+        spec.warp, tree, logits, proposal, sampling, keys
     )
-    if not spec.warp.greedy:
-        target_probs = jnp.exp(warp_logits(logits, sampling, spec.warp))  # [B, N+1, V]
-        draft_probs = proposal.draft_probs
-        sampled, sampled_accepted, sampled_path = tree_rejection_sample(
-            keys, tree, target_probs, draft_probs, nodes, valid
-        )
-        parents = parents_by_depth(tree, sampled_path, sampled_accepted)
-        sampled_expected, sampled_drafted = tree_expected_acceptance(
-            tree, target_probs, draft_probs, nodes, valid, parents
-        )
-        candidates, num_accepted, path, expected, drafted_at = _mixed_rows(
-            sampling,
-            (candidates, num_accepted, path, expected, drafted_at),
-            (sampled, sampled_accepted, sampled_path, sampled_expected, sampled_drafted),
-            num_accepted,
-        )
-    rates = forced_rates(spec)
-    if rates is not None:  # synthetic acceptance along the first-ranked path (a measurement tool)
-        first = tree.first_ranked_path  # [D0] node indices
-        num_accepted = forced_num_accepted(_fold(keys, 1), rates[: len(first)], valid[:, first - 1])
-        path = jnp.where(jnp.arange(D)[None, :] < num_accepted[:, None], _pad_nodes(first, D), -1)
-        at = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.asarray(first)])[num_accepted]  # [B]
-        own = choose_tokens(_fold(keys, 2), logits[rows, at], sampling, spec.warp)[0]
-        along = jnp.concatenate([nodes[:, _pad_nodes(first, D) - 1], own[:, None]], axis=1)
-        candidates = assemble(along, num_accepted, own)
     # Only the nodes on the accepted path are used; every other node's logits may be anything.
     on_path = jnp.zeros((B, N + 1), bool).at[:, 0].set(True)
     on_path = on_path.at[rows[:, None], jnp.where(path >= 0, path, 0)].set(True)
@@ -502,12 +436,6 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
         cache = cache.replace(lengths=state.lengths - 1)
     path_hidden = hidden[rows[:, None], fed_index]  # [B, D+1, D_model]
     return Verdict(candidates, num_accepted, expected, drafted_at, finite, cache, path_hidden)
-
-
-def _pad_nodes(first: np.ndarray, D: int) -> np.ndarray:
-    """[D] the first-ranked path's nodes, its last repeated past its end (those are never used)."""
-    fill = first[-1] if len(first) else 1
-    return np.concatenate([first, np.full(D - len(first), fill, np.int32)]).astype(np.int32)
 
 
 def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys, write=True):
@@ -561,47 +489,80 @@ def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
     )
 
 
-def _propose_and_verify(
-    spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, width=None, write=True
-):
-    """Draft (at `width` for a Dynamic proposer that switches widths), score and verify.
-    Returns (Verdict padded to spec.k positions, proposer state, valid [B, K]); with `write=False`
-    the verdict holds the pass's entries, not the written cache."""
-    running = ~state.done
-    draft_keys, verify_keys = keys[:, 0], keys[:, 1]
+def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, width=None):
+    """Draft, at `width` for a Dynamic proposer that switches widths. Returns (Proposal over
+    spec.k positions, proposer state)."""
     extra = {} if width is None else {"width": width}
-    proposal, proposer_state = spec.proposer.propose(
+    return spec.proposer.propose(
         params,
         proposer_params,
         state.proposer_state,
         state.tokens,
         state.lengths,
-        draft_keys,
+        keys[:, 0],
         inputs.sampling,
         state.history,
         **extra,
     )
-    valid = proposal.valid
-    if width is not None and spec.tree is None:  # verify only the drafted width
+
+
+def _verify(spec: LoopSpec, params, state: DecodeState, proposal, inputs, keys, width=None, write=True):
+    """Score and verify a proposal (its first `width` drafts when given): a Verdict padded to spec.k
+    positions; with `write=False` it holds the pass's entries, not the written cache."""
+    if spec.tree is not None:
+        return _verify_tree(spec, params, state, proposal, inputs.sampling, keys[:, 1])
+    if width is not None:  # verify only the drafted width
         proposal = jax.tree.map(lambda x: x[:, : max(width, 1)], proposal)
+    return _pad_verdict(
+        _verify_drafts(spec, params, state, proposal, inputs.sampling, keys[:, 1], write), spec.k
+    )
 
-    def verify(state):
-        if spec.tree is not None:
-            return _verify_tree(spec, params, state, proposal, inputs.sampling, verify_keys)
-        return _pad_verdict(
-            _verify_drafts(spec, params, state, proposal, inputs.sampling, verify_keys, write), spec.k
-        )
 
-    def skip(state):
-        return _no_drafts(spec, params, state, inputs.sampling, verify_keys, write)
+def _skip(spec: LoopSpec, params, state: DecodeState, proposal, inputs, keys, write=True):
+    """`_verify` when no running row drafted: a one-token pass (see `_no_drafts`)."""
+    return _no_drafts(spec, params, state, inputs.sampling, keys[:, 1], write)
 
-    if width == 0:
-        verdict = skip(state)
-    elif spec.proposer.always_drafts:
-        verdict = verify(state)
+
+def _propose_and_verify(
+    spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, write=True
+):
+    """Draft, score and verify. Returns (Verdict padded to spec.k positions, proposer state,
+    valid [B, K])."""
+    proposal, proposer_state = _propose(spec, params, proposer_params, state, inputs, keys)
+    valid = proposal.valid
+    verify = functools.partial(_verify, spec, params, inputs=inputs, keys=keys, write=write)
+    if spec.proposer.always_drafts:
+        verdict = verify(state, proposal)
     else:
-        verdict = jax.lax.cond(jnp.any(valid & running[:, None]), verify, skip, state)
+        skip = functools.partial(_skip, spec, params, inputs=inputs, keys=keys, write=write)
+        verdict = jax.lax.cond(jnp.any(valid & ~state.done[:, None]), verify, skip, state, proposal)
     return verdict, proposer_state, valid
+
+
+def _propose_and_verify_widths(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys):
+    """`_propose_and_verify` for a proposer with `widths` (0 first): draft at the smallest width
+    covering every running row's k, then verify that width, or make a one-token pass (the width-0
+    branch) when no running row drafted. Two switches: one switch whose branches each drafted,
+    verified and held their own one-token pass compiled that pass once per width, a third of a
+    Dynamic(NGram) program's size (docs/benchmarks.md, "What a compiled program holds")."""
+    widths = spec.proposer.widths
+    assert widths[0] == 0, widths
+    running = ~state.done
+    need = spec.proposer.needed_width(state.proposer_state, running)
+    branch = jnp.searchsorted(jnp.asarray(widths), need)  # the smallest width >= need
+    drafts = [
+        functools.partial(_propose, spec, params, proposer_params, inputs=inputs, keys=keys, width=w)
+        for w in widths
+    ]
+    proposal, proposer_state = jax.lax.switch(branch, drafts, state)
+    if not spec.proposer.always_drafts:
+        branch = jnp.where(jnp.any(proposal.valid & running[:, None]), branch, 0)
+    passes = [functools.partial(_skip, spec, params, inputs=inputs, keys=keys, write=False)] + [
+        functools.partial(_verify, spec, params, inputs=inputs, keys=keys, width=w, write=False)
+        for w in widths[1:]
+    ]
+    verdict = jax.lax.switch(branch, passes, state, proposal)
+    return verdict, proposer_state, proposal.valid
 
 
 def speculative_step(
@@ -630,26 +591,16 @@ def speculative_step(
             spec, params, proposer_params, state, inputs, keys, write=write
         )
     else:
-        need = spec.proposer.needed_width(state.proposer_state, running)
-        branch = jnp.searchsorted(jnp.asarray(widths), need)  # the smallest width >= need
-        branches = [
-            functools.partial(
-                _propose_and_verify,
-                spec,
-                params,
-                proposer_params,
-                inputs=inputs,
-                keys=keys,
-                width=w,
-                write=write,
-            )
-            for w in widths
-        ]
-        verdict, proposer_state, valid = jax.lax.switch(branch, branches, state)
+        verdict, proposer_state, valid = _propose_and_verify_widths(
+            spec, params, proposer_params, state, inputs, keys
+        )
     num_accepted = verdict.num_accepted
     state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
     state = _flag_nonfinite(state, verdict.finite, running)
-    proposer_state = spec.proposer.update(proposer_state, verdict.path_hidden, num_accepted)
+    if getattr(spec.proposer, "counts_running_rows", False):  # it keeps metrics of its own (Hybrid)
+        proposer_state = spec.proposer.update(proposer_state, verdict.path_hidden, num_accepted, running)
+    else:
+        proposer_state = spec.proposer.update(proposer_state, verdict.path_hidden, num_accepted)
 
     m = state.metrics
     live = running[:, None]

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -154,12 +155,30 @@ class GoodputSchedule:
 
     @classmethod
     def measure(cls, model, proposer, prompts, max_new_tokens: int = 64, **options) -> GoodputSchedule:
-        """A GoodputSchedule with draft_cost and verify_cost timed on this machine (see
-        specjax/speculate/costs.py); `options` are the schedule's other fields."""
-        from specjax.speculate.costs import measure_step_costs
-
-        costs = measure_step_costs(model, proposer, prompts, max_new_tokens=max_new_tokens)
+        """A GoodputSchedule with draft_cost and verify_cost timed on this machine by
+        `specjax.measure_step_costs` (specjax/costs.py); `options` are the schedule's other fields."""
+        if _cost_meter is None:
+            raise RuntimeError(
+                "GoodputSchedule.measure times generate calls, a host-side tool that this layer does "
+                "not import: import specjax (specjax/costs.py installs it), or build the schedule "
+                "from numbers, GoodputSchedule(draft_cost=..., verify_cost=...)"
+            )
+        costs = _cost_meter(model, proposer, prompts, max_new_tokens=max_new_tokens)
         return cls(draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"], **options)
+
+
+# What GoodputSchedule.measure times costs with. Timing runs `generate`, above this layer, so the
+# host side installs its function here (specjax/costs.py, loaded by `import specjax`) and this
+# layer only ever sees the numbers.
+_cost_meter: Callable[..., dict] | None = None
+
+
+def set_cost_meter(measure_step_costs: Callable[..., dict]) -> None:
+    """Install the function `GoodputSchedule.measure` times costs with:
+    `measure_step_costs(model, proposer, prompts, max_new_tokens=...) -> {"draft_cost",
+    "verify_cost", ...}`, costs in plain decoding steps (specjax/costs.py calls this)."""
+    global _cost_meter
+    _cost_meter = measure_step_costs
 
 
 SCHEDULES = (HeuristicSchedule, GoodputSchedule)

@@ -209,7 +209,7 @@ class Eagle:
     def __post_init__(self):
         if not isinstance(self.head, EagleHead):
             raise ValueError(
-                f"Eagle head must be a specjax.models.EagleHead (see specjax.train.load_head), "
+                f"Eagle head must be a specjax.models.EagleHead (see specjax.load_head), "
                 f"got {type(self.head).__name__}"
             )
         k, tree = chain_or_tree("Eagle", self.k, self.tree)

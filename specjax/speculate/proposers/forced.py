@@ -11,6 +11,9 @@ real step's: the same proposer, the same target pass, the same commit.
 
 Set a stop-token bias (e.g. `Sampling(logit_bias={eos: -1e9})`) when measuring speed, or rows may
 end early on a target token emitted after nonsense drafts.
+
+The override is `ForcedVerifier`, which the loop uses in place of the lossless verifier for this
+proposer alone (speculate/verifiers.py); the verifiers themselves know nothing of it.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper, check_k
+from specjax.speculate.sampling import choose_tokens
+from specjax.speculate.verify import assemble
 
 
 def _check_rates(acceptance) -> tuple[float, ...]:
@@ -93,7 +99,7 @@ class ForcedAcceptance:
         object.__setattr__(self, "acceptance", rates * k if len(rates) == 1 else rates)
 
     def with_k(self, k: int) -> ForcedAcceptance:
-        from specjax.speculate.proposers.named import with_k
+        from specjax.speculate.proposers import with_k
 
         rates = self.acceptance if len(set(self.acceptance)) == 1 else None
         if rates is None:
@@ -129,3 +135,49 @@ def forced_num_accepted(keys: jax.Array, rates: tuple[float, ...], valid: jax.Ar
     u = jax.vmap(lambda key: jax.random.uniform(key, (len(rates),)))(keys)  # [B, K]
     passes = (u < jnp.asarray(rates)[None, :]) & valid
     return jnp.sum(jnp.cumprod(passes.astype(jnp.int32), axis=1), axis=1, dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForcedVerifier:
+    """The verifier of a ForcedAcceptance proposer (speculate/verifiers.py has the interface):
+    `inner` verifies as usual and its analytic acceptance (and a tree's drafted depths) is kept for
+    the metrics; then each row accepts as many drafts as `forced_num_accepted` draws, and the token
+    after them is the target's own choice at that position. A tree is forced along its
+    first-ranked path."""
+
+    rates: tuple[float, ...]  # [K] conditional acceptance per draft position
+    inner: Any  # the verifier whose analytic acceptance is reported
+
+    def chain(self, warp, logits, proposal, sampling, keys):
+        draft, valid = proposal.draft_tokens, proposal.valid
+        K = draft.shape[1]  # fewer than the rates when a Dynamic proposer drafts a narrower step
+        _, _, expected = self.inner.chain(warp, logits, proposal, sampling, keys)
+        num_accepted = forced_num_accepted(_fold(keys, 1), self.rates[:K], valid)
+        rows = jnp.arange(draft.shape[0])
+        own = choose_tokens(_fold(keys, 2), logits[rows, num_accepted], sampling, warp)[0]
+        candidates = assemble(jnp.concatenate([draft, own[:, None]], axis=1), num_accepted, own)
+        return candidates, num_accepted, expected
+
+    def tree(self, warp, tree, logits, proposal, sampling, keys):
+        _, _, _, expected, drafted_at = self.inner.tree(warp, tree, logits, proposal, sampling, keys)
+        nodes, valid = proposal.draft_tokens, proposal.valid  # [B, N]
+        D = tree.depth
+        first = tree.first_ranked_path  # [D0] node indices
+        along_first = _pad_nodes(first, D)
+        num_accepted = forced_num_accepted(_fold(keys, 1), self.rates[: len(first)], valid[:, first - 1])
+        path = jnp.where(jnp.arange(D)[None, :] < num_accepted[:, None], along_first, -1)
+        at = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.asarray(first)])[num_accepted]  # [B]
+        own = choose_tokens(_fold(keys, 2), logits[jnp.arange(nodes.shape[0]), at], sampling, warp)[0]
+        along = jnp.concatenate([nodes[:, along_first - 1], own[:, None]], axis=1)
+        candidates = assemble(along, num_accepted, own)
+        return candidates, num_accepted, path, expected, drafted_at
+
+
+def _fold(keys: jax.Array, data: int) -> jax.Array:
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, data)
+
+
+def _pad_nodes(first: np.ndarray, D: int) -> np.ndarray:
+    """[D] the first-ranked path's nodes, its last repeated past its end (those are never used)."""
+    fill = first[-1] if len(first) else 1
+    return np.concatenate([first, np.full(D - len(first), fill, np.int32)]).astype(np.int32)

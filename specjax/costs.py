@@ -1,5 +1,9 @@
 """What a decoding step costs on this machine, in plain decoding steps (for GoodputSchedule).
 
+A host-side tool: it times whole `generate` calls. The speculate layer below does not import
+generate, so `GoodputSchedule.measure` reaches this module's `measure_step_costs` through the
+timer installed into it at the end of this module (`import specjax` loads it).
+
 Three timed runs, each at two lengths so that prefill and compile cancel (the extra tokens'
 time over the extra steps):
   plain decoding                                          -> t_plain per step
@@ -15,10 +19,13 @@ import time
 
 import numpy as np
 
+from specjax.api import generate
+from specjax.speculate.proposers.dynamic import set_cost_meter
+from specjax.speculate.proposers.forced import ForcedAcceptance, _draft_positions
+from specjax.speculate.sampling import Sampling
+
 
 def _step_seconds(model, prompts, proposer, max_new_tokens: int, sampling) -> float:
-    from specjax.api import generate
-
     def seconds(n):
         generate(model, prompts, proposer, sampling, max_new_tokens=n)  # compile, warm up
         best = np.inf
@@ -36,9 +43,6 @@ def _step_seconds(model, prompts, proposer, max_new_tokens: int, sampling) -> fl
 def measure_step_costs(model, proposer, prompts, max_new_tokens: int = 64) -> dict:
     """{"plain_step_s", "verify_cost", "draft_cost", "k"}: the costs of one more verified token and
     one more drafted token, each as a fraction of a plain decoding step (never below 0)."""
-    from specjax.speculate.proposers.forced import ForcedAcceptance, _draft_positions
-    from specjax.speculate.sampling import Sampling
-
     k = _draft_positions(proposer)
     if k is None:
         raise ValueError(f"proposer must be a proposer with a k (NGram, DraftModel, ...), got {proposer!r}")
@@ -55,3 +59,6 @@ def measure_step_costs(model, proposer, prompts, max_new_tokens: int = 64) -> di
         "draft_cost": max(drafted - free, 0.0) / (k * plain),
         "k": k,
     }
+
+
+set_cost_meter(measure_step_costs)

@@ -1,4 +1,5 @@
-"""Proposers by name, for the command line and sweep files, and the same proposer at another k.
+"""Proposers by name, for the command line, sweep files and Spec-Bench methods (host side: a
+description may name a model or a head to load by path).
 
 A proposer description is a name plus options, e.g. ``{"name": "ngram", "k": 4}`` or
 ``{"name": "eagle", "head": "heads/eagle/head", "tree": [[0], [1], [0, 0]]}``. Names:
@@ -9,6 +10,9 @@ A proposer description is a name plus options, e.g. ``{"name": "ngram", "k": 4}`
     draft_model             DraftModel(model=<name or path, loaded>, k)
     medusa                  Medusa(head=<folder of a saved head>, tree)
     eagle                   Eagle(head=<folder of a saved head>, k, tree)
+    eagle3                  Eagle3(head=<folder: a saved or published EAGLE-3 head>, k, tree)
+    dflash                  DFlash(head=<folder: a saved or published DFlash head>, block)
+    hybrid                  Hybrid(first=<description>, then=<description>)
     forced                  ForcedAcceptance(acceptance, proposer=<description or None>, k)
     dynamic                 Dynamic(proposer=<description>, schedule=<"heuristic", "goodput" or a
                             description: {"name": "goodput", "draft_cost": 0.2, ...}>)
@@ -19,15 +23,42 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from specjax.models.model import Model
-from specjax.speculate.proposers.draft import DraftModel, SelfDraft
-from specjax.speculate.proposers.dynamic import Dynamic, GoodputSchedule, HeuristicSchedule
-from specjax.speculate.proposers.eagle import Eagle
-from specjax.speculate.proposers.forced import ForcedAcceptance
-from specjax.speculate.proposers.medusa import Medusa
-from specjax.speculate.proposers.ngram import NGram
+from specjax.models import Model, load, load_head
+from specjax.speculate.proposers import (
+    DFlash,
+    DraftModel,
+    Dynamic,
+    Eagle,
+    Eagle3,
+    ForcedAcceptance,
+    GoodputSchedule,
+    HeuristicSchedule,
+    Hybrid,
+    Medusa,
+    NGram,
+    SelfDraft,
+    with_k,
+)
 
-PROPOSER_NAMES = ("plain", "ngram", "self_draft", "draft_model", "medusa", "eagle", "forced", "dynamic")
+PROPOSER_NAMES = (
+    "plain",
+    "ngram",
+    "self_draft",
+    "draft_model",
+    "medusa",
+    "eagle",
+    "eagle3",
+    "dflash",
+    "hybrid",
+    "forced",
+    "dynamic",
+)
+HEAD_PROPOSERS = {  # name -> (class, options beside the head)
+    "medusa": (Medusa, ("tree",)),
+    "eagle": (Eagle, ("k", "tree")),
+    "eagle3": (Eagle3, ("k", "tree")),
+    "dflash": (DFlash, ("block",)),
+}
 SCHEDULE_NAMES = ("heuristic", "goodput")
 
 
@@ -76,25 +107,27 @@ def proposer_from_description(description: Any, target: Model | None = None, whe
     if name == "self_draft":
         return SelfDraft(**_options(description, ("layers", "k"), where))
     if name == "draft_model":
-        import specjax
-
         options = _options(description, ("model", "k"), where)
         if "model" not in options:
             raise ValueError(f"{where}: draft_model needs 'model' (a built-in name, HF folder or .gguf file)")
-        return DraftModel(specjax.load(options.pop("model")), **options)
-    if name in ("medusa", "eagle"):
-        from specjax.train import load_head
-
-        allowed = ("head", "tree") if name == "medusa" else ("head", "k", "tree")
-        options = _options(description, allowed, where)
+        return DraftModel(load(options.pop("model")), **options)
+    if name in HEAD_PROPOSERS:
+        proposer, allowed = HEAD_PROPOSERS[name]
+        options = _options(description, ("head", *allowed), where)
         if "head" not in options:
-            raise ValueError(f"{where}: {name} needs 'head' (the folder of a saved head)")
+            raise ValueError(f"{where}: {name} needs 'head' (the folder of a saved or published head)")
         if target is None:
             raise ValueError(f"{where}: loading a {name} head needs the target model")
         head = load_head(options.pop("head"), target)
         if options.get("tree") is not None:
             options["tree"] = [tuple(path) for path in options["tree"]]
-        return (Medusa if name == "medusa" else Eagle)(head, **options)
+        return proposer(head, **options)
+    if name == "hybrid":
+        options = _options(description, ("first", "then"), where)
+        if set(options) != {"first", "then"}:
+            raise ValueError(f"{where}: hybrid needs 'first' and 'then' (two proposer descriptions)")
+        parts = {k: proposer_from_description(v, target, f"{where}.{k}") for k, v in options.items()}
+        return Hybrid(parts["first"], parts["then"])
     if name == "forced":
         options = _options(description, ("acceptance", "proposer", "k"), where)
         inner = proposer_from_description(options.pop("proposer", None), target, f"{where}.proposer")
@@ -107,18 +140,10 @@ def proposer_from_description(description: Any, target: Model | None = None, whe
     return Dynamic(inner, schedule)
 
 
-def with_k(proposer, k: int):
-    """The same proposer drafting k tokens (at most k for Dynamic); ValueError for one whose draft
-    length is fixed by a token tree (Medusa, an Eagle tree)."""
-    if isinstance(proposer, NGram | SelfDraft | DraftModel):
-        return dataclasses.replace(proposer, k=k)
-    if isinstance(proposer, Eagle) and proposer.tree is None:
-        return Eagle(proposer.head, k=k)
-    if isinstance(proposer, Dynamic):
-        return Dynamic(with_k(proposer.proposer, k), proposer.schedule)
-    if isinstance(proposer, ForcedAcceptance):
-        return proposer.with_k(k)
-    raise ValueError(
-        f"k={k}: cannot change k of {type(proposer).__name__}: its draft length is fixed (a Medusa "
-        "head's count or a token tree's depth)"
-    )
+__all__ = [
+    "PROPOSER_NAMES",
+    "SCHEDULE_NAMES",
+    "proposer_from_description",
+    "schedule_from_description",
+    "with_k",  # lives with the proposers (specjax.speculate.proposers); here for the callers of names
+]
