@@ -36,8 +36,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check specjax tests benchmarks
 	$(VENV)/bin/ruff format --check specjax tests benchmarks
 
-# Medusa and EAGLE heads for the built-in model (see README, "Trained heads"): one distillation
-# set from Spec-Bench without its MT-bench questions (held out for evaluation), then each head.
+# Medusa, EAGLE, EAGLE-3 and DFlash heads for the built-in model (see README, "Trained heads"): one
+# distillation set from Spec-Bench without its MT-bench questions (held out for evaluation), then
+# each head.
 DATA ?= $(or $(SPECJAX_DATA),../shared/data)
 HEADS_SET := --prompts $(DATA)/spec_bench_question.jsonl --exclude $(DATA)/mt_bench_question.jsonl \
 	--data heads/distill.npz --new-tokens 128 --max-len 256 --batch-size 8 --draft-vocab 8192
@@ -45,6 +46,8 @@ HEADS_SET := --prompts $(DATA)/spec_bench_question.jsonl --exclude $(DATA)/mt_be
 heads: $(STAMP)
 	$(VENV)/bin/specjax train-medusa $(HEADS_SET) --out heads/medusa --heads 3 --steps 300
 	$(VENV)/bin/specjax train-eagle $(HEADS_SET) --out heads/eagle --steps 400 --unroll 2
+	$(VENV)/bin/specjax train-eagle3 $(HEADS_SET) --out heads/eagle3 --steps 400 --unroll 3
+	$(VENV)/bin/specjax train-dflash $(HEADS_SET) --out heads/dflash --steps 400 --block 8
 
 # Heads for open-ended chat (not committed; about 110 minutes here, see docs/benchmarks.md): the
 # same Spec-Bench prompts plus 800 chat prompts the model writes itself, 1,200 EAGLE steps unrolled

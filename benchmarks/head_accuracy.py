@@ -1,7 +1,7 @@
-"""How often trained heads agree with the target on held-out chat answers, teacher-forced.
+r"""How often trained heads agree with the target on held-out chat answers, teacher-forced.
 
     .venv/bin/python benchmarks/head_accuracy.py heads/eagle/head heads/medusa/head \
-        [--questions 8:48] [--passes 3] [--cache /tmp/mt_bench_val.npz]
+        heads/eagle3/head heads/dflash/head [--questions 8:48] [--passes 3] [--cache /tmp/val.npz]
 
 The validation set: MT-bench first turns (Spec-Bench's mt_bench category, in the round-robin order
 of `spec_bench_prompts`) at positions --questions, default 8:48 (40 questions, five of each
@@ -14,7 +14,9 @@ agreement of the head's draft with the target's own next token, over the head's 
 vocabulary. For EAGLE, pass p feeds the head its own predicted features p - 1 times before the
 scored position (EAGLE's "n-alpha", over all positions, not only where the earlier passes were
 right); pass 1 is what the first draft position of a chain accepts under greedy decoding. For
-Medusa, head i predicts the token i + 2 past the input. Training on a set and validating here
+Medusa, head i predicts the token i + 2 past the input. For EAGLE-3 as for EAGLE (passes of its
+own outputs); for DFlash, slot i of blocks anchored at random answer positions (positions 1..3 of
+a drafted block). Training on a set and validating here
 is the quick loop (seconds per head) behind the tables in docs/benchmarks.md; acceptance in the
 speculative loop itself is `spec_bench.py`'s.
 """
@@ -29,8 +31,17 @@ import numpy as np
 from common import data_dir, spec_bench_prompts
 
 import specjax
+from specjax.models import DFlashHead, Eagle3Head
 from specjax.models.eagle import EagleHead
-from specjax.train import DistillationData, distill_data, evaluate_eagle, evaluate_medusa, load_head
+from specjax.train import (
+    DistillationData,
+    distill_data,
+    evaluate_dflash,
+    evaluate_eagle,
+    evaluate_eagle3,
+    evaluate_medusa,
+    load_head,
+)
 
 MAX_LEN = 256
 NEW_TOKENS = 128
@@ -87,10 +98,15 @@ def main() -> None:
     )
     for path in args.heads:
         head = load_head(path, model)
-        if isinstance(head, EagleHead):
-            metrics = evaluate_eagle(head, model, answers, unroll=args.passes)
+        if isinstance(head, EagleHead | Eagle3Head):
+            evaluate = evaluate_eagle if isinstance(head, EagleHead) else evaluate_eagle3
+            metrics = evaluate(head, model, answers, unroll=args.passes)
             scores = [metrics["accuracy"]] + [metrics[f"accuracy_{p}"] for p in range(2, args.passes + 1)]
-            label = "EAGLE, passes 1.."
+            label = ("EAGLE" if isinstance(head, EagleHead) else "EAGLE-3") + ", passes 1.."
+        elif isinstance(head, DFlashHead):
+            metrics = evaluate_dflash(head, model, answers)
+            scores = [metrics["accuracy"]] + [metrics[f"accuracy_{i}"] for i in range(2, args.passes + 1)]
+            label = "DFlash, block slots 1.."
         else:
             scores = evaluate_medusa(head, model, answers)["head_accuracy"]
             label = "Medusa, heads 1.."

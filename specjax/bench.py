@@ -59,7 +59,20 @@ EAGLE_TREE = (
     (0, 0, 0, 0),
     (0, 0, 0, 0, 0),
 )
-METHODS = ("plain", "ngram", "selfdraft", "medusa", "medusa-tree", "eagle", "eagle-tree")
+METHODS = (
+    "plain",
+    "ngram",
+    "selfdraft",
+    "medusa",
+    "medusa-tree",
+    "eagle",
+    "eagle-tree",
+    "eagle3",
+    "eagle3-tree",
+    "dflash",
+    "hybrid",
+)
+HEAD_FOLDERS = {"medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,7 +141,7 @@ def spec_bench_by_category(
 
 
 # ---------------------------------------------------------------------------------------------
-# Methods: display name -> proposer description (specjax.speculate.proposers.named)
+# Methods: display name -> proposer description (specjax.named)
 
 
 def add_method_arguments(parser) -> None:
@@ -147,7 +160,7 @@ def add_method_arguments(parser) -> None:
     parser.add_argument(
         "--heads", default="heads", help="folder with medusa/head and eagle/head (`make heads`)"
     )
-    parser.add_argument("--ngram-k", type=int, default=5)
+    parser.add_argument("--ngram-k", type=int, default=5, help="NGram's k (default 5)")
     parser.add_argument(
         "--ngram-n-min",
         type=int,
@@ -157,10 +170,12 @@ def add_method_arguments(parser) -> None:
     parser.add_argument(
         "--ngram-n-max", type=int, default=4, help="longest n-gram NGram looks for (default 4)"
     )
-    parser.add_argument("--self-draft-layers", type=int, default=8)
-    parser.add_argument("--self-draft-k", type=int, default=3)
+    parser.add_argument(
+        "--self-draft-layers", type=int, default=8, help="layers SelfDraft drafts with (default 8)"
+    )
+    parser.add_argument("--self-draft-k", type=int, default=3, help="SelfDraft's k (default 3)")
     parser.add_argument("--medusa-tree", default="3,2", help="top-k widths per depth (default 3,2)")
-    parser.add_argument("--eagle-k", type=int, default=4)
+    parser.add_argument("--eagle-k", type=int, default=4, help="the EAGLE chain's k (default 4)")
 
 
 def parse_widths(text: str) -> tuple[int, ...]:
@@ -206,7 +221,8 @@ def method_descriptions(
 ) -> dict[str, Any]:
     """{display name: proposer description, or None for plain} of the named methods ("ngram,eagle"
     or a list, of METHODS); plain comes first. Medusa and EAGLE read the heads saved in
-    `heads`/medusa/head and `heads`/eagle/head. ValueError for an unknown method or a missing head."""
+    `heads`/<kind>/head (medusa, eagle, eagle3, dflash); "hybrid" is Hybrid(NGram(k, n_min=3),
+    EAGLE-3 chain k), k = eagle_k. ValueError for an unknown method or a missing head."""
     from specjax.speculate.proposers import NGram
     from specjax.speculate.tree import TokenTree
 
@@ -215,13 +231,15 @@ def method_descriptions(
     if unknown:
         raise ValueError(f"--methods: unknown method {unknown[0]!r}; allowed: {', '.join(METHODS)}")
     heads = Path(heads)
-    for kind, folder in (("medusa", "Medusa"), ("eagle", "EAGLE")):
-        if any(m.startswith(kind) for m in wanted) and not (heads / kind / "head").is_dir():
+    needs = {m.removesuffix("-tree") for m in wanted} | ({"eagle3"} if "hybrid" in wanted else set())
+    for kind, folder in HEAD_FOLDERS.items():
+        if kind in needs and not (heads / kind / "head").is_dir():
             raise ValueError(f"no {folder} head in {heads / kind / 'head'}: run `make heads` or pass --heads")
     widths = ()
     if "medusa-tree" in wanted:
         widths = parse_widths(medusa_tree) if isinstance(medusa_tree, str) else tuple(medusa_tree)
     medusa, eagle = str(heads / "medusa" / "head"), str(heads / "eagle" / "head")
+    eagle3, dflash = str(heads / "eagle3" / "head"), str(heads / "dflash" / "head")
     ngram_options = {"k": ngram_k, "n_max": ngram_n_max, "n_min": ngram_n_min}
     ngram_shown = [f"{n}={v}" for n, v in ngram_options.items() if n == "k" or v != NGRAM_DEFAULTS[n]]
     if "ngram" in wanted:
@@ -242,6 +260,20 @@ def method_descriptions(
             f"EAGLE tree ({len(EAGLE_TREE)} nodes)",
             {"name": "eagle", "head": eagle, "tree": EAGLE_TREE},
         ),
+        "eagle3": (f"EAGLE-3 chain k={eagle_k}", {"name": "eagle3", "head": eagle3, "k": eagle_k}),
+        "eagle3-tree": (
+            f"EAGLE-3 tree ({len(EAGLE_TREE)} nodes)",
+            {"name": "eagle3", "head": eagle3, "tree": EAGLE_TREE},
+        ),
+        "dflash": ("DFlash", {"name": "dflash", "head": dflash}),
+        "hybrid": (
+            f"Hybrid(NGram k={eagle_k} n_min=3, EAGLE-3)",
+            {
+                "name": "hybrid",
+                "first": {"name": "ngram", "k": eagle_k, "n_min": 3},
+                "then": {"name": "eagle3", "head": eagle3, "k": eagle_k},
+            },
+        ),
     }
     descriptions: dict[str, Any] = {"plain": None}
     for m in wanted:
@@ -253,7 +285,7 @@ def method_descriptions(
 
 def make_methods(model, descriptions: dict[str, Any]) -> dict[str, Any]:
     """{display name: proposer} from {display name: description} (heads are loaded here, once)."""
-    from specjax.speculate.proposers.named import proposer_from_description
+    from specjax.named import proposer_from_description
 
     return {
         name: proposer_from_description(description, model, where=f"method {name!r}")

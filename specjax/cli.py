@@ -5,6 +5,8 @@
     specjax ablate SPEC.yaml --out DIR
     specjax train-medusa [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-eagle3 [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-dflash [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
 
 A bad argument or input gives one line, `specjax <command>: error: ...`, and exit status 2.
 """
@@ -18,13 +20,15 @@ from pathlib import Path
 
 TRAIN_HELP = """    specjax train-medusa [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-eagle3 [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-dflash [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
 
-Both build a self-distillation set (the target's own greedy continuations of the prompts and its
-hidden states along them), train a head on it (Medusa heads or an EAGLE head, drafting from the
-`--draft-vocab` most frequent tokens of the set) and save it to DIR/head
-(`specjax.train.load_head(DIR/head, model)` reads it back). Training checkpoints go to
+Each builds a self-distillation set (the target's own greedy continuations of the prompts and its
+hidden states along them), trains a head on it (Medusa heads, an EAGLE, EAGLE-3 or DFlash head,
+drafting from the `--draft-vocab` most frequent tokens of the set) and saves it to DIR/head
+(`specjax.load_head(DIR/head, model)` reads it back). Training checkpoints go to
 DIR/checkpoints, and a rerun resumes from the latest. `--data FILE.npz` keeps the distillation
-set: read from FILE when it exists, else built and saved there, so one set trains both heads.
+set: read from FILE when it exists, else built and saved there, so one set trains every head.
 Keep the training prompts apart from the prompts you evaluate on: `--exclude` drops every prompt
 that also appears in a held-out file. For the built-in model: `--prompts
 ../shared/data/spec_bench_question.jsonl --exclude ../shared/data/mt_bench_question.jsonl` trains
@@ -176,6 +180,25 @@ def train_eagle_command(args: argparse.Namespace) -> None:
     print(f"saved an EAGLE head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
 
 
+def train_eagle3_command(args: argparse.Namespace) -> None:
+    from specjax.train import train_eagle3
+
+    path = train_head(args, train_eagle3, unroll=args.unroll)
+    print(f"saved an EAGLE-3 head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
+
+
+def train_dflash_command(args: argparse.Namespace) -> None:
+    from specjax.train import train_dflash
+
+    path = train_head(
+        args, train_dflash, block_size=args.block, num_layers=args.layers, anchors_per_sequence=args.anchors
+    )
+    print(
+        f"saved a DFlash head (blocks of {args.block}, {args.draft_vocab} draft tokens) to {path}",
+        file=sys.stderr,
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # specjax generate
 
@@ -187,7 +210,7 @@ GENERATE_HELP = """Generate text for prompts given as arguments and/or read from
     specjax generate "Hi" --proposer '{"name": "dynamic", "proposer": {"name": "ngram", "k": 6}}'
 
 The proposer is a name (plain, ngram, self_draft, draft_model, medusa, eagle, forced, dynamic) or
-a JSON object with "name" and its options (see specjax.speculate.proposers.named); --k,
+a JSON object with "name" and its options (see specjax.named); --k,
 --layers, --head, --tree and --draft-model add the common options to it. The chat template is
 applied to every prompt unless --no-chat. Prints the texts on stdout and a metrics line per call
 on stderr; with --json, one JSON object per prompt: prompt, text, tokens and that row's metrics
@@ -288,7 +311,7 @@ def generate_command(args: argparse.Namespace) -> None:
     import jax
 
     import specjax
-    from specjax.speculate.proposers.named import proposer_from_description
+    from specjax.named import proposer_from_description
 
     prompts = generate_prompts(args)
     description = proposer_description(args)
@@ -605,6 +628,36 @@ def parser() -> argparse.ArgumentParser:
         "head's own predictions n - 1 steps deep (EAGLE-3's training-time test; default 1)",
     )
     eagle.set_defaults(run=train_eagle_command)
+    eagle3 = commands.add_parser(
+        "train-eagle3", help="train an EAGLE-3 head for a model by self-distillation", description=TRAIN_HELP
+    )
+    add_training_options(eagle3, learning_rate=3e-3)
+    eagle3.add_argument(
+        "--unroll",
+        type=positive_int,
+        default=3,
+        help="training-time test: passes of the loss, the head fed its own outputs n - 1 deep (default 3)",
+    )
+    eagle3.set_defaults(run=train_eagle3_command)
+    dflash = commands.add_parser(
+        "train-dflash",
+        help="train a DFlash block drafter for a model by self-distillation",
+        description=TRAIN_HELP,
+    )
+    add_training_options(dflash, learning_rate=3e-3)
+    dflash.add_argument(
+        "--block", type=positive_int, default=8, help="tokens per drafted block, anchor included (default 8)"
+    )
+    dflash.add_argument(
+        "--layers", type=positive_int, default=1, help="the head's decoder layers (default 1)"
+    )
+    dflash.add_argument(
+        "--anchors",
+        type=positive_int,
+        default=16,
+        help="blocks scored per training sequence and step (default 16)",
+    )
+    dflash.set_defaults(run=train_dflash_command)
     return main
 
 

@@ -17,10 +17,10 @@ from tiny import tiny_model, tiny_tokenizer
 import specjax
 from specjax import bench, cli
 from specjax.models import EagleHead, MedusaHead
-from specjax.speculate.proposers.named import PROPOSER_NAMES
+from specjax.named import PROPOSER_NAMES
 from specjax.train import DistillationData, load_head
 
-COMMANDS = ["train-medusa", "train-eagle"]
+COMMANDS = ["train-medusa", "train-eagle", "train-eagle3", "train-dflash"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -408,6 +408,25 @@ def test_one_data_file_trains_both_heads(tmp_path, tiny_target, capsys):
     assert head.meta["noise"] == 0.2 and head.meta["data_file"] == str(data_file)
     assert head.meta["data"] == data.summary()
     assert "reading the distillation set" in capsys.readouterr().err
+
+
+def test_train_eagle3_and_dflash_commands_share_the_set(tmp_path, tiny_target):
+    """Both train on one distillation set and save speculators folders that load_head reads."""
+    data_file = tmp_path / "set.npz"
+    eagle3 = ["--draft-vocab", "16", "--unroll", "2", "--data", str(data_file)]
+    assert cli.main(_argv("train-eagle3", tmp_path, tmp_path / "eagle3", *eagle3)) == 0
+    dflash = ["--draft-vocab", "16", "--block", "4", "--anchors", "3", "--data", str(data_file)]
+    assert cli.main(_argv("train-dflash", tmp_path, tmp_path / "dflash", *dflash)) == 0
+    assert tiny_target.generated == 2  # generated once, for the first
+    heads = [load_head(tmp_path / name / "head", tiny_target.model) for name in ("eagle3", "dflash")]
+    assert isinstance(heads[0], specjax.models.Eagle3Head) and heads[0].meta["unroll"] == 2
+    assert isinstance(heads[1], specjax.models.DFlashHead) and heads[1].config.block_size == 4
+    assert (tmp_path / "dflash" / "head" / "config.json").is_file()  # the speculators format
+    plain = specjax.generate(tiny_target.model, ["abc"], max_new_tokens=8).tokens
+    for proposer in (specjax.Eagle3(heads[0], k=2), specjax.DFlash(heads[1])):
+        assert (
+            specjax.generate(tiny_target.model, ["abc"], proposer=proposer, max_new_tokens=8).tokens == plain
+        )
 
 
 def test_self_instruct_prompts_join_the_file_prompts(tmp_path, tiny_target, monkeypatch):

@@ -23,7 +23,6 @@ from specjax.models.head_formats import (
     read_eagle1_release,
     read_eagle3,
     read_medusa_release,
-    read_published_head,
 )
 from specjax.models.medusa import medusa_hidden, medusa_logits
 from specjax.models.torch_checkpoint import load_torch_checkpoint
@@ -186,8 +185,8 @@ def test_published_heads_draft_losslessly(tmp_path, plain_greedy):
     prompts = [[5, 6, 7, 8, 5, 6], [3, 9, 4]]
     eagle1_release(tmp_path / "eagle1")
     medusa_release(tmp_path / "medusa", num_layers=2)
-    eagle = read_published_head(tmp_path / "eagle1", TARGET)
-    medusa = read_published_head(tmp_path / "medusa", TARGET)
+    eagle = specjax.load_head(tmp_path / "eagle1", TARGET)
+    medusa = specjax.load_head(tmp_path / "medusa", TARGET)
     for proposer in (
         specjax.Eagle(eagle, k=3),
         specjax.Eagle(eagle, tree=TokenTree.top_k((2, 2))),
@@ -202,10 +201,10 @@ def test_load_head_refuses_another_target(tmp_path):
     medusa_release(tmp_path / "medusa")
     other = tiny_model(seed=1, hidden_size=32, vocab_size=V)
     with pytest.raises(ValueError, match="EAGLE head has hidden size 64"):
-        read_published_head(tmp_path / "eagle1", other)
+        specjax.load_head(tmp_path / "eagle1", other)
     with pytest.raises(ValueError, match="Medusa head is for hidden size 64"):
-        read_published_head(tmp_path / "medusa", other)
+        specjax.load_head(tmp_path / "medusa", other)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="is not a head specjax reads"):
-        read_published_head(tmp_path / "empty")
+        specjax.load_head(tmp_path / "empty")

@@ -72,7 +72,7 @@ class DFlashConfig:
     aux_layer_ids: tuple[int, ...]  # as EAGLE-3's: id i is the stream entering target layer i
     block_size: int  # tokens per draft pass: the anchor and block_size - 1 drafts
     mask_token_id: int  # the token the block's drafted slots are fed as
-    draft_vocab_size: int | None = None  # None: the target's vocabulary, read by its own head
+    draft_vocab_size: int | None = None  # an LM head of its own over this many tokens; None: the target's
     target_hidden_size: int | None = None  # None: hidden_size
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
@@ -109,8 +109,11 @@ class DFlashConfig:
                 f"DFlashConfig aux_layer_ids must be distinct layer ids >= 0, got {self.aux_layer_ids!r}"
             )
         object.__setattr__(self, "aux_layer_ids", ids)
-        if self.draft_vocab_size is None:
-            object.__setattr__(self, "draft_vocab_size", self.vocab_size)
+        W = self.draft_vocab_size
+        if W is not None and (isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size):
+            raise ValueError(
+                f"DFlashConfig draft_vocab_size must be None or an integer in 1..{self.vocab_size}, got {W!r}"
+            )
         if self.target_hidden_size is None:
             object.__setattr__(self, "target_hidden_size", self.hidden_size)
         if isinstance(self.rope_scaling, dict):
@@ -123,7 +126,12 @@ class DFlashConfig:
     @property
     def own_head(self) -> bool:
         """Whether the head reads tokens with an LM head of its own (a draft vocabulary)."""
-        return self.draft_vocab_size != self.vocab_size
+        return self.draft_vocab_size is not None
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """W: the tokens it can draft."""
+        return self.vocab_size if self.draft_vocab_size is None else self.draft_vocab_size
 
     @property
     def layer_config(self) -> LlamaConfig:
@@ -195,7 +203,7 @@ def dflash_context(
         qkv = project(context, layer.qkv)  # the queries are computed and dropped: one fused product
         if c.qkv_bias:
             qkv = qkv + layer.qkv_bias
-        qkv = qkv.reshape(B, T, -1, G + 2, E)
+        qkv = qkv.reshape(B, T, qkv.shape[-1] // ((G + 2) * E), G + 2, E)  # (no -1: T may be 0)
         k = rms_norm(qkv[:, :, :, G], layer.k_norm, c.rms_norm_eps)
         k = apply_rope(k, positions, inv_freq)
         keys.append(cache.write_keys(cache.k[i], k))
@@ -239,7 +247,7 @@ class DFlashHead:
     meta: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        vocab = check_draft_vocab("DFlash", self.vocab, self.config.vocab_size, self.config.draft_vocab_size)
+        vocab = check_draft_vocab("DFlash", self.vocab, self.config.vocab_size, self.config.num_draft_tokens)
         object.__setattr__(self, "vocab", vocab)
 
     @classmethod

@@ -236,11 +236,13 @@ def eagle3_features(
     cache: KVCache,
     fresh_mask=None,
     empty_cache: bool = False,
+    visible=None,
 ) -> tuple[jax.Array, KVCache]:
     """The head's outputs [B, T, D] for inputs (features [B, T, D], the next tokens [B, T]) at
     positions [B, T]: what the next step feeds back as its feature (normed with norm_output).
     `embed` is the target's embedding table [V, D]; the head's cache gets the inputs' keys and
-    values at slots `cache.lengths + t` (advancing is the caller's)."""
+    values at slots `cache.lengths + t` (advancing is the caller's). `visible` [B, T, S] overrides
+    which cache slots each input sees (training-time test, train/eagle3.py)."""
     D = config.hidden_size
     x = jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1)  # [B, T, 2D]
     eps = config.rms_norm_eps
@@ -259,6 +261,7 @@ def eagle3_features(
         cache,
         fresh_mask,
         empty_cache,
+        visible=visible,
         first_attention_input=side_by_side,
     )
     if config.norm_output:

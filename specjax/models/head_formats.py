@@ -263,7 +263,7 @@ def _checked_arrays(flat: dict[str, LazyTensor], shapes: dict[str, tuple[int, ..
 def _draft_vocab(tensors: dict[str, LazyTensor], config, source: str) -> np.ndarray:
     """Draft index -> target id from `d2t` (offsets); all ids in order when the head drafts the
     whole vocabulary and has none."""
-    W = config.draft_vocab_size
+    W = getattr(config, "num_draft_tokens", config.draft_vocab_size)  # DFlash: None means the target's
     if "d2t" not in tensors:
         if W != config.vocab_size:
             raise ValueError(f"{source} drafts over {W} tokens of {config.vocab_size} but has no d2t map")
@@ -399,7 +399,9 @@ def read_dflash(folder: Path, target_num_layers: int | None = None) -> DFlashHea
         aux_layer_ids=tuple(ids),
         block_size=int(config.get("block_size", 8)),
         mask_token_id=int(config["mask_token_id"]),
-        draft_vocab_size=int(config.get("draft_vocab_size") or layer["vocab_size"]),
+        # An LM head of its own where the file has one (speculators drops it over the target's
+        # whole vocabulary, and its readers then use the target's).
+        draft_vocab_size=int(config["draft_vocab_size"]) if "lm_head.weight" in tensors else None,
         target_hidden_size=config.get("target_hidden_size"),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
         rope_scaling=rope_scaling_from_hf(rope),
@@ -464,7 +466,7 @@ def write_speculators_dflash(folder: Path, head: DFlashHead, verifier: str | Non
     config = {
         "architectures": ["DFlashDraftModel"],
         "speculators_model_type": "dflash",
-        "draft_vocab_size": c.draft_vocab_size,
+        "draft_vocab_size": c.num_draft_tokens,
         "block_size": c.block_size,
         "aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "mask_token_id": c.mask_token_id,

@@ -687,7 +687,9 @@ def project(x: jax.Array, w: jax.Array) -> jax.Array:
         return panel_matmul(x, w)
     rows = math.prod(x.shape[:-1])
     d_in, d_out = w.shape
-    if rows > 2 or d_in % 2 or w.dtype != jnp.float32:  # (in bfloat16 the sum of halves rounds twice)
+    if (
+        not 0 < rows <= 2 or d_in % 2 or w.dtype != jnp.float32
+    ):  # (in bfloat16 the sum of halves rounds twice)
         return x @ w
     w_halves = w.reshape(2, d_in // 2, d_out)
     flat = x.reshape(rows, 2, 1, d_in // 2)

@@ -70,11 +70,23 @@ class SpecMetrics:
     expected_accept_at: np.ndarray
     compile_time_s: float = 0.0
     run_time_s: float = 0.0
+    # The proposer's own per-row counts, for proposers that keep some (Hybrid: each part's steps,
+    # drafts and accepted drafts apart, "first_steps", "then_accepted", ...).
+    proposer: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     @classmethod
-    def from_counters(cls, counters: MetricCounters, k: int, compile_time_s: float, run_time_s: float):
+    def from_counters(
+        cls, counters: MetricCounters, k: int, compile_time_s: float, run_time_s: float, proposer=None
+    ):
         host = {f.name: np.asarray(getattr(counters, f.name)) for f in dataclasses.fields(counters)}
-        return cls(num_speculative_tokens=k, compile_time_s=compile_time_s, run_time_s=run_time_s, **host)
+        own = {name: np.asarray(value) for name, value in (proposer or {}).items()}
+        return cls(
+            num_speculative_tokens=k,
+            compile_time_s=compile_time_s,
+            run_time_s=run_time_s,
+            proposer=own,
+            **host,
+        )
 
     @property
     def tokens_per_second(self) -> float:
@@ -166,6 +178,7 @@ class SpecMetrics:
             "tokens_per_second": self.tokens_per_second,
             "compile_time_s": self.compile_time_s,
             "run_time_s": self.run_time_s,
+            **{f"proposer_{name}": int(value.sum()) for name, value in self.proposer.items()},
         }
 
     def __str__(self) -> str:

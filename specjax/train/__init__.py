@@ -1,22 +1,31 @@
-"""Training: Medusa and EAGLE heads distilled from the target's own continuations, and their
-checkpoints."""
+"""Training: Medusa, EAGLE, EAGLE-3 and DFlash heads distilled from the target's own continuations, and their
+checkpoints. `load_head` / `save_head` live in specjax.models.heads (re-exported here)."""
 
-from specjax.train.checkpoint import load_head, save_head
-from specjax.train.data import DistillationData, distill_data
+from specjax.models.heads import load_head, save_head
+from specjax.train.data import DistillationData, distill_data, target_features
+from specjax.train.dflash import dflash_loss, evaluate_dflash, train_dflash
 from specjax.train.eagle import eagle_loss, evaluate_eagle, train_eagle
+from specjax.train.eagle3 import eagle3_loss, evaluate_eagle3, train_eagle3
 from specjax.train.medusa import evaluate_medusa, medusa_loss, train_medusa
 from specjax.train.prompts import self_instruct_prompts
 
 __all__ = [
     "DistillationData",
     "distill_data",
+    "dflash_loss",
+    "eagle3_loss",
     "eagle_loss",
+    "evaluate_dflash",
     "evaluate_eagle",
+    "evaluate_eagle3",
     "evaluate_medusa",
     "load_head",
     "medusa_loss",
     "save_head",
     "self_instruct_prompts",
+    "target_features",
+    "train_dflash",
     "train_eagle",
+    "train_eagle3",
     "train_medusa",
 ]

@@ -128,6 +128,34 @@ def _hidden_states(params: LlamaParams, config, tokens: jax.Array) -> jax.Array:
     return hidden.astype(jnp.float32)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "layers"))
+def _captured(params: LlamaParams, config, tokens: jax.Array, layers: tuple[int, ...]) -> jax.Array:
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cache = init_cache(config, B, T)
+    _, _, captured = forward_hidden(
+        params, config, tokens, positions, cache, empty_cache=True, capture=layers
+    )
+    return captured.astype(jnp.float32)
+
+
+def target_features(target: Model, data: DistillationData, layers, batch_size: int = 8) -> np.ndarray:
+    """The streams entering the target's `layers` along the data's sequences, side by side:
+    [N, T, len(layers) * D] float32 (what EAGLE-3 and DFlash heads fuse), `batch_size` rows at a
+    time (the last batch padded with empty rows: one compiled program)."""
+    layers = tuple(int(i) for i in layers)
+    N, T = data.tokens.shape
+    out = np.zeros((N, T, len(layers) * target.config.hidden_size), np.float32)
+    for start in range(0, N, batch_size):
+        rows = data.tokens[start : start + batch_size]
+        padded = np.zeros((batch_size, T), np.int32)
+        padded[: len(rows)] = rows
+        out[start : start + len(rows)] = np.asarray(
+            _captured(target.params, target.config, jnp.asarray(padded), layers)
+        )[: len(rows)]
+    return out
+
+
 def distill_data(
     target: Model, sequences: list[list[int]], max_len: int, batch_size: int = 8
 ) -> DistillationData:

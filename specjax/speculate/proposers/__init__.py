@@ -28,6 +28,8 @@ and warps its logits with the same functions as the target (speculate/sampling.p
 
 from __future__ import annotations
 
+import dataclasses
+
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Stateless
 from specjax.speculate.proposers.dflash import DFlash, DFlashSpec
@@ -36,11 +38,23 @@ from specjax.speculate.proposers.dynamic import Dynamic, DynamicSpec, GoodputSch
 from specjax.speculate.proposers.eagle import Eagle, EagleSpec
 from specjax.speculate.proposers.eagle3 import Eagle3, Eagle3Spec
 from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
+from specjax.speculate.proposers.hybrid import Hybrid, HybridSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
-PROPOSER_TYPES = (NGram, DraftModel, SelfDraft, Medusa, Eagle, Eagle3, DFlash, Dynamic, ForcedAcceptance)
+PROPOSER_TYPES = (
+    NGram,
+    DraftModel,
+    SelfDraft,
+    Medusa,
+    Eagle,
+    Eagle3,
+    DFlash,
+    Hybrid,
+    Dynamic,
+    ForcedAcceptance,
+)
 
 
 def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
@@ -51,7 +65,8 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
     if isinstance(proposer, NGram):
         return proposer, None
     if isinstance(
-        proposer, DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | Dynamic | ForcedAcceptance
+        proposer,
+        DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | Hybrid | Dynamic | ForcedAcceptance,
     ):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
@@ -60,6 +75,23 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
     raise ValueError(
         f"proposer must be None, one of specjax.{{{names}}} or an object with spec() and params() "
         f"methods (see specjax/speculate/proposers), got {type(proposer).__name__}"
+    )
+
+
+def with_k(proposer, k: int):
+    """The same proposer drafting k tokens (at most k for Dynamic); ValueError for one whose draft
+    length is fixed by a token tree (Medusa, an Eagle tree)."""
+    if isinstance(proposer, NGram | SelfDraft | DraftModel):
+        return dataclasses.replace(proposer, k=k)
+    if isinstance(proposer, Eagle) and proposer.tree is None:
+        return Eagle(proposer.head, k=k)
+    if isinstance(proposer, Dynamic):
+        return Dynamic(with_k(proposer.proposer, k), proposer.schedule)
+    if isinstance(proposer, ForcedAcceptance):
+        return proposer.with_k(k)
+    raise ValueError(
+        f"k={k}: cannot change k of {type(proposer).__name__}: its draft length is fixed (a Medusa "
+        "head's count or a token tree's depth)"
     )
 
 
@@ -78,6 +110,8 @@ __all__ = [
     "Eagle3Spec",
     "DFlash",
     "DFlashSpec",
+    "Hybrid",
+    "HybridSpec",
     "EagleSpec",
     "Medusa",
     "MedusaSpec",
@@ -87,4 +121,5 @@ __all__ = [
     "Stateless",
     "ngram_propose",
     "resolve",
+    "with_k",
 ]
