@@ -1,10 +1,19 @@
 """specjax: speculative decoding of language models as one compiled JAX loop."""
 
 from specjax import models, sharding, speculate
+from specjax._version import __version__
 from specjax.ablation import ablate, load_ablation, save_ablation
-from specjax.api import GenerateResult, generate
+from specjax.api import (
+    GenerateResult,
+    ProgramCacheInfo,
+    clear_compiled_programs,
+    generate,
+    program_cache_info,
+    set_program_cache,
+)
+from specjax.costs import measure_step_costs
 from specjax.memory import MemoryEstimate, estimate_memory
-from specjax.models import Model, load
+from specjax.models import Model, load, load_head
 from specjax.speculate import (
     DFlash,
     DraftModel,
@@ -14,6 +23,7 @@ from specjax.speculate import (
     ForcedAcceptance,
     GoodputSchedule,
     HeuristicSchedule,
+    Hybrid,
     Medusa,
     NGram,
     Sampling,
@@ -21,8 +31,6 @@ from specjax.speculate import (
     SpecMetrics,
     TokenTree,
 )
-
-__version__ = "0.1.0"
 
 
 def __getattr__(name: str):
@@ -36,6 +44,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "__version__",
     "DraftModel",
     "Dynamic",
     "ForcedAcceptance",
@@ -43,6 +52,7 @@ __all__ = [
     "HeuristicSchedule",
     "Eagle",
     "Eagle3",
+    "Hybrid",
     "DFlash",
     "GenerateResult",
     "MemoryEstimate",
@@ -53,13 +63,19 @@ __all__ = [
     "SelfDraft",
     "SpecMetrics",
     "TokenTree",
+    "ProgramCacheInfo",
     "ablate",
+    "clear_compiled_programs",
     "estimate_memory",
     "generate",
     "load",
     "load_ablation",
+    "load_head",
+    "measure_step_costs",
     "models",
+    "program_cache_info",
     "save_ablation",
+    "set_program_cache",
     "sharding",
     "speculate",
     "plots",

@@ -200,7 +200,7 @@ def _resolve_proposers(proposers, model: Model) -> list[tuple[str | None, Any]]:
     resolved = []
     for i, (label, p) in enumerate(items):
         if isinstance(p, dict | str):
-            from specjax.speculate.proposers.named import proposer_from_description
+            from specjax.named import proposer_from_description
 
             p = proposer_from_description(p, model, where=f"proposers[{i}]")
         if p is not None:
@@ -213,7 +213,7 @@ def _apply_ks(configs: list[tuple[str | None, Any]], ks) -> list[tuple[str | Non
     if ks is None:
         return configs
     ks = _check_int_list("ks", ks, 1, "an integer k >= 1")
-    from specjax.speculate.proposers.named import with_k
+    from specjax.speculate.proposers import with_k
 
     out = []
     for i, (label, p) in enumerate(configs):
@@ -372,7 +372,7 @@ def ablate(
     plain decoding included (proposer "plain", k 0).
 
     proposers: proposer objects, descriptions ({"name": "ngram", "k": 4}, see
-      specjax.speculate.proposers.named) or None (plain), or a dict {label: proposer} to name them.
+      specjax.named) or None (plain), or a dict {label: proposer} to name them.
     ks: optional; each proposer at each k (a proposer whose k is fixed, e.g. a Medusa head, fails).
     """
     if not isinstance(model, Model):
@@ -390,6 +390,20 @@ def ablate(
 
     batches = sum(-(-len(rows) // batch_size) for rows in categories.values())
     total = (len(configs) + 1) * len(samplings) * len(seeds) * batches
+    # The programs of a group (configuration, sampling's static part, category) are finished after
+    # its last cell, once every group that used them is: they become the first the program cache
+    # drops when it reaches its budget (specjax.set_program_cache), before programs still ahead.
+    from specjax import api
+    from specjax.speculate.sampling import WarpSpec
+
+    entries = [(None, None), *configs]
+    remaining: dict[tuple, int] = {}  # group -> cells still to run
+    for sampling in samplings:
+        for category in categories:
+            for index in range(len(entries)):
+                group = (index, WarpSpec.of(sampling), category)
+                remaining[group] = remaining.get(group, 0) + len(seeds)
+    users: dict[tuple, set] = {}  # program key -> the groups that used it
     rows = []
     with tqdm(total=total, desc="ablate", file=sys.stderr, disable=not progress, leave=False) as bar:
         for sampling in samplings:
@@ -405,12 +419,21 @@ def ablate(
                         "chat": chat,
                     }
                     plain_speed = None
-                    for label, proposer in [(None, None), *configs]:
+                    for index, (label, proposer) in enumerate(entries):
                         name = label or proposer_label(proposer)
                         bar.set_postfix_str(f"{category} {name} t={sampling.temperature} seed={seed}")
-                        metrics = _run_cell(
-                            model, texts, proposer, sampling, seed, max_new_tokens, chat, batch_size, bar
-                        )
+                        with api.programs_used() as used:
+                            metrics = _run_cell(
+                                model, texts, proposer, sampling, seed, max_new_tokens, chat, batch_size, bar
+                            )
+                        group = (index, WarpSpec.of(sampling), category)
+                        for key in used:
+                            users.setdefault(key, set()).add(group)
+                        remaining[group] -= 1
+                        if remaining[group] == 0:
+                            api.retire_programs(
+                                [k for k, groups in users.items() if all(remaining[g] == 0 for g in groups)]
+                            )
                         row = _metric_row(metrics)
                         if proposer is None:  # runs first: the baseline of this cell's speedups
                             plain_speed = row["tokens_per_second"]
