@@ -55,6 +55,15 @@ def test_with_k():
     assert forced.k == 2 and forced.acceptance == (0.5, 0.5)
     with pytest.raises(ValueError, match="one rate per position"):
         with_k(specjax.ForcedAcceptance([0.5, 0.4]), 3)
+    import jax
+
+    from specjax.models import DFlashHead, Eagle3Head
+
+    eagle3 = Eagle3Head.init(TARGET, jax.random.key(0), aux_layer_ids=(0, 1, 2))
+    chain = with_k(specjax.Eagle3(eagle3, k=4), 2)
+    assert isinstance(chain, specjax.Eagle3) and chain.head is eagle3 and (chain.k, chain.tree) == (2, None)
+    dflash = DFlashHead.init(TARGET, jax.random.key(0), block_size=8, num_layers=1, aux_layer_ids=(1,))
+    assert with_k(specjax.DFlash(dflash), 3).k == 3
     with pytest.raises(ValueError, match="cannot change k of Medusa"):
         import jax
 
