@@ -64,6 +64,8 @@ def test_with_k():
     assert isinstance(chain, specjax.Eagle3) and chain.head is eagle3 and (chain.k, chain.tree) == (2, None)
     dflash = DFlashHead.init(TARGET, jax.random.key(0), block_size=8, num_layers=1, aux_layer_ids=(1,))
     assert with_k(specjax.DFlash(dflash), 3).k == 3
+    hybrid = with_k(specjax.Hybrid(specjax.NGram(k=4, n_min=3), specjax.DFlash(dflash)), 3)
+    assert hybrid.first == specjax.NGram(k=3, n_min=3) and hybrid.then.k == 3
     with pytest.raises(ValueError, match="cannot change k of Medusa"):
         import jax
 

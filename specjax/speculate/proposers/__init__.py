@@ -80,7 +80,8 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
 
 def with_k(proposer, k: int):
     """The same proposer drafting k tokens (at most k for Dynamic); ValueError for one whose draft
-    length is fixed by a token tree (Medusa, an Eagle tree). DFlash drafts k through a block of k + 1."""
+    length is fixed by a token tree (Medusa, an Eagle tree). DFlash drafts k through a block of
+    k + 1; Hybrid changes both parts."""
     if isinstance(proposer, NGram | SelfDraft | DraftModel):
         return dataclasses.replace(proposer, k=k)
     if isinstance(proposer, Eagle) and proposer.tree is None:
@@ -89,6 +90,8 @@ def with_k(proposer, k: int):
         return Eagle3(proposer.head, k=k)
     if isinstance(proposer, DFlash):
         return DFlash(proposer.head, block=k + 1)
+    if isinstance(proposer, Hybrid):
+        return Hybrid(with_k(proposer.first, k), with_k(proposer.then, k))
     if isinstance(proposer, Dynamic):
         return Dynamic(with_k(proposer.proposer, k), proposer.schedule)
     if isinstance(proposer, ForcedAcceptance):
