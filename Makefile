@@ -38,9 +38,9 @@ lint: $(STAMP)
 
 # Medusa, EAGLE, EAGLE-3 and DFlash heads for the built-in model (see README, "Trained heads"): one
 # distillation set from Spec-Bench without its MT-bench questions (held out for evaluation), then
-# each head.
+# each head. The split is defined once, in specjax/bench.py (HEADS_SPLIT), which the benchmarks read.
 DATA ?= $(or $(SPECJAX_DATA),../shared/data)
-HEADS_SET := --prompts $(DATA)/spec_bench_question.jsonl --exclude $(DATA)/mt_bench_question.jsonl \
+HEADS_SET := --split spec-bench-minus-mt-bench --split-data $(DATA) \
 	--data heads/distill.npz --new-tokens 128 --max-len 256 --batch-size 8 --draft-vocab 8192
 
 heads: $(STAMP)
@@ -52,9 +52,8 @@ heads: $(STAMP)
 # Heads for open-ended chat (not committed; about 110 minutes here, see docs/benchmarks.md): the
 # same Spec-Bench prompts plus 800 chat prompts the model writes itself, 1,200 EAGLE steps unrolled
 # over its own predictions. Use them with `--heads heads-chat` (benchmarks, `specjax bench`).
-CHAT_SET := --prompts $(DATA)/spec_bench_question.jsonl --exclude $(DATA)/mt_bench_question.jsonl \
-	--self-instruct 800 --data heads-chat/distill.npz --new-tokens 128 --max-len 256 --batch-size 8 \
-	--draft-vocab 8192
+CHAT_SET := --split spec-bench-minus-mt-bench --split-data $(DATA) --self-instruct 800 \
+	--data heads-chat/distill.npz --new-tokens 128 --max-len 256 --batch-size 8 --draft-vocab 8192
 
 heads-chat: $(STAMP)
 	$(VENV)/bin/specjax train-medusa $(CHAT_SET) --out heads-chat/medusa --heads 3 --steps 600

@@ -141,6 +141,65 @@ def spec_bench_by_category(
 
 
 # ---------------------------------------------------------------------------------------------
+# The heads' training split: which prompts `make heads` trains on, defined here once
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsSplit:
+    """The prompts a set of heads is distilled from and those held out for evaluating them.
+    `make heads` trains with `specjax train-* --split NAME` (so the prompts are read from here),
+    each saved head records the split's name in its meta, and the benchmarks read the split from
+    here to keep the held-out prompts apart and to mark the cells a head trained on."""
+
+    name: str
+    prompts: str  # a JSONL file of the data folder: the training prompts ("turns" field) ...
+    exclude: str  # ... less every prompt of this file (the held-out set)
+    trained_categories: tuple[str, ...]  # Spec-Bench categories whose questions it trains on
+
+    def files(self, folder: str | os.PathLike | None = None) -> tuple[Path, Path]:
+        """(prompts file, held-out file) in `folder` (default: the data folder); ValueError naming
+        a missing file."""
+        folder = Path(folder) if folder else default_data_dir()
+        paths = (folder / self.prompts, folder / self.exclude)
+        for path in paths:
+            if not path.is_file():
+                raise ValueError(f"split {self.name!r}: no {path.name} in {folder}: pass the data folder")
+        return paths
+
+    def trained_on(self, category: str) -> bool:
+        """Whether heads of this split were distilled from this category's questions (any other
+        prompt set, e.g. HumanEval's, is held out)."""
+        return category in self.trained_categories
+
+    def describe(self) -> str:
+        return (
+            f"split {self.name!r}: {self.prompts} less {self.exclude}, so Spec-Bench's "
+            f"{', '.join(self.trained_categories)} questions"
+        )
+
+
+# Spec-Bench's questions except MT-bench's: the committed heads' distillation set (400 prompts).
+HEADS_SPLIT = HeadsSplit(
+    name="spec-bench-minus-mt-bench",
+    prompts=DATA_FILE,
+    exclude="mt_bench_question.jsonl",
+    trained_categories=tuple(c for c in SPEC_BENCH_CATEGORIES if c != "mt_bench"),
+)
+SPLITS = {HEADS_SPLIT.name: HEADS_SPLIT}
+
+
+def uses_trained_head(proposer) -> bool:
+    """Whether a proposer drafts with a trained head (Medusa, EAGLE, EAGLE-3, DFlash; inside a
+    Hybrid or Dynamic too)."""
+    if proposer is None:
+        return False
+    if getattr(proposer, "head", None) is not None:
+        return True
+    parts = [getattr(proposer, name, None) for name in ("first", "then", "proposer")]
+    return any(uses_trained_head(p) for p in parts if p is not None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Methods: display name -> proposer description (specjax.named)
 
 
@@ -325,6 +384,13 @@ class SpecBenchResult:
     max_new_tokens: int
     repeats: int
     chat: bool
+    head_methods: list[str] = dataclasses.field(default_factory=list)  # methods drafting with a head
+    split: HeadsSplit = HEADS_SPLIT  # what those heads trained on
+
+    def label(self, category: str) -> str:
+        """The category's row label: marked "(trained)" where a head method's cells are prompts its
+        head was distilled from."""
+        return f"{category} (trained)" if self.head_methods and self.split.trained_on(category) else category
 
     def table(self) -> tuple[list[str], list[list]]:
         """(header, rows): per category, tokens/s of every method, speedup over plain, tau."""
@@ -336,7 +402,10 @@ class SpecBenchResult:
             speed = {n: statistics.mean(by_method[n]) for n in names}
             tau = [statistics.mean(self.taus[category][n]) for n in spec]
             rows.append(
-                [category] + [speed[n] for n in names] + [speed[n] / speed["plain"] for n in names[1:]] + tau
+                [self.label(category)]
+                + [speed[n] for n in names]
+                + [speed[n] / speed["plain"] for n in names[1:]]
+                + tau
             )
         return header, rows
 
@@ -347,7 +416,11 @@ class SpecBenchResult:
 
     def position_table(self) -> tuple[list[str], list[list]]:
         rows = [
-            [category, name, " ".join(f"{r:.2f}" for r in self.conditional_acceptance(category, name))]
+            [
+                self.label(category),
+                name,
+                " ".join(f"{r:.2f}" for r in self.conditional_acceptance(category, name)),
+            ]
             for category, by_method in self.accepted_at.items()
             for name in by_method
         ]
@@ -362,10 +435,10 @@ class SpecBenchResult:
             rows = [
                 row
                 + [
-                    " ".join(f"{r:.4f}" for r in self.conditional_acceptance(row[0], n))
+                    " ".join(f"{r:.4f}" for r in self.conditional_acceptance(category, n))
                     for n in self.speculative
                 ]
-                for row in rows
+                for row, category in zip(rows, self.speeds, strict=True)
             ]
             return csv_table(header, rows)
         if format != "markdown":
@@ -377,6 +450,14 @@ class SpecBenchResult:
             f"prompts per category, median of {self.repeats}; speedup is over specjax plain decoding; "
             "tau = mean acceptance length (tokens per target forward, bonus included)\n",
             markdown_table(*self.table()),
+            *(
+                [
+                    f"\n(trained): {', '.join(self.head_methods)} drafted from heads distilled from these "
+                    f"very questions ({self.split.describe()}); only the other rows are held out."
+                ]
+                if self.head_methods and any(self.split.trained_on(c) for c in self.speeds)
+                else []
+            ),
             "\nconditional acceptance per draft position (accepted / reached), summed over the prompts:\n",
             markdown_table(*self.position_table()),
             f"\nspeculative outputs that differ from plain greedy: {self.mismatches or 'none'}",
@@ -470,6 +551,7 @@ def run_spec_bench(
 
     counts = [sum(1 for c, _ in prompts if c == category) for category in speeds]
     return SpecBenchResult(
+        head_methods=[name for name, proposer in methods.items() if uses_trained_head(proposer)],
         methods=list(methods) + list(peers),
         speculative=list(methods)[1:],
         speeds=speeds,

@@ -126,10 +126,29 @@ def check_draft_vocab_option(args: argparse.Namespace, model) -> None:
         raise ValueError(f"--draft-vocab must be in 1..{V} (the model's vocab size), got {args.draft_vocab}")
 
 
+def resolve_split(args: argparse.Namespace) -> None:
+    """--split NAME sets --prompts and --exclude to the split's files (specjax.bench.SPLITS, the one
+    place a split is defined: the benchmarks read it from there too)."""
+    if args.split is None:
+        if args.split_data is not None:
+            raise ValueError("--split-data is the folder of --split's files: give --split too")
+        return
+    from specjax.bench import SPLITS
+
+    if args.split not in SPLITS:
+        raise ValueError(f"--split: unknown split {args.split!r}; allowed: {', '.join(SPLITS)}")
+    if args.prompts is not None or args.exclude is not None:
+        raise ValueError(
+            f"--split {args.split} names the prompts and the held-out set: drop --prompts/--exclude"
+        )
+    args.prompts, args.exclude = (str(path) for path in SPLITS[args.split].files(args.split_data))
+
+
 def save_trained_head(args: argparse.Namespace, head, num_prompts: int) -> Path:
     from specjax.train import save_head
 
     head.meta.update(
+        split=args.split,
         prompts_file=None if args.prompts is None else str(args.prompts),
         prompts_field=args.field,
         self_instruct_prompts=args.self_instruct,
@@ -146,8 +165,9 @@ def train_head(args: argparse.Namespace, trainer, **options) -> Path:
     train_eagle; `options` are its own) and save the head; returns where."""
     import specjax
 
+    resolve_split(args)
     if args.prompts is None and not args.self_instruct:
-        raise ValueError("give training prompts: --prompts FILE.jsonl, --self-instruct N, or both")
+        raise ValueError("give training prompts: --prompts FILE.jsonl, --split NAME, --self-instruct N")
     prompts, held_out = training_prompts(args)
     model = specjax.load(args.model)
     check_draft_vocab_option(args, model)
@@ -548,6 +568,18 @@ def add_ablate_command(commands) -> None:
 def add_training_options(command: argparse.ArgumentParser, learning_rate: float) -> None:
     """The options both trainers take."""
     command.add_argument("--prompts", default=None, help="a JSONL file of training prompts")
+    command.add_argument(
+        "--split",
+        default=None,
+        metavar="NAME",
+        help="a named split of specjax.bench.SPLITS instead of --prompts and --exclude: its prompts less "
+        "its held-out file, read from --split-data (`make heads`: spec-bench-minus-mt-bench)",
+    )
+    command.add_argument(
+        "--split-data",
+        default=None,
+        help="the folder of --split's files (default: $SPECJAX_DATA or ../shared/data)",
+    )
     command.add_argument(
         "--self-instruct",
         type=non_negative_int,

@@ -248,6 +248,15 @@ def test_bench_table_arithmetic():
     assert "| qa | NGram(k=2) | 0.75 nan |" in markdown
     with pytest.raises(ValueError, match="--format must be markdown or csv"):
         result.report("html")
+    # A head method's cells in a category its head trained on are marked; held-out ones are not.
+    result.head_methods = ["NGram(k=2)"]
+    assert result.table()[1][0][0] == "qa (trained)"
+    assert "only the other rows are held out" in result.report("markdown")
+    assert list(csv.reader(io.StringIO(result.report("csv"))))[1][-1] == "0.7500 nan"
+    result.speeds["mt_bench"] = result.speeds.pop("qa")
+    assert result.label("mt_bench") == "mt_bench"
+    assert bench.uses_trained_head(specjax.Hybrid(specjax.NGram(k=2), SimpleNamespace(head=1)))
+    assert not bench.uses_trained_head(specjax.Dynamic(specjax.NGram(k=2)))
 
 
 def test_run_spec_bench_ticks_and_catches_lossy_methods(tiny_folder):
@@ -356,6 +365,28 @@ def test_exclude_holds_prompts_out(tmp_path):
     )
     assert cli.training_prompts(args) == (["a", "c", "d"], {"b"})
     assert cli.read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
+
+
+def test_split_names_the_prompts_in_one_place(tmp_path):
+    """--split reads the split's files from --split-data: the same split the benchmarks read."""
+    split = bench.HEADS_SPLIT
+    (tmp_path / split.prompts).write_text("".join(json.dumps({"turns": [t]}) + "\n" for t in ("a", "b", "c")))
+    (tmp_path / split.exclude).write_text(json.dumps({"turns": ["b"]}) + "\n")
+    args = cli.parser().parse_args(
+        ["train-eagle3", "--split", split.name, "--split-data", str(tmp_path), "--out", "x"]
+    )
+    cli.resolve_split(args)
+    assert cli.training_prompts(args) == (["a", "c"], {"b"})
+    for argv, message in [
+        (["--split", "nope"], "--split: unknown split 'nope'; allowed: spec-bench-minus-mt-bench"),
+        (["--split", split.name, "--prompts", "p.jsonl"], "drop --prompts/--exclude"),
+        (["--split-data", str(tmp_path)], "give --split too"),
+        (["--split", split.name, "--split-data", str(tmp_path / "none")], "no spec_bench_question.jsonl"),
+    ]:
+        args = cli.parser().parse_args(["train-eagle3", *argv, "--out", "x"])
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cli.resolve_split(args)
+    assert not split.trained_on("mt_bench") and split.trained_on("qa")
 
 
 @pytest.fixture
