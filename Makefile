@@ -49,7 +49,7 @@ heads: $(STAMP)
 	$(VENV)/bin/specjax train-eagle3 $(HEADS_SET) --out heads/eagle3 --steps 400 --unroll 3
 	$(VENV)/bin/specjax train-dflash $(HEADS_SET) --out heads/dflash --steps 400 --block 8
 
-# Heads for open-ended chat (not committed; about 110 minutes here, see docs/benchmarks.md): the
+# Heads for open-ended chat (not committed; about 110 minutes here, see docs/notes/benchmarks-history.md): the
 # same Spec-Bench prompts plus 800 chat prompts the model writes itself, 1,200 EAGLE steps unrolled
 # over its own predictions. Use them with `--heads heads-chat` (benchmarks, `specjax bench`).
 CHAT_SET := --split spec-bench-minus-mt-bench --split-data $(DATA) --self-instruct 800 \

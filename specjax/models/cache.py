@@ -34,8 +34,8 @@ class KVCache:
     transposed the whole cache in every layer of every step. One merged leading axis, rather than
     [B, K, ...], because at batch 1 the size-1 row axis made XLA:CPU write each fresh key twice,
     into copies of the cache (four copies of every k buffer per step), one for the attention
-    product and one for the loop's state; the merged axis needs none (docs/benchmarks.md: 37.9 ->
-    31.0 ms per plain step at 952 cached tokens).
+    product and one for the loop's state; the merged axis needs none (37.9 -> 31.0 ms per plain
+    step at 952 cached tokens; docs/notes/benchmarks-history.md).
 
     On a mesh the buffers are split over ("data", "model") along the merged axis: each device
     holds its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
