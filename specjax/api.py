@@ -265,6 +265,12 @@ def _signature(tree) -> tuple:
     return (treedef, tuple((x.shape, str(x.dtype), x.sharding) for x in leaves))
 
 
+def _shapes(tree) -> tuple:
+    """The tree's structure and each leaf's shape and dtype (not its values: cheap to compare)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (str(treedef), tuple((x.shape, str(x.dtype)) for x in leaves))
+
+
 # Params with panel weights, one copy per params object while it lives: id -> (weak ref, copy).
 _PANELS: dict[int, tuple[weakref.ref, LlamaParams]] = {}
 
@@ -437,7 +443,7 @@ def _stop_token_ids(model: Model, rows: list[Sampling]) -> np.ndarray:
 def available_memory_bytes() -> int | None:
     """Free memory of the default device: the allocator's limit minus its use on an accelerator,
     the host's available memory on CPU; None when unknown."""
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # jax.devices()[0] may be another process's
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
@@ -478,11 +484,37 @@ def generate(
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
+    Which proposer to try first: `NGram(k=8)`, or `Dynamic(NGram(k=8))` to let each row lower k
+    where drafts fail, for input-grounded work (edits, summaries, RAG, code): drafting is free
+    and the answer repeats the prompt (`make demo`: 1.8x plain decoding on edits on a 2-core CPU).
+    A trained head (`Eagle3`, `Eagle`, `Medusa`, `DFlash`) where its acceptance is high and a
+    verify pass costs little more than a step (an accelerator). `proposer=None` (plain decoding)
+    for short open-ended chat on a CPU, where few drafts are right and each verify pass over
+    k + 1 tokens costs more than a plain step. Every proposer is lossless.
+
     `sampling` is one Sampling for every row or a list with one per prompt; rows may mix greedy
     and sampled decoding and any options in one compiled program. `cache_dtype` ("float32",
     "bfloat16" or "float16"; default: the model's dtype) is the dtype of the target's KV cache; a
     proposer's own cache (a draft model's, an EAGLE head's) follows its own weights.
+
+    On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
+    same call and receives the whole result; a process whose prompts, options or mesh differ from
+    the others' makes every process raise a ValueError before anything is compiled
+    (specjax/sharding/processes.py).
     """
+    agreement = sharding.CallAgreement(mesh, "generate")
+    try:
+        return _generate(
+            model, prompts, proposer, sampling, max_new_tokens, key, chat, mesh, cache_dtype, agreement
+        )
+    except Exception:
+        agreement.fail()  # the other processes must not wait for this one's fingerprint
+        raise
+
+
+def _generate(
+    model, prompts, proposer, sampling, max_new_tokens, key, chat, mesh, cache_dtype, agreement
+) -> GenerateResult:
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
     if mesh is not None:
@@ -546,6 +578,14 @@ def generate(
         seeded=jnp.asarray([s.seed is not None for s in samplings]),
         stop_token_ids=jnp.asarray(_stop_token_ids(model, samplings)),
         stop_strings=stop_strings,
+    )
+    agreement.check(  # a no-op unless the mesh spans processes; then one small all-gather
+        {
+            "prompts": (padded, inputs.prompt_lengths),
+            "options": (dataclasses.replace(spec, mesh=None), samplings, key, inputs.max_new_tokens, chat),
+            "model and proposer": (_shapes(model.params), _shapes(proposer_params)),
+            "mesh": sharding.mesh_fingerprint(mesh),
+        }
     )
     params = model.params
     if mesh is not None:  # no-ops for arrays already placed, e.g. by specjax.load(..., mesh=mesh)

@@ -16,6 +16,7 @@ devices plus one layer (or the embedding, the largest single tensor) in host mem
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,7 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import LayerParams, LlamaParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.llama import (
+    LayerParams,
+    LlamaParams,
+    checkpoint_layer_shapes,
+    layer_from_checkpoint,
+    layer_shapes,
+    read_fused_qkv,
+)
 from specjax.models.tensors import WEIGHT_DTYPES, LazyTensor, of_array
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
@@ -109,6 +117,7 @@ def params_from_tensors(
     source: str,
     dtype: Any = "float32",
     put: Callable[[str, np.ndarray], jax.Array] | None = None,
+    place: Callable[[str, tuple[int, ...], Callable], jax.Array] | None = None,
 ) -> LlamaParams:
     """Check flat tensors against `config`, then build `LlamaParams` of `dtype` from them.
 
@@ -117,10 +126,17 @@ def params_from_tensors(
     the default puts it on the default device, and `specjax.sharding.param_placer` sends each
     device just its slice. Raises ValueError naming `source` and every missing, unexpected,
     misshapen or wrongly typed tensor before reading any.
+
+    `place(name, shape, read_index)` (instead of `put`) builds each weight from slices:
+    `read_index(index)` returns the weight's values at `index` (one slice per axis), reading only
+    those from the checkpoint where its tensors allow (safetensors files do). On a mesh, each
+    process then reads just what its own devices hold (`specjax.sharding.slice_placer`).
     """
     tensors = {name: t if isinstance(t, LazyTensor) else of_array(t, name) for name, t in tensors.items()}
     check_tensors(config, tensors, source)
     target = np.dtype(jnp.dtype(dtype_name(dtype)))
+    if place is not None:
+        return _params_from_slices(config, tensors, target, place)
     put = _put_on_default_device if put is None else put
 
     def read(name):
@@ -134,6 +150,38 @@ def params_from_tensors(
         names = checkpoint_layer_shapes(config, i)
         host = layer_from_checkpoint({name: read(f"layers.{i}.{name}") for name in names}, config)
         return LayerParams(**{name: put(f"layers.{i}.{name}", x) for name, x in flatten(host).items()})
+
+    embed = get("embed")
+    layers = tuple(layer(i) for i in range(config.num_layers))
+    return LlamaParams(embed=embed, layers=layers, final_norm=get("final_norm"), lm_head=get("lm_head"))
+
+
+def _params_from_slices(config: LlamaConfig, tensors: dict[str, LazyTensor], target: np.dtype, place):
+    """`params_from_tensors` with `place`: each weight built from the slices it is asked for."""
+
+    def reader(name):
+        def read_index(index):
+            values = tensors[name].read_index(index)
+            return values if values.dtype == target else values.astype(target)
+
+        return read_index
+
+    def get(name):
+        return place(name, tensors[name].shape, reader(name)) if name in tensors else None
+
+    def layer(i):
+        shapes = flatten(layer_shapes(config, i))
+        fields = {}
+        for name, shape in shapes.items():
+            flat = f"layers.{i}.{name}"
+            if name in ("qkv", "qkv_bias"):
+                suffix = "" if name == "qkv" else "_bias"
+                q, k, v = (reader(f"layers.{i}.{part}{suffix}") for part in "qkv")
+                fused = functools.partial(read_fused_qkv, q, k, v, config=config)
+                fields[name] = place(flat, shape, fused)
+            else:
+                fields[name] = place(flat, shape, reader(flat))
+        return LayerParams(**fields)
 
     embed = get("embed")
     layers = tuple(layer(i) for i in range(config.num_layers))

@@ -22,7 +22,7 @@ The query, key and value projections are one weight, `qkv`, so that a decoding s
 product for them, not three: XLA:CPU runs a [576, 576] product on one core at about 18 GB/s
 and the two [576, 192] ones cost nearly as much again, while a [576, 960] product takes both
 cores in about the time of the [576, 576] one (three products made a SmolLM2 step 1.5 to 2 ms
-slower, 6-9% of it; docs/benchmarks.md). Its columns go kv head by kv head: the G query heads
+slower, 6-9% of it; docs/notes/benchmarks-history.md). Its columns go kv head by kv head: the G query heads
 that share kv head j, then key j, then value j (`fuse_qkv`). A tensor-parallel split of the
 columns into equal parts then hands each device whole groups, its query heads with their keys
 and values. Checkpoints keep the three projections apart, as HF and GGUF files do
@@ -129,6 +129,24 @@ def fuse_qkv(q, k, v, num_kv_heads: int):
     K, lead = num_kv_heads, q.shape[:-1]
     groups = [x.reshape(*lead, K, -1) for x in (q, k, v)]  # [..., K, G*E], [..., K, E], [..., K, E]
     return xp.concatenate(groups, axis=-1).reshape(*lead, -1)
+
+
+def read_fused_qkv(read_q, read_k, read_v, index: tuple[slice, ...], config: LlamaConfig) -> np.ndarray:
+    """The fused qkv (or its bias) at `index` (normalized slices, the last one over the fused
+    columns) from readers of q, k and v at an index of theirs (`LazyTensor.read_index`): a block of
+    whole kv-head groups (what a device of the "model" axis holds) reads just those groups' q, k
+    and v columns; any other block reads the three whole and fuses them first."""
+    *lead, columns = index
+    K, G, E = config.num_kv_heads, config.num_heads // config.num_kv_heads, config.head_dim
+    group = (G + 2) * E  # the fused columns of one kv head: its G query heads, its key, its value
+    if columns.start % group == 0 and columns.stop % group == 0:
+        j0, j1 = columns.start // group, columns.stop // group
+        q = read_q((*lead, slice(j0 * G * E, j1 * G * E)))
+        k = read_k((*lead, slice(j0 * E, j1 * E)))
+        v = read_v((*lead, slice(j0 * E, j1 * E)))
+        return fuse_qkv(q, k, v, j1 - j0)
+    whole = (*lead, slice(None))
+    return fuse_qkv(read_q(whole), read_k(whole), read_v(whole), K)[..., columns]
 
 
 def split_qkv(qkv, num_heads: int, num_kv_heads: int):

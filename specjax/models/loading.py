@@ -67,9 +67,10 @@ def load(
         jnp dtype). Norm statistics, attention softmax, logits, sampling and verification stay
         float32 whatever it is.
     cache_dir: where converted GGUF weights are kept; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
-    mesh: a jax Mesh from `specjax.sharding.make_mesh`: each weight goes from host memory straight
-        to its devices with its sharding (each device gets only its slice), ready for
-        `generate(..., mesh=mesh)`. The model's heads and ffw size must divide the mesh's model axis.
+    mesh: a jax Mesh from `specjax.sharding.make_mesh`: each device receives only its slice of
+        each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
+        process reads from the checkpoint only the slices its own devices hold. The model's heads
+        and ffw size must divide the mesh's model axis.
     """
     try:
         dtype = dtype_name(dtype)
@@ -80,14 +81,14 @@ def load(
         config, tensors, tokenizer = hf_loader.open_hf_folder(path)
     else:
         config, tensors, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
-    put = None
+    place = None
     if mesh is not None:
         from specjax import sharding  # imported here: specjax.sharding builds on this package
 
         sharding.check_mesh(mesh)
         sharding.check_model_split(mesh, config)
-        put = sharding.param_placer(config, mesh)
-    params = params_from_tensors(config, tensors, str(path), dtype, put=put)
+        place = sharding.slice_placer(config, mesh)  # this process reads only its devices' slices
+    params = params_from_tensors(config, tensors, str(path), dtype, place=place)
     return Model(config, params, tokenizer, name=name)
 
 

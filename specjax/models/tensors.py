@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -49,6 +50,17 @@ class LazyTensor:
     dtype: np.dtype
     read: Callable[[], np.ndarray]
     source: str
+    # read_slice(index) -> the values at `index` (one slice(start, stop) per axis), reading no more
+    # than it can help; None: `read()` everything, then index it (see `read_index`).
+    read_slice: Callable[[tuple[slice, ...]], np.ndarray] | None = None
+
+    def read_index(self, index: tuple[slice, ...]) -> np.ndarray:
+        """The values at `index` (slices with step 1, one per axis; None bounds allowed): what one
+        device of a mesh holds. Safetensors files read only those bytes (`bytes_read` counts them)."""
+        index = normalize_index(index, self.shape)
+        if self.read_slice is None:
+            return np.ascontiguousarray(self.read()[index])
+        return self.read_slice(index)
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +71,12 @@ class LazyTensor:
         if len(self.shape) < 2:
             return self
         # A view: placing it (jax.device_put) copies once, into the device's layout.
-        return dataclasses.replace(self, shape=self.shape[::-1], read=lambda: self.read().T)
+        return dataclasses.replace(
+            self,
+            shape=self.shape[::-1],
+            read=lambda: self.read().T,
+            read_slice=lambda index: np.ascontiguousarray(self.read_index(index[::-1]).T),
+        )
 
     def rows(self, start: int, stop: int) -> LazyTensor:
         """Rows start .. stop - 1 of the first axis (one part of a fused checkpoint tensor)."""
@@ -67,19 +84,47 @@ class LazyTensor:
             self,
             shape=(stop - start, *self.shape[1:]),
             read=lambda: np.ascontiguousarray(self.read()[start:stop]),
+            read_slice=lambda index: self.read_index(
+                (slice(start + index[0].start, start + index[0].stop), *index[1:])
+            ),
         )
 
     def mapped(self, function: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
         """The tensor with `function` applied to its values when read (shape changed to `shape`)."""
-        return dataclasses.replace(
-            self, shape=self.shape if shape is None else tuple(shape), read=lambda: function(self.read())
+        return dataclasses.replace(  # no slice reads: `function` needs the whole tensor
+            self,
+            shape=self.shape if shape is None else tuple(shape),
+            read=lambda: function(self.read()),
+            read_slice=None,
         )
+
+
+def normalize_index(index: tuple, shape: tuple[int, ...]) -> tuple[slice, ...]:
+    """`index` (slices of step 1, missing trailing axes taken whole) as one slice(start, stop) per
+    axis of `shape`, with concrete bounds."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    out = []
+    for axis, n in zip(index, shape, strict=True):
+        start, stop, step = axis.indices(n)
+        if step != 1:
+            raise ValueError(f"read_index: slices must have step 1, got {axis}")
+        out.append(slice(start, max(start, stop)))
+    return tuple(out)
+
+
+_BYTES_READ = [0]  # bytes read from checkpoint files by this process (`bytes_read`)
+
+
+def bytes_read() -> int:
+    """How many bytes this process has read from safetensors files so far (whole tensors and
+    slices): what a test of loading on several processes counts."""
+    return _BYTES_READ[0]
 
 
 def of_array(array: np.ndarray, source: str) -> LazyTensor:
     """An array already in memory, as a LazyTensor."""
     array = np.asarray(array)
-    return LazyTensor(tuple(array.shape), array.dtype, lambda: array, source)
+    return LazyTensor(tuple(array.shape), array.dtype, lambda: array, source, lambda index: array[index])
 
 
 def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
@@ -92,7 +137,10 @@ def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
             out[i] = part.read()
         return out
 
-    return LazyTensor((len(parts), *first.shape), first.dtype, read, source)
+    def read_slice(index):
+        return np.stack([parts[i].read_index(index[1:]) for i in range(index[0].start, index[0].stop)])
+
+    return LazyTensor((len(parts), *first.shape), first.dtype, read, source, read_slice)
 
 
 def open_safetensors(path: str | Path) -> dict[str, LazyTensor]:
@@ -120,7 +168,10 @@ def open_safetensors(path: str | Path) -> dict[str, LazyTensor]:
         begin, end = entry["data_offsets"]
         if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
             raise ValueError(f"{path}: tensor {name!r} holds {end - begin} bytes, not {shape} of {dtype}")
-        tensors[name] = LazyTensor(shape, dtype, _reader(path, data_start + begin, shape, dtype), name)
+        offset = data_start + begin
+        tensors[name] = LazyTensor(
+            shape, dtype, _reader(path, offset, shape, dtype), name, _slice_reader(path, offset, shape, dtype)
+        )
     return tensors
 
 
@@ -136,9 +187,43 @@ def _reader(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype) ->
                 if not count:
                     raise ValueError(f"{path} ends inside a tensor (truncated file)")
                 done += count
+        _BYTES_READ[0] += out.nbytes
         return out if np.little_endian else out.byteswap()  # the format is little-endian
 
     return read
+
+
+def _slice_reader(path: Path, offset: int, shape: tuple[int, ...], dtype: np.dtype):
+    """read_slice for a row-major tensor at `offset` of `path`: one positioned read per contiguous
+    run of the slice (a column block of a [D, N] matrix is D runs; a block of rows is one)."""
+    strides = [int(np.prod(shape[a + 1 :], dtype=np.int64)) * dtype.itemsize for a in range(len(shape))]
+
+    def read_slice(index: tuple[slice, ...]) -> np.ndarray:
+        out = np.empty(tuple(s.stop - s.start for s in index), dtype)
+        # Trailing axes taken whole merge into one run with the innermost axis that is not.
+        whole = len(shape)
+        while whole > 0 and index[whole - 1] == slice(0, shape[whole - 1]):
+            whole -= 1
+        outer = max(whole - 1, 0)  # axes before the run's first axis: one read per combination
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            for position in np.ndindex(*out.shape[:outer]):
+                start = offset + sum((index[a].start + position[a]) * strides[a] for a in range(outer))
+                if outer < len(shape):
+                    start += index[outer].start * strides[outer]
+                view = memoryview(out[position].reshape(-1).view(np.uint8))
+                done = 0
+                while done < len(view):
+                    count = os.preadv(fd, [view[done:]], start + done)
+                    if not count:
+                        raise ValueError(f"{path} ends inside a tensor (truncated file)")
+                    done += count
+        finally:
+            os.close(fd)
+        _BYTES_READ[0] += out.nbytes
+        return out if np.little_endian else out.byteswap()
+
+    return read_slice
 
 
 def write_safetensors(

@@ -20,6 +20,7 @@ from specjax.sharding.mesh import (
     make_mesh,
     model_degree,
 )
+from specjax.sharding.processes import CallAgreement, mesh_fingerprint, spans_processes
 from specjax.sharding.specs import (
     RULES,
     cache_specs,
@@ -27,14 +28,17 @@ from specjax.sharding.specs import (
     logical_to_spec,
     param_placer,
     param_specs,
+    place,
     replicate,
     row_spec,
     shard_params,
     shard_rows,
+    slice_placer,
 )
 
 __all__ = [
     "AXES",
+    "CallAgreement",
     "DATA",
     "MODEL",
     "RULES",
@@ -46,14 +50,18 @@ __all__ = [
     "fetch",
     "logical_to_spec",
     "make_mesh",
+    "mesh_fingerprint",
     "mesh_forward_hidden",
     "mesh_move_slots",
     "mesh_write",
     "model_degree",
     "param_placer",
+    "place",
     "param_specs",
     "row_spec",
     "replicate",
     "shard_params",
     "shard_rows",
+    "slice_placer",
+    "spans_processes",
 ]

@@ -34,6 +34,7 @@ from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.checkpoint import flatten
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LayerParams, LlamaParams, layer_shapes
+from specjax.models.tensors import normalize_index
 from specjax.sharding.mesh import DATA, MODEL
 
 # Logical axis -> mesh axis (None: every device holds all of it).
@@ -141,16 +142,36 @@ def _named(mesh: Mesh, specs):
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, P))
 
 
+def place(x, sharding: NamedSharding) -> jax.Array:
+    """`x` (a host or device array, the same value in every process) as a global array with
+    `sharding`; a no-op for an array already placed so.
+
+    On a mesh inside one process this is `jax.device_put`. On a mesh that spans processes,
+    `device_put` cannot build the array (no process may address every device): each process fills
+    only its own devices, from its own copy of the value, with `jax.make_array_from_callback`, so
+    no process needs another's data. A PRNG key travels as its key data."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)  # one process; or a global array already, resharded
+    if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = place(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def shard_params(
     params: LlamaParams, config: LlamaConfig, mesh: Mesh, tensor_parallel: bool = True
 ) -> LlamaParams:
     """Params placed on `mesh` (a no-op for arrays already placed so)."""
-    return jax.device_put(params, _named(mesh, param_specs(config, tensor_parallel)))
+    return jax.tree.map(place, params, _named(mesh, param_specs(config, tensor_parallel)))
 
 
 def replicate(tree, mesh: Mesh):
     """Every array of `tree` whole on every device of `mesh` (small proposer params: heads)."""
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+    whole = NamedSharding(mesh, P())
+    return jax.tree.map(lambda x: place(x, whole), tree)
 
 
 def param_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray], jax.Array]:
@@ -165,18 +186,47 @@ def param_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray],
     return put
 
 
+def slice_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, tuple[int, ...], Callable], jax.Array]:
+    """A `place(flat_name, shape, read_index)` for `checkpoint.params_from_tensors`: builds each
+    weight with `jax.make_array_from_callback`, asking `read_index` only for the slices this
+    process's own devices hold, each distinct slice once (the devices of a data group hold the same
+    slices). With several processes, each reads only its part of every split weight."""
+    shardings = flatten(_named(mesh, param_specs(config)))
+
+    def place(name: str, shape: tuple[int, ...], read_index: Callable) -> jax.Array:
+        read = {}
+
+        def fill(index):
+            key = tuple((s.start, s.stop) for s in normalize_index(index, shape))
+            if key not in read:
+                read[key] = read_index(tuple(slice(*k) for k in key))
+            return read[key]
+
+        return jax.make_array_from_callback(tuple(shape), shardings[name], fill)
+
+    return place
+
+
 def fetch(tree):
     """Device arrays -> host numpy arrays of their global shape. Unlike `jax.device_get` this also
-    works when an array spans several hosts (each host then receives the whole array)."""
-    return multihost_utils.process_allgather(tree, tiled=True)
+    works when an array spans several processes: each process then receives the whole array,
+    gathered with `multihost_utils.process_allgather` (one call, every process taking part)."""
+
+    def get(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return multihost_utils.process_allgather(x, tiled=True)
+        return np.asarray(jax.device_get(x))
+
+    return jax.tree.map(get, tree)
 
 
 def shard_rows(tree, mesh: Mesh, batch_size: int):
     """Arrays with a leading batch dim split by row over "data"; other leaves (a PRNG key)
-    replicated."""
+    replicated. Every process passes the whole batch (the same in each) and fills only its own
+    devices' rows (see `place`)."""
 
-    def place(x):
+    def put(x):
         rows = x.ndim >= 1 and x.shape[0] == batch_size
-        return jax.device_put(x, NamedSharding(mesh, row_spec() if rows else P()))
+        return place(x, NamedSharding(mesh, row_spec() if rows else P()))
 
-    return jax.tree.map(place, tree)
+    return jax.tree.map(put, tree)
