@@ -121,6 +121,14 @@ def make_proposer(name, k, model):
         return specjax.Eagle(trained_head("eagle", model), k=k)
     if name == "eagle-tree":
         return specjax.Eagle(trained_head("eagle", model), tree=specjax.TokenTree.top_k((3, 2, 1)))
+    if name == "eagle3":
+        return specjax.Eagle3(trained_head("eagle3", model), k=k)
+    if name == "eagle3-tree":
+        return specjax.Eagle3(trained_head("eagle3", model), tree=specjax.TokenTree.top_k((3, 2, 1)))
+    if name == "dflash":  # blocks of 8: 7 drafts a step
+        return specjax.DFlash(trained_head("dflash", model))
+    if name == "hybrid":
+        return specjax.Hybrid(specjax.NGram(k=k, n_min=3), specjax.Eagle3(trained_head("eagle3", model), k=k))
     if name == "ngram":
         return specjax.NGram(k=k, n_max=4, n_min=1)
     if name == "self":
@@ -157,10 +165,10 @@ def test_speculative_greedy_equals_plain(smollm2, prompt_ids, plain, name, k, ba
     check_lossless(smollm2, ids, plain[: len(ids)], make_proposer(name, k, smollm2), batch_size)
 
 
-HEAD_FAST = {("eagle-tree", 1), ("medusa", 1)}  # batches of 4: test_speculative_greedy_equals_plain
+HEAD_FAST = {("eagle-tree", 1), ("medusa", 1), ("eagle3", 1)}  # batches of 4: test_speculative_...
 HEAD_GRID = [
     pytest.param(name, batch, marks=() if (name, batch) in HEAD_FAST else pytest.mark.slow)
-    for name in ("medusa", "medusa-tree", "eagle", "eagle-tree")
+    for name in ("medusa", "medusa-tree", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "dflash", "hybrid")
     for batch in (1, 4)
 ]
 
