@@ -1,9 +1,10 @@
-"""What the head trainers (Medusa, EAGLE) share: argument checks, the optimizer and its jitted
-step, the seeded batch order, the progress bar and the checkpointed training loop."""
+"""What the head trainers (Medusa, EAGLE, EAGLE-3, DFlash) share: argument checks, the optimizer
+and its jitted step, the seeded batch order, the progress bar and the checkpointed training loop."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import sys
@@ -156,6 +157,56 @@ def run_training(
         if manager is not None:
             manager.close()
     return params
+
+
+def train_head_params(
+    label: str,
+    loss: Callable,
+    params,
+    batch: Callable[[int], tuple],
+    *,
+    settings: dict,
+    vocab: np.ndarray,
+    data,
+    target,
+    checkpoint_dir: str | Path | None,
+    checkpoint_every: int,
+    resume: bool,
+    progress: bool,
+):
+    """What every head's trainer does once its loss, initial params and batches are set: AdamW
+    from the `optimizer_settings` in `settings` (`loss(params, *batch) -> (loss, metrics)`), then
+    `run_training` with the run identified by its settings, draft vocabulary, data and target (a
+    checkpoint directory of another run is refused). Returns the trained params."""
+    from specjax.models.signature import target_signature
+
+    optimizer, train_step = optimizer_and_step(
+        loss,
+        settings["learning_rate"],
+        settings["warmup_steps"],
+        settings["steps"],
+        settings["weight_decay"],
+        settings["clip_norm"],
+    )
+    run_info = {
+        "settings": settings,
+        "vocab_digest": hashlib.sha256(vocab.tobytes()).hexdigest()[:16],
+        "data": data.summary(),
+        "target": target_signature(target),
+    }
+    return run_training(
+        label,
+        train_step,
+        optimizer,
+        params,
+        batch,
+        steps=settings["steps"],
+        run_info=run_info,
+        checkpoint_dir=checkpoint_dir,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        progress=progress,
+    )
 
 
 def head_meta(trainer: str, settings: dict, data_summary: dict) -> dict:

@@ -15,7 +15,6 @@ Einsum letters: B batch, T positions, A anchors, K block size, D hidden, W draft
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 import jax
@@ -34,9 +33,8 @@ from specjax.train.common import (
     check_int,
     check_number,
     head_meta,
-    optimizer_and_step,
     optimizer_settings,
-    run_training,
+    train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab, target_features
 
@@ -196,14 +194,6 @@ def train_dflash(
     params = init_dflash(config, jax.random.key(seed))
     if config.own_head:  # an LM head of its own over the draft vocabulary, from the target's columns
         params = params.replace(lm_head=teacher.astype(params.norm.dtype))
-    optimizer, train_step = optimizer_and_step(
-        _objective(config, anchors_per_sequence, float(gamma)),
-        settings["learning_rate"],
-        settings["warmup_steps"],
-        steps,
-        settings["weight_decay"],
-        settings["clip_norm"],
-    )
     order = batch_order(seed, data.num_sequences, steps, batch_size)
     anchor_root = jax.random.fold_in(jax.random.key(seed), 1)
 
@@ -220,20 +210,15 @@ def train_dflash(
             key,
         )
 
-    run_info = {
-        "settings": settings,
-        "vocab_digest": hashlib.sha256(vocab.tobytes()).hexdigest()[:16],
-        "data": data.summary(),
-        "target": target_signature(target),
-    }
-    params = run_training(
+    params = train_head_params(
         "dflash",
-        train_step,
-        optimizer,
+        _objective(config, anchors_per_sequence, float(gamma)),
         params,
         batch,
-        steps=steps,
-        run_info=run_info,
+        settings=settings,
+        vocab=vocab,
+        data=data,
+        target=target,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         resume=resume,

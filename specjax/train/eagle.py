@@ -15,7 +15,6 @@ Einsum letters: B batch, T positions, D hidden, V vocab, W draft vocab.
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 import jax
@@ -34,9 +33,8 @@ from specjax.train.common import (
     check_int,
     check_number,
     head_meta,
-    optimizer_and_step,
     optimizer_settings,
-    run_training,
+    train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab
 
@@ -262,14 +260,6 @@ def train_eagle(
         "unroll": unroll,
     }
     config = EagleConfig.for_target(target.config, len(vocab))
-    optimizer, train_step = optimizer_and_step(
-        _objective(config, settings["reg_weight"], settings["cls_weight"], unroll),
-        settings["learning_rate"],
-        settings["warmup_steps"],
-        steps,
-        settings["weight_decay"],
-        settings["clip_norm"],
-    )
     head_matrix = draft_head_matrix(target.params, jnp.asarray(vocab))  # [D, W], once per run
     order = batch_order(seed, data.num_sequences, steps, batch_size)
     noise_root = jax.random.fold_in(jax.random.key(seed), 1)  # apart from the init's key
@@ -287,20 +277,15 @@ def train_eagle(
             noise,
         )
 
-    run_info = {
-        "settings": settings,
-        "vocab_digest": hashlib.sha256(vocab.tobytes()).hexdigest()[:16],
-        "data": data.summary(),
-        "target": target_signature(target),
-    }
-    params = run_training(
+    params = train_head_params(
         "eagle",
-        train_step,
-        optimizer,
+        _objective(config, settings["reg_weight"], settings["cls_weight"], unroll),
         init_eagle(config, jax.random.key(seed)),
         batch,
-        steps=steps,
-        run_info=run_info,
+        settings=settings,
+        vocab=vocab,
+        data=data,
+        target=target,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         resume=resume,

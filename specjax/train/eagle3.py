@@ -19,7 +19,6 @@ Einsum letters: B batch, T positions, D hidden, A fused width, W draft vocab.
 from __future__ import annotations
 
 import functools
-import hashlib
 from pathlib import Path
 
 import jax
@@ -45,9 +44,8 @@ from specjax.train.common import (
     batch_order,
     check_int,
     head_meta,
-    optimizer_and_step,
     optimizer_settings,
-    run_training,
+    train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab, target_features
 
@@ -213,34 +211,21 @@ def train_eagle3(
     teacher = draft_head_matrix(target.params, jnp.asarray(vocab))  # [D, W]
     params = init_eagle3(config, jax.random.key(seed))
     params = params.replace(lm_head=teacher.astype(params.lm_head.dtype))  # the target's columns
-    optimizer, train_step = optimizer_and_step(
-        _objective(config, unroll),
-        settings["learning_rate"],
-        settings["warmup_steps"],
-        steps,
-        settings["weight_decay"],
-        settings["clip_norm"],
-    )
     order = batch_order(seed, data.num_sequences, steps, batch_size)
 
     def batch(step: int) -> tuple:
         rows = order[step]
         return target.params.embed, teacher, aux[rows], data.hidden[rows], data.tokens[rows], data.mask[rows]
 
-    run_info = {
-        "settings": settings,
-        "vocab_digest": hashlib.sha256(vocab.tobytes()).hexdigest()[:16],
-        "data": data.summary(),
-        "target": target_signature(target),
-    }
-    params = run_training(
+    params = train_head_params(
         "eagle3",
-        train_step,
-        optimizer,
+        _objective(config, unroll),
         params,
         batch,
-        steps=steps,
-        run_info=run_info,
+        settings=settings,
+        vocab=vocab,
+        data=data,
+        target=target,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         resume=resume,

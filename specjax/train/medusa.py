@@ -10,7 +10,6 @@ Einsum letters: B batch, T positions, M heads, D hidden, V vocab, W draft vocab.
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import jax
@@ -26,9 +25,8 @@ from specjax.train.common import (
     batch_order,
     check_int,
     head_meta,
-    optimizer_and_step,
     optimizer_settings,
-    run_training,
+    train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab
 
@@ -146,34 +144,21 @@ def train_medusa(
     config = MedusaConfig(num_heads, target.config.hidden_size, target.config.vocab_size, len(vocab))
     head_matrix = draft_head_matrix(target.params, jnp.asarray(vocab))  # [D, W], once per run
     draft_index = draft_index_of(vocab, target.config.vocab_size)
-    optimizer, train_step = optimizer_and_step(
-        medusa_loss,
-        settings["learning_rate"],
-        settings["warmup_steps"],
-        steps,
-        settings["weight_decay"],
-        settings["clip_norm"],
-    )
     order = batch_order(seed, data.num_sequences, steps, batch_size)
 
     def batch(step: int) -> tuple:
         rows = order[step]
         return head_matrix, draft_index, data.hidden[rows], data.tokens[rows], data.mask[rows]
 
-    run_info = {
-        "settings": settings,
-        "vocab_digest": hashlib.sha256(vocab.tobytes()).hexdigest()[:16],
-        "data": data.summary(),
-        "target": target_signature(target),
-    }
-    params = run_training(
+    params = train_head_params(
         "medusa",
-        train_step,
-        optimizer,
+        medusa_loss,
         init_medusa(config),
         batch,
-        steps=steps,
-        run_info=run_info,
+        settings=settings,
+        vocab=vocab,
+        data=data,
+        target=target,
         checkpoint_dir=checkpoint_dir,
         checkpoint_every=checkpoint_every,
         resume=resume,
