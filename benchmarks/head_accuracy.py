@@ -7,7 +7,10 @@ The validation set: MT-bench first turns (Spec-Bench's mt_bench category, in the
 of `spec_bench_prompts`) at positions --questions, default 8:48 (40 questions, five of each
 sub-category; `spec_bench.py --categories mt_bench --per-category 4` times positions 0-3, so
 the two never meet), each with the target's greedy answer (128 tokens, chat template) and its
-hidden states. None of MT-bench is in the heads' training sets (`make heads` excludes it).
+hidden states. None of MT-bench is in the heads' training sets: `make heads` trains on the split
+specjax.bench.HEADS_SPLIT (Spec-Bench's questions less MT-bench's), each head records its split in
+its meta, and this script prints what each head trained on and stops if a validation question is
+one of its split's training prompts.
 
 Scored on the answers only (the input at t counts from the last prompt token on): top-1
 agreement of the head's draft with the target's own next token, over the head's draft
@@ -17,8 +20,8 @@ right); pass 1 is what the first draft position of a chain accepts under greedy 
 Medusa, head i predicts the token i + 2 past the input. For EAGLE-3 as for EAGLE (passes of its
 own outputs); for DFlash, slot i of blocks anchored at random answer positions (positions 1..3 of
 a drafted block). Training on a set and validating here
-is the quick loop (seconds per head) behind the tables in docs/benchmarks.md; acceptance in the
-speculative loop itself is `spec_bench.py`'s.
+is the quick loop (seconds per head) behind the tables in docs/notes/benchmarks-history.md ("A
+validation set for the heads"); acceptance in the speculative loop itself is `spec_bench.py`'s.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import numpy as np
 from common import data_dir, spec_bench_prompts
 
 import specjax
+from specjax import bench
 from specjax.models import DFlashHead, Eagle3Head
 from specjax.models.eagle import EagleHead
 from specjax.train import (
@@ -68,6 +72,24 @@ def validation_set(model, questions: list[str], cache: Path | None) -> tuple[Dis
     return data, starts
 
 
+def check_held_out(head, path: str, questions: list[str], folder: Path) -> None:
+    """Print what `head` trained on; SystemExit if one of `questions` is a training prompt of the
+    split its meta records."""
+    print(f"{path}: trained on {bench.training_of(head)}")
+    split = bench.split_of(head)
+    if split is None:
+        print("  (its meta names no split of specjax.bench.SPLITS: check that it never saw MT-bench)")
+        return
+    try:
+        trained = split.training_prompts(folder)
+    except ValueError as error:  # the split's files are not in the data folder
+        print(f"  (not checked against its training prompts: {error})")
+        return
+    overlap = sum(question in trained for question in questions)
+    if overlap:
+        raise SystemExit(f"{path}: {overlap} validation questions are training prompts of {split.name!r}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -89,15 +111,18 @@ def main() -> None:
     if args.passes < 1:
         raise SystemExit(f"--passes must be at least 1, got {args.passes}")
     model = specjax.load("smollm2-135m")
-    order = [text for _, text in spec_bench_prompts(data_dir(args.data), 80, ["mt_bench"])]
-    data, starts = validation_set(model, order[int(start) : int(stop)], args.cache)
+    folder = data_dir(args.data)
+    questions = [text for _, text in spec_bench_prompts(folder, 80, ["mt_bench"])][int(start) : int(stop)]
+    heads = {path: load_head(path, model) for path in args.heads}
+    for path, head in heads.items():  # before the validation set is built: minutes
+        check_held_out(head, path, questions, folder)
+    data, starts = validation_set(model, questions, args.cache)
     positions = np.arange(data.tokens.shape[1])[None, :]
     answers = dataclasses.replace(data, mask=data.mask & (positions >= starts[:, None] - 1))
     print(
         f"{data.num_sequences} MT-bench questions ({args.questions}), {int(answers.mask.sum())} answer tokens"
     )
-    for path in args.heads:
-        head = load_head(path, model)
+    for path, head in heads.items():
         if isinstance(head, EagleHead | Eagle3Head):
             evaluate = evaluate_eagle if isinstance(head, EagleHead) else evaluate_eagle3
             metrics = evaluate(head, model, answers, unroll=args.passes)

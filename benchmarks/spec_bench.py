@@ -1,8 +1,8 @@
 """Speculative decoding on Spec-Bench: specjax proposers against plain decoding and HF transformers.
 
     .venv/bin/python benchmarks/spec_bench.py [--per-category 2] [--max-new-tokens 128]
-        [--methods plain,ngram,selfdraft,medusa,medusa-tree,eagle,eagle-tree] [--categories mt_bench]
-        [--heads heads]
+        [--methods plain,ngram,selfdraft,medusa,medusa-tree,eagle,eagle-tree,eagle3,dflash,hybrid]
+        [--categories mt_bench] [--heads heads]
 
 A fixed subset of Spec-Bench (the first --per-category questions of each category, MT-bench's
 eight sub-categories taken round-robin as one "mt_bench" category; see common.py), first turn
@@ -13,10 +13,13 @@ target forward pass, counting the bonus token). HF transformers runs its prompt 
 (`prompt_lookup_num_tokens`) and its early-exit self-draft (`assistant_early_exit`) on the same
 prompts and token ids. Every speculative output is checked against plain greedy output.
 
-Trained heads (`make heads`) are read from --heads: `medusa/head` and `eagle/head` there. They
-were trained on Spec-Bench's other categories, so only the mt_bench rows are held out for them
-(see the README's training section); the per-position table gives each head's conditional
-acceptance (EAGLE's definition: accepted at position i among the drafts that reached it).
+Trained heads (`make heads`) are read from --heads: `medusa/head`, `eagle/head`, `eagle3/head` and
+`dflash/head` there. Each records in its meta the split it was distilled from; for the committed
+heads that is specjax.bench.HEADS_SPLIT, Spec-Bench's questions less MT-bench's, so only the
+mt_bench rows are held out for them: the other rows are marked "(trained)" and a note under the
+table names the split (heads of no one named split mark no row, and the note says what each
+trained on). The per-position table gives each method's conditional acceptance (EAGLE's
+definition: accepted at position i among the drafts that reached it).
 
 The benchmark itself is specjax.bench (also `specjax bench`, without the HF rows); this script
 adds the HF transformers peers.

@@ -486,7 +486,7 @@ def generate(
 
     Which proposer to try first: `NGram(k=8)`, or `Dynamic(NGram(k=8))` to let each row lower k
     where drafts fail, for input-grounded work (edits, summaries, RAG, code): drafting is free
-    and the answer repeats the prompt (`make demo`: 1.8x plain decoding on edits on a 2-core CPU).
+    and the answer repeats the prompt (`make demo`: 2.4x plain decoding on edits on a 2-core CPU).
     A trained head (`Eagle3`, `Eagle`, `Medusa`, `DFlash`) where its acceptance is high and a
     verify pass costs little more than a step (an accelerator). `proposer=None` (plain decoding)
     for short open-ended chat on a CPU, where few drafts are right and each verify pass over

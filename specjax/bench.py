@@ -166,6 +166,12 @@ class HeadsSplit:
                 raise ValueError(f"split {self.name!r}: no {path.name} in {folder}: pass the data folder")
         return paths
 
+    def training_prompts(self, folder: str | os.PathLike | None = None) -> set[str]:
+        """The first turns the split's heads were distilled from: its prompts less its held-out set
+        (what `specjax train-* --split` trains on)."""
+        prompts, exclude = self.files(folder)
+        return first_turns(prompts) - first_turns(exclude)
+
     def trained_on(self, category: str) -> bool:
         """Whether heads of this split were distilled from this category's questions (any other
         prompt set, e.g. HumanEval's, is held out)."""
@@ -188,15 +194,49 @@ HEADS_SPLIT = HeadsSplit(
 SPLITS = {HEADS_SPLIT.name: HEADS_SPLIT}
 
 
-def uses_trained_head(proposer) -> bool:
-    """Whether a proposer drafts with a trained head (Medusa, EAGLE, EAGLE-3, DFlash; inside a
-    Hybrid or Dynamic too)."""
+def first_turns(path: Path) -> set[str]:
+    """The first turn ("turns"[0]) of every JSON line of a prompt file."""
+    with Path(path).open() as f:
+        return {json.loads(line)["turns"][0] for line in f if line.strip()}
+
+
+def heads_of(proposer) -> list:
+    """The trained heads a proposer drafts with (Medusa, EAGLE, EAGLE-3, DFlash; inside a Hybrid or
+    Dynamic too)."""
     if proposer is None:
-        return False
-    if getattr(proposer, "head", None) is not None:
-        return True
-    parts = [getattr(proposer, name, None) for name in ("first", "then", "proposer")]
-    return any(uses_trained_head(p) for p in parts if p is not None)
+        return []
+    head = getattr(proposer, "head", None)
+    found = [] if head is None else [head]
+    for name in ("first", "then", "proposer"):
+        part = getattr(proposer, name, None)
+        if part is not None:
+            found += heads_of(part)
+    return found
+
+
+def uses_trained_head(proposer) -> bool:
+    """Whether a proposer drafts with a trained head."""
+    return bool(heads_of(proposer))
+
+
+def split_of(head) -> HeadsSplit | None:
+    """The named split a head saved by `specjax train-* --split` records in its meta; None for a
+    head trained otherwise or published elsewhere (its meta names no split of SPLITS)."""
+    meta = getattr(head, "meta", None)
+    return SPLITS.get(meta.get("split")) if isinstance(meta, dict) else None
+
+
+def training_of(head) -> str:
+    """What a head was distilled from, in words, from its meta."""
+    meta = getattr(head, "meta", None)
+    meta = meta if isinstance(meta, dict) else {}
+    split = split_of(head)
+    parts = [split.describe()] if split else []
+    if not split and meta.get("prompts_file"):
+        parts.append(f"the prompts of {Path(meta['prompts_file']).name}")
+    if meta.get("self_instruct_prompts"):
+        parts.append(f"{meta['self_instruct_prompts']} chat prompts the target wrote itself")
+    return " and ".join(parts) or "prompts its meta does not name"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,12 +425,33 @@ class SpecBenchResult:
     repeats: int
     chat: bool
     head_methods: list[str] = dataclasses.field(default_factory=list)  # methods drafting with a head
-    split: HeadsSplit = HEADS_SPLIT  # what those heads trained on
+    split: HeadsSplit | None = HEADS_SPLIT  # what those heads trained on; None: not one named split
+    head_training: dict[str, str] = dataclasses.field(default_factory=dict)  # head method -> in words
 
     def label(self, category: str) -> str:
         """The category's row label: marked "(trained)" where a head method's cells are prompts its
         head was distilled from."""
-        return f"{category} (trained)" if self.head_methods and self.split.trained_on(category) else category
+        trained = self.head_methods and self.split is not None and self.split.trained_on(category)
+        return f"{category} (trained)" if trained else category
+
+    def training_note(self) -> list[str]:
+        """What the heads of the head methods trained on, for the Markdown report."""
+        if not self.head_methods:
+            return []
+        names = ", ".join(self.head_methods)
+        if self.split is None:
+            each = "; ".join(f"{m}: {self.head_training.get(m, 'unknown')}" for m in self.head_methods)
+            return [
+                f'\nno row is marked "(trained)": the heads do not record one named split ({each}); a row '
+                "may hold prompts a head trained on."
+            ]
+        training = "; ".join(sorted(set(self.head_training.values()))) or self.split.describe()
+        if any(self.split.trained_on(c) for c in self.speeds):
+            return [
+                f"\n(trained): {names} drafted from heads distilled from these very questions "
+                f"({training}); only the other rows are held out."
+            ]
+        return [f"\n{names} drafted from heads distilled from {training}: every row here is held out."]
 
     def table(self) -> tuple[list[str], list[list]]:
         """(header, rows): per category, tokens/s of every method, speedup over plain, tau."""
@@ -450,14 +511,7 @@ class SpecBenchResult:
             f"prompts per category, median of {self.repeats}; speedup is over specjax plain decoding; "
             "tau = mean acceptance length (tokens per target forward, bonus included)\n",
             markdown_table(*self.table()),
-            *(
-                [
-                    f"\n(trained): {', '.join(self.head_methods)} drafted from heads distilled from these "
-                    f"very questions ({self.split.describe()}); only the other rows are held out."
-                ]
-                if self.head_methods and any(self.split.trained_on(c) for c in self.speeds)
-                else []
-            ),
+            *self.training_note(),
             "\nconditional acceptance per draft position (accepted / reached), summed over the prompts:\n",
             markdown_table(*self.position_table()),
             f"\nspeculative outputs that differ from plain greedy: {self.mismatches or 'none'}",
@@ -550,8 +604,12 @@ def run_spec_bench(
             speeds[category].setdefault(name, []).append(n_new / seconds)
 
     counts = [sum(1 for c, _ in prompts if c == category) for category in speeds]
+    heads = {name: found for name, proposer in methods.items() if (found := heads_of(proposer))}
+    splits = {split_of(head) for found in heads.values() for head in found}  # {HEADS_SPLIT} for make heads
     return SpecBenchResult(
-        head_methods=[name for name, proposer in methods.items() if uses_trained_head(proposer)],
+        head_methods=list(heads),
+        split=splits.pop() if len(splits) == 1 else None,
+        head_training={name: "; ".join(training_of(h) for h in found) for name, found in heads.items()},
         methods=list(methods) + list(peers),
         speculative=list(methods)[1:],
         speeds=speeds,

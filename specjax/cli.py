@@ -30,9 +30,11 @@ drafting from the `--draft-vocab` most frequent tokens of the set) and saves it 
 DIR/checkpoints, and a rerun resumes from the latest. `--data FILE.npz` keeps the distillation
 set: read from FILE when it exists, else built and saved there, so one set trains every head.
 Keep the training prompts apart from the prompts you evaluate on: `--exclude` drops every prompt
-that also appears in a held-out file. For the built-in model: `--prompts
-../shared/data/spec_bench_question.jsonl --exclude ../shared/data/mt_bench_question.jsonl` trains
-on Spec-Bench's non-MT-bench categories and keeps MT-bench for evaluation. `--self-instruct N`
+that also appears in a held-out file. For the built-in model, `--split spec-bench-minus-mt-bench`
+(what `make heads` runs; the split is defined once, specjax.bench.HEADS_SPLIT, and the benchmarks
+read it too) is `--prompts ../shared/data/spec_bench_question.jsonl --exclude
+../shared/data/mt_bench_question.jsonl`: it trains on Spec-Bench's non-MT-bench categories and
+keeps MT-bench for evaluation. `--self-instruct N`
 adds N chat prompts the model writes itself (fed its chat template up to a user's message, as
 Magpie does; none equal to a held-out or --prompts prompt), with or without --prompts.
 """
@@ -167,7 +169,9 @@ def train_head(args: argparse.Namespace, trainer, **options) -> Path:
 
     resolve_split(args)
     if args.prompts is None and not args.self_instruct:
-        raise ValueError("give training prompts: --prompts FILE.jsonl, --split NAME, --self-instruct N")
+        raise ValueError(
+            "give training prompts: --prompts FILE.jsonl or --split NAME, --self-instruct N, or both"
+        )
     prompts, held_out = training_prompts(args)
     model = specjax.load(args.model)
     check_draft_vocab_option(args, model)

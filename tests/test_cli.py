@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import hf_export
@@ -377,6 +378,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     )
     cli.resolve_split(args)
     assert cli.training_prompts(args) == (["a", "c"], {"b"})
+    assert split.training_prompts(tmp_path) == {"a", "c"}  # what the benchmarks check against
     for argv, message in [
         (["--split", "nope"], "--split: unknown split 'nope'; allowed: spec-bench-minus-mt-bench"),
         (["--split", split.name, "--prompts", "p.jsonl"], "drop --prompts/--exclude"),
@@ -387,6 +389,56 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
         with pytest.raises(ValueError, match=re.escape(message)):
             cli.resolve_split(args)
     assert not split.trained_on("mt_bench") and split.trained_on("qa")
+
+
+@pytest.mark.data
+def test_heads_split_is_the_data_and_the_committed_heads():
+    """HEADS_SPLIT's training prompts are every question of its trained categories and none of
+    MT-bench's (what the "(trained)" marks assume), and each committed head records that split."""
+    from conftest import data_file
+
+    folder = data_file(bench.HEADS_SPLIT.exclude).parent
+    trained = bench.HEADS_SPLIT.training_prompts(folder)
+    every = bench.spec_bench_prompts(folder, per_category=1000)
+    assert {c for c, text in every if text in trained} == set(bench.HEADS_SPLIT.trained_categories)
+    assert all(text in trained for c, text in every if bench.HEADS_SPLIT.trained_on(c))
+    assert not any(text in trained for c, text in every if c == "mt_bench")
+    heads = Path(__file__).resolve().parent.parent / "heads"
+    for kind in bench.HEAD_FOLDERS:
+        folder = heads / kind / "head"
+        text = (
+            (folder / "head.json") if (folder / "head.json").is_file() else folder / "config.json"
+        ).read_text()
+        assert f'"split": "{bench.HEADS_SPLIT.name}"' in text, kind
+
+
+def test_heads_say_what_they_trained_on():
+    """The Spec-Bench report marks rows by the split its heads record, and names it; heads of no one
+    named split mark no row and say what each trained on."""
+    split_head = SimpleNamespace(meta={"split": bench.HEADS_SPLIT.name, "self_instruct_prompts": 800})
+    other_head = SimpleNamespace(meta={"prompts_file": "../data/mine.jsonl"})
+    hybrid = specjax.Hybrid(specjax.NGram(k=2), SimpleNamespace(head=split_head))
+    assert bench.heads_of(hybrid) == [split_head] and bench.split_of(split_head) is bench.HEADS_SPLIT
+    assert bench.training_of(split_head).endswith("and 800 chat prompts the target wrote itself")
+    assert bench.split_of(other_head) is None
+    assert bench.training_of(other_head) == "the prompts of mine.jsonl"
+    assert bench.training_of(SimpleNamespace(meta={})) == "prompts its meta does not name"
+
+    def result(category, split, training):
+        return bench.SpecBenchResult(
+            methods=["plain", "H"], speculative=["H"], speeds={category: {"plain": [1.0], "H": [1.0]}},
+            taus={category: {"plain": [1.0], "H": [1.0]}}, accepted_at={category: {"H": np.array([1])}},
+            reached_at={category: {"H": np.array([1])}}, mismatches=[], prompts_per_category=1,
+            max_new_tokens=4, repeats=1, chat=True, head_methods=["H"], split=split,
+            head_training={"H": bench.training_of(training)},
+        )  # fmt: skip
+
+    marked = result("qa", bench.HEADS_SPLIT, split_head)
+    assert marked.label("qa") == "qa (trained)" and "800 chat prompts" in marked.report()
+    assert "| qa (trained) |" in marked.report()
+    unmarked = result("qa", None, other_head)
+    assert unmarked.label("qa") == "qa" and "H: the prompts of mine.jsonl" in unmarked.report()
+    assert "every row here is held out" in result("mt_bench", bench.HEADS_SPLIT, split_head).report()
 
 
 @pytest.fixture
@@ -482,7 +534,8 @@ def test_self_instruct_prompts_join_the_file_prompts(tmp_path, tiny_target, monk
 def test_training_needs_prompts_from_somewhere(command, tmp_path, tiny_target, capsys):
     assert cli.main([command, "--out", str(tmp_path)]) == 2
     assert (
-        "give training prompts: --prompts FILE.jsonl, --self-instruct N, or both" in capsys.readouterr().err
+        "give training prompts: --prompts FILE.jsonl or --split NAME, --self-instruct N, or both"
+        in capsys.readouterr().err
     )
     assert cli.main([command, "--out", str(tmp_path), "--self-instruct", "-1"]) == 2
     assert "argument --self-instruct: must be an integer >= 0, got '-1'" in capsys.readouterr().err

@@ -1,0 +1,188 @@
+r"""The trained drafters side by side: head accuracy, drafting cost, and the loop on held-out prompts.
+
+    .venv/bin/python benchmarks/drafters.py [--mt-bench 8] [--code 3] [--per-category 2] \
+        [--max-new-tokens 128] [--repeats 2] [--heads heads] [--cache /tmp/mt_bench_val.npz]
+
+Every head here (`make heads`) was distilled from the same set, Spec-Bench's questions without
+MT-bench's, with the same budget (400 steps of 8 sequences). Three parts, one table each:
+
+1. Head accuracy, teacher-forced on the validation set of benchmarks/head_accuracy.py (the target's
+   answers to MT-bench questions 8:48): how often the draft at positions 1..3 equals the target's
+   next token. EAGLE-1 and EAGLE-3: pass p feeds the head its own outputs p - 1 times; DFlash: slot p
+   of a block; Medusa: head p.
+2. Drafting cost per step, in plain decoding steps (specjax.measure_step_costs: every draft of a
+   step, EOS banned, forced acceptance 0 so every run takes the same steps), and what one verify
+   pass of k + 1 tokens costs.
+3. The loop: plain decoding, NGram, Medusa, EAGLE-1, EAGLE-3, DFlash and Hybrid(NGram, EAGLE-3),
+   greedy, batch 1, chat template, on prompts no head trained on: MT-bench first turns 0..N-1 (the
+   validation questions are 8:48), HumanEval functions to complete and InstructCoder code edits
+   (not in the distillation set); and on Spec-Bench's other categories, marked "(trained)": the
+   heads were distilled from those very questions, so their cells overstate a head. Tokens/s are
+   whole generate calls (prefill included), the median of --repeats after a warm-up; speedup is
+   over plain decoding of the same prompts in the same run; tau is the mean acceptance length.
+   Every output is checked against plain greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+from common import data_dir, spec_bench_prompts
+from head_accuracy import validation_set
+
+import specjax
+from specjax import bench
+from specjax.models import DFlashHead, Eagle3Head
+from specjax.models.eagle import EagleHead
+from specjax.train import evaluate_dflash, evaluate_eagle, evaluate_eagle3, evaluate_medusa, load_head
+
+HEADS = {"EAGLE-1": "eagle", "EAGLE-3": "eagle3", "DFlash": "dflash", "Medusa": "medusa"}
+METHODS = "ngram,medusa,eagle,eagle-tree,eagle3,eagle3-tree,dflash,hybrid"
+TRAINED = bench.HEADS_SPLIT.trained_categories  # the heads' distillation set: marked, not held out
+
+
+def code_prompts(folder: Path, count: int) -> list[tuple[str, str]]:
+    """(category, prompt) pairs: the first `count` HumanEval functions to complete and the first
+    `count` InstructCoder edits, phrased as a user would ask."""
+
+    def rows(name):
+        with (folder / name).open() as f:
+            return [json.loads(line) for line in f if line.strip()][:count]
+
+    prompts = [
+        ("humaneval", "Complete this Python function. Return the whole function.\n\n" + r["prompt"])
+        for r in rows("humaneval.jsonl")
+    ]
+    prompts += [
+        ("code_edit", f"{r['instruction'].strip()} Return the whole edited code.\n\n{r['input']}")
+        for r in rows("instructcoder_edit_eval.jsonl")
+    ]
+    return prompts
+
+
+def head_accuracy(model, heads: Path, cache: Path | None, data: Path) -> dict[str, list[float]]:
+    order = [text for _, text in spec_bench_prompts(data, 80, ["mt_bench"])]
+    validation, starts = validation_set(model, order[8:48], cache)
+    positions = np.arange(validation.tokens.shape[1])[None, :]
+    answers = dataclasses.replace(validation, mask=validation.mask & (positions >= starts[:, None] - 1))
+    scores = {}
+    for label, kind in HEADS.items():
+        head = load_head(str(heads / kind / "head"), model)
+        if isinstance(head, EagleHead | Eagle3Head):
+            evaluate = evaluate_eagle if isinstance(head, EagleHead) else evaluate_eagle3
+            m = evaluate(head, model, answers, unroll=3)
+            scores[label] = [m["accuracy"], m["accuracy_2"], m["accuracy_3"]]
+        elif isinstance(head, DFlashHead):
+            m = evaluate_dflash(head, model, answers)
+            scores[label] = [m["accuracy"], m["accuracy_2"], m["accuracy_3"]]
+        else:
+            scores[label] = list(evaluate_medusa(head, model, answers)["head_accuracy"][:3])
+    return scores
+
+
+def drafting_costs(model, methods: dict, prompts: list[str]) -> dict[str, dict]:
+    """measure_step_costs of every chain proposer with a k (not trees, Hybrid or a Medusa chain,
+    whose draft count is its heads')."""
+    costs = {}
+    for name, proposer in methods.items():
+        if proposer is None or "tree" in name or "Hybrid" in name or getattr(proposer, "k", None) is None:
+            continue
+        costs[name] = specjax.measure_step_costs(model, proposer, prompts, max_new_tokens=64)
+    return costs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--data", help="folder with the prompt sets (default: $SPECJAX_DATA or ../shared/data)"
+    )
+    parser.add_argument("--heads", default="heads", type=Path, help="folder of the heads (default heads)")
+    parser.add_argument("--mt-bench", type=int, default=8, help="held-out MT-bench questions (default 8)")
+    parser.add_argument(
+        "--code", type=int, default=3, help="HumanEval and InstructCoder prompts each (default 3)"
+    )
+    parser.add_argument(
+        "--per-category", type=int, default=2, help="prompts of each trained-on category (default 2; 0: none)"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
+    parser.add_argument("--repeats", type=int, default=2, help="timed calls after a warm-up (default 2)")
+    parser.add_argument("--cache", type=Path, help="an .npz to keep the validation set in between runs")
+    parser.add_argument(
+        "--parts", default="accuracy,costs,loop", help="comma-separated, of: accuracy, costs, loop"
+    )
+    args = parser.parse_args()
+    parts = {p.strip() for p in args.parts.split(",")}
+    if not parts or parts - {"accuracy", "costs", "loop"}:
+        parser.error(f"--parts must be comma-separated, of: accuracy, costs, loop; got {args.parts!r}")
+    if not 1 <= args.mt_bench <= 8:
+        parser.error(
+            f"--mt-bench must be in 1..8 (questions 8:48 are the validation set), got {args.mt_bench}"
+        )
+    try:
+        data = data_dir(args.data)
+        descriptions = bench.method_descriptions(METHODS, heads=args.heads)
+    except ValueError as error:
+        raise SystemExit(f"drafters.py: error: {error}") from None
+
+    model = specjax.load("smollm2-135m")
+    print(f"machine: {bench.machine()}\n")
+    if "accuracy" in parts:
+        scores = head_accuracy(model, args.heads, args.cache, data)
+        print("head accuracy, teacher-forced, MT-bench 8:48 (positions 1, 2, 3):\n")
+        rows = [[label, *[f"{s:.3f}" for s in values]] for label, values in scores.items()]
+        print(bench.markdown_table(["head", "1", "2", "3"], rows) + "\n", flush=True)
+
+    methods = bench.make_methods(model, descriptions)
+    mt_bench = spec_bench_prompts(data, args.mt_bench, ["mt_bench"])
+    if "costs" in parts:
+        costs = drafting_costs(model, methods, [text for _, text in mt_bench[:2]])
+        print("cost per step in plain steps (measure_step_costs, 2 MT-bench prompts, 64 tokens):\n")
+        rows = [
+            [name, c["k"], c["k"] * c["draft_cost"], 1 + c["k"] * c["verify_cost"], c["plain_step_s"] * 1e3]
+            for name, c in costs.items()
+        ]
+        header = ["method", "k", "drafting / plain step", "verify pass / plain step", "plain step ms"]
+        print(bench.markdown_table(header, rows) + "\n", flush=True)
+
+    if "loop" in parts:
+        prompts = mt_bench + code_prompts(data, args.code)
+        if args.per_category:
+            prompts += spec_bench_prompts(data, args.per_category, TRAINED)
+
+        def progress(tick: bench.Tick) -> None:
+            if tick.method == "plain" and tick.done % (args.repeats + 1) == 1:
+                print(f"[{tick.prompt_index + 1}/{tick.num_prompts}] {tick.category}", flush=True)
+
+        result = bench.run_spec_bench(
+            model,
+            prompts,
+            methods,
+            max_new_tokens=args.max_new_tokens,
+            repeats=args.repeats,
+            progress=progress,
+        )
+        print(result.report("markdown"))
+        # The held-out categories together: each method's mean speedup and tau over their prompts.
+        held = [c for c in result.speeds if not bench.HEADS_SPLIT.trained_on(c)]
+        rows = []
+        for name in result.speculative:
+            ratios = [
+                s / p
+                for c in held
+                for s, p in zip(result.speeds[c][name], result.speeds[c]["plain"], strict=True)
+            ]
+            taus = [t for c in held for t in result.taus[c][name]]
+            rows.append([name, statistics.mean(ratios), statistics.mean(taus)])
+        print(f"\nheld out ({', '.join(held)}), per-prompt means:\n")
+        print(bench.markdown_table(["method", "speedup", "tau"], rows))
+
+
+if __name__ == "__main__":
+    main()
