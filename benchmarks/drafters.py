@@ -14,8 +14,11 @@ MT-bench's, with the same budget (400 steps of 8 sequences). Three parts, one ta
    step, EOS banned, forced acceptance 0 so every run takes the same steps), and what one verify
    pass of k + 1 tokens costs.
 3. The loop: plain decoding, NGram, Medusa, EAGLE-1, EAGLE-3, DFlash and Hybrid(NGram, EAGLE-3),
-   greedy, batch 1, chat template, on prompts no head trained on: MT-bench first turns 0..N-1 (the
-   validation questions are 8:48), HumanEval functions to complete and InstructCoder code edits
+   also gated (a GoodputSchedule with the EAGLE-3 chain's costs measured in part 2, or measured
+   here when part 2 is not run: the head drafts only where its acceptance pays), and its n-gram
+   part alone (NGram(k=4, n_min=3): with EAGLE-3 chain k=4, its two parts), greedy, batch 1,
+   chat template, on prompts no head trained on: MT-bench first turns 0..N-1 (the validation
+   questions are 8:48), HumanEval functions to complete and InstructCoder code edits
    (not in the distillation set); and on Spec-Bench's other categories, marked "(trained)": the
    heads were distilled from those very questions, so their cells overstate a head. Tokens/s are
    whole generate calls (prefill included), the median of --repeats after a warm-up; speedup is
@@ -117,6 +120,11 @@ def main() -> None:
     parser.add_argument(
         "--parts", default="accuracy,costs,loop", help="comma-separated, of: accuracy, costs, loop"
     )
+    parser.add_argument(
+        "--methods",
+        default=METHODS,
+        help=f"comma-separated, of: {METHODS} (default all; hybrid adds its gated form)",
+    )
     args = parser.parse_args()
     parts = {p.strip() for p in args.parts.split(",")}
     if not parts or parts - {"accuracy", "costs", "loop"}:
@@ -127,7 +135,10 @@ def main() -> None:
         )
     try:
         data = data_dir(args.data)
-        descriptions = bench.method_descriptions(METHODS, heads=args.heads)
+        wanted = {m.strip() for m in args.methods.split(",")}
+        if not wanted or wanted - set(METHODS.split(",")):
+            raise ValueError(f"--methods must be comma-separated, of: {METHODS}; got {args.methods!r}")
+        descriptions = bench.method_descriptions(args.methods, heads=args.heads)
     except ValueError as error:
         raise SystemExit(f"drafters.py: error: {error}") from None
 
@@ -141,6 +152,7 @@ def main() -> None:
 
     methods = bench.make_methods(model, descriptions)
     mt_bench = spec_bench_prompts(data, args.mt_bench, ["mt_bench"])
+    costs = {}
     if "costs" in parts:
         costs = drafting_costs(model, methods, [text for _, text in mt_bench[:2]])
         print("cost per step in plain steps (measure_step_costs, 2 MT-bench prompts, 64 tokens):\n")
@@ -151,6 +163,24 @@ def main() -> None:
         header = ["method", "k", "drafting / plain step", "verify pass / plain step", "plain step ms"]
         print(bench.markdown_table(header, rows) + "\n", flush=True)
 
+    hybrid = next((name for name in methods if name.startswith("Hybrid")), None)
+    if "loop" in parts and hybrid is not None:
+        eagle3 = methods[hybrid].then
+        eagle3_costs = next(
+            (c for name, c in costs.items() if name.startswith("EAGLE-3 chain")), None
+        ) or specjax.measure_step_costs(model, eagle3, [text for _, text in mt_bench[:2]], max_new_tokens=64)
+        gate = specjax.GoodputSchedule(
+            draft_cost=eagle3_costs["draft_cost"], verify_cost=eagle3_costs["verify_cost"]
+        )
+        print(
+            f"{hybrid}, gated: GoodputSchedule(draft_cost={gate.draft_cost:.3f}, "
+            f"verify_cost={gate.verify_cost:.3f}) per token\n",
+            flush=True,
+        )
+        first = methods[hybrid].first
+        # Its parts alone, as it holds them: the bar "at least the better of its parts" is set by these.
+        methods[f"NGram(k={first.k}, n_min={first.n_min})"] = first
+        methods[f"{hybrid}, gated"] = specjax.Hybrid(first, eagle3, gate=gate)
     if "loop" in parts:
         prompts = mt_bench + code_prompts(data, args.code)
         if args.per_category:

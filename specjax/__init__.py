@@ -8,12 +8,13 @@ from specjax.api import (
     ProgramCacheInfo,
     clear_compiled_programs,
     generate,
+    load,
     program_cache_info,
     set_program_cache,
 )
 from specjax.costs import measure_step_costs
 from specjax.memory import MemoryEstimate, estimate_memory
-from specjax.models import Model, load, load_head
+from specjax.models import Model, load_head
 from specjax.speculate import (
     DFlash,
     DraftModel,

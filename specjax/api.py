@@ -1,4 +1,5 @@
-"""`generate()`: the host side of a generation.
+"""`generate()`: the host side of a generation (and `load()`, which places a model's weights on a
+mesh for it).
 
 Validate, tokenize, right-pad to a length bucket, make one call of the compiled program, fetch
 the result once, detokenize. All per-step work happens on the device inside that one call.
@@ -23,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kernels, sharding
+from specjax import kernels, models, sharding
 from specjax.models.checkpoint import dtype_name
 from specjax.models.llama import LlamaParams, with_panel_weights
 from specjax.models.model import Model
@@ -469,6 +470,30 @@ def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
             f"device has {available / gib:.2f} GiB free; use fewer prompts per call or a smaller "
             "max_new_tokens"
         )
+
+
+def load(source, dtype: Any = "float32", cache_dir=None, mesh=None) -> Model:
+    """Load a model with its tokenizer (`specjax.models.load`), placed on `mesh` when given one.
+
+    source: a built-in name (e.g. "smollm2-135m"), an HF checkpoint folder (`config.json` +
+        safetensors) or a `.gguf` file.
+    dtype: "float32", "bfloat16" or "float16" (or the jnp dtype) for weights and activations; norm
+        statistics, softmax, logits, sampling and verification stay float32.
+    cache_dir: where converted GGUF weights are kept; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
+    mesh: a jax Mesh from `specjax.sharding.make_mesh`: each device receives only its slice of
+        each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
+        process reads from the checkpoint only the slices its own devices hold. The model's heads
+        and ffw size must divide the mesh's model axis.
+    """
+    if mesh is None:
+        return models.load(source, dtype=dtype, cache_dir=cache_dir)
+    sharding.check_mesh(mesh)
+
+    def placer_for(config):
+        sharding.check_model_split(mesh, config)  # before any weight is read
+        return sharding.slice_placer(config, mesh)  # this process reads only its devices' slices
+
+    return models.load(source, dtype=dtype, cache_dir=cache_dir, placer_for=placer_for)
 
 
 def generate(

@@ -12,7 +12,8 @@ A proposer description is a name plus options, e.g. ``{"name": "ngram", "k": 4}`
     eagle                   Eagle(head=<folder of a saved head>, k, tree)
     eagle3                  Eagle3(head=<folder: a saved or published EAGLE-3 head>, k, tree)
     dflash                  DFlash(head=<folder: a saved or published DFlash head>, block)
-    hybrid                  Hybrid(first=<description>, then=<description>)
+    hybrid                  Hybrid(first=<description>, then=<description>, gate=<None or a goodput
+                            schedule: {"name": "goodput", "draft_cost": 0.08, "verify_cost": 0.14}>)
     forced                  ForcedAcceptance(acceptance, proposer=<description or None>, k)
     dynamic                 Dynamic(proposer=<description>, schedule=<"heuristic", "goodput" or a
                             description: {"name": "goodput", "draft_cost": 0.2, ...}>)
@@ -123,11 +124,14 @@ def proposer_from_description(description: Any, target: Model | None = None, whe
             options["tree"] = [tuple(path) for path in options["tree"]]
         return proposer(head, **options)
     if name == "hybrid":
-        options = _options(description, ("first", "then"), where)
-        if set(options) != {"first", "then"}:
+        options = _options(description, ("first", "then", "gate"), where)
+        if not {"first", "then"} <= set(options):
             raise ValueError(f"{where}: hybrid needs 'first' and 'then' (two proposer descriptions)")
-        parts = {k: proposer_from_description(v, target, f"{where}.{k}") for k, v in options.items()}
-        return Hybrid(parts["first"], parts["then"])
+        parts = {k: proposer_from_description(options[k], target, f"{where}.{k}") for k in ("first", "then")}
+        gate = options.get("gate")
+        if gate is not None:
+            gate = schedule_from_description(gate, f"{where}.gate")
+        return Hybrid(parts["first"], parts["then"], gate=gate)
     if name == "forced":
         options = _options(description, ("acceptance", "proposer", "k"), where)
         inner = proposer_from_description(options.pop("proposer", None), target, f"{where}.proposer")

@@ -5,6 +5,7 @@ sampled output with a sampling draft model reproduces, and the per-proposer coun
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from tiny import tiny_model
@@ -53,6 +54,70 @@ def test_hybrid_greedy_equals_plain(plain_greedy, first, then):
     assert counts["first_steps"].sum() > 0 and counts["then_steps"].sum() > 0  # both were used
 
 
+FREE = specjax.GoodputSchedule(draft_cost=0.0, verify_cost=0.0)  # drafting never costs: always pays
+DEAR = specjax.GoodputSchedule(draft_cost=1.0, verify_cost=1.0, probe_every=8)  # never pays
+
+
+@pytest.mark.parametrize(
+    "first, then",
+    [
+        (specjax.NGram(k=3, n_min=2), specjax.Eagle3(HEAD, k=4)),
+        (specjax.NGram(k=4), specjax.DFlash(FLASH)),
+    ],
+    ids=["ngram+eagle3", "ngram+dflash"],
+)
+def test_a_gate_that_always_pays_changes_nothing(plain_greedy, first, then):
+    """With free drafting the gate lets `then` draft wherever `first` has nothing, as without one:
+    the same tokens and the same per-part counts, and nothing held back."""
+    ungated = specjax.generate(TARGET, PROMPTS, proposer=specjax.Hybrid(first, then), max_new_tokens=24)
+    gated = specjax.generate(
+        TARGET, PROMPTS, proposer=specjax.Hybrid(first, then, gate=FREE), max_new_tokens=24
+    )
+    assert gated.tokens == ungated.tokens == plain_greedy
+    held = gated.metrics.proposer.pop("then_held_back")
+    assert not held.any()
+    expected = dict(ungated.metrics.proposer)
+    assert not expected.pop("then_held_back").any()
+    assert gated.metrics.proposer.keys() == expected.keys()
+    for name, counts in expected.items():
+        np.testing.assert_array_equal(gated.metrics.proposer[name], counts, err_msg=name)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_a_gate_holds_back_a_second_proposer_that_does_not_pay(plain_greedy, batch):
+    """Where drafting costs more than acceptance can repay, a row falls back to plain steps, and
+    the second part drafts only on probes (one step in `probe_every` without its drafts), while
+    the first keeps drafting where it matches. Greedy output stays plain's."""
+    proposer = specjax.Hybrid(specjax.NGram(k=3, n_min=2), specjax.Eagle3(HEAD, k=4), gate=DEAR)
+    result = specjax.generate(TARGET, PROMPTS[:batch], proposer=proposer, max_new_tokens=24)
+    assert result.tokens == plain_greedy[:batch]
+    counts, m = result.metrics.proposer, result.metrics
+    np.testing.assert_array_equal(counts["first_steps"] + counts["then_steps"], m.drafting_steps)
+    np.testing.assert_array_equal(counts["first_accepted"] + counts["then_accepted"], m.accepted)
+    # every step: drafted by the first, by the second, or held back
+    np.testing.assert_array_equal(
+        counts["first_steps"] + counts["then_steps"] + counts["then_held_back"], m.steps
+    )
+    assert counts["then_held_back"].sum() > 0
+    assert (counts["then_steps"] <= m.steps // DEAR.probe_every).all(), counts["then_steps"]
+    if batch == 4:
+        assert counts["first_steps"].sum() > 0  # the n-gram rows still draft
+
+
+def test_gate_choices_weigh_all_drafts_or_none():
+    """The gate's decision is the goodput of the whole k against a plain step: open above the
+    break-even acceptance, closed below, from the row's own evidence."""
+    gate = specjax.GoodputSchedule(draft_cost=0.08, verify_cost=0.15, decay=0.5, prior_weight=1.0)
+    K = 4
+    # cost(4) = 1 + 0.23 * 4 = 1.92; E(4) at alpha: 1 + a + a^2 + a^3 + a^4 > 1.92 from a ~ 0.49
+    state = gate.init(2, K)
+    for _ in range(12):  # row 0 accepts every draft, row 1 none
+        state = gate.update(state, jnp.asarray([4, 0]), jnp.asarray([4, 4]), K, (0, K))
+    assert state.k.tolist() == [K, 0]
+    alpha = jnp.asarray([0.45, 0.55])
+    assert gate.best_k(alpha, K, (0, K)).tolist() == [0, K]
+
+
 def test_hybrid_sampled_reproduces():
     proposer = specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle3(HEAD, k=4))
     sampling = specjax.Sampling(temperature=0.8, seed=4)
@@ -78,6 +143,8 @@ def test_bad_hybrid_arguments():
         specjax.generate(
             TARGET, [[1, 2]], proposer=specjax.Hybrid(specjax.NGram(k=5), specjax.Eagle3(HEAD, k=3))
         )
+    with pytest.raises(ValueError, match="Hybrid gate must be None or a specjax.GoodputSchedule"):
+        specjax.Hybrid(specjax.NGram(), specjax.Eagle3(HEAD), gate=specjax.HeuristicSchedule())
     eagle1 = specjax.models.EagleHead.init(TARGET, jax.random.key(1))
     with pytest.raises(ValueError, match="different target features"):
         specjax.generate(

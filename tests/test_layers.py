@@ -19,11 +19,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "specjax"
 LAYERS = {"kernels": 0, "models": 1, "sharding": 2, "speculate": 3}  # above these: the host side
 HOST_SIDE = ("specjax.api", "specjax.train", "specjax.ablation", "specjax.cli")
-# Known exceptions, each a lazy import inside one function: (file, the module it imports).
-EXCEPTIONS = {
-    # load(..., mesh=mesh) places each weight on its devices with specjax.sharding's specs.
-    ("models/loading.py", "specjax.sharding"),
-}
 
 # Python runs a package's __init__ before any of its modules, and specjax/__init__.py imports
 # every layer to re-export the public API. A stub stands in for it here, so that what appears in
@@ -98,7 +93,7 @@ def test_lower_layers_import_only_downwards(folder):
         name = path.relative_to(PACKAGE).as_posix()
         for line, module in _imports(path):
             layer = _layer(module)
-            if (layer is None or layer > LAYERS[folder]) and (name, module) not in EXCEPTIONS:
+            if layer is None or layer > LAYERS[folder]:
                 wrong.append(f"specjax/{name}:{line} imports {module}")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
 

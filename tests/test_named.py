@@ -27,6 +27,16 @@ def test_descriptions_build_the_proposers_they_name():
     assert proposer_from_description({"name": "dynamic", "proposer": "ngram"}).schedule == (
         specjax.HeuristicSchedule()
     )
+    hybrid = proposer_from_description(
+        {
+            "name": "hybrid",
+            "first": {"name": "ngram", "k": 4, "n_min": 3},
+            "then": {"name": "ngram", "k": 2},
+            "gate": {"name": "goodput", "draft_cost": 0.1, "verify_cost": 0.2},
+        }
+    )
+    assert (hybrid.first, hybrid.then) == (specjax.NGram(k=4, n_min=3), specjax.NGram(k=2))
+    assert hybrid.gate == specjax.GoodputSchedule(draft_cost=0.1, verify_cost=0.2)
 
 
 @pytest.mark.parametrize(
@@ -39,6 +49,7 @@ def test_descriptions_build_the_proposers_they_name():
         ({"name": "eagle"}, "eagle needs 'head'"),
         ({"name": "draft_model", "k": 2}, "draft_model needs 'model'"),
         ({"name": "ngram", "k": 0}, "NGram k must be an integer in 1..16"),
+        ({"name": "hybrid", "first": "ngram", "then": "ngram", "gate": "heuristic"}, "Hybrid gate must be"),
     ],
 )
 def test_bad_descriptions(description, match):

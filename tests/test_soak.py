@@ -8,12 +8,16 @@ Bound checked after the warm-up: resident memory <= the baseline (the process wi
 loaded, its panel copy packed, and no program kept) + the cache budget + SOAK_CONSTANT, which
 covers a compilation's transient memory (a Dynamic program's about 300 MB), the run's caches and
 temporaries, and heap the allocator cannot return. Memory maps stay below a quarter of the
-kernel's limit. The figures are printed (pytest -s shows them).
+kernel's limit (read from /proc: checked on Linux, as is the current resident memory; elsewhere the
+peak from getrusage stands in). The figures are printed (pytest -s shows them).
 """
 
 from __future__ import annotations
 
+import os
 import random
+import resource
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -62,8 +66,14 @@ PROPOSERS = {
 
 
 def resident_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096
+    """This process's resident memory now (Linux), else the peak so far (getrusage: the bound on
+    the peak still holds, the baseline is just higher)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
 def near_tie(model, prompt, got, expected, tolerance=1e-4) -> bool:
@@ -100,9 +110,7 @@ def mixed_calls(seed: int = 0) -> list[tuple[str, str, int, bool]]:
 @pytest.mark.slow
 def test_long_mixed_session_stays_right_and_bounded(smollm2):
     model = smollm2
-    maps_limit = api._memory_maps()
-    if maps_limit is None:
-        pytest.skip("reads /proc (Linux)")
+    maps_limit = api._memory_maps()  # None where /proc cannot be read: maps are then not checked
     ids = {length: api._tokenize(model, texts, chat=True) for length, texts in TEXTS.items()}
     # Warm-up: plain greedy of every prompt alone (the reference), then no program kept.
     reference = {
@@ -143,7 +151,7 @@ def test_long_mixed_session_stays_right_and_bounded(smollm2):
             if key in seen:
                 assert result.tokens == seen[key], f"call {call}: {key} changed its output"
             seen[key] = result.tokens
-            rss, maps = resident_bytes(), api._memory_maps()[0]
+            rss, maps = resident_bytes(), (api._memory_maps() or (0, 0))[0]
             peak, peak_maps = max(peak, rss), max(peak_maps, maps)
             info = specjax.program_cache_info()
             history.append((rss, info.bytes))
@@ -163,12 +171,13 @@ def test_long_mixed_session_stays_right_and_bounded(smollm2):
             f"MiB; peak {peak / MiB:.0f} MiB = baseline + {(peak - baseline) / MiB:.0f} MiB (budget "
             f"{BUDGET / MiB:.0f} + constant {SOAK_CONSTANT / MiB:.0f}); peak of the first half "
             f"{max(r for r, _ in history[:half]) / MiB:.0f} MiB, of the second "
-            f"{max(r for r, _ in history[half:]) / MiB:.0f} MiB; memory maps at most {peak_maps} of "
-            f"{maps_limit[1]}"
+            f"{max(r for r, _ in history[half:]) / MiB:.0f} MiB; memory maps at most "
+            + (f"{peak_maps} of {maps_limit[1]}" if maps_limit else "not readable here")
         )
         assert compiled > 2 * BUDGET // (250 * MiB), "the calls should overflow the budget several times"
         assert peak <= bound, f"resident memory {peak / MiB:.0f} MiB over the bound {bound / MiB:.0f} MiB"
-        assert peak_maps < maps_limit[1] // 4
+        if maps_limit is not None:  # Linux (CI and here): the guard this checks reads /proc too
+            assert peak_maps < maps_limit[1] // 4
     finally:
         specjax.set_program_cache(max_bytes=api.DEFAULT_MAX_PROGRAM_BYTES)
         specjax.clear_compiled_programs()

@@ -22,6 +22,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ def load(
     source: str | os.PathLike,
     dtype: Any = "float32",
     cache_dir: str | os.PathLike | None = None,
-    mesh=None,
+    placer_for: Callable[[LlamaConfig], Callable | None] | None = None,
 ) -> Model:
     """Load a model with its tokenizer.
 
@@ -67,10 +68,12 @@ def load(
         jnp dtype). Norm statistics, attention softmax, logits, sampling and verification stay
         float32 whatever it is.
     cache_dir: where converted GGUF weights are kept; default `$SPECJAX_CACHE` or `~/.cache/specjax`.
-    mesh: a jax Mesh from `specjax.sharding.make_mesh`: each device receives only its slice of
-        each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
-        process reads from the checkpoint only the slices its own devices hold. The model's heads
-        and ffw size must divide the mesh's model axis.
+    placer_for: called with the config once it is read (and checked), before any weight is
+        read; returns None (each weight goes whole to the default device) or a
+        `place(flat_name, shape, read_index)` that builds each weight from the slices it asks for
+        (see `checkpoint.params_from_tensors`). `specjax.load(source, mesh=mesh)` passes one that
+        checks the mesh against the config and reads only this process's slices: placement
+        belongs to the sharding layer above this one.
     """
     try:
         dtype = dtype_name(dtype)
@@ -81,13 +84,7 @@ def load(
         config, tensors, tokenizer = hf_loader.open_hf_folder(path)
     else:
         config, tensors, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
-    place = None
-    if mesh is not None:
-        from specjax import sharding  # imported here: specjax.sharding builds on this package
-
-        sharding.check_mesh(mesh)
-        sharding.check_model_split(mesh, config)
-        place = sharding.slice_placer(config, mesh)  # this process reads only its devices' slices
+    place = None if placer_for is None else placer_for(config)
     params = params_from_tensors(config, tensors, str(path), dtype, place=place)
     return Model(config, params, tokenizer, name=name)
 

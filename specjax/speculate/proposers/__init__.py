@@ -13,8 +13,11 @@ passed as an argument. A spec provides:
         -> (Proposal, state)
     update(state, path_hidden, num_accepted) -> state
 
-(`Stateless` supplies state_bytes, init and update for a proposer without state) and, for a token
-tree, `tree` (a TokenTree: the Proposal then holds one token per tree node).
+and optionally `observe(target_params, params, state, tokens, lengths) -> state`: keep the state
+current on a step it is not asked to draft (a gated Hybrid's fallback; without it, Hybrid drafts
+and discards). `Stateless` supplies state_bytes, init, update and observe for a proposer without
+state; a token tree proposer has `tree` (a TokenTree: the Proposal then holds one token per tree
+node).
 `target_hidden [B, T, D]` is the target's final-normed hidden states over the prompt, and
 `path_hidden [B, K+1, D]` the target's hidden states at the last token and the accepted drafts
 of a step: trained heads (Medusa, EAGLE) draft from them.
@@ -91,7 +94,7 @@ def with_k(proposer, k: int):
     if isinstance(proposer, DFlash):
         return DFlash(proposer.head, block=k + 1)
     if isinstance(proposer, Hybrid):
-        return Hybrid(with_k(proposer.first, k), with_k(proposer.then, k))
+        return Hybrid(with_k(proposer.first, k), with_k(proposer.then, k), proposer.gate)
     if isinstance(proposer, Dynamic):
         return Dynamic(with_k(proposer.proposer, k), proposer.schedule)
     if isinstance(proposer, ForcedAcceptance):

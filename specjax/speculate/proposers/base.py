@@ -43,6 +43,9 @@ class Stateless:
     def update(self, state, path_hidden, num_accepted):
         return state
 
+    def observe(self, target_params, params, state, tokens, lengths):
+        return state
+
 
 class Wrapper:
     """Defaults for a proposer spec that wraps another one, `inner` (ForcedSpec, DynamicSpec):

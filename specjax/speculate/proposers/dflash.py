@@ -73,17 +73,25 @@ class DFlashSpec:
     def update(self, state: DFlashState, path_features, num_accepted) -> DFlashState:
         return state.replace(pending=path_features.astype(state.pending.dtype), num_pending=num_accepted + 1)
 
-    def propose(
-        self, target_params, params: HeadInputs, state: DFlashState, tokens, lengths, keys, sampling, history
-    ):
-        B, S = tokens.shape
-        rows = jnp.arange(B)
+    def _catch_up(self, params: HeadInputs, state: DFlashState, lengths):
+        """The context cache with the pending features projected in: positions 0 .. L - 2."""
         start = lengths - 1 - state.num_pending  # the first pending feature's position
         positions = start[:, None] + jnp.arange(self.block)[None, :]
         cache = dflash_context(
             params.head, self.config, state.pending, positions, state.cache.replace(lengths=start)
         )
-        cache = cache.advance(state.num_pending)  # the context: positions 0 .. L - 2
+        return cache.advance(state.num_pending)
+
+    def observe(self, target_params, params: HeadInputs, state: DFlashState, tokens, lengths) -> DFlashState:
+        """A step it does not draft (Hybrid's gate held it back): only the catch-up."""
+        return state.replace(cache=self._catch_up(params, state, lengths))
+
+    def propose(
+        self, target_params, params: HeadInputs, state: DFlashState, tokens, lengths, keys, sampling, history
+    ):
+        B = tokens.shape[0]
+        rows = jnp.arange(B)
+        cache = self._catch_up(params, state, lengths)
         block = jnp.full((B, self.block), self.config.mask_token_id, jnp.int32)
         block = block.at[:, 0].set(tokens[rows, lengths - 1])
         block_positions = (lengths - 1)[:, None] + jnp.arange(self.block)[None, :]

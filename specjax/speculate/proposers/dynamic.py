@@ -133,14 +133,22 @@ class GoodputSchedule:
         w = self.prior_weight
         return (state.accepted + self.prior * w) / (state.reached + w)
 
-    def best_k(self, alpha: jax.Array, K: int) -> jax.Array:
-        """[B] argmax over k in 0..K of E(k) / cost(k)."""
-        k = jnp.arange(K + 1, dtype=jnp.float32)
-        expected = jnp.cumsum(alpha[:, None] ** k[None, :], axis=1)  # [B, K+1]: 1 + a + ... + a^k
-        cost = 1.0 + (self.draft_cost + self.verify_cost) * k
-        return jnp.argmax(expected / cost[None, :], axis=1).astype(jnp.int32)
+    def best_k(self, alpha: jax.Array, K: int, choices: tuple[int, ...] | None = None) -> jax.Array:
+        """[B] argmax over k in `choices` (default 0..K) of E(k) / cost(k)."""
+        all_k = jnp.arange(K + 1, dtype=jnp.float32)
+        expected = jnp.cumsum(alpha[:, None] ** all_k[None, :], axis=1)  # [B, K+1]: 1 + a + ... + a^k
+        cost = 1.0 + (self.draft_cost + self.verify_cost) * all_k
+        goodput = expected / cost[None, :]
+        if choices is None:
+            return jnp.argmax(goodput, axis=1).astype(jnp.int32)
+        options = jnp.asarray(sorted(choices), jnp.int32)
+        return options[jnp.argmax(goodput[:, options], axis=1)]
 
-    def update(self, state: ScheduleState, num_accepted, num_drafted, K: int) -> ScheduleState:
+    def update(
+        self, state: ScheduleState, num_accepted, num_drafted, K: int, choices: tuple[int, ...] | None = None
+    ) -> ScheduleState:
+        """The state after a step: the acceptance estimate moved by the step's evidence, and k the
+        best of `choices` (default 0..K; a probe takes the smallest k above 0)."""
         drafted = num_drafted > 0
         reached = jnp.minimum(num_accepted + 1, num_drafted)
         # The estimate moves only with evidence: a step without drafts leaves it as it was.
@@ -149,9 +157,10 @@ class GoodputSchedule:
             reached=jnp.where(drafted, self.decay * state.reached + reached, state.reached),
             idle=jnp.where(drafted, 0, state.idle + 1),
         )
-        k = self.best_k(self.alpha(state), K)
+        k = self.best_k(self.alpha(state), K, choices)
         probe = (k == 0) & (state.idle + 1 >= self.probe_every)
-        return state.replace(k=jnp.where(probe, 1, k))
+        smallest = 1 if choices is None else min(c for c in choices if c > 0)
+        return state.replace(k=jnp.where(probe, smallest, k))
 
     @classmethod
     def measure(cls, model, proposer, prompts, max_new_tokens: int = 64, **options) -> GoodputSchedule:

@@ -137,25 +137,36 @@ class EagleSpec:
     def update(self, state: EagleState, path_hidden, num_accepted) -> EagleState:
         return state.replace(pending=path_hidden.astype(state.pending.dtype), num_pending=num_accepted + 1)
 
-    def propose(
-        self, target_params, params: HeadInputs, state: EagleState, tokens, lengths, keys, sampling, history
-    ):
+    def _catch_up(self, target_params, params: HeadInputs, state: EagleState, tokens, lengths):
+        """Feed the pending pairs (hidden states at positions L-1-c .. L-2, tokens at L-c .. L-1)
+        as one block: (the head's outputs [B, k+1, D], its cache holding pairs 0 .. L-2)."""
         B, S = tokens.shape
         rows = jnp.arange(B)
-        embed = target_params.embed
-        tree, levels = self.drafting_tree, _levels(self.drafting_tree)
-        N = tree.num_nodes
-
-        # The pending pairs: hidden states at positions L-1-c .. L-2, tokens at L-c .. L-1.
         P = self.k + 1
         start = lengths - 1 - state.num_pending
         offsets = jnp.arange(P)[None, :]
         block_tokens = tokens[rows[:, None], jnp.minimum(start[:, None] + 1 + offsets, S - 1)]
         cache = state.cache.replace(lengths=start)
         features, cache = self._feed_target(
-            params, embed, state.pending, block_tokens, start[:, None] + offsets, cache
+            params, target_params.embed, state.pending, block_tokens, start[:, None] + offsets, cache
         )
-        cache = cache.advance(state.num_pending)  # lengths - 1: pairs 0 .. L-2 are in
+        return features, cache.advance(state.num_pending)  # lengths - 1: pairs 0 .. L-2 are in
+
+    def observe(self, target_params, params: HeadInputs, state: EagleState, tokens, lengths) -> EagleState:
+        """A step it does not draft (Hybrid's gate held it back): only the catch-up, so that the
+        head's cache stays whole for the steps it drafts again."""
+        return state.replace(cache=self._catch_up(target_params, params, state, tokens, lengths)[1])
+
+    def propose(
+        self, target_params, params: HeadInputs, state: EagleState, tokens, lengths, keys, sampling, history
+    ):
+        B = tokens.shape[0]
+        rows = jnp.arange(B)
+        embed = target_params.embed
+        tree, levels = self.drafting_tree, _levels(self.drafting_tree)
+        N = tree.num_nodes
+
+        features, cache = self._catch_up(target_params, params, state, tokens, lengths)
         root = features[rows, state.num_pending - 1]  # [B, D] predicts f_{L-1}
 
         def candidates(parent_features, width):  # [B, n, D] -> token ids [B, n, width]

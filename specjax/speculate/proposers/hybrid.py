@@ -8,9 +8,20 @@ model's cache); a row then verifies one of the two proposals as a chain. Lossles
 proposer is: a row's drafts are exactly one proposer's, with that proposer's q (one-hot for a
 deterministic one).
 
+A gate (`Hybrid(first, then, gate=GoodputSchedule(...))`) makes the fallback pay for itself:
+where the first has no draft, a row takes the second's drafts only while its measured acceptance
+there (the schedule's decayed estimate, from that row's steps drafted by the second) gives more
+tokens per unit of time than a plain step, with the second's whole k; otherwise the row makes a
+plain step. The second drafts only on steps where some running row takes its drafts (a
+batch-wide `lax.cond`); on the others it only `observe`s (a head feeds its pending features, so
+its cache stays whole), which costs a fraction of drafting. A row held back drafts with the second
+again every `probe_every` steps, to notice when it starts to pay. This is what keeps a hybrid at
+least as fast as its better part where the second one's drafting does not pay (a head on text
+unlike what it trained on, or on a CPU where its step costs twice a plain one).
+
 The state counts, per row and per proposer, the steps whose drafts came from it, the drafts it
-contributed and those accepted: `SpecMetrics.proposer` reports them apart ("first_*" and
-"then_*").
+contributed and those accepted, and the steps a gate held the second back:
+`SpecMetrics.proposer` reports them apart ("first_*", "then_*" and "then_held_back").
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.speculate.proposers.base import Proposal
+from specjax.speculate.proposers.dynamic import GoodputSchedule, ScheduleState
 
 _COUNTERS = ("steps", "drafted", "accepted")
 
@@ -31,15 +43,19 @@ _COUNTERS = ("steps", "drafted", "accepted")
 class HybridState:
     first: Any
     then: Any
-    chosen: jax.Array  # [B] int32: whose drafts the row verifies this step (0 first, 1 then)
+    chosen: jax.Array  # [B] int32: whose drafts the row verifies this step (0 first, 1 then, 2 neither)
     counts: jax.Array  # [B, 2, 3] int32: per proposer, steps drafted from, drafts, accepted
     num_valid: jax.Array  # [B] int32: drafts the row verifies this step
+    held: jax.Array  # [B] int32: steps the gate held `then` back (no draft from either)
+    gate: ScheduleState | None  # the gate's estimate of `then` per row (k: 0 held back, or K)
+    running: jax.Array  # [B] bool: the rows running at the last step (the gate drafts for these)
 
 
 @dataclasses.dataclass(frozen=True)
 class HybridSpec:
     first: Any
     then: Any
+    gate: GoodputSchedule | None = None
     tree = None  # both are chains, verified as one
 
     @property
@@ -48,7 +64,15 @@ class HybridSpec:
 
     @property
     def always_drafts(self) -> bool:
+        if self.gate is not None:  # a row may take neither part's drafts
+            return self.first.always_drafts
         return self.first.always_drafts or self.then.always_drafts
+
+    @property
+    def _gate_choices(self) -> tuple[int, int]:
+        # The second drafts its whole k whenever it drafts (a head's cost hardly depends on how
+        # many of its drafts are verified), so the gate weighs all of them or none.
+        return (0, self.k)
 
     @property
     def feature_layers(self):
@@ -60,12 +84,23 @@ class HybridSpec:
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         B = prompt_tokens.shape[0]
         args = (prompt_tokens, prompt_lengths, capacity, target_hidden)
+        gate = None
+        if self.gate is not None:
+            gate = self.gate.init(B, self.k)
+            if self.gate.initial_k is None:  # all or none, whichever the prior favours
+                k = self.gate.best_k(self.gate.alpha(gate), self.k, self._gate_choices)
+            else:
+                k = jnp.full((B,), self.k if self.gate.initial_k > 0 else 0, jnp.int32)
+            gate = gate.replace(k=k)
         return HybridState(
             first=self.first.init(target_params, params[0], *args),
             then=self.then.init(target_params, params[1], *args),
             chosen=jnp.zeros((B,), jnp.int32),
             counts=jnp.zeros((B, 2, len(_COUNTERS)), jnp.int32),
             num_valid=jnp.zeros((B,), jnp.int32),
+            held=jnp.zeros((B,), jnp.int32),
+            gate=gate,
+            running=jnp.ones((B,), bool),
         )
 
     def propose(self, target_params, params, state: HybridState, tokens, lengths, keys, sampling, history):
@@ -74,22 +109,45 @@ class HybridSpec:
         first, first_state = self.first.propose(
             target_params, params[0], state.first, *common, keys, sampling, history
         )
-        then, then_state = self.then.propose(
-            target_params, params[1], state.then, *common, then_keys, sampling, history
-        )
-        first, then = _padded(first, self.k), _padded(then, self.k)
+        first = _padded(first, self.k)
         use_first = first.valid[:, 0]  # the first proposer has a draft for this row
+
+        def draft(then_state):
+            then, then_state = self.then.propose(
+                target_params, params[1], then_state, *common, then_keys, sampling, history
+            )
+            return _padded(then, self.k), then_state
+
+        if self.gate is None:
+            then, then_state = draft(state.then)
+            held = jnp.zeros_like(use_first)
+        else:
+            wants = ~use_first & (state.gate.k > 0)  # the gate lets `then` draft for the row
+
+            def observe(then_state):  # no row takes its drafts: keep its state current, cheaply
+                shapes = jax.eval_shape(draft, then_state)[0]
+                nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+                return nothing, self.then.observe(target_params, params[1], then_state, *common)
+
+            then, then_state = jax.lax.cond(jnp.any(wants & state.running), draft, observe, state.then)
+            then = then.replace(valid=then.valid & wants[:, None])
+            held = ~use_first & ~wants
         pick = use_first[:, None]
-        draft = jnp.where(pick, first.draft_tokens, then.draft_tokens)
+        draft_tokens = jnp.where(pick, first.draft_tokens, then.draft_tokens)
         valid = jnp.where(pick, first.valid, then.valid)
         probs = None
         if first.draft_probs is not None or then.draft_probs is not None:
             V = (first.draft_probs if first.draft_probs is not None else then.draft_probs).shape[-1]
             p1, p2 = (_probs(p, V) for p in (first, then))
             probs = jnp.where(pick[..., None], p1, p2)
-        chosen = jnp.where(use_first, 0, 1).astype(jnp.int32)
-        new_state = HybridState(first_state, then_state, chosen, state.counts, jnp.sum(valid, axis=1))
-        return Proposal(draft_tokens=draft, valid=valid, draft_probs=probs), new_state
+        chosen = jnp.where(use_first, 0, jnp.where(held, 2, 1)).astype(jnp.int32)
+        new_state = state.replace(
+            first=first_state,
+            then=then_state,
+            chosen=chosen,
+            num_valid=jnp.sum(valid, axis=1),
+        )
+        return Proposal(draft_tokens=draft_tokens, valid=valid, draft_probs=probs), new_state
 
     # The loop hands `update` the rows still running, so that the counts match its own metrics.
     counts_running_rows = True
@@ -104,19 +162,34 @@ class HybridSpec:
         def own(spec, part_state):  # the target's features at the last token and up to its k drafts
             return spec.update(part_state, path_hidden[:, : spec.k + 1], num_accepted)
 
+        gate = state.gate
+        if gate is not None:  # the evidence of the row's steps drafted by `then`
+            by_then = (state.chosen == 1) & running
+            moved = self.gate.update(
+                gate,
+                jnp.where(by_then, num_accepted, 0),
+                jnp.where(by_then, state.num_valid, 0),
+                self.k,
+                self._gate_choices,
+            )
+            gate = jax.tree.map(lambda new, old: jnp.where(running, new, old), moved, gate)
         return state.replace(
             first=own(self.first, state.first),
             then=own(self.then, state.then),
             counts=counts,
+            held=state.held + ((state.chosen == 2) & running).astype(jnp.int32),
+            gate=gate,
+            running=running,
         )
 
     def counters(self, state: HybridState) -> dict[str, jax.Array]:
         """Per-row counts reported apart in SpecMetrics.proposer: first_steps, then_accepted, ..."""
-        return {
+        counts = {
             f"{who}_{name}": state.counts[:, i, j]
             for i, who in enumerate(("first", "then"))
             for j, name in enumerate(_COUNTERS)
         }
+        return counts | {"then_held_back": state.held}
 
 
 def _padded(proposal: Proposal, K: int) -> Proposal:
@@ -144,10 +217,24 @@ class Hybrid:
     """Per row, `first`'s drafts where it has any this step (e.g. an n-gram match of at least
     n_min tokens), `then`'s otherwise. Both draft chains (no token trees); NGram, Medusa, Eagle,
     Eagle3 and DFlash combine (a DraftModel's own cache would go stale), a head drafting as many
-    tokens as the longest part."""
+    tokens as the longest part.
+
+    gate: None (`then` drafts wherever `first` has nothing), or a GoodputSchedule with `then`'s
+    costs (`GoodputSchedule.measure(model, then, prompts)`): a row takes `then`'s drafts only
+    while their measured acceptance pays for drafting and verifying them, else makes a plain step
+    (module doc).
+    """
 
     first: Any
     then: Any
+    gate: GoodputSchedule | None = None
+
+    def __post_init__(self):
+        if self.gate is not None and not isinstance(self.gate, GoodputSchedule):
+            raise ValueError(
+                "Hybrid gate must be None or a specjax.GoodputSchedule with the second proposer's "
+                f"costs (GoodputSchedule.measure(model, then, prompts)), got {self.gate!r}"
+            )
 
     def spec(self, target, warp=None, mesh=None) -> HybridSpec:
         from specjax.speculate.proposers import resolve  # the package resolves every proposer kind
@@ -182,7 +269,13 @@ class Hybrid:
                 f"Hybrid: first and then draft from different target features ({reads[0]} and {reads[1]}); "
                 "they get one set per step"
             )
-        return HybridSpec(*specs)
+        if self.gate is not None and not callable(getattr(specs[1], "observe", None)):
+            raise ValueError(
+                f"Hybrid with a gate: then ({type(self.then).__name__}) must have an observe() method "
+                "that keeps its state current on the steps it does not draft (NGram, Medusa, Eagle, "
+                "Eagle3 and DFlash have one)"
+            )
+        return HybridSpec(*specs, gate=self.gate)
 
     def params(self, target):
         from specjax.speculate.proposers.ngram import NGram

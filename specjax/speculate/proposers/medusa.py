@@ -50,6 +50,9 @@ class MedusaSpec:
         rows = jnp.arange(path_hidden.shape[0])
         return MedusaState(hidden=path_hidden[rows, num_accepted])
 
+    def observe(self, target_params, params, state: MedusaState, tokens, lengths) -> MedusaState:
+        return state  # nothing to catch up on: `update` keeps the one hidden state it drafts from
+
     def propose(self, target_params, params, state: MedusaState, tokens, lengths, keys, sampling, history):
         tree = self.tree
         features = medusa_hidden(params.head, state.hidden)[:, : tree.depth]  # [B, D, hidden]
