@@ -122,10 +122,15 @@ class GoodputSchedule:
         if not _is_int(self.probe_every) or self.probe_every < 1:
             raise ValueError(f"GoodputSchedule probe_every must be an integer >= 1, got {self.probe_every!r}")
 
-    def init(self, B: int, K: int) -> ScheduleState:
+    def init(self, B: int, K: int, choices: tuple[int, ...] | None = None) -> ScheduleState:
+        """The state before any step: k is initial_k (with `choices`, the smallest choice at or
+        above it), or the best of `choices` (default 0..K) for the prior."""
         state = _start(self.initial_k, B, K)
         if self.initial_k is None:  # the best k for the prior
-            state = state.replace(k=self.best_k(self.alpha(state), K))
+            state = state.replace(k=self.best_k(self.alpha(state), K, choices))
+        elif choices is not None:
+            k = min(c for c in choices if c >= min(self.initial_k, K))
+            state = state.replace(k=jnp.full((B,), k, jnp.int32))
         return state
 
     def alpha(self, state: ScheduleState) -> jax.Array:

@@ -84,14 +84,7 @@ class HybridSpec:
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         B = prompt_tokens.shape[0]
         args = (prompt_tokens, prompt_lengths, capacity, target_hidden)
-        gate = None
-        if self.gate is not None:
-            gate = self.gate.init(B, self.k)
-            if self.gate.initial_k is None:  # all or none, whichever the prior favours
-                k = self.gate.best_k(self.gate.alpha(gate), self.k, self._gate_choices)
-            else:
-                k = jnp.full((B,), self.k if self.gate.initial_k > 0 else 0, jnp.int32)
-            gate = gate.replace(k=k)
+        gate = None if self.gate is None else self.gate.init(B, self.k, self._gate_choices)
         return HybridState(
             first=self.first.init(target_params, params[0], *args),
             then=self.then.init(target_params, params[1], *args),
