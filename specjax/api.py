@@ -273,16 +273,17 @@ def _shapes(tree) -> tuple:
 
 
 # Params with panel weights, one copy per params object while it lives: id -> (weak ref, copy).
-_PANELS: dict[int, tuple[weakref.ref, LlamaParams]] = {}
+_PANELS: dict[int, tuple[weakref.ref, Any]] = {}
 
 
-def _with_panels(params: LlamaParams) -> LlamaParams:
-    """`params` with panel weights for the CPU kernel, packed on the first call for these params
-    (about a second for SmolLM2; the copy stays in memory beside the params while they live)."""
+def _with_panels(params, packing=with_panel_weights):
+    """`params` with panel weights for the CPU kernel (`packing`: a target's or a draft model's by
+    default, a head's from its proposer spec), packed on the first call for these params (about
+    a second for SmolLM2; the copy stays in memory beside the params while they live)."""
     cached = _PANELS.get(id(params))
     if cached is not None and cached[0]() is params:
         return cached[1]
-    packed = with_panel_weights(params)
+    packed = packing(params)
     key = id(params)
     _PANELS[key] = (weakref.ref(params, lambda _: _PANELS.pop(key, None)), packed)
     return packed
@@ -629,6 +630,9 @@ def _generate(
             params = _with_panels(params)
         if isinstance(proposer_params, LlamaParams) and proposer_params.dtype == jnp.float32:
             proposer_params = _with_panels(proposer_params)
+        head_panels = getattr(proposer_spec, "with_panel_weights", None)  # a trained head's own
+        if head_panels is not None and proposer_params is not None:
+            proposer_params = _with_panels(proposer_params, head_panels)
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
     state = program(params, proposer_params, inputs)

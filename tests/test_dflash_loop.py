@@ -50,14 +50,18 @@ def reference_drafts(head, block, aux, sequence, length):
 
 
 @pytest.mark.parametrize(
-    "head, observed",
-    [(HEAD, ()), (SUBSET_HEAD, ()), (HEAD, (1, 2))],
-    ids=["target-head", "draft-vocab", "observing"],
+    "head, observed, block",
+    [(HEAD, (), None), (SUBSET_HEAD, (), None), (HEAD, (1, 2), None), (HEAD, (2,), 3)],
+    ids=["target-head", "draft-vocab", "observing", "block3-accepting4"],
 )
-def test_drafts_equal_a_from_scratch_reference(head, observed):
-    """As EAGLE-3's: by hand over ragged acceptance; on the `observed` steps only `observe`."""
-    proposer = specjax.DFlash(head)
+def test_drafts_equal_a_from_scratch_reference(head, observed, block):
+    """As EAGLE-3's: by hand over ragged acceptance; on the `observed` steps only `observe`. A block
+    of 3 that accepts 4 (a Hybrid part beside a drafter of 4) catches up on up to 4 drafts."""
+    proposer = specjax.DFlash(head, block=block)
     spec, params = proposer.spec(TARGET), proposer.params(TARGET)
+    if block is not None:
+        spec = spec.accepting(4)
+        assert (spec.k, spec.accepts) == (2, 4)
     prompts = [PROMPTS[0], PROMPTS[1]]
     plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
     S = 64
@@ -84,7 +88,7 @@ def test_drafts_equal_a_from_scratch_reference(head, observed):
             expected = reference_drafts(head, spec.block, aux[b], np.asarray(tokens[b]), int(lengths[b]))
             assert np.asarray(proposal.draft_tokens[b]).tolist() == expected, (accepted, b)
         n = jnp.asarray(accepted, jnp.int32)
-        path = aux[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(spec.k + 1)[None, :]]
+        path = aux[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(spec.accepts + 1)[None, :]]
         state = spec.update(state, path, n)
         lengths = lengths + n + 1
 

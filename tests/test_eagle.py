@@ -2,6 +2,7 @@
 reference at every step (pending hidden states, ragged acceptance, chain and tree), greedy EAGLE
 decoding equals plain decoding (chain and trees, batch 1 and 4), and bad arguments are refused."""
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,13 @@ HEAD = EagleHead.init(TARGET, jax.random.key(0), scale=1.0)
 # A head drafting from a 40-token subset of the vocabulary, in a shuffled order.
 SUBSET = np.random.default_rng(1).permutation(TARGET.config.vocab_size)[:40]
 SUBSET_HEAD = EagleHead.init(TARGET, jax.random.key(1), vocab=SUBSET, scale=1.0)
+# EAGLE-1's released form: no norm before the layer's attention (its fc scaled so that the layer's
+# input is far from unit RMS, where a norm would change it).
+RELEASE_HEAD = dataclasses.replace(
+    HEAD,
+    config=dataclasses.replace(HEAD.config, input_norm=False),
+    params=HEAD.params.replace(fc=3.0 * HEAD.params.fc),
+)
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
     [3, 9],
@@ -88,17 +96,23 @@ def reference_drafts(head, tree, hidden, sequence, length):
         pytest.param(HEAD, "tree", id="tree-full_vocab"),
         pytest.param(SUBSET_HEAD, "chain3", id="chain3-subset"),
         pytest.param(SUBSET_HEAD, "tree", id="tree-subset"),
+        pytest.param(RELEASE_HEAD, "chain1-accepting3", id="chain1-accepting3-no_input_norm"),
     ],
 )
 def test_drafts_equal_a_from_scratch_reference(head, shape):
     """Drive the proposer's init / propose / update by hand over a few steps with ragged acceptance
-    (0, some, all) and compare every drafted node with the reference."""
-    proposer = (
-        specjax.Eagle(head, k=3)
-        if shape == "chain3"
-        else specjax.Eagle(head, tree=TokenTree.top_k((2, 2, 1)))
-    )
+    (0, some, all) and compare every drafted node with the reference. A chain of 1 that accepts 3
+    (a Hybrid part beside a drafter of 3) catches up on up to 3 drafts; on steps 1 and 3 it only
+    `observe`s (a gated Hybrid's steps that another part drafts), and drafts after them must still
+    equal the reference's."""
+    if shape == "tree":
+        proposer = specjax.Eagle(head, tree=TokenTree.top_k((2, 2, 1)))
+    else:
+        proposer = specjax.Eagle(head, k=3 if shape == "chain3" else 1)
     spec, params = proposer.spec(TARGET), proposer.params(TARGET)
+    observed = ()
+    if shape == "chain1-accepting3":
+        spec, observed = spec.accepting(3), (1, 3)
     tree = spec.drafting_tree
     prompts = [PROMPTS[0], PROMPTS[1]]
     plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
@@ -117,18 +131,58 @@ def test_drafts_equal_a_from_scratch_reference(head, shape):
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     state = spec.init(TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, hidden[:, :bucket])
     lengths = prompt_lengths + 1  # the first token came from the prefill
-    propose = jax.jit(spec.propose)
+    propose, observe = jax.jit(spec.propose), jax.jit(spec.observe)
     schedule = [(0, 2), (3, 1), (1, 0), (2, 3), (0, 0)]  # accepted drafts per row and step
-    for accepted in schedule:
-        proposal, state = propose(TARGET.params, params, state, tokens, lengths, None, None, None)
-        for b in range(2):
+    for step, accepted in enumerate(schedule):
+        if step in observed:
+            state = observe(TARGET.params, params, state, tokens, lengths)
+        else:
+            proposal, state = propose(TARGET.params, params, state, tokens, lengths, None, None, None)
+        for b in range(0 if step in observed else 2):
             expected = reference_drafts(head, tree, hidden[b], np.asarray(tokens[b]), int(lengths[b]))
             assert np.asarray(proposal.draft_tokens[b]).tolist() == expected, (accepted, b)
         n = jnp.asarray(accepted, jnp.int32)
         rows = jnp.arange(2)[:, None]
-        path_hidden = hidden[rows, (lengths - 1)[:, None] + jnp.arange(spec.k + 1)[None, :]]
+        path_hidden = hidden[rows, (lengths - 1)[:, None] + jnp.arange(spec.accepts + 1)[None, :]]
         state = spec.update(state, path_hidden, n)
         lengths = lengths + n + 1
+
+
+@pytest.mark.parametrize(
+    "proposer",
+    [
+        specjax.Eagle(HEAD, k=2),
+        specjax.Eagle(RELEASE_HEAD, k=2),
+        specjax.Eagle3(
+            specjax.models.Eagle3Head.init(TARGET, jax.random.key(3), aux_layer_ids=(0, 1, 2), scale=1.0), k=2
+        ),
+    ],
+    ids=["eagle", "eagle-no_input_norm", "eagle3"],
+)
+def test_observe_writes_what_a_catch_up_writes(proposer):
+    """`observe` computes only the pending pairs' keys and values; the head's cache after it must
+    hold exactly what the full catch-up (the head's layer over the pairs) writes there."""
+    spec, params = proposer.spec(TARGET), proposer.params(TARGET)
+    spec = spec.accepting(4)
+    B, S, width = 2, 40, spec._pending_width
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, TARGET.config.vocab_size, (B, S)), jnp.int32)
+    features = jnp.asarray(3.0 * rng.standard_normal((B, 12, width)), jnp.float32)  # far from unit RMS
+    prompt_lengths = jnp.asarray([12, 7], jnp.int32)
+    state = spec.init(TARGET.params, params, tokens[:, :12], prompt_lengths, S, features)
+    pending = jnp.asarray(3.0 * rng.standard_normal((B, 5, width)), jnp.float32)
+    state = spec.update(state, pending, jnp.asarray([4, 1], jnp.int32))  # 5 and 2 pending pairs
+    lengths = prompt_lengths + jnp.asarray([6, 3], jnp.int32)
+    observed = spec.observe(TARGET.params, params, state, tokens, lengths)
+    _, caught_up = spec._catch_up(TARGET.params, params, state, tokens, lengths)
+    np.testing.assert_array_equal(observed.cache.lengths, caught_up.lengths)
+    for b in range(B):  # keys [B*K, E, S], values [B*K, S, E]: the committed slots of row b
+        n, K = int(caught_up.lengths[b]), TARGET.config.num_kv_heads
+        rows = slice(b * K, (b + 1) * K)
+        for got, want in zip(observed.cache.k, caught_up.k, strict=True):
+            np.testing.assert_allclose(got[rows, :, :n], want[rows, :, :n], rtol=1e-5, atol=1e-5)
+        for got, want in zip(observed.cache.v, caught_up.v, strict=True):
+            np.testing.assert_allclose(got[rows, :n], want[rows, :n], rtol=1e-5, atol=1e-5)
 
 
 # -- In the loop --------------------------------------------------------------------------------

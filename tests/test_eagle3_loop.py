@@ -102,19 +102,28 @@ def reference_drafts(head, tree, aux, sequence, length):
 
 @pytest.mark.parametrize(
     "head, shape, observed",
-    [(HEAD, "tree", ()), (SUBSET_HEAD, "chain3", ()), (SUBSET_HEAD, "chain3", (1, 2))],
-    ids=["tree-full_vocab", "chain3-subset", "chain3-observing"],
+    [
+        (HEAD, "tree", ()),
+        (SUBSET_HEAD, "chain3", ()),
+        (SUBSET_HEAD, "chain3", (1, 2)),
+        (HEAD, "chain1-accepting3", ()),
+        (SUBSET_HEAD, "chain1-accepting3", (0, 2)),
+    ],
+    ids=["tree-full_vocab", "chain3-subset", "chain3-observing", "chain1-accepting3", "chain1-observing"],
 )
 def test_drafts_equal_a_from_scratch_reference(head, shape, observed):
     """init / propose / update driven by hand over steps with ragged acceptance (0, some, all).
     On the `observed` steps the head only catches up (`observe`, a gated Hybrid's step that
-    another part drafts): its later drafts must still equal the reference's."""
-    proposer = (
-        specjax.Eagle3(head, k=3)
-        if shape == "chain3"
-        else specjax.Eagle3(head, tree=TokenTree.top_k((2, 2, 1)))
-    )
+    another part drafts): its later drafts must still equal the reference's. A chain of 1 that
+    accepts 3 (a Hybrid part beside a drafter of 3) catches up on up to 3 accepted drafts."""
+    if shape == "tree":
+        proposer = specjax.Eagle3(head, tree=TokenTree.top_k((2, 2, 1)))
+    else:
+        proposer = specjax.Eagle3(head, k=3 if shape == "chain3" else 1)
     spec, params = proposer.spec(TARGET), proposer.params(TARGET)
+    if shape == "chain1-accepting3":
+        spec = spec.accepting(3)
+        assert (spec.k, spec.accepts) == (1, 3)
     assert spec.feature_layers == AUX
     tree = spec.drafting_tree
     prompts = [PROMPTS[0], PROMPTS[1]]
@@ -148,7 +157,7 @@ def test_drafts_equal_a_from_scratch_reference(head, shape, observed):
             expected = reference_drafts(head, tree, aux[b], np.asarray(tokens[b]), int(lengths[b]))
             assert np.asarray(proposal.draft_tokens[b]).tolist() == expected, (accepted, b)
         n = jnp.asarray(accepted, jnp.int32)
-        path = aux[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(spec.k + 1)[None, :]]
+        path = aux[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(spec.accepts + 1)[None, :]]
         state = spec.update(state, path, n)
         lengths = lengths + n + 1
 

@@ -4,6 +4,8 @@ sampled output with a sampling draft model reproduces, and the per-proposer coun
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,8 @@ from tiny import tiny_model
 
 import specjax
 from specjax.models import DFlashHead, Eagle3Head
+from specjax.speculate.loop import smallest_width
+from specjax.speculate.proposers import Proposal, Stateless
 
 TARGET = tiny_model(seed=11, num_layers=4)
 DRAFT = tiny_model(seed=12, num_layers=1)
@@ -118,6 +122,82 @@ def test_gate_choices_weigh_all_drafts_or_none():
     assert gate.best_k(alpha, K, (0, K)).tolist() == [0, K]
 
 
+# -- Parts of different lengths: a long drafter and a short one ------------------------------------
+
+
+@pytest.mark.parametrize(
+    "then",
+    [specjax.Eagle3(HEAD, k=1), specjax.DFlash(FLASH, block=3)],
+    ids=["ngram5+eagle3_k1", "ngram5+dflash_block3"],
+)
+@pytest.mark.parametrize("gate", [None, FREE], ids=["ungated", "gated"])
+def test_parts_of_different_lengths_equal_plain(plain_greedy, then, gate):
+    """NGram drafting 5 beside a head drafting 1 or 2: the head catches up on up to 5 accepted
+    n-gram drafts a step, each step verifies as wide as its rows drafted, and greedy output is
+    plain's at batch 1 and 4; the counts add up and no row's head step verified more than its k."""
+    proposer = specjax.Hybrid(specjax.NGram(k=5, n_min=2), then, gate=gate)
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    alone = specjax.generate(TARGET, PROMPTS[:1], proposer=proposer, max_new_tokens=24)
+    assert alone.tokens == plain_greedy[:1]
+    counts, m = result.metrics.proposer, result.metrics
+    np.testing.assert_array_equal(counts["first_steps"] + counts["then_steps"], m.drafting_steps)
+    np.testing.assert_array_equal(counts["first_accepted"] + counts["then_accepted"], m.accepted)
+    np.testing.assert_array_equal(counts["first_drafted"] + counts["then_drafted"], m.drafted)
+    assert (counts["then_drafted"] <= then.k * counts["then_steps"]).all()
+    assert counts["first_accepted"].max() > then.k  # the head caught up on longer acceptances
+    assert counts["then_steps"].sum() > 0
+    assert result.metrics.num_speculative_tokens == 5
+
+
+def test_verify_widths_of_a_hybrid():
+    """A Hybrid of a long and a short part verifies at either width; of equal parts, at k alone."""
+    mixed = specjax.Hybrid(specjax.NGram(k=5), specjax.Eagle3(HEAD, k=1)).spec(TARGET)
+    assert mixed.verify_widths == (1, 5) and mixed.k == 5
+    assert mixed.then.accepts == 5 and mixed.then.k == 1
+    equal = specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle3(HEAD, k=4)).spec(TARGET)
+    assert equal.verify_widths is None
+
+
+def test_smallest_width_covers_every_running_row():
+    """The loop's choice of verify pass: the smallest width at least every running row's drafts;
+    finished rows do not count; no drafts at all picks the one-token pass (width 0)."""
+    widths = (0, 1, 5)
+
+    def valid(counts):
+        return jnp.arange(5)[None, :] < jnp.asarray(counts)[:, None]
+
+    running = jnp.asarray([True, True, False])
+    assert int(smallest_width(widths, valid([1, 0, 5]), running)) == 1
+    assert int(smallest_width(widths, valid([1, 3, 0]), running)) == 2
+    assert int(smallest_width(widths, valid([0, 0, 5]), running)) == 0
+    assert int(smallest_width(widths, valid([5, 1, 1]), running)) == 2
+    assert int(smallest_width((0, 4), valid([2, 2, 2]), running)) == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Guess(Stateless):
+    """A proposer with state it cannot widen (no `accepting`): its last token once."""
+
+    k: int = 1
+    always_drafts = True
+
+    def update(self, state, path_hidden, num_accepted):  # stands for a state sized by its own k
+        return state
+
+    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
+        last = tokens[jnp.arange(tokens.shape[0]), lengths - 1][:, None]
+        return Proposal(last, jnp.ones(last.shape, bool)), state
+
+
+class _OneGuess:
+    def spec(self, target, warp=None, mesh=None):
+        return _Guess()
+
+    def params(self, target):
+        return None
+
+
 def test_hybrid_sampled_reproduces():
     proposer = specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle3(HEAD, k=4))
     sampling = specjax.Sampling(temperature=0.8, seed=4)
@@ -139,10 +219,8 @@ def test_bad_hybrid_arguments():
         specjax.generate(
             TARGET, [[1, 2]], proposer=specjax.Hybrid(specjax.NGram(), specjax.DraftModel(DRAFT))
         )
-    with pytest.raises(ValueError, match="Hybrid then drafts k=3 but the other part k=5"):
-        specjax.generate(
-            TARGET, [[1, 2]], proposer=specjax.Hybrid(specjax.NGram(k=5), specjax.Eagle3(HEAD, k=3))
-        )
+    with pytest.raises(ValueError, match="Hybrid then drafts k=1 but the other part k=5, and _Guess"):
+        specjax.generate(TARGET, [[1, 2]], proposer=specjax.Hybrid(specjax.NGram(k=5), _OneGuess()))
     with pytest.raises(ValueError, match="Hybrid gate must be None or a specjax.GoodputSchedule"):
         specjax.Hybrid(specjax.NGram(), specjax.Eagle3(HEAD), gate=specjax.HeuristicSchedule())
     eagle1 = specjax.models.EagleHead.init(TARGET, jax.random.key(1))

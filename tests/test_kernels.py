@@ -340,3 +340,80 @@ def test_training_shapes_are_untouched():
     """init_params still gives plain arrays: only with_panel_weights makes panels."""
     params = init_params(tiny_config(), jax.random.key(0))
     assert isinstance(params.layers[0].qkv, jax.Array) and params.head_panels is None
+
+
+def _heads(model):
+    from specjax.models import DFlashHead, Eagle3Head, EagleHead
+
+    subset = np.arange(0, model.config.vocab_size, 3)  # a draft vocabulary of its own
+    return {
+        "eagle": specjax.Eagle(EagleHead.init(model, jax.random.key(0), vocab=subset, scale=1.0), k=3),
+        "eagle3": specjax.Eagle3(
+            Eagle3Head.init(model, jax.random.key(1), vocab=subset, aux_layer_ids=(0, 1, 2), scale=1.0), k=3
+        ),
+        "dflash": specjax.DFlash(
+            DFlashHead.init(model, jax.random.key(2), block_size=4, aux_layer_ids=(0, 2))
+        ),
+    }
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3", "dflash"])
+def test_heads_with_panel_weights_draft_what_plain_heads_draft(kind):
+    """A trained head's weights as panels (its layers, fc and LM head, for drafting on the CPU):
+    the same head outputs from the prefill's catch-up and a drafting step within float32 rounding,
+    the same drafts, and the compiled drafting step multiplies through the kernel."""
+    model = tiny_model(seed=3)
+    proposer = _heads(model)[kind]
+    spec, params = proposer.spec(model), proposer.params(model)
+    packed = spec.with_panel_weights(params)
+    leaves = jax.tree.leaves(packed, is_leaf=lambda x: isinstance(x, kernels.PanelWeight))
+    assert sum(isinstance(x, kernels.PanelWeight) for x in leaves) >= 6
+    B, S = 2, 32
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, (B, S)), jnp.int32)
+    streams = {"eagle": 1, "eagle3": 3, "dflash": 2}[kind]  # target features the head reads
+    features = jnp.asarray(rng.standard_normal((B, 10, streams * model.config.hidden_size)), jnp.float32)
+    prompt_lengths = jnp.asarray([10, 6], jnp.int32)
+    target = api._with_panels(model.params)
+
+    def draft(p):
+        state = spec.init(target, p, tokens[:, :10], prompt_lengths, S, features)
+        return spec.propose(target, p, state, tokens, prompt_lengths + 1, None, None, None)
+
+    text = jax.jit(draft).lower(packed).as_text()
+    assert "specjax_panel_matmul" in text
+    (want, want_state), (got, got_state) = jax.jit(draft)(params), jax.jit(draft)(packed)
+    assert np.asarray(got.draft_tokens).tolist() == np.asarray(want.draft_tokens).tolist()
+    for a, b in zip(jax.tree.leaves(got_state), jax.tree.leaves(want_state), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+def test_generate_packs_a_heads_weights_once(monkeypatch):
+    """On the CPU, generate drafts with a head's panel copy, made once for the proposer object and
+    model (the same params object each call), and gives the tokens the plain head gives."""
+    model = tiny_model(seed=3)
+    prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
+    seen = []
+    real = api._compiled
+
+    def compiled(spec, params, proposer_params, *rest):
+        seen.append(proposer_params)
+        return real(spec, params, proposer_params, *rest)
+
+    monkeypatch.setattr(api, "_compiled", compiled)
+    heads = _heads(model)
+    hybrid = specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle3(heads["eagle3"].head, k=1))
+    for proposer in (heads["eagle"], hybrid):
+        first = specjax.generate(model, prompts, proposer=proposer, max_new_tokens=10)
+        again = specjax.generate(model, prompts, proposer=proposer, max_new_tokens=10)
+        assert seen[-1] is seen[-2]  # packed once
+        leaves = jax.tree.leaves(seen[-1], is_leaf=lambda x: isinstance(x, kernels.PanelWeight))
+        assert any(isinstance(x, kernels.PanelWeight) for x in leaves)
+        monkeypatch.setenv("SPECJAX_CPU_KERNEL", "0")
+        without = specjax.generate(model, prompts, proposer=proposer, max_new_tokens=10)
+        monkeypatch.delenv("SPECJAX_CPU_KERNEL")
+        assert first.tokens == again.tokens == without.tokens
+        assert not any(
+            isinstance(x, kernels.PanelWeight)
+            for x in jax.tree.leaves(seen[-1], is_leaf=lambda x: isinstance(x, kernels.PanelWeight))
+        )

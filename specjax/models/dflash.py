@@ -28,20 +28,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import PanelWeight, pack
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab
 from specjax.models.llama import (
     LayerParams,
     LlamaParams,
-    apply_rope,
+    attention_keys_values,
     checkpoint_layer_shapes,
     decoder_layers,
     layer_from_checkpoint,
     lm_head,
+    panel_layer,
     project,
     rms_norm,
-    rope_inverse_frequencies,
 )
 from specjax.models.model import Model
 
@@ -185,7 +186,7 @@ def init_dflash(config: DFlashConfig, key: jax.Array, scale: float = 1.0, dtype=
 
 def fused_context(params: DFlashParams, config: DFlashConfig, aux: jax.Array) -> jax.Array:
     """The target's features aux [..., A] as the head's context [..., D]: hidden_norm(fc(aux))."""
-    return rms_norm(aux @ params.fc, params.hidden_norm, config.rms_norm_eps)
+    return rms_norm(project(aux, params.fc), params.hidden_norm, config.rms_norm_eps)
 
 
 def dflash_context(
@@ -195,20 +196,16 @@ def dflash_context(
     [B, T] into every layer's cache at slots `cache.lengths + t` (advancing is the caller's)."""
     c = config.layer_config
     context = fused_context(params, config, aux)
-    B, T, _ = context.shape
-    E, G = c.head_dim, c.num_heads // c.num_kv_heads
-    inv_freq = rope_inverse_frequencies(c)
     keys, values = [], []
-    for i, layer in enumerate(params.layers):
-        qkv = project(context, layer.qkv)  # the queries are computed and dropped: one fused product
-        if c.qkv_bias:
-            qkv = qkv + layer.qkv_bias
-        qkv = qkv.reshape(B, T, qkv.shape[-1] // ((G + 2) * E), G + 2, E)  # (no -1: T may be 0)
-        k = rms_norm(qkv[:, :, :, G], layer.k_norm, c.rms_norm_eps)
-        k = apply_rope(k, positions, inv_freq)
+    for i, layer in enumerate(params.layers):  # every layer reads the same context
+        k, v = attention_keys_values(c, layer, context, positions, i, attention_input=_as_is)
         keys.append(cache.write_keys(cache.k[i], k))
-        values.append(cache.write_values(cache.v[i], qkv[:, :, :, G + 1]))
+        values.append(cache.write_values(cache.v[i], v))
     return cache.replace(k=tuple(keys), v=tuple(values))
+
+
+def _as_is(x, lp):  # the context enters each layer's key and value projections unnormed
+    return x, x
 
 
 def dflash_block(
@@ -231,8 +228,19 @@ def dflash_logits(
     if params.lm_head is None:
         return lm_head(target_params, outputs, target_config)
     rows = outputs.reshape(-1, outputs.shape[-1])
-    logits = jnp.matmul(rows, params.lm_head, preferred_element_type=jnp.float32)
-    return logits.reshape(*outputs.shape[:-1], -1)
+    if isinstance(params.lm_head, PanelWeight):
+        logits = project(rows, params.lm_head)
+    else:
+        logits = jnp.matmul(rows, params.lm_head, preferred_element_type=jnp.float32)
+    return logits.reshape(*outputs.shape[:-1], -1).astype(jnp.float32)
+
+
+def dflash_panel_weights(params: DFlashParams) -> DFlashParams:
+    """The head with fc, its layers' projections and its own LM head (if any) as panels, for
+    drafting on the CPU (as `llama.with_panel_weights` for a target: no gradient, float32)."""
+    lm = None if params.lm_head is None else pack(params.lm_head)
+    layers = tuple(panel_layer(layer) for layer in params.layers)
+    return params.replace(fc=pack(params.fc), layers=layers, lm_head=lm)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.llama import LlamaParams
+from specjax.kernels import PanelWeight
+from specjax.models.llama import LlamaParams, project
 
 
 def check_draft_vocab(owner: str, vocab, vocab_size: int, size: int | None = None) -> np.ndarray:
@@ -55,8 +56,9 @@ def draft_head_matrix(target_params: LlamaParams, vocab: jax.Array) -> jax.Array
     return target_params.lm_head[:, vocab]
 
 
-def draft_logits(head_matrix: jax.Array, features: jax.Array) -> jax.Array:
+def draft_logits(head_matrix: jax.Array | PanelWeight, features: jax.Array) -> jax.Array:
     """features [..., D] -> logits over the draft vocabulary [..., W], float32 (one 2-D product:
-    see llama.lm_head for why)."""
+    see llama.lm_head for why); head_matrix may be panels (`pack`, for drafting on the CPU)."""
     rows = features.reshape(-1, features.shape[-1])
-    return (rows @ head_matrix).reshape(*features.shape[:-1], head_matrix.shape[-1]).astype(jnp.float32)
+    logits = project(rows, head_matrix)
+    return logits.reshape(*features.shape[:-1], head_matrix.shape[-1]).astype(jnp.float32)

@@ -24,10 +24,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import pack
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab
-from specjax.models.llama import LayerParams, checkpoint_layer_shapes, decoder_layers, layer_from_checkpoint
+from specjax.models.llama import (
+    LayerParams,
+    attention_keys_values,
+    checkpoint_layer_shapes,
+    decoder_layers,
+    layer_from_checkpoint,
+    panel_layer,
+    project,
+)
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
 
@@ -152,19 +161,55 @@ def eagle_features(
     [B, T]; the head's one-layer cache gets their keys and values at slots `cache.lengths + t`
     (advancing is the caller's). `embed` is the target's embedding table [V, D]; `visible`
     [B, T, S] overrides which cache slots each input attends to (see `decoder_layers`)."""
-    x = jnp.concatenate([hidden, embed[next_tokens]], axis=-1) @ params.fc + params.fc_bias
-    unnormed = None if config.input_norm else (lambda x, lp: (x, x))
     return decoder_layers(
         (params.layer,),
         config.layer_config,
-        x,
+        _layer_input(params, embed, hidden, next_tokens),
         positions,
         cache,
         fresh_mask,
         empty_cache,
         visible=visible,
-        first_attention_input=unnormed,
+        first_attention_input=None if config.input_norm else _unnormed,
     )
+
+
+def eagle_entries(
+    params: EagleParams,
+    config: EagleConfig,
+    embed: jax.Array,
+    hidden: jax.Array,
+    next_tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+) -> KVCache:
+    """The head's cache with the keys and values of inputs (hidden [B, T, D], next_tokens [B, T])
+    at positions [B, T] written at slots `cache.lengths + t`, as `eagle_features` writes them,
+    without computing its outputs: a catch-up on a step whose drafts come from elsewhere costs
+    the fc and the key and value projections only."""
+    k, v = attention_keys_values(
+        config.layer_config,
+        params.layer,
+        _layer_input(params, embed, hidden, next_tokens),
+        positions,
+        attention_input=None if config.input_norm else _unnormed,
+    )
+    return cache.replace(k=(cache.write_keys(cache.k[0], k),), v=(cache.write_values(cache.v[0], v),))
+
+
+def _layer_input(params: EagleParams, embed, hidden, next_tokens) -> jax.Array:
+    """fc over (the feature, the next token's embedding): the layer's input [B, T, D]."""
+    return project(jnp.concatenate([hidden, embed[next_tokens]], axis=-1), params.fc) + params.fc_bias
+
+
+def eagle_panel_weights(params: EagleParams) -> EagleParams:
+    """The head with fc and its layer's projections as panels, for drafting on the CPU (as
+    `llama.with_panel_weights` for a target: no gradient, float32)."""
+    return params.replace(fc=pack(params.fc), layer=panel_layer(params.layer))
+
+
+def _unnormed(x, lp):  # EAGLE-1's release: no norm before the layer's attention
+    return x, x
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

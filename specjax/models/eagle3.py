@@ -19,6 +19,7 @@ Einsum letters: B batch, T positions, D the head's width, A the fused features' 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -27,14 +28,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import PanelWeight, pack
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab
 from specjax.models.llama import (
     LayerParams,
+    attention_keys_values,
     checkpoint_layer_shapes,
     decoder_layers,
     layer_from_checkpoint,
+    panel_layer,
+    project,
     rms_norm,
 )
 from specjax.models.model import Model
@@ -223,7 +228,7 @@ def fuse_features(params: Eagle3Params, config: Eagle3Config, aux: jax.Array) ->
     if config.fc_norm:
         parts = jnp.split(aux, len(config.aux_layer_ids), axis=-1)
         aux = jnp.concatenate([rms_norm(p, w, eps) for p, w in zip(parts, params.fc_norms, strict=True)], -1)
-    return aux @ params.fc
+    return project(aux, params.fc)
 
 
 def eagle3_features(
@@ -243,38 +248,79 @@ def eagle3_features(
     `embed` is the target's embedding table [V, D]; the head's cache gets the inputs' keys and
     values at slots `cache.lengths + t` (advancing is the caller's). `visible` [B, T, S] overrides
     which cache slots each input sees (training-time test, train/eagle3.py)."""
-    D = config.hidden_size
-    x = jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1)  # [B, T, 2D]
-    eps = config.rms_norm_eps
-
-    def side_by_side(x, lp):  # the first layer's attention input, and its residual
-        token, feature = x[..., :D], x[..., D:]
-        normed = rms_norm(feature, params.hidden_norm, eps)
-        both = jnp.concatenate([rms_norm(token, lp.attn_norm, eps), normed], axis=-1)
-        return both, normed if config.norm_before_residual else feature
-
     out, cache = decoder_layers(
         params.layers,
         config.layer_config,
-        x,
+        _side_by_side(embed, features, tokens),
         positions,
         cache,
         fresh_mask,
         empty_cache,
         visible=visible,
-        first_attention_input=side_by_side,
+        first_attention_input=functools.partial(_first_attention_input, params, config),
     )
     if config.norm_output:
-        out = rms_norm(out, params.norm, eps)
+        out = rms_norm(out, params.norm, config.rms_norm_eps)
     return out, cache
+
+
+def eagle3_entries(
+    params: Eagle3Params,
+    config: Eagle3Config,
+    embed: jax.Array,
+    features: jax.Array,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+) -> KVCache:
+    """The head's cache with the keys and values of inputs (features [B, T, D], the next tokens
+    [B, T]) at positions [B, T] written at slots `cache.lengths + t`, as `eagle3_features` writes
+    them. A one-layer head (the published form) computes its first layer's key and value
+    projections only: a catch-up on a step whose drafts come from elsewhere costs little. Deeper
+    heads run every layer (a later layer's keys come from the layer before)."""
+    if len(params.layers) > 1:
+        return eagle3_features(params, config, embed, features, tokens, positions, cache)[1]
+    k, v = attention_keys_values(
+        config.layer_config,
+        params.layers[0],
+        _side_by_side(embed, features, tokens),
+        positions,
+        attention_input=functools.partial(_first_attention_input, params, config),
+    )
+    return cache.replace(k=(cache.write_keys(cache.k[0], k),), v=(cache.write_values(cache.v[0], v),))
+
+
+def _side_by_side(embed, features, tokens) -> jax.Array:
+    """The tokens' embeddings and the features side by side: [B, T, 2D], the first layer's input."""
+    return jnp.concatenate([embed[tokens].astype(features.dtype), features], axis=-1)
+
+
+def _first_attention_input(params: Eagle3Params, config: Eagle3Config, x, lp):
+    """The first layer's attention input (the token's and the feature's norms side by side) and
+    its residual, from x [B, T, 2D] (`_side_by_side`)."""
+    D, eps = config.hidden_size, config.rms_norm_eps
+    token, feature = x[..., :D], x[..., D:]
+    normed = rms_norm(feature, params.hidden_norm, eps)
+    both = jnp.concatenate([rms_norm(token, lp.attn_norm, eps), normed], axis=-1)
+    return both, normed if config.norm_before_residual else feature
 
 
 def eagle3_logits(params: Eagle3Params, config: Eagle3Config, outputs: jax.Array) -> jax.Array:
     """Logits [..., W] over the draft vocabulary, float32, from the head's outputs [..., D]."""
     normed = outputs if config.norm_output else rms_norm(outputs, params.norm, config.rms_norm_eps)
     rows = normed.reshape(-1, normed.shape[-1])
-    logits = jnp.matmul(rows, params.lm_head, preferred_element_type=jnp.float32)
-    return logits.reshape(*outputs.shape[:-1], -1)
+    if isinstance(params.lm_head, PanelWeight):
+        logits = project(rows, params.lm_head)
+    else:
+        logits = jnp.matmul(rows, params.lm_head, preferred_element_type=jnp.float32)
+    return logits.reshape(*outputs.shape[:-1], -1).astype(jnp.float32)
+
+
+def eagle3_panel_weights(params: Eagle3Params) -> Eagle3Params:
+    """The head with fc, its layers' projections and its LM head as panels, for drafting on the
+    CPU (as `llama.with_panel_weights` for a target: no gradient, float32)."""
+    layers = tuple(panel_layer(layer) for layer in params.layers)
+    return params.replace(fc=pack(params.fc), layers=layers, lm_head=pack(params.lm_head))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

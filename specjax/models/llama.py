@@ -686,6 +686,32 @@ def _layer(
     return (x, k_buf, v_buf) if write else (x, k, v)
 
 
+def attention_keys_values(
+    config: LlamaConfig,
+    lp: LayerParams,
+    x: jax.Array,
+    positions: jax.Array,
+    layer: int = 0,
+    attention_input: Callable | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The keys (normed where the family norms them, rotated) and values [B, T, K, E] that layer
+    `layer` (weights lp) writes into its cache for its input x [B, T, D] at positions [B, T], as
+    `_layer` computes them (`attention_input` as there): all a caller needs where only the cache
+    matters (a head catching up on the target's features, DFlash's context), without the layer's
+    attention and MLP. The queries are computed and dropped: one fused product."""
+    h = _norm(config, x, lp.attn_norm) if attention_input is None else attention_input(x, lp)[0]
+    B, T, _ = h.shape
+    E, G = config.head_dim, config.num_heads // config.num_kv_heads
+    qkv = project(h, lp.qkv)
+    if config.qkv_bias:
+        qkv = qkv + lp.qkv_bias
+    qkv = qkv.reshape(B, T, qkv.shape[-1] // ((G + 2) * E), G + 2, E)  # (no -1: T may be 0)
+    k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
+    if config.qk_norm:
+        k = _norm(config, k, lp.k_norm)
+    return apply_rope(k, positions, rope_inverse_frequencies(config, layer)), v
+
+
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
     """x [..., D_in] @ w [D_in, D_out].
 
@@ -724,14 +750,17 @@ def with_panel_weights(params: LlamaParams) -> LlamaParams:
     `lm_head` (the [V, D] embedding stays for token lookups). For inference on the CPU only: the
     kernel has no gradient and no sharding rule, and it computes in float32 (`generate` packs
     float32 models only). A mixture of experts' weights stay as they are (see `moe_mlp`)."""
-    layers = tuple(
-        layer.replace(
-            **{name: pack(getattr(layer, name)) for name in PANEL_FIELDS if getattr(layer, name) is not None}
-        )
-        for layer in params.layers
-    )
+    layers = tuple(panel_layer(layer) for layer in params.layers)
     head = params.embed.T if params.lm_head is None else params.lm_head
     return params.replace(layers=layers, head_panels=pack(head))
+
+
+def panel_layer(layer: LayerParams) -> LayerParams:
+    """One layer with its projection weights as panels (see `with_panel_weights`); a trained
+    head's layers take the same form for drafting on the CPU."""
+    return layer.replace(
+        **{name: pack(getattr(layer, name)) for name in PANEL_FIELDS if getattr(layer, name) is not None}
+    )
 
 
 def _identity(x: jax.Array) -> jax.Array:

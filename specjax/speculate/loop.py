@@ -539,6 +539,34 @@ def _propose_and_verify(
     return verdict, proposer_state, valid
 
 
+def smallest_width(widths, valid: jax.Array, running: jax.Array) -> jax.Array:
+    """[] index into `widths` (ascending, static) of the smallest width covering every running row's
+    drafts (valid [B, K] is a prefix mask per row); 0 when `widths` starts at 0 and none drafted."""
+    need = jnp.max(jnp.where(running, jnp.sum(valid, axis=1), 0))
+    return jnp.minimum(jnp.searchsorted(jnp.asarray(widths), need), len(widths) - 1)
+
+
+def _verify_at_widths(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys):
+    """`_propose_and_verify` for a chain proposer with `verify_widths` (a Hybrid whose parts draft
+    different numbers of tokens): draft once, then verify at the smallest of those widths covering
+    every running row's drafts, or make a one-token pass when no running row drafted. A batch-wide
+    `lax.switch`: a step whose rows drafted with the shorter part pays for its width only."""
+    proposal, proposer_state = _propose(spec, params, proposer_params, state, inputs, keys)
+    widths = (0, *spec.proposer.verify_widths)
+    branch = smallest_width(widths, proposal.valid, ~state.done)
+    verdict = jax.lax.switch(branch, _passes(spec, params, inputs, keys, widths), state, proposal)
+    return verdict, proposer_state, proposal.valid
+
+
+def _passes(spec: LoopSpec, params, inputs, keys, widths) -> list:
+    """The branches of a switch over verify widths (0 first): the one-token pass, then a verify
+    pass at each width, every one leaving the cache to `_store`."""
+    return [functools.partial(_skip, spec, params, inputs=inputs, keys=keys, write=False)] + [
+        functools.partial(_verify, spec, params, inputs=inputs, keys=keys, width=w, write=False)
+        for w in widths[1:]
+    ]
+
+
 def _propose_and_verify_widths(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys):
     """`_propose_and_verify` for a proposer with `widths` (0 first): draft at the smallest width
     covering every running row's k, then verify that width, or make a one-token pass (the width-0
@@ -557,11 +585,7 @@ def _propose_and_verify_widths(spec: LoopSpec, params, proposer_params, state: D
     proposal, proposer_state = jax.lax.switch(branch, drafts, state)
     if not spec.proposer.always_drafts:
         branch = jnp.where(jnp.any(proposal.valid & running[:, None]), branch, 0)
-    passes = [functools.partial(_skip, spec, params, inputs=inputs, keys=keys, write=False)] + [
-        functools.partial(_verify, spec, params, inputs=inputs, keys=keys, width=w, write=False)
-        for w in widths[1:]
-    ]
-    verdict = jax.lax.switch(branch, passes, state, proposal)
+    verdict = jax.lax.switch(branch, _passes(spec, params, inputs, keys, widths), state, proposal)
     return verdict, proposer_state, proposal.valid
 
 
@@ -573,8 +597,9 @@ def speculative_step(
     A proposer that may draft nothing (an n-gram miss) gets a one-token pass on the steps where
     no row of the batch drafted: a batch-wide `lax.cond`, since the k+1-token pass costs 1.5x a
     one-token pass on CPU. Likewise a Dynamic proposer with `widths` drafts and verifies only as
-    many tokens as its running rows' largest k needs: a batch-wide `lax.switch` over those widths.
-    Rows never branch individually.
+    many tokens as its running rows' largest k needs, and a proposer with `verify_widths` (a Hybrid
+    of a long and a short drafter) verifies only as many as its running rows drafted: a batch-wide
+    `lax.switch` over those widths. Rows never branch individually.
     """
     K = spec.k
     running = ~state.done
@@ -582,17 +607,20 @@ def speculative_step(
     keys = jax.vmap(jax.random.split)(_step_keys(state.keys, state.step))  # [B, 2]
 
     widths = getattr(spec.proposer, "widths", None)
+    verify_widths = None if spec.tree is not None else getattr(spec.proposer, "verify_widths", None)
     # Passes inside a cond or switch leave the cache to `_store` (see FreshEntries). A tree's
     # verifier writes, since it moves entries after writing them (tree proposers always draft,
     # so no cond holds their pass).
     write = spec.tree is not None or (widths is None and spec.proposer.always_drafts)
-    if widths is None:
-        verdict, proposer_state, valid = _propose_and_verify(
-            spec, params, proposer_params, state, inputs, keys, write=write
-        )
-    else:
+    if widths is not None:
         verdict, proposer_state, valid = _propose_and_verify_widths(
             spec, params, proposer_params, state, inputs, keys
+        )
+    elif verify_widths is not None:
+        verdict, proposer_state, valid = _verify_at_widths(spec, params, proposer_params, state, inputs, keys)
+    else:
+        verdict, proposer_state, valid = _propose_and_verify(
+            spec, params, proposer_params, state, inputs, keys, write=write
         )
     num_accepted = verdict.num_accepted
     state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)

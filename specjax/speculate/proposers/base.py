@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -80,6 +82,24 @@ class Wrapper:
 
     def update(self, state, path_hidden, num_accepted):
         return self.inner.update(state, path_hidden, num_accepted)
+
+    def with_panel_weights(self, params):
+        """The inner spec's params for drafting on the CPU (a trained head's panels), if it has any."""
+        packing = getattr(self.inner, "with_panel_weights", None)
+        return params if packing is None else packing(params)
+
+
+def kept_inputs(owner, target, build: Callable[[Any], Any]):
+    """`build(target)`, kept on `owner` (a user-facing proposer object) while `target.params`
+    lives: every call with the same model gets the same params object, so that the gather of a
+    draft vocabulary's head columns runs once and the CPU panel copy made for that object
+    (api._with_panels) is found again."""
+    kept = owner.__dict__.get("_kept_inputs")
+    if kept is not None and kept[0]() is target.params:
+        return kept[1]
+    inputs = build(target)
+    object.__setattr__(owner, "_kept_inputs", (weakref.ref(target.params), inputs))
+    return inputs
 
 
 @flax.struct.dataclass

@@ -25,15 +25,22 @@ import numpy as np
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.dflash import DFlashConfig, DFlashHead, dflash_block, dflash_context, dflash_logits
+from specjax.models.dflash import (
+    DFlashConfig,
+    DFlashHead,
+    dflash_block,
+    dflash_context,
+    dflash_logits,
+    dflash_panel_weights,
+)
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, HeadInputs, Proposal
+from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, HeadInputs, Proposal, kept_inputs
 
 
 @flax.struct.dataclass
 class DFlashState:
     cache: KVCache  # the head's context entries, one per layer
-    pending: jax.Array  # [B, k+1, A] target features not yet projected into the context
+    pending: jax.Array  # [B, accepts+1, A] target features not yet projected into the context
     num_pending: jax.Array  # [B] int32
 
 
@@ -43,6 +50,7 @@ class DFlashSpec:
     block: int  # the anchor and block - 1 drafts
     target_config: LlamaConfig  # for reading tokens through the target's head
     dtype: str = "float32"
+    max_accepted: int | None = None  # more than k when paired with a longer drafter (`accepting`)
     always_drafts = True
 
     @property
@@ -50,12 +58,22 @@ class DFlashSpec:
         return self.block - 1
 
     @property
+    def accepts(self) -> int:
+        """The most drafts one step may accept: k, or more as a Hybrid part beside a longer drafter
+        (its pending features hold that many plus one)."""
+        return self.k if self.max_accepted is None else self.max_accepted
+
+    def accepting(self, K: int) -> DFlashSpec:
+        """This spec, catching up on up to K accepted drafts a step (K >= k)."""
+        return self if K <= self.accepts else dataclasses.replace(self, max_accepted=K)
+
+    @property
     def feature_layers(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
-        pending = batch_size * self.block * self.config.feature_size * 4
+        pending = batch_size * (self.accepts + 1) * self.config.feature_size * 4
         return cache_bytes(self.config.layer_config, batch_size, capacity, itemsize) + pending
 
     def init(
@@ -67,8 +85,15 @@ class DFlashSpec:
         cache = init_cache(self.config.layer_config, B, capacity, self.dtype)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         cache = dflash_context(params.head, self.config, target_features, positions, cache)
-        pending = jnp.zeros((B, self.block, target_features.shape[-1]), target_features.dtype)
+        pending = jnp.zeros((B, self.accepts + 1, target_features.shape[-1]), target_features.dtype)
         return DFlashState(cache.replace(lengths=prompt_lengths), pending, jnp.zeros((B,), jnp.int32))
+
+    def with_panel_weights(self, params: HeadInputs) -> HeadInputs:
+        """The params for drafting on the CPU: the head's weights as panels (specjax.kernels,
+        float32 only)."""
+        if self.dtype != "float32":
+            return params
+        return params.replace(head=dflash_panel_weights(params.head))
 
     def update(self, state: DFlashState, path_features, num_accepted) -> DFlashState:
         return state.replace(pending=path_features.astype(state.pending.dtype), num_pending=num_accepted + 1)
@@ -76,7 +101,7 @@ class DFlashSpec:
     def _catch_up(self, params: HeadInputs, state: DFlashState, lengths):
         """The context cache with the pending features projected in: positions 0 .. L - 2."""
         start = lengths - 1 - state.num_pending  # the first pending feature's position
-        positions = start[:, None] + jnp.arange(self.block)[None, :]
+        positions = start[:, None] + jnp.arange(self.accepts + 1)[None, :]
         cache = dflash_context(
             params.head, self.config, state.pending, positions, state.cache.replace(lengths=start)
         )
@@ -139,4 +164,7 @@ class DFlash:
         return DFlashSpec(config=self.head.config, block=self.block, target_config=target.config, dtype=dtype)
 
     def params(self, target: Model) -> HeadInputs:
-        return HeadInputs(head=self.head.params, head_matrix=None, vocab=jnp.asarray(self.head.vocab))
+        def build(target):
+            return HeadInputs(head=self.head.params, head_matrix=None, vocab=jnp.asarray(self.head.vocab))
+
+        return kept_inputs(self, target, build)

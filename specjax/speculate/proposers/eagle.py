@@ -9,7 +9,7 @@ the head's cache holds pairs 0 .. L-2-c, and the last c hidden states wait in `p
 - after a step that accepted n drafts, c = n + 1: the target's hidden states at the last token
   and the accepted drafts, partnered with the accepted drafts and the bonus token.
 
-`propose` feeds the pending pairs as one block (padded to k + 1, each row its own count), whose
+`propose` feeds the pending pairs as one block (padded to `accepts` + 1, each row its own count), whose
 last output predicts f_{L-1}; the head's LM-head read of it ranks the first draft tokens. Later
 depths feed the head its own predictions. Drafting follows a token tree (a chain is the
 one-branch tree): pass d feeds every node at once under the tree's ancestor mask and reads the
@@ -31,18 +31,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import pack
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
-from specjax.models.eagle import EagleConfig, EagleHead, eagle_features
+from specjax.models.eagle import EagleConfig, EagleHead, eagle_entries, eagle_features, eagle_panel_weights
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k
+from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k, kept_inputs
 from specjax.speculate.tree import TokenTree
 
 
 @flax.struct.dataclass
 class EagleState:
     cache: KVCache  # the head's, one layer
-    pending: jax.Array  # [B, k+1, D] target hidden states not yet fed to the head
+    pending: jax.Array  # [B, accepts+1, D] target hidden states not yet fed to the head
     num_pending: jax.Array  # [B] int32
 
 
@@ -80,7 +81,18 @@ class EagleSpec:
     k: int
     tree: TokenTree | None = None
     dtype: str = "float32"  # the head's weights, which its KV cache follows
+    max_accepted: int | None = None  # more than k when paired with a longer drafter (`accepting`)
     always_drafts = True
+
+    @property
+    def accepts(self) -> int:
+        """The most drafts one step may accept: k, or more where the head drafts fewer tokens than
+        the proposer beside it (a Hybrid part); its pending features hold that many plus one."""
+        return self.k if self.max_accepted is None else self.max_accepted
+
+    def accepting(self, K: int) -> EagleSpec:
+        """This spec, catching up on up to K accepted drafts a step (K >= k)."""
+        return self if K <= self.accepts else dataclasses.replace(self, max_accepted=K)
 
     @property
     def drafting_tree(self) -> TokenTree:
@@ -92,10 +104,18 @@ class EagleSpec:
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
-        pending = batch_size * (self.k + 1) * self._pending_width * 4
+        pending = batch_size * (self.accepts + 1) * self._pending_width * 4
         return cache_bytes(self.config.layer_config, batch_size, capacity, itemsize) + pending
 
-    # The three things a kind of head does; Eagle3Spec (proposers/eagle3.py) overrides them.
+    def with_panel_weights(self, params: HeadInputs) -> HeadInputs:
+        """The params for drafting on the CPU: the head's weights and its draft vocabulary's head
+        columns as panels, read by the CPU kernel (specjax.kernels, which computes in float32: a
+        head of another dtype keeps XLA's products)."""
+        if self.dtype != "float32":
+            return params
+        return params.replace(head=eagle_panel_weights(params.head), head_matrix=pack(params.head_matrix))
+
+    # The things a kind of head does; Eagle3Spec (proposers/eagle3.py) overrides them.
     @property
     def _pending_width(self) -> int:
         return self.config.hidden_size
@@ -105,6 +125,10 @@ class EagleSpec:
         return eagle_features(
             params.head, self.config, embed, target_features, tokens, positions, cache, **options
         )
+
+    def _write_target(self, params: HeadInputs, embed, target_features, tokens, positions, cache):
+        """The cache with the keys and values `_feed_target` writes, without the head's outputs."""
+        return eagle_entries(params.head, self.config, embed, target_features, tokens, positions, cache)
 
     def _feed_own(self, params: HeadInputs, embed, own_features, tokens, positions, cache, **options):
         """The head's outputs for pairs (its own outputs one step back, the drafted tokens)."""
@@ -126,7 +150,7 @@ class EagleSpec:
         _, cache = self._feed_target(
             params, target_params.embed, target_hidden, next_tokens, positions, cache, empty_cache=True
         )  # pair T-1 (padding as its token) sits past the length: stale, overwritten by the first step
-        pending = jnp.zeros((B, self.k + 1, target_hidden.shape[-1]), target_hidden.dtype)
+        pending = jnp.zeros((B, self.accepts + 1, target_hidden.shape[-1]), target_hidden.dtype)
         pending = pending.at[:, 0].set(target_hidden[rows, prompt_lengths - 1])
         return EagleState(
             cache=cache.replace(lengths=prompt_lengths - 1),
@@ -137,25 +161,32 @@ class EagleSpec:
     def update(self, state: EagleState, path_hidden, num_accepted) -> EagleState:
         return state.replace(pending=path_hidden.astype(state.pending.dtype), num_pending=num_accepted + 1)
 
-    def _catch_up(self, target_params, params: HeadInputs, state: EagleState, tokens, lengths):
-        """Feed the pending pairs (hidden states at positions L-1-c .. L-2, tokens at L-c .. L-1)
-        as one block: (the head's outputs [B, k+1, D], its cache holding pairs 0 .. L-2)."""
+    def _pending_pairs(self, state: EagleState, tokens, lengths):
+        """The pending pairs as one block, padded to accepts + 1: their tokens [B, P] (at L-c .. L-1
+        for hidden states at L-1-c .. L-2), positions [B, P], and the head's cache rolled back to
+        where they go."""
         B, S = tokens.shape
-        rows = jnp.arange(B)
-        P = self.k + 1
         start = lengths - 1 - state.num_pending
-        offsets = jnp.arange(P)[None, :]
-        block_tokens = tokens[rows[:, None], jnp.minimum(start[:, None] + 1 + offsets, S - 1)]
-        cache = state.cache.replace(lengths=start)
+        offsets = jnp.arange(self.accepts + 1)[None, :]
+        block_tokens = tokens[jnp.arange(B)[:, None], jnp.minimum(start[:, None] + 1 + offsets, S - 1)]
+        return block_tokens, start[:, None] + offsets, state.cache.replace(lengths=start)
+
+    def _catch_up(self, target_params, params: HeadInputs, state: EagleState, tokens, lengths):
+        """Feed the pending pairs as one block: (the head's outputs [B, accepts+1, D], its cache
+        holding pairs 0 .. L-2)."""
+        block_tokens, positions, cache = self._pending_pairs(state, tokens, lengths)
         features, cache = self._feed_target(
-            params, target_params.embed, state.pending, block_tokens, start[:, None] + offsets, cache
+            params, target_params.embed, state.pending, block_tokens, positions, cache
         )
         return features, cache.advance(state.num_pending)  # lengths - 1: pairs 0 .. L-2 are in
 
     def observe(self, target_params, params: HeadInputs, state: EagleState, tokens, lengths) -> EagleState:
-        """A step it does not draft (Hybrid's gate held it back): only the catch-up, so that the
-        head's cache stays whole for the steps it drafts again."""
-        return state.replace(cache=self._catch_up(target_params, params, state, tokens, lengths)[1])
+        """A step it does not draft (Hybrid's gate held it back): only the pending pairs' keys and
+        values into the head's cache (no outputs, no LM head), so that the cache stays whole for
+        the steps it drafts again."""
+        block_tokens, positions, cache = self._pending_pairs(state, tokens, lengths)
+        cache = self._write_target(params, target_params.embed, state.pending, block_tokens, positions, cache)
+        return state.replace(cache=cache.advance(state.num_pending))
 
     def propose(
         self, target_params, params: HeadInputs, state: EagleState, tokens, lengths, keys, sampling, history
@@ -233,7 +264,9 @@ class Eagle:
         return EagleSpec(config=self.head.config, k=self.k, tree=self.tree, dtype=dtype)
 
     def params(self, target: Model) -> HeadInputs:
-        vocab = jnp.asarray(self.head.vocab)
-        return HeadInputs(
-            head=self.head.params, head_matrix=draft_head_matrix(target.params, vocab), vocab=vocab
-        )
+        def build(target):
+            vocab = jnp.asarray(self.head.vocab)
+            matrix = draft_head_matrix(target.params, vocab)
+            return HeadInputs(head=self.head.params, head_matrix=matrix, vocab=vocab)
+
+        return kept_inputs(self, target, build)

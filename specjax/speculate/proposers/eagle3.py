@@ -17,9 +17,17 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from specjax.models.eagle3 import Eagle3Config, Eagle3Head, eagle3_features, eagle3_logits, fuse_features
+from specjax.models.eagle3 import (
+    Eagle3Config,
+    Eagle3Head,
+    eagle3_entries,
+    eagle3_features,
+    eagle3_logits,
+    eagle3_panel_weights,
+    fuse_features,
+)
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import HeadInputs
+from specjax.speculate.proposers.base import HeadInputs, kept_inputs
 from specjax.speculate.proposers.eagle import EagleSpec, chain_or_tree
 from specjax.speculate.tree import TokenTree
 
@@ -39,6 +47,15 @@ class Eagle3Spec(EagleSpec):
     def _feed_target(self, params: HeadInputs, embed, target_features, tokens, positions, cache, **options):
         features = fuse_features(params.head, self.config, target_features)
         return eagle3_features(params.head, self.config, embed, features, tokens, positions, cache, **options)
+
+    def with_panel_weights(self, params: HeadInputs) -> HeadInputs:
+        if self.dtype != "float32":
+            return params
+        return params.replace(head=eagle3_panel_weights(params.head))  # it reads its own LM head
+
+    def _write_target(self, params: HeadInputs, embed, target_features, tokens, positions, cache):
+        features = fuse_features(params.head, self.config, target_features)
+        return eagle3_entries(params.head, self.config, embed, features, tokens, positions, cache)
 
     def _feed_own(self, params: HeadInputs, embed, own_features, tokens, positions, cache, **options):
         return eagle3_features(
@@ -77,4 +94,7 @@ class Eagle3:
         return Eagle3Spec(config=self.head.config, k=self.k, tree=self.tree, dtype=dtype)
 
     def params(self, target: Model) -> HeadInputs:
-        return HeadInputs(head=self.head.params, head_matrix=None, vocab=jnp.asarray(self.head.vocab))
+        def build(target):
+            return HeadInputs(head=self.head.params, head_matrix=None, vocab=jnp.asarray(self.head.vocab))
+
+        return kept_inputs(self, target, build)

@@ -33,7 +33,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.speculate.proposers.base import Proposal
+from specjax.speculate.proposers.base import Proposal, kept_inputs
 from specjax.speculate.proposers.dynamic import GoodputSchedule, ScheduleState
 
 _COUNTERS = ("steps", "drafted", "accepted")
@@ -49,6 +49,12 @@ class HybridState:
     held: jax.Array  # [B] int32: steps the gate held `then` back (no draft from either)
     gate: ScheduleState | None  # the gate's estimate of `then` per row (k: 0 held back, or K)
     running: jax.Array  # [B] bool: the rows running at the last step (the gate drafts for these)
+
+
+@flax.struct.dataclass
+class HybridParams:
+    first: Any  # each part's params (None for NGram)
+    then: Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +78,15 @@ class HybridSpec:
     def _gate_choices(self) -> tuple[int, int]:
         # The second drafts its whole k whenever it drafts (a head's cost hardly depends on how
         # many of its drafts are verified), so the gate weighs all of them or none.
-        return (0, self.k)
+        return (0, self.then.k)
+
+    @property
+    def verify_widths(self) -> tuple[int, ...] | None:
+        """Where the parts draft different numbers of tokens, the verify pass widths the loop
+        chooses between (the smallest covering every running row's drafts): a step whose rows
+        all draft with the shorter part scores only its drafts. None when both draft k."""
+        widths = tuple(sorted({self.first.k, self.then.k}))
+        return widths if len(widths) > 1 else None
 
     @property
     def feature_layers(self):
@@ -81,13 +95,22 @@ class HybridSpec:
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return self.first.state_bytes(batch_size, capacity) + self.then.state_bytes(batch_size, capacity)
 
+    def with_panel_weights(self, params):
+        """Each part's params for drafting on the CPU (a trained head's panels), where it has any."""
+
+        def packed(spec, part):
+            packing = getattr(spec, "with_panel_weights", None)
+            return part if packing is None or part is None else packing(part)
+
+        return HybridParams(packed(self.first, params.first), packed(self.then, params.then))
+
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         B = prompt_tokens.shape[0]
         args = (prompt_tokens, prompt_lengths, capacity, target_hidden)
-        gate = None if self.gate is None else self.gate.init(B, self.k, self._gate_choices)
+        gate = None if self.gate is None else self.gate.init(B, self.then.k, self._gate_choices)
         return HybridState(
-            first=self.first.init(target_params, params[0], *args),
-            then=self.then.init(target_params, params[1], *args),
+            first=self.first.init(target_params, params.first, *args),
+            then=self.then.init(target_params, params.then, *args),
             chosen=jnp.zeros((B,), jnp.int32),
             counts=jnp.zeros((B, 2, len(_COUNTERS)), jnp.int32),
             num_valid=jnp.zeros((B,), jnp.int32),
@@ -100,14 +123,14 @@ class HybridSpec:
         then_keys = None if keys is None else jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
         common = (tokens, lengths)
         first, first_state = self.first.propose(
-            target_params, params[0], state.first, *common, keys, sampling, history
+            target_params, params.first, state.first, *common, keys, sampling, history
         )
         first = _padded(first, self.k)
         use_first = first.valid[:, 0]  # the first proposer has a draft for this row
 
         def draft(then_state):
             then, then_state = self.then.propose(
-                target_params, params[1], then_state, *common, then_keys, sampling, history
+                target_params, params.then, then_state, *common, then_keys, sampling, history
             )
             return _padded(then, self.k), then_state
 
@@ -120,7 +143,7 @@ class HybridSpec:
             def observe(then_state):  # no row takes its drafts: keep its state current, cheaply
                 shapes = jax.eval_shape(draft, then_state)[0]
                 nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-                return nothing, self.then.observe(target_params, params[1], then_state, *common)
+                return nothing, self.then.observe(target_params, params.then, then_state, *common)
 
             then, then_state = jax.lax.cond(jnp.any(wants & state.running), draft, observe, state.then)
             then = then.replace(valid=then.valid & wants[:, None])
@@ -152,8 +175,10 @@ class HybridSpec:
         counts = counts.at[:, :, 1].add(one * drafted)
         counts = counts.at[:, :, 2].add(one * num_accepted[:, None])
 
-        def own(spec, part_state):  # the target's features at the last token and up to its k drafts
-            return spec.update(part_state, path_hidden[:, : spec.k + 1], num_accepted)
+        def own(spec, part_state):  # the target's features at the last token and the accepted drafts
+            return spec.update(
+                part_state, path_hidden[:, : getattr(spec, "accepts", self.k) + 1], num_accepted
+            )
 
         gate = state.gate
         if gate is not None:  # the evidence of the row's steps drafted by `then`
@@ -162,7 +187,7 @@ class HybridSpec:
                 gate,
                 jnp.where(by_then, num_accepted, 0),
                 jnp.where(by_then, state.num_valid, 0),
-                self.k,
+                self.then.k,
                 self._gate_choices,
             )
             gate = jax.tree.map(lambda new, old: jnp.where(running, new, old), moved, gate)
@@ -209,8 +234,11 @@ def _probs(proposal: Proposal, vocab_size: int) -> jax.Array:
 class Hybrid:
     """Per row, `first`'s drafts where it has any this step (e.g. an n-gram match of at least
     n_min tokens), `then`'s otherwise. Both draft chains (no token trees); NGram, Medusa, Eagle,
-    Eagle3 and DFlash combine (a DraftModel's own cache would go stale), a head drafting as many
-    tokens as the longest part.
+    Eagle3 and DFlash combine (a DraftModel's own cache would go stale). The parts may draft
+    different numbers of tokens, e.g. `Hybrid(NGram(k=8, n_min=3), Eagle3(head, k=1))`: long drafts
+    where the text copies, one cheap guess elsewhere; a step then verifies only as many tokens as
+    its rows drafted (the loop chooses among the parts' widths), and a head catches up on however
+    many of the other part's drafts were accepted.
 
     gate: None (`then` drafts wherever `first` has nothing), or a GoodputSchedule with `then`'s
     costs (`GoodputSchedule.measure(model, then, prompts)`): a row takes `then`'s drafts only
@@ -250,12 +278,18 @@ class Hybrid:
                     "goes stale when the other part's drafts are accepted; use NGram, Medusa, Eagle, "
                     "Eagle3 or DFlash"
                 )
-            if not isinstance(spec, NGram) and spec.k != K:
-                raise ValueError(
-                    f"Hybrid {name} drafts k={spec.k} but the other part k={K}: a part that keeps the "
-                    "target's features of accepted tokens (a head) must draft as many as the longest "
-                    "part (NGram may draft fewer)"
-                )
+        for i, (name, spec) in enumerate(zip(("first", "then"), specs, strict=True)):
+            if spec.k < K and not isinstance(spec, NGram):
+                # A head keeps the target's features of every accepted token: it must take in as
+                # many a step as the longer part may get accepted.
+                accepting = getattr(spec, "accepting", None)
+                if not callable(accepting):
+                    raise ValueError(
+                        f"Hybrid {name} drafts k={spec.k} but the other part k={K}, and "
+                        f"{type(spec).__name__} cannot catch up on more drafts than its own k: give "
+                        "both parts the same k"
+                    )
+                specs[i] = accepting(K)
         reads = [_reads(spec) for spec in specs]
         if all(reads) and reads[0] != reads[1]:
             raise ValueError(
@@ -273,7 +307,13 @@ class Hybrid:
     def params(self, target):
         from specjax.speculate.proposers.ngram import NGram
 
-        return tuple(None if isinstance(p, NGram) else p.params(target) for p in (self.first, self.then))
+        def build(target):
+            first, then = (
+                None if isinstance(p, NGram) else p.params(target) for p in (self.first, self.then)
+            )
+            return HybridParams(first, then)
+
+        return kept_inputs(self, target, build)  # one object per model: its CPU panel copy is kept
 
 
 def _reads(spec):

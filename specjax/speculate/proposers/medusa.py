@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.medusa import MedusaHead, medusa_hidden, medusa_logits
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import HeadInputs, Proposal
+from specjax.speculate.proposers.base import HeadInputs, Proposal, kept_inputs
 from specjax.speculate.tree import TokenTree
 
 
@@ -49,6 +49,10 @@ class MedusaSpec:
     def update(self, state: MedusaState, path_hidden, num_accepted) -> MedusaState:
         rows = jnp.arange(path_hidden.shape[0])
         return MedusaState(hidden=path_hidden[rows, num_accepted])
+
+    def accepting(self, K: int) -> MedusaSpec:
+        """Itself: `update` takes the hidden state after any number of accepted drafts."""
+        return self
 
     def observe(self, target_params, params, state: MedusaState, tokens, lengths) -> MedusaState:
         return state  # nothing to catch up on: `update` keeps the one hidden state it drafts from
@@ -100,7 +104,10 @@ class Medusa:
         return MedusaSpec(tree=self.tree, hidden_size=target.config.hidden_size)
 
     def params(self, target: Model) -> HeadInputs:
-        vocab = jnp.asarray(self.head.vocab)
-        if self.head.config.own_lm_heads:  # reads its own LM heads, not the target's
-            return HeadInputs(self.head.params, None, vocab)
-        return HeadInputs(self.head.params, draft_head_matrix(target.params, vocab), vocab)
+        def build(target):
+            vocab = jnp.asarray(self.head.vocab)
+            if self.head.config.own_lm_heads:  # reads its own LM heads, not the target's
+                return HeadInputs(self.head.params, None, vocab)
+            return HeadInputs(self.head.params, draft_head_matrix(target.params, vocab), vocab)
+
+        return kept_inputs(self, target, build)
