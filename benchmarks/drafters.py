@@ -13,17 +13,19 @@ MT-bench's, with the same budget (400 steps of 8 sequences). Three parts, one ta
 2. Drafting cost per step, in plain decoding steps (specjax.measure_step_costs: every draft of a
    step, EOS banned, forced acceptance 0 so every run takes the same steps), and what one verify
    pass of k + 1 tokens costs.
-3. The loop: plain decoding, NGram, Medusa, EAGLE-1, EAGLE-3, DFlash and Hybrid(NGram, EAGLE-3),
-   also gated (a GoodputSchedule with the EAGLE-3 chain's costs measured in part 2, or measured
-   here when part 2 is not run: the head drafts only where its acceptance pays), and its n-gram
-   part alone (NGram(k=4, n_min=3): with EAGLE-3 chain k=4, its two parts), greedy, batch 1,
-   chat template, on prompts no head trained on: MT-bench first turns 0..N-1 (the validation
-   questions are 8:48), HumanEval functions to complete and InstructCoder code edits
-   (not in the distillation set); and on Spec-Bench's other categories, marked "(trained)": the
-   heads were distilled from those very questions, so their cells overstate a head. Tokens/s are
-   whole generate calls (prefill included), the median of --repeats after a warm-up; speedup is
-   over plain decoding of the same prompts in the same run; tau is the mean acceptance length.
-   Every output is checked against plain greedy.
+3. The loop: plain decoding, NGram, Medusa, EAGLE-1, EAGLE-3, DFlash, their chains of one draft
+   (eagle-k1, eagle3-k1) and Hybrid(NGram, EAGLE-3) with a head chain of 4 (hybrid) or of 1
+   (hybrid-k1), each Hybrid also gated (a GoodputSchedule with its head's costs, measured in part
+   2 or here: the head drafts only where its acceptance pays) and with its n-gram part alone
+   (NGram(k=4, n_min=3)), greedy, batch 1, chat template, on prompts no head trained on: MT-bench
+   first turns 0..N-1 (the validation questions are 8:48), HumanEval functions to complete and
+   InstructCoder code edits (not in the distillation set); and on Spec-Bench's other categories,
+   marked "(trained)": the heads were distilled from those very questions, so their cells
+   overstate a head. Tokens/s are whole generate calls (prefill included), the median of
+   --repeats after a warm-up; the timed calls run in rounds, every method in turn on the same
+   prompt, and the held-out summary gives each speedup's range over the rounds (the run's noise).
+   Speedup is over plain decoding of the same prompts in the same run; tau is the mean acceptance
+   length. Every output is checked against plain greedy.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from specjax.models.eagle import EagleHead
 from specjax.train import evaluate_dflash, evaluate_eagle, evaluate_eagle3, evaluate_medusa, load_head
 
 HEADS = {"EAGLE-1": "eagle", "EAGLE-3": "eagle3", "DFlash": "dflash", "Medusa": "medusa"}
-METHODS = "ngram,medusa,eagle,eagle-tree,eagle3,eagle3-tree,dflash,hybrid"
+METHODS = "ngram,medusa,eagle,eagle-tree,eagle3,eagle3-tree,dflash,hybrid,eagle-k1,eagle3-k1,hybrid-k1"
 TRAINED = bench.HEADS_SPLIT.trained_categories  # the heads' distillation set: marked, not held out
 
 
@@ -123,7 +125,7 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default=METHODS,
-        help=f"comma-separated, of: {METHODS} (default all; hybrid adds its gated form)",
+        help=f"comma-separated, of: {METHODS} (default all; a hybrid adds its gated form and n-gram part)",
     )
     args = parser.parse_args()
     parts = {p.strip() for p in args.parts.split(",")}
@@ -163,24 +165,26 @@ def main() -> None:
         header = ["method", "k", "drafting / plain step", "verify pass / plain step", "plain step ms"]
         print(bench.markdown_table(header, rows) + "\n", flush=True)
 
-    hybrid = next((name for name in methods if name.startswith("Hybrid")), None)
-    if "loop" in parts and hybrid is not None:
-        eagle3 = methods[hybrid].then
-        eagle3_costs = next(
-            (c for name, c in costs.items() if name.startswith("EAGLE-3 chain")), None
-        ) or specjax.measure_step_costs(model, eagle3, [text for _, text in mt_bench[:2]], max_new_tokens=64)
+    hybrids = [name for name in methods if name.startswith("Hybrid")]
+    for hybrid in hybrids if "loop" in parts else []:
+        head = methods[hybrid].then
+        head_k = f"EAGLE-3 chain k={head.k}"
+        head_costs = costs.get(head_k) or specjax.measure_step_costs(
+            model, head, [text for _, text in mt_bench[:2]], max_new_tokens=64
+        )
         gate = specjax.GoodputSchedule(
-            draft_cost=eagle3_costs["draft_cost"], verify_cost=eagle3_costs["verify_cost"]
+            draft_cost=head_costs["draft_cost"], verify_cost=head_costs["verify_cost"]
         )
         print(
             f"{hybrid}, gated: GoodputSchedule(draft_cost={gate.draft_cost:.3f}, "
-            f"verify_cost={gate.verify_cost:.3f}) per token\n",
+            f"verify_cost={gate.verify_cost:.3f}) per token ({head_k}'s costs)\n",
             flush=True,
         )
         first = methods[hybrid].first
         # Its parts alone, as it holds them: the bar "at least the better of its parts" is set by these.
         methods[f"NGram(k={first.k}, n_min={first.n_min})"] = first
-        methods[f"{hybrid}, gated"] = specjax.Hybrid(first, eagle3, gate=gate)
+        methods.setdefault(head_k, head)
+        methods[f"{hybrid}, gated"] = specjax.Hybrid(first, head, gate=gate)
     if "loop" in parts:
         prompts = mt_bench + code_prompts(data, args.code)
         if args.per_category:
@@ -201,17 +205,26 @@ def main() -> None:
         print(result.report("markdown"))
         # The held-out categories together: each method's mean speedup and tau over their prompts.
         held = [c for c in result.speeds if not bench.HEADS_SPLIT.trained_on(c)]
-        rows = []
-        for name in result.speculative:
-            ratios = [
-                s / p
-                for c in held
-                for s, p in zip(result.speeds[c][name], result.speeds[c]["plain"], strict=True)
-            ]
-            taus = [t for c in held for t in result.taus[c][name]]
-            rows.append([name, statistics.mean(ratios), statistics.mean(taus)])
-        print(f"\nheld out ({', '.join(held)}), per-prompt means:\n")
-        print(bench.markdown_table(["method", "speedup", "tau"], rows))
+        for categories in [[c] for c in held] + [held]:
+            rows = []
+            for name in result.speculative:
+                ratios = [
+                    s / p
+                    for c in categories
+                    for s, p in zip(result.speeds[c][name], result.speeds[c]["plain"], strict=True)
+                ]
+                taus = [t for c in categories for t in result.taus[c][name]]
+                rounds = result.round_speedups(categories, name)
+                spread = f"{min(rounds):.3f}-{max(rounds):.3f}"
+                rows.append(
+                    [name, statistics.mean(ratios), statistics.median(rounds), spread, statistics.mean(taus)]
+                )
+            print(
+                f"\n{' + '.join(categories)}: per-prompt mean speedup; per round (every prompt's tokens "
+                "over its seconds in that round), the median and range; tau:\n"
+            )
+            header = ["method", "speedup", "per round, median", "per round, range", "tau"]
+            print(bench.markdown_table(header, rows), flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import functools
 import io
 import json
 import os
@@ -71,6 +72,9 @@ METHODS = (
     "eagle3-tree",
     "dflash",
     "hybrid",
+    "eagle-k1",
+    "eagle3-k1",
+    "hybrid-k1",
 )
 HEAD_FOLDERS = {"medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 
@@ -321,7 +325,10 @@ def method_descriptions(
     """{display name: proposer description, or None for plain} of the named methods ("ngram,eagle"
     or a list, of METHODS); plain comes first. Medusa and EAGLE read the heads saved in
     `heads`/<kind>/head (medusa, eagle, eagle3, dflash); "hybrid" is Hybrid(NGram(k, n_min=3),
-    EAGLE-3 chain k), k = eagle_k. ValueError for an unknown method or a missing head."""
+    EAGLE-3 chain k), k = eagle_k. "eagle-k1" and "eagle3-k1" are the chains of one draft (what
+    pays on a CPU where a head's extra drafts cost more than they are accepted), "hybrid-k1"
+    Hybrid(NGram(eagle_k, n_min=3), EAGLE-3 chain of 1). ValueError for an unknown method or a
+    missing head."""
     from specjax.speculate.proposers import NGram
     from specjax.speculate.tree import TokenTree
 
@@ -330,7 +337,8 @@ def method_descriptions(
     if unknown:
         raise ValueError(f"--methods: unknown method {unknown[0]!r}; allowed: {', '.join(METHODS)}")
     heads = Path(heads)
-    needs = {m.removesuffix("-tree") for m in wanted} | ({"eagle3"} if "hybrid" in wanted else set())
+    needs = {m.removesuffix("-tree").removesuffix("-k1") for m in wanted}
+    needs |= {"eagle3"} if needs & {"hybrid"} else set()
     for kind, folder in HEAD_FOLDERS.items():
         if kind in needs and not (heads / kind / "head").is_dir():
             raise ValueError(f"no {folder} head in {heads / kind / 'head'}: run `make heads` or pass --heads")
@@ -371,6 +379,16 @@ def method_descriptions(
                 "name": "hybrid",
                 "first": {"name": "ngram", "k": eagle_k, "n_min": 3},
                 "then": {"name": "eagle3", "head": eagle3, "k": eagle_k},
+            },
+        ),
+        "eagle-k1": ("EAGLE chain k=1", {"name": "eagle", "head": eagle, "k": 1}),
+        "eagle3-k1": ("EAGLE-3 chain k=1", {"name": "eagle3", "head": eagle3, "k": 1}),
+        "hybrid-k1": (
+            f"Hybrid(NGram k={eagle_k} n_min=3, EAGLE-3 k=1)",
+            {
+                "name": "hybrid",
+                "first": {"name": "ngram", "k": eagle_k, "n_min": 3},
+                "then": {"name": "eagle3", "head": eagle3, "k": 1},
             },
         ),
     }
@@ -427,6 +445,20 @@ class SpecBenchResult:
     head_methods: list[str] = dataclasses.field(default_factory=list)  # methods drafting with a head
     split: HeadsSplit | None = HEADS_SPLIT  # what those heads trained on; None: not one named split
     head_training: dict[str, str] = dataclasses.field(default_factory=dict)  # head method -> in words
+    # [category][method] -> per prompt, (new tokens, seconds of each timed round): the rounds run
+    # every method in turn, so a round's ratios share the machine's load of that moment.
+    rounds: dict[str, dict[str, list[tuple[int, list[float]]]]] = dataclasses.field(default_factory=dict)
+
+    def round_speedups(self, categories: Sequence[str], method: str) -> list[float]:
+        """Per timed round, `method`'s tokens/s over plain's on the prompts of `categories` (all
+        their tokens over all their seconds in that round): the spread of these is the run's noise
+        for the method's speedup, measured rather than guessed."""
+
+        def rate(name, r):
+            runs = [run for c in categories for run in self.rounds[c][name]]
+            return sum(n for n, _ in runs) / sum(seconds[r] for _, seconds in runs)
+
+        return [rate(method, r) / rate("plain", r) for r in range(self.repeats)]
 
     def label(self, category: str) -> str:
         """The category's row label: marked "(trained)" where a head method's cells are prompts its
@@ -556,41 +588,49 @@ def run_spec_bench(
     reached_at: dict = {}
     mismatches = []
 
-    def timed(fn, category, method, index):
-        """(fn's warm-up output, median seconds of `repeats` calls after the warm-up); progress is
-        reported between calls, outside the timed spans."""
+    rounds: dict = {}
 
-        def tick():
+    def interleaved(calls: dict[str, Callable[[], Any]], category, index) -> dict[str, tuple[Any, list]]:
+        """{name: (the warm-up call's output, seconds of each of `repeats` timed calls)}: every call
+        warmed up first, then `repeats` rounds that run each in turn, so that the machine's load
+        at any moment falls on every method alike; progress is reported outside the timed spans."""
+
+        def tick(name):
             nonlocal done
             done += 1
             if progress is not None:
-                progress(Tick(done, total, index, len(prompts), category, method))
+                progress(Tick(done, total, index, len(prompts), category, name))
 
-        warm = fn()
-        tick()
-        times = []
+        out = {}
+        for name, fn in calls.items():
+            out[name] = (fn(), [])
+            tick(name)
         for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-            tick()
-        return warm, statistics.median(times)
+            for name, fn in calls.items():
+                start = time.perf_counter()
+                fn()
+                out[name][1].append(time.perf_counter() - start)
+                tick(name)
+        return out
+
+    def record(category, name, n_new, seconds):
+        speeds.setdefault(category, {}).setdefault(name, []).append(n_new / statistics.median(seconds))
+        rounds.setdefault(category, {}).setdefault(name, []).append((n_new, seconds))
 
     for index, (category, text) in enumerate(prompts):
-        plain_tokens = prompt_ids = None
+        calls = {
+            name: functools.partial(
+                specjax.generate, model, [text], proposer=proposer, max_new_tokens=max_new_tokens, chat=chat
+            )
+            for name, proposer in methods.items()
+        }
+        timed = interleaved(calls, category, index)
+        plain = timed["plain"][0]
         for name, proposer in methods.items():
-
-            def run(proposer=proposer, text=text):
-                return specjax.generate(
-                    model, [text], proposer=proposer, max_new_tokens=max_new_tokens, chat=chat
-                )
-
-            warm, seconds = timed(run, category, name, index)
-            if proposer is None:
-                plain_tokens, prompt_ids = warm.tokens[0], warm.prompt_tokens[0]
-            elif warm.tokens[0] != plain_tokens:
+            warm, seconds = timed[name]
+            if proposer is not None and warm.tokens[0] != plain.tokens[0]:
                 mismatches.append((category, name))
-            speeds.setdefault(category, {}).setdefault(name, []).append(len(warm.tokens[0]) / seconds)
+            record(category, name, len(warm.tokens[0]), seconds)
             tau = warm.metrics.mean_acceptance_length if proposer is not None else 1.0
             taus.setdefault(category, {}).setdefault(name, []).append(tau)
             if proposer is not None:
@@ -599,9 +639,9 @@ def run_spec_bench(
                 by_method[name] = by_method.get(name, 0) + m.accepted_at.sum(0)
                 by_method = reached_at.setdefault(category, {})
                 by_method[name] = by_method.get(name, 0) + m.reached_at.sum(0)
-        for name, peer in peers.items():
-            n_new, seconds = timed(lambda peer=peer, ids=prompt_ids: peer(ids), category, name, index)
-            speeds[category].setdefault(name, []).append(n_new / seconds)
+        peer_calls = {name: functools.partial(peer, plain.prompt_tokens[0]) for name, peer in peers.items()}
+        for name, (n_new, seconds) in interleaved(peer_calls, category, index).items():
+            record(category, name, n_new, seconds)
 
     counts = [sum(1 for c, _ in prompts if c == category) for category in speeds]
     heads = {name: found for name, proposer in methods.items() if (found := heads_of(proposer))}
@@ -617,6 +657,7 @@ def run_spec_bench(
         accepted_at=accepted_at,
         reached_at=reached_at,
         mismatches=mismatches,
+        rounds=rounds,
         prompts_per_category=max(counts),
         max_new_tokens=max_new_tokens,
         repeats=repeats,

@@ -4,20 +4,22 @@ A host-side tool: it times whole `generate` calls. The speculate layer below doe
 generate, so `GoodputSchedule.measure` reaches this module's `measure_step_costs` through the
 timer installed into it at the end of this module (`import specjax` loads it).
 
-Three timed runs, each at two lengths so that prefill and compile cancel (the extra tokens'
+Three kinds of run, each at two lengths so that prefill and compile cancel (the extra tokens'
 time over the extra steps):
   plain decoding                                          -> t_plain per step
   ForcedAcceptance(0, k=k), free drafts                   -> t_plain + k * verify_cost * t_plain
   ForcedAcceptance(0, proposer), the proposer's k drafts  -> ... + k * draft_cost * t_plain
 At forced acceptance 0 every step emits exactly one token, so the runs take the same number of
-steps; EOS is banned by a logit bias so that no row ends early.
+steps; EOS is banned by a logit bias so that no row ends early. The three run in turn, round after
+round, and each cost is the median over the rounds of that round's difference: a busy moment of
+the machine slows the three runs of a round alike and falls out of the difference (one timing of
+each, a minute apart, gave a k = 1 head's drafting a cost of 0 on a loaded host).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
-
-import numpy as np
 
 from specjax.api import generate
 from specjax.speculate.proposers.dynamic import set_cost_meter
@@ -25,38 +27,52 @@ from specjax.speculate.proposers.forced import ForcedAcceptance, _draft_position
 from specjax.speculate.sampling import Sampling
 
 
-def _step_seconds(model, prompts, proposer, max_new_tokens: int, sampling) -> float:
-    def seconds(n):
-        generate(model, prompts, proposer, sampling, max_new_tokens=n)  # compile, warm up
-        best = np.inf
-        for _ in range(2):
-            start = time.perf_counter()
-            result = generate(model, prompts, proposer, sampling, max_new_tokens=n)
-            best = min(best, time.perf_counter() - start)
-        return best, int(result.metrics.steps.max())
-
-    short, steps_short = seconds(max(1, max_new_tokens // 4))
-    long, steps_long = seconds(max_new_tokens)
-    return (long - short) / max(steps_long - steps_short, 1)
-
-
-def measure_step_costs(model, proposer, prompts, max_new_tokens: int = 64) -> dict:
+def measure_step_costs(model, proposer, prompts, max_new_tokens: int = 64, rounds: int = 5) -> dict:
     """{"plain_step_s", "verify_cost", "draft_cost", "k"}: the costs of one more verified token and
-    one more drafted token, each as a fraction of a plain decoding step (never below 0)."""
+    one more drafted token, each as a fraction of a plain decoding step (never below 0), the
+    medians over `rounds` rounds (module doc)."""
     k = _draft_positions(proposer)
     if k is None:
         raise ValueError(f"proposer must be a proposer with a k (NGram, DraftModel, ...), got {proposer!r}")
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     eos = set(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos.add(int(model.tokenizer.eos_token_id))
     sampling = Sampling(logit_bias={int(t): -1e9 for t in eos})
-    plain = _step_seconds(model, prompts, None, max_new_tokens, sampling)
-    free = _step_seconds(model, prompts, ForcedAcceptance(0.0, k=k), max_new_tokens, sampling)
-    drafted = _step_seconds(model, prompts, ForcedAcceptance(0.0, proposer), max_new_tokens, sampling)
+    runs = {"plain": None, "free": ForcedAcceptance(0.0, k=k), "drafted": ForcedAcceptance(0.0, proposer)}
+    lengths = (max(1, max_new_tokens // 4), max_new_tokens)
+
+    def call(proposer, n):
+        return generate(model, prompts, proposer, sampling, max_new_tokens=n)
+
+    for run in runs.values():  # compile, warm up
+        for n in lengths:
+            call(run, n)
+    step_s = {name: [] for name in runs}  # per round: seconds per step
+    for _ in range(rounds):
+        for name, run in runs.items():
+            seconds, steps = [], []
+            for n in lengths:
+                start = time.perf_counter()
+                result = call(run, n)
+                seconds.append(time.perf_counter() - start)
+                steps.append(int(result.metrics.steps.max()))
+            step_s[name].append((seconds[1] - seconds[0]) / max(steps[1] - steps[0], 1))
+
+    def cost(more, less):  # the median over rounds of that round's extra time per token
+        return max(
+            statistics.median(
+                (a - b) / (k * plain)
+                for a, b, plain in zip(step_s[more], step_s[less], step_s["plain"], strict=True)
+            ),
+            0.0,
+        )
+
     return {
-        "plain_step_s": plain,
-        "verify_cost": max(free - plain, 0.0) / (k * plain),
-        "draft_cost": max(drafted - free, 0.0) / (k * plain),
+        "plain_step_s": statistics.median(step_s["plain"]),
+        "verify_cost": cost("free", "plain"),
+        "draft_cost": cost("drafted", "free"),
         "k": k,
     }
 

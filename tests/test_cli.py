@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import re
+import statistics
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -271,10 +272,20 @@ def test_run_spec_bench_ticks_and_catches_lossy_methods(tiny_folder):
     prompts = [("qa", "abc abc abc"), ("rag", "xyz")]
     result = bench.run_spec_bench(model, prompts, methods, max_new_tokens=8, repeats=2, progress=ticks.append)
     assert [t.done for t in ticks] == list(range(1, 19)) and {t.total for t in ticks} == {18}
-    assert [t.method for t in ticks[:9]] == ["plain"] * 3 + ["ngram"] * 3 + ["forced"] * 3
+    # every method warmed up, then rounds that run each in turn
+    assert [t.method for t in ticks[:9]] == ["plain", "ngram", "forced"] * 3
     assert [t.category for t in ticks] == ["qa"] * 9 + ["rag"] * 9
     assert result.mismatches == [("qa", "forced"), ("rag", "forced")]
     assert result.taus["qa"]["forced"] == [4.0]  # every draft accepted: k + 1 tokens per step
+    for category, by_method in result.rounds.items():
+        for name, runs in by_method.items():
+            assert [len(seconds) for _, seconds in runs] == [2] * len(runs)
+            speeds = [n / statistics.median(seconds) for n, seconds in runs]
+            assert result.speeds[category][name] == pytest.approx(speeds)
+    # a round's speedup: all its tokens over all its seconds, against plain's in the same round
+    (n_plain, plain), (n_ngram, ngram) = result.rounds["qa"]["plain"][0], result.rounds["qa"]["ngram"][0]
+    expected = [(n_ngram / ngram[r]) / (n_plain / plain[r]) for r in range(2)]
+    assert result.round_speedups(["qa"], "ngram") == pytest.approx(expected)
 
 
 def test_bench_command_on_a_tiny_model(tiny_folder, data_folder, tmp_path, capsys):

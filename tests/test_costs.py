@@ -28,3 +28,28 @@ def test_measure_without_the_host_side_says_so(monkeypatch):
 
 def test_importing_specjax_installs_measure_step_costs():
     assert dynamic._cost_meter is specjax.measure_step_costs
+
+
+def test_measure_step_costs_runs_in_rounds(monkeypatch):
+    """Three runs (plain, free drafts, the proposer's drafts) at two lengths per round, in turn;
+    the costs come back in plain steps, never below 0; a bad number of rounds is refused."""
+    from tiny import tiny_model
+
+    from specjax import costs
+
+    model = tiny_model(seed=1)
+    calls = []
+    real = costs.generate
+
+    def counted(model, prompts, proposer, sampling, max_new_tokens):
+        calls.append((type(proposer).__name__, max_new_tokens))
+        return real(model, prompts, proposer, sampling, max_new_tokens=max_new_tokens)
+
+    monkeypatch.setattr(costs, "generate", counted)
+    result = specjax.measure_step_costs(model, specjax.NGram(k=2), [[1, 2, 3]], max_new_tokens=8, rounds=2)
+    assert result["k"] == 2 and result["plain_step_s"] > 0
+    assert result["verify_cost"] >= 0 and result["draft_cost"] >= 0
+    one_round = [("NoneType", 2), ("NoneType", 8)] + [("ForcedAcceptance", 2), ("ForcedAcceptance", 8)] * 2
+    assert calls == one_round * 3  # the warm-up, then two rounds
+    with pytest.raises(ValueError, match="rounds must be an integer >= 1, got 0"):
+        specjax.measure_step_costs(model, specjax.NGram(k=2), [[1, 2, 3]], rounds=0)
