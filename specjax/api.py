@@ -284,8 +284,8 @@ def _with_panels(params, packing=with_panel_weights):
     if cached is not None and cached[0]() is params:
         return cached[1]
     packed = packing(params)
-    key = id(params)
-    _PANELS[key] = (weakref.ref(params, lambda _: _PANELS.pop(key, None)), packed)
+    key, panels = id(params), _PANELS  # (the dict itself: at exit the module's names are gone first)
+    _PANELS[key] = (weakref.ref(params, lambda _: panels.pop(key, None)), packed)
     return packed
 
 

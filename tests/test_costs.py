@@ -46,10 +46,10 @@ def test_measure_step_costs_runs_in_rounds(monkeypatch):
         return real(model, prompts, proposer, sampling, max_new_tokens=max_new_tokens)
 
     monkeypatch.setattr(costs, "generate", counted)
-    result = specjax.measure_step_costs(model, specjax.NGram(k=2), [[1, 2, 3]], max_new_tokens=8, rounds=2)
+    result = specjax.measure_step_costs(model, specjax.NGram(k=2), [[1, 2, 3]], max_new_tokens=4, rounds=2)
     assert result["k"] == 2 and result["plain_step_s"] > 0
     assert result["verify_cost"] >= 0 and result["draft_cost"] >= 0
-    one_round = [("NoneType", 2), ("NoneType", 8)] + [("ForcedAcceptance", 2), ("ForcedAcceptance", 8)] * 2
+    one_round = [("NoneType", 1), ("NoneType", 4)] + [("ForcedAcceptance", 1), ("ForcedAcceptance", 4)] * 2
     assert calls == one_round * 3  # the warm-up, then two rounds
     with pytest.raises(ValueError, match="rounds must be an integer >= 1, got 0"):
         specjax.measure_step_costs(model, specjax.NGram(k=2), [[1, 2, 3]], rounds=0)

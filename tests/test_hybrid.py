@@ -125,12 +125,18 @@ def test_gate_choices_weigh_all_drafts_or_none():
 # -- Parts of different lengths: a long drafter and a short one ------------------------------------
 
 
+# The default set runs EAGLE-3 ungated and DFlash gated; `make test-all` the other two.
 @pytest.mark.parametrize(
-    "then",
-    [specjax.Eagle3(HEAD, k=1), specjax.DFlash(FLASH, block=3)],
-    ids=["ngram5+eagle3_k1", "ngram5+dflash_block3"],
+    "then, gate",
+    [
+        pytest.param(specjax.Eagle3(HEAD, k=1), None, id="ungated-ngram5+eagle3_k1"),
+        pytest.param(specjax.DFlash(FLASH, block=3), FREE, id="gated-ngram5+dflash_block3"),
+        pytest.param(specjax.Eagle3(HEAD, k=1), FREE, id="gated-ngram5+eagle3_k1", marks=pytest.mark.slow),
+        pytest.param(
+            specjax.DFlash(FLASH, block=3), None, id="ungated-ngram5+dflash_block3", marks=pytest.mark.slow
+        ),
+    ],
 )
-@pytest.mark.parametrize("gate", [None, FREE], ids=["ungated", "gated"])
 def test_parts_of_different_lengths_equal_plain(plain_greedy, then, gate):
     """NGram drafting 5 beside a head drafting 1 or 2: the head catches up on up to 5 accepted
     n-gram drafts a step, each step verifies as wide as its rows drafted, and greedy output is
