@@ -123,6 +123,11 @@ def main() -> None:
         "--parts", default="accuracy,costs,loop", help="comma-separated, of: accuracy, costs, loop"
     )
     parser.add_argument(
+        "--gate-costs",
+        help="DRAFT,VERIFY: the gated Hybrid's costs per token, in plain steps (default: measured "
+        "here, as part 2 does; give another run's to compare runs)",
+    )
+    parser.add_argument(
         "--methods",
         default=METHODS,
         help=f"comma-separated, of: {METHODS} (default all; a hybrid adds its gated form and n-gram part)",
@@ -131,6 +136,16 @@ def main() -> None:
     parts = {p.strip() for p in args.parts.split(",")}
     if not parts or parts - {"accuracy", "costs", "loop"}:
         parser.error(f"--parts must be comma-separated, of: accuracy, costs, loop; got {args.parts!r}")
+    gate_costs = None
+    if args.gate_costs is not None:
+        try:
+            gate_costs = dict(
+                zip(["draft_cost", "verify_cost"], map(float, args.gate_costs.split(",")), strict=True)
+            )
+        except ValueError:
+            parser.error(
+                f"--gate-costs must be two numbers, DRAFT,VERIFY (e.g. 0.113,0.126); got {args.gate_costs!r}"
+            )
     if not 1 <= args.mt_bench <= 8:
         parser.error(
             f"--mt-bench must be in 1..8 (questions 8:48 are the validation set), got {args.mt_bench}"
@@ -169,15 +184,18 @@ def main() -> None:
     for hybrid in hybrids if "loop" in parts else []:
         head = methods[hybrid].then
         head_k = f"EAGLE-3 chain k={head.k}"
-        head_costs = costs.get(head_k) or specjax.measure_step_costs(
-            model, head, [text for _, text in mt_bench[:2]], max_new_tokens=64
+        head_costs = (
+            gate_costs
+            or costs.get(head_k)
+            or specjax.measure_step_costs(model, head, [text for _, text in mt_bench[:2]], max_new_tokens=64)
         )
         gate = specjax.GoodputSchedule(
             draft_cost=head_costs["draft_cost"], verify_cost=head_costs["verify_cost"]
         )
         print(
             f"{hybrid}, gated: GoodputSchedule(draft_cost={gate.draft_cost:.3f}, "
-            f"verify_cost={gate.verify_cost:.3f}) per token ({head_k}'s costs)\n",
+            f"verify_cost={gate.verify_cost:.3f}) per token "
+            f"({head_k}'s costs{', given' if gate_costs else ''})\n",
             flush=True,
         )
         first = methods[hybrid].first
@@ -203,9 +221,10 @@ def main() -> None:
             progress=progress,
         )
         print(result.report("markdown"))
-        # The held-out categories together: each method's mean speedup and tau over their prompts.
+        # Each category, then the held-out ones together: each method's mean speedup and tau over
+        # their prompts, and its speedup per round with the rounds' range (the run's noise).
         held = [c for c in result.speeds if not bench.HEADS_SPLIT.trained_on(c)]
-        for categories in [[c] for c in held] + [held]:
+        for categories in [[c] for c in result.speeds] + ([held] if len(held) > 1 else []):
             rows = []
             for name in result.speculative:
                 ratios = [
@@ -219,8 +238,9 @@ def main() -> None:
                 rows.append(
                     [name, statistics.mean(ratios), statistics.median(rounds), spread, statistics.mean(taus)]
                 )
+            label = " + ".join(result.label(c) for c in categories)
             print(
-                f"\n{' + '.join(categories)}: per-prompt mean speedup; per round (every prompt's tokens "
+                f"\n{label}: per-prompt mean speedup; per round (every prompt's tokens "
                 "over its seconds in that round), the median and range; tau:\n"
             )
             header = ["method", "speedup", "per round, median", "per round, range", "tau"]

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import PanelWeight, pack
+from specjax.kernels import pack
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.draft_vocab import check_draft_vocab
+from specjax.models.draft_vocab import check_draft_vocab, draft_logits
 from specjax.models.llama import (
     LayerParams,
     LlamaParams,
@@ -227,12 +227,7 @@ def dflash_logits(
     target's vocabulary through the target's head."""
     if params.lm_head is None:
         return lm_head(target_params, outputs, target_config)
-    rows = outputs.reshape(-1, outputs.shape[-1])
-    if isinstance(params.lm_head, PanelWeight):
-        logits = project(rows, params.lm_head)
-    else:
-        logits = jnp.matmul(rows, params.lm_head, preferred_element_type=jnp.float32)
-    return logits.reshape(*outputs.shape[:-1], -1).astype(jnp.float32)
+    return draft_logits(params.lm_head, outputs)
 
 
 def dflash_panel_weights(params: DFlashParams) -> DFlashParams:

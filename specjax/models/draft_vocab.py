@@ -60,5 +60,8 @@ def draft_logits(head_matrix: jax.Array | PanelWeight, features: jax.Array) -> j
     """features [..., D] -> logits over the draft vocabulary [..., W], float32 (one 2-D product:
     see llama.lm_head for why); head_matrix may be panels (`pack`, for drafting on the CPU)."""
     rows = features.reshape(-1, features.shape[-1])
-    logits = project(rows, head_matrix)
+    if isinstance(head_matrix, PanelWeight):
+        logits = project(rows, head_matrix)
+    else:
+        logits = jnp.matmul(rows, head_matrix, preferred_element_type=jnp.float32)
     return logits.reshape(*features.shape[:-1], head_matrix.shape[-1]).astype(jnp.float32)

@@ -28,10 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import PanelWeight, pack
+from specjax.kernels import pack
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.draft_vocab import check_draft_vocab
+from specjax.models.draft_vocab import check_draft_vocab, draft_logits
 from specjax.models.llama import (
     LayerParams,
     attention_keys_values,
@@ -308,12 +308,7 @@ def _first_attention_input(params: Eagle3Params, config: Eagle3Config, x, lp):
 def eagle3_logits(params: Eagle3Params, config: Eagle3Config, outputs: jax.Array) -> jax.Array:
     """Logits [..., W] over the draft vocabulary, float32, from the head's outputs [..., D]."""
     normed = outputs if config.norm_output else rms_norm(outputs, params.norm, config.rms_norm_eps)
-    rows = normed.reshape(-1, normed.shape[-1])
-    if isinstance(params.lm_head, PanelWeight):
-        logits = project(rows, params.lm_head)
-    else:
-        logits = jnp.matmul(rows, params.lm_head, preferred_element_type=jnp.float32)
-    return logits.reshape(*outputs.shape[:-1], -1).astype(jnp.float32)
+    return draft_logits(params.lm_head, normed)
 
 
 def eagle3_panel_weights(params: Eagle3Params) -> Eagle3Params:

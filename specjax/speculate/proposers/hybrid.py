@@ -1,23 +1,24 @@
 """Hybrid drafting (FastDeploy's n-gram + MTP): per row, the first proposer's drafts where it has
 any this step, the second's otherwise, inside the one compiled loop.
 
-Typical use: `Hybrid(NGram(k=5, n_min=3), Eagle3(head))`: prompt lookup where the text copies
-(code edits, summaries, retrieval), a trained head elsewhere. Both proposers draft every step and
-both see every verdict, so each keeps its own state current (a head's pending features, a draft
-model's cache); a row then verifies one of the two proposals as a chain. Lossless as every
-proposer is: a row's drafts are exactly one proposer's, with that proposer's q (one-hot for a
-deterministic one).
+Typical use: `Hybrid(NGram(k=4, n_min=3), Eagle3(head, k=1))`: prompt lookup where the text copies
+(code edits, summaries, retrieval), a trained head elsewhere. The parts may draft different
+numbers of tokens; a step verifies only as many as its rows drafted (`verify_widths`). Both
+proposers draft every step and both see every verdict, so each keeps its own state current (a
+head's pending features, a draft model's cache); a row then verifies one of the two proposals as
+a chain. Lossless as every proposer is: a row's drafts are exactly one proposer's, with that
+proposer's q (one-hot for a deterministic one).
 
 A gate (`Hybrid(first, then, gate=GoodputSchedule(...))`) makes the fallback pay for itself:
 where the first has no draft, a row takes the second's drafts only while its measured acceptance
 there (the schedule's decayed estimate, from that row's steps drafted by the second) gives more
 tokens per unit of time than a plain step, with the second's whole k; otherwise the row makes a
 plain step. The second drafts only on steps where some running row takes its drafts (a
-batch-wide `lax.cond`); on the others it only `observe`s (a head feeds its pending features, so
-its cache stays whole), which costs a fraction of drafting. A row held back drafts with the second
-again every `probe_every` steps, to notice when it starts to pay. This is what keeps a hybrid at
-least as fast as its better part where the second one's drafting does not pay (a head on text
-unlike what it trained on, or on a CPU where its step costs twice a plain one).
+batch-wide `lax.cond`); on the others it only `observe`s (a head writes its pending pairs' keys
+and values, so its cache stays whole), which costs a fraction of drafting. A row held back drafts
+with the second again every `probe_every` steps, to notice when it starts to pay. This is what
+keeps a hybrid at least as fast as its better part where the second one's drafting does not pay
+(a head on text unlike what it trained on, or on a CPU where its step costs twice a plain one).
 
 The state counts, per row and per proposer, the steps whose drafts came from it, the drafts it
 contributed and those accepted, and the steps a gate held the second back:
