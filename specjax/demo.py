@@ -103,15 +103,16 @@ def compare(model, title, prompts, methods, max_new_tokens, repeats) -> dict[str
     measured = measure(model, prompts, methods, max_new_tokens, repeats)
     plain = measured.pop("plain")
     print(f">>> {prompts[0].splitlines()[0][:100]}...\n{plain.texts[0].strip()}\n")
-    print(f"{'method':<34} {'tokens/s':>9} {'speedup':>8} {'tokens/pass':>12} {'step cost':>10}  output")
-    print(f"{'plain':<34} {plain.speed:>9.1f} {1.0:>7.2f}x {plain.tokens_per_pass:>12.2f} {1.0:>10.2f}")
+    width = max(len(name) for name in ["method", *measured])
+    print(f"{'method':<{width}} {'tokens/s':>9} {'speedup':>8} {'tokens/pass':>12} {'step cost':>10}  output")
+    print(f"{'plain':<{width}} {plain.speed:>9.1f} {1.0:>7.2f}x {plain.tokens_per_pass:>12.2f} {1.0:>10.2f}")
     outcomes = {}
     for name, m in measured.items():
         speedup = m.speed / plain.speed
         outcome = Outcome(speedup, m.tokens_per_pass, m.tokens_per_pass / plain.tokens_per_pass / speedup)
         same = "= plain greedy" if m.tokens == plain.tokens else "DIFFERS from plain greedy"
         print(
-            f"{name:<34} {m.speed:>9.1f} {speedup:>7.2f}x {outcome.tokens_per_pass:>12.2f} "
+            f"{name:<{width}} {m.speed:>9.1f} {speedup:>7.2f}x {outcome.tokens_per_pass:>12.2f} "
             f"{outcome.step_cost:>10.2f}  {same}"
         )
         if m.tokens != plain.tokens:

@@ -123,9 +123,10 @@ def proposers(model: specjax.Model, plain: list[list[int]], prompts) -> dict:
 
 
 # Every family runs every proposer with `make test-all`; the default set keeps one dense family with
-# sliding windows and its own norms (Gemma 3), Llama 3 and one mixture of experts (the rest share
-# their forward pieces; logits and greedy generation of every family stay in the default set).
-PROPOSER_FAST = {"llama3", "gemma3", "qwen3_moe"}
+# sliding windows and its own norms (Gemma 3) and one mixture of experts (the rest share their
+# forward pieces, and the built-in model, a Llama, runs every proposer in
+# tests/test_builtin_generate.py; logits and greedy generation of every family stay in the default set).
+PROPOSER_FAST = {"gemma3", "qwen3_moe"}
 PROPOSER_GRID = [
     pytest.param(f, marks=() if f in PROPOSER_FAST else pytest.mark.slow) for f in families.FAMILIES
 ]
@@ -234,7 +235,16 @@ def test_prefill_logits_do_not_depend_on_the_batch(built):
         assert relative_error(together[b], alone[0]) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["gemma3", "mixtral", "qwen3_moe"])
+# The default set keeps the mixture with q/k norms (its experts and router are what a mesh splits
+# differently from a dense model, tests/test_sharding.py covers those); `make test-all` all three.
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param("gemma3", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=pytest.mark.slow),
+        "qwen3_moe",
+    ],
+)
 def test_on_a_mesh_equals_one_device(built, family):
     """Loaded straight onto a 2 x 2 mesh of fake CPU devices (each weight sent slice by slice:
     the experts split over F like an MLP, q/k norms and routers replicated), plain decoding and

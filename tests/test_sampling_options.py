@@ -170,8 +170,18 @@ def tree_proposers(num_rows):
     }
 
 
+# The default set keeps one tree (EAGLE's: a tree whose q is a head's); `make test-all` all three.
 @pytest.mark.parametrize(
-    "name", ["none", "ngram", "draft", "self", "medusa_tree", "oracle_tree", "eagle_tree"]
+    "name",
+    [
+        "none",
+        "ngram",
+        "draft",
+        "self",
+        pytest.param("medusa_tree", marks=pytest.mark.slow),
+        pytest.param("oracle_tree", marks=pytest.mark.slow),
+        "eagle_tree",
+    ],
 )
 def test_mixed_batch_follows_the_reference_law(group_laws, name):
     """The first three tokens of every row follow its own options' exact law (the first token from
