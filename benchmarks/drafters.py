@@ -17,7 +17,10 @@ MT-bench's, with the same budget (400 steps of 8 sequences). Three parts, one ta
    (eagle-k1, eagle3-k1) and Hybrid(NGram, EAGLE-3) with a head chain of 4 (hybrid) or of 1
    (hybrid-k1), each Hybrid also gated (a GoodputSchedule with its head's costs, measured in part
    2 or here: the head drafts only where its acceptance pays) and with its n-gram part alone
-   (NGram(k=4, n_min=3)), greedy, batch 1, chat template, on prompts no head trained on: MT-bench
+   (NGram(k=4, n_min=3)), and the chains of 4 and of one verifying only their confident drafts
+   (eagle-conf, eagle3-conf, eagle-k1-conf, eagle3-k1-conf: the product of the drafts'
+   probabilities under the head at least --confidence-threshold), greedy, batch 1, chat template,
+   on prompts no head trained on: MT-bench
    first turns 0..N-1 (the validation questions are 8:48), HumanEval functions to complete and
    InstructCoder code edits (not in the distillation set); and on Spec-Bench's other categories,
    marked "(trained)": the heads were distilled from those very questions, so their cells
@@ -47,7 +50,10 @@ from specjax.models.eagle import EagleHead
 from specjax.train import evaluate_dflash, evaluate_eagle, evaluate_eagle3, evaluate_medusa, load_head
 
 HEADS = {"EAGLE-1": "eagle", "EAGLE-3": "eagle3", "DFlash": "dflash", "Medusa": "medusa"}
-METHODS = "ngram,medusa,eagle,eagle-tree,eagle3,eagle3-tree,dflash,hybrid,eagle-k1,eagle3-k1,hybrid-k1"
+METHODS = (
+    "ngram,medusa,eagle,eagle-tree,eagle3,eagle3-tree,dflash,hybrid,eagle-k1,eagle3-k1,hybrid-k1,"
+    "eagle-conf,eagle3-conf,eagle-k1-conf,eagle3-k1-conf"
+)
 TRAINED = bench.HEADS_SPLIT.trained_categories  # the heads' distillation set: marked, not held out
 
 
@@ -132,6 +138,12 @@ def main() -> None:
         default=METHODS,
         help=f"comma-separated, of: {METHODS} (default all; a hybrid adds its gated form and n-gram part)",
     )
+    parser.add_argument(
+        "--confidence-threshold",
+        type=float,
+        default=0.2,
+        help="the *-conf methods' threshold on a draft's path probability (default 0.2)",
+    )
     args = parser.parse_args()
     parts = {p.strip() for p in args.parts.split(",")}
     if not parts or parts - {"accuracy", "costs", "loop"}:
@@ -155,7 +167,9 @@ def main() -> None:
         wanted = {m.strip() for m in args.methods.split(",")}
         if not wanted or wanted - set(METHODS.split(",")):
             raise ValueError(f"--methods must be comma-separated, of: {METHODS}; got {args.methods!r}")
-        descriptions = bench.method_descriptions(args.methods, heads=args.heads)
+        descriptions = bench.method_descriptions(
+            args.methods, heads=args.heads, confidence_threshold=args.confidence_threshold
+        )
     except ValueError as error:
         raise SystemExit(f"drafters.py: error: {error}") from None
 

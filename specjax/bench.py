@@ -75,6 +75,10 @@ METHODS = (
     "eagle-k1",
     "eagle3-k1",
     "hybrid-k1",
+    "eagle-conf",
+    "eagle3-conf",
+    "eagle-k1-conf",
+    "eagle3-k1-conf",
 )
 HEAD_FOLDERS = {"medusa": "Medusa", "eagle": "EAGLE", "eagle3": "EAGLE-3", "dflash": "DFlash"}
 
@@ -321,14 +325,17 @@ def method_descriptions(
     self_draft_k: int = 3,
     medusa_tree: str | Sequence[int] = "3,2",
     eagle_k: int = 4,
+    confidence_threshold: float = 0.2,
 ) -> dict[str, Any]:
     """{display name: proposer description, or None for plain} of the named methods ("ngram,eagle"
     or a list, of METHODS); plain comes first. Medusa and EAGLE read the heads saved in
     `heads`/<kind>/head (medusa, eagle, eagle3, dflash); "hybrid" is Hybrid(NGram(k, n_min=3),
     EAGLE-3 chain k), k = eagle_k. "eagle-k1" and "eagle3-k1" are the chains of one draft (what
     pays on a CPU where a head's extra drafts cost more than they are accepted), "hybrid-k1"
-    Hybrid(NGram(eagle_k, n_min=3), EAGLE-3 chain of 1). ValueError for an unknown method or a
-    missing head."""
+    Hybrid(NGram(eagle_k, n_min=3), EAGLE-3 chain of 1). "eagle-conf" and "eagle3-conf" are the
+    chains of eagle_k, "eagle-k1-conf" and "eagle3-k1-conf" those of one, verifying only the drafts
+    whose path probability under the head reaches `confidence_threshold`. ValueError for an unknown
+    method or a missing head."""
     from specjax.speculate.proposers import NGram
     from specjax.speculate.tree import TokenTree
 
@@ -337,7 +344,7 @@ def method_descriptions(
     if unknown:
         raise ValueError(f"--methods: unknown method {unknown[0]!r}; allowed: {', '.join(METHODS)}")
     heads = Path(heads)
-    needs = {m.removesuffix("-tree").removesuffix("-k1") for m in wanted}
+    needs = {m.removesuffix("-conf").removesuffix("-tree").removesuffix("-k1") for m in wanted}
     needs |= {"eagle3"} if needs & {"hybrid"} else set()
     for kind, folder in HEAD_FOLDERS.items():
         if kind in needs and not (heads / kind / "head").is_dir():
@@ -392,6 +399,12 @@ def method_descriptions(
             },
         ),
     }
+    for kind, label, folder in (("eagle", "EAGLE", eagle), ("eagle3", "EAGLE-3", eagle3)):
+        for suffix, k in (("", eagle_k), ("-k1", 1)):
+            every[f"{kind}{suffix}-conf"] = (
+                f"{label} chain k={k}, confidence >= {confidence_threshold}",
+                {"name": kind, "head": folder, "k": k, "confidence_threshold": confidence_threshold},
+            )
     descriptions: dict[str, Any] = {"plain": None}
     for m in wanted:
         if m != "plain":

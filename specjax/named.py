@@ -9,8 +9,9 @@ A proposer description is a name plus options, e.g. ``{"name": "ngram", "k": 4}`
     self_draft              SelfDraft(layers, k)
     draft_model             DraftModel(model=<name or path, loaded>, k)
     medusa                  Medusa(head=<folder of a saved head>, tree)
-    eagle                   Eagle(head=<folder of a saved head>, k, tree)
-    eagle3                  Eagle3(head=<folder: a saved or published EAGLE-3 head>, k, tree)
+    eagle                   Eagle(head=<folder of a saved head>, k, tree, confidence_threshold)
+    eagle3                  Eagle3(head=<folder: a saved or published EAGLE-3 head>, k, tree,
+                            confidence_threshold)
     dflash                  DFlash(head=<folder: a saved or published DFlash head>, block)
     hybrid                  Hybrid(first=<description>, then=<description>, gate=<None or a goodput
                             schedule: {"name": "goodput", "draft_cost": 0.08, "verify_cost": 0.14}>)
@@ -56,8 +57,8 @@ PROPOSER_NAMES = (
 )
 HEAD_PROPOSERS = {  # name -> (class, options beside the head)
     "medusa": (Medusa, ("tree",)),
-    "eagle": (Eagle, ("k", "tree")),
-    "eagle3": (Eagle3, ("k", "tree")),
+    "eagle": (Eagle, ("k", "tree", "confidence_threshold")),
+    "eagle3": (Eagle3, ("k", "tree", "confidence_threshold")),
     "dflash": (DFlash, ("block",)),
 }
 SCHEDULE_NAMES = ("heuristic", "goodput")

@@ -16,6 +16,7 @@ from specjax.models import EagleHead, init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import eagle_features
 from specjax.models.llama import forward_hidden
+from specjax.speculate.proposers import with_k
 from specjax.speculate.tree import TokenTree
 
 TARGET = tiny_model(seed=11)
@@ -63,6 +64,12 @@ def reference_drafts(head, tree, hidden, sequence, length):
     """Every node's token for a row whose committed sequence is sequence[:length], recomputing the
     head from scratch for each path: pairs (f_p, x_{p+1}) for p < length - 1 from the target, then
     the head's own predicted features along the path."""
+    return reference_tree(head, tree, hidden, sequence, length)[0]
+
+
+def reference_tree(head, tree, hidden, sequence, length):
+    """(every node's token, every node's path probability: the product of the head's float64
+    softmax probabilities of the tokens from the root to it), as `reference_drafts`."""
     matrix = draft_head_matrix(TARGET.params, jnp.asarray(head.vocab))
     base_h = hidden[: length - 1]
     base_x = sequence[1:length]
@@ -72,19 +79,22 @@ def reference_drafts(head, tree, hidden, sequence, length):
         x = jnp.asarray(np.concatenate([base_x, np.asarray(extra_x, np.int32)]), jnp.int32)[None]
         return _scratch_features(head.params, head.config, TARGET.params.embed, h, x)[0, -1]
 
-    tokens = {}
+    tokens, probs = {}, {}
 
     def expand(path, feature, extra_h, extra_x):
-        order = np.argsort(-np.asarray(draft_logits(matrix, feature)), kind="stable")
+        logits = np.asarray(draft_logits(matrix, feature), np.float64)
+        softmax = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+        order = np.argsort(-logits, kind="stable")
         for child in [p for p in tree.paths if len(p) == len(path) + 1 and p[:-1] == path]:
             token = int(head.vocab[order[child[-1]]])
             tokens[child] = token
+            probs[child] = probs.get(path, 1.0) * softmax[order[child[-1]]]
             if any(len(p) > len(child) and p[: len(child)] == child for p in tree.paths):
                 h, x = extra_h + [feature[None]], extra_x + [token]
                 expand(child, features_along(h, x), h, x)
 
     expand((), features_along([], []), [], [])
-    return [tokens[p] for p in tree.paths]
+    return [tokens[p] for p in tree.paths], [probs[p] for p in tree.paths]
 
 
 # The fast set keeps three of the four pairs (the full-vocabulary chain, 32 s, runs with
@@ -213,6 +223,87 @@ def test_eagle_greedy_equals_plain(plain_greedy, shape, head):
     m = result.metrics
     assert (m.accept_hist.sum(1) == m.steps).all()
     assert (m.accepted_at.sum(1) == m.accepted).all()
+
+
+# -- A confidence threshold: a chain verifies only its confident prefix -------------------------
+
+
+def test_a_threshold_keeps_the_drafts_whose_path_probability_reaches_it():
+    """Driven by hand over ragged steps: draft j of a chain is valid exactly where the product of the
+    head's probabilities of drafts 1..j (the reference's float64 softmax) is at least the threshold,
+    and the tokens are the unthresholded chain's."""
+    threshold = 0.0075  # between the second drafts' path probabilities on these rows (0.004-0.03)
+    spec = specjax.Eagle(HEAD, k=3, confidence_threshold=threshold).spec(TARGET)
+    params = specjax.Eagle(HEAD, k=3).params(TARGET)
+    assert spec.verify_widths == (1, 2, 3) and not spec.always_drafts
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
+    S = 64
+    tokens = np.zeros((2, S), np.int32)
+    for b, (prompt, answer) in enumerate(zip(prompts, plain, strict=True)):
+        tokens[b, : len(prompt) + len(answer)] = prompt + answer
+    tokens = jnp.asarray(tokens)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
+    hidden, _ = forward_hidden(
+        TARGET.params, TARGET.config, tokens, positions, init_cache(TARGET.config, 2, S), empty_cache=True
+    )
+    prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    state = spec.init(TARGET.params, params, tokens[:, :12], prompt_lengths, S, hidden[:, :12])
+    lengths = prompt_lengths + 1
+    propose = jax.jit(spec.propose)
+    seen = set()
+    for accepted in [(0, 2), (3, 1), (1, 0), (2, 3), (0, 0), (1, 1)]:
+        proposal, state = propose(TARGET.params, params, state, tokens, lengths, None, None, None)
+        for b in range(2):
+            drafts, path_probs = reference_tree(
+                HEAD, spec.drafting_tree, hidden[b], np.asarray(tokens[b]), int(lengths[b])
+            )
+            assert np.asarray(proposal.draft_tokens[b]).tolist() == drafts
+            assert min(abs(np.log(path_probs) - np.log(threshold))) > 1e-3  # no float32 near-tie
+            want = [prob >= threshold for prob in path_probs]
+            assert np.asarray(proposal.valid[b]).tolist() == want
+            seen.add(sum(want))
+        n = jnp.asarray(accepted, jnp.int32)
+        path_hidden = hidden[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(4)[None, :]]
+        state = spec.update(state, path_hidden, n)
+        lengths = lengths + n + 1
+    assert seen == {1, 2}  # both lengths of confident prefix occurred
+
+
+@pytest.mark.parametrize("threshold", [0.0075, 0.1])
+def test_a_thresholded_chain_equals_plain(plain_greedy, threshold):
+    """Greedy output is plain decoding's at batch 4 and 1; a step drafts only its confident prefix,
+    so fewer drafts are verified than k per step (at 0.1 some steps draft nothing and make a
+    one-token pass), and every count adds up."""
+    proposer = specjax.Eagle(HEAD, k=3, confidence_threshold=threshold)
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    one = specjax.generate(TARGET, PROMPTS[2:3], proposer=proposer, max_new_tokens=24)
+    assert one.tokens == plain_greedy[2:3]
+    m = result.metrics
+    assert (m.drafted < 3 * m.steps).all() and m.drafted.sum() > 0
+    assert (m.drafting_steps < m.steps).any() == (threshold == 0.1)
+    assert (m.accept_hist.sum(1) == m.drafting_steps).all() and (m.accepted_at.sum(1) == m.accepted).all()
+    assert (m.accepted <= m.drafted).all()
+
+
+def test_a_threshold_nothing_reaches_is_plain_decoding(plain_greedy):
+    proposer = specjax.Eagle(HEAD, k=2, confidence_threshold=0.99)
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    assert int(result.metrics.drafted.sum()) == 0 and int(result.metrics.drafting_steps.sum()) == 0
+
+
+def test_bad_confidence_thresholds():
+    for bad in (-0.1, 1.0, 1.5, "0.3", True, float("nan")):
+        with pytest.raises(ValueError, match=r"Eagle confidence_threshold must be a number in \[0, 1\), got"):
+            specjax.Eagle(HEAD, k=2, confidence_threshold=bad)
+    with pytest.raises(ValueError, match="applies to chains, not to a tree"):
+        specjax.Eagle(HEAD, tree=TokenTree.top_k((2, 2)), confidence_threshold=0.2)
+    chain = specjax.Eagle(HEAD, tree=TokenTree.chain(2), confidence_threshold=0.2)  # a chain tree is a chain
+    assert (chain.k, chain.tree) == (2, None)
+    kept = with_k(specjax.Eagle(HEAD, k=4, confidence_threshold=0.2), 2)
+    assert (kept.k, kept.confidence_threshold) == (2, 0.2)
 
 
 def test_a_chain_tree_is_the_chain():

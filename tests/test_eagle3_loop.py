@@ -6,6 +6,7 @@ and tree, full and subset draft vocabularies), and greedy EAGLE-3 decoding equal
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import families
@@ -187,6 +188,23 @@ def test_eagle3_greedy_equals_plain(plain_greedy, head, options):
     assert one.tokens == plain_greedy[2:3]
     m = result.metrics
     assert (m.accept_hist.sum(1) == m.steps).all() and (m.accepted_at.sum(1) == m.accepted).all()
+
+
+def test_a_thresholded_eagle3_chain_and_its_hybrid_equal_plain(plain_greedy):
+    """EAGLE-3 drafts through EAGLE's code, threshold included (its reference test is in
+    test_eagle.py): greedy equals plain with some steps drafting nothing; as a Hybrid's second part,
+    its shorter widths join the n-gram part's k."""
+    head = specjax.Eagle3(HEAD, k=3, confidence_threshold=0.05)
+    result = specjax.generate(TARGET, PROMPTS, proposer=head, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    m = result.metrics
+    assert 0 < m.drafting_steps.sum() < m.steps.sum() and (m.drafted < 3 * m.drafting_steps).any()
+    hybrid = specjax.Hybrid(specjax.NGram(k=4, n_min=2), dataclasses.replace(head, k=2))
+    assert hybrid.spec(TARGET).verify_widths == (1, 2, 4)
+    result = specjax.generate(TARGET, PROMPTS, proposer=hybrid, max_new_tokens=24)
+    assert result.tokens == plain_greedy
+    counts = result.metrics.proposer
+    assert counts["first_steps"].sum() > 0 and counts["then_steps"].sum() > 0
 
 
 def test_eagle3_on_gemma3_and_sampled(tmp_path):

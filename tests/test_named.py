@@ -83,3 +83,17 @@ def test_with_k():
         from specjax.models import MedusaHead
 
         with_k(specjax.Medusa(MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0))), 3)
+
+
+def test_a_head_description_takes_a_confidence_threshold(tmp_path):
+    import jax
+
+    from specjax.models import Eagle3Head
+    from specjax.models.heads import save_head
+
+    save_head(tmp_path / "head", Eagle3Head.init(TARGET, jax.random.key(0), aux_layer_ids=(0, 1, 2)))
+    description = {"name": "eagle3", "head": str(tmp_path / "head"), "k": 2, "confidence_threshold": 0.3}
+    proposer = proposer_from_description(description, TARGET)
+    assert isinstance(proposer, specjax.Eagle3) and (proposer.k, proposer.confidence_threshold) == (2, 0.3)
+    with pytest.raises(ValueError, match="Eagle3 confidence_threshold must be a number in"):
+        proposer_from_description(description | {"confidence_threshold": 2}, TARGET)

@@ -87,10 +87,8 @@ def with_k(proposer, k: int):
     k + 1; Hybrid changes both parts."""
     if isinstance(proposer, NGram | SelfDraft | DraftModel):
         return dataclasses.replace(proposer, k=k)
-    if isinstance(proposer, Eagle) and proposer.tree is None:
-        return Eagle(proposer.head, k=k)
-    if isinstance(proposer, Eagle3) and proposer.tree is None:
-        return Eagle3(proposer.head, k=k)
+    if isinstance(proposer, Eagle | Eagle3) and proposer.tree is None:
+        return dataclasses.replace(proposer, k=k)  # keeps its confidence threshold
     if isinstance(proposer, DFlash):
         return DFlash(proposer.head, block=k + 1)
     if isinstance(proposer, Hybrid):

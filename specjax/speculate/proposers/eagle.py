@@ -19,6 +19,13 @@ small enough that feeding all nodes costs the same as feeding one on this hardwa
 
 Drafts are deterministic (each node is its parent's rank-r candidate, q one-hot): verification
 keeps the output lossless at any temperature.
+
+With a `confidence_threshold` (chains only), a row verifies its drafts only while the head's
+probability of the path up to them (the product of each draft's probability under the head's own
+softmax) stays at least the threshold, as EAGLE-2 ranks draft paths by that product: a draft's
+chance of acceptance is worth a verify position only when it beats what the position costs. A step
+whose rows drafted fewer tokens verifies only as wide as they need (`verify_widths`), a one-token
+pass where none drafted. Dropping drafts never changes the output, only the speed.
 """
 
 from __future__ import annotations
@@ -82,7 +89,17 @@ class EagleSpec:
     tree: TokenTree | None = None
     dtype: str = "float32"  # the head's weights, which its KV cache follows
     max_accepted: int | None = None  # more than k when paired with a longer drafter (`accepting`)
-    always_drafts = True
+    confidence_threshold: float = 0.0  # verify a chain's drafts while their path probability >= this
+
+    @property
+    def always_drafts(self) -> bool:
+        return self.confidence_threshold == 0.0
+
+    @property
+    def verify_widths(self) -> tuple[int, ...] | None:
+        """With a confidence threshold, the chain lengths a step may verify (the loop picks the
+        smallest covering every running row's confident drafts); None: always all k."""
+        return None if self.always_drafts else tuple(range(1, self.k + 1))
 
     @property
     def accepts(self) -> int:
@@ -200,26 +217,35 @@ class EagleSpec:
         features, cache = self._catch_up(target_params, params, state, tokens, lengths)
         root = features[rows, state.num_pending - 1]  # [B, D] predicts f_{L-1}
 
-        def candidates(parent_features, width):  # [B, n, D] -> token ids [B, n, width]
-            _, index = jax.lax.top_k(self._logits(params, parent_features), width)
-            return params.vocab[index]
+        def candidates(parent_features, width):
+            """[B, n, D] -> (token ids [B, n, width], their log-probabilities under the head)."""
+            logits = self._logits(params, parent_features).astype(jnp.float32)
+            top, index = jax.lax.top_k(logits, width)
+            return params.vocab[index], top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
         node_tokens = jnp.zeros((B, N), jnp.int32)
+        node_logprobs = jnp.zeros((B, N), jnp.float32)  # each node's path log-probability
+        parent_logprobs = jnp.zeros((B, 1), jnp.float32)
         node_inputs = jnp.zeros((B, N, root.shape[-1]), root.dtype)  # each node's parent's features
         parent_features = root[:, None]  # [B, 1, D]: the level above depth 1
         node_positions = (lengths - 2)[:, None] + jnp.asarray(tree.depths[1:])[None, :]
         node_mask = tree.attention_mask[1:, 1:]
         for d in range(tree.depth):  # fill depth d + 1 from the features of depth d
             nodes, parent_slot, ranks = levels.nodes_at[d], levels.parent_slot[d], levels.ranks_at[d]
-            ranked = candidates(parent_features, levels.widths[d])  # [B, n_d, W_d]
+            ranked, logprobs = candidates(parent_features, levels.widths[d])  # [B, n_d, W_d]
             node_tokens = node_tokens.at[:, nodes].set(ranked[:, parent_slot, ranks])
+            parent_logprobs = parent_logprobs[:, parent_slot] + logprobs[:, parent_slot, ranks]
+            node_logprobs = node_logprobs.at[:, nodes].set(parent_logprobs)
             node_inputs = node_inputs.at[:, nodes].set(parent_features[:, parent_slot])
             if d + 1 < tree.depth:  # the last level's features are not needed
                 features, cache = self._feed_own(
                     params, embed, node_inputs, node_tokens, node_positions, cache, fresh_mask=node_mask
                 )  # written past the length: scratch, never committed
                 parent_features = features[:, nodes]
-        proposal = Proposal(draft_tokens=node_tokens, valid=jnp.ones((B, N), bool))
+        valid = jnp.ones((B, N), bool)
+        if not self.always_drafts:  # a chain: path probabilities fall with depth, a prefix stays
+            valid = node_logprobs >= np.log(self.confidence_threshold)
+        proposal = Proposal(draft_tokens=node_tokens, valid=valid)
         return proposal, state.replace(cache=cache)
 
 
@@ -237,16 +263,31 @@ def chain_or_tree(owner: str, k: int | None, tree) -> tuple[int, TokenTree | Non
     return tree.depth, None if tree.is_chain else tree
 
 
+def check_confidence_threshold(owner: str, threshold, tree) -> float:
+    """The threshold as a float in [0, 1); a tree with one is an error: a tree's verify pass scores
+    every node of its fixed shape, so leaving nodes out would save nothing."""
+    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold < 1:
+        raise ValueError(f"{owner} confidence_threshold must be a number in [0, 1), got {threshold!r}")
+    if threshold > 0 and tree is not None:
+        raise ValueError(
+            f"{owner} confidence_threshold={threshold!r} applies to chains, not to a tree (its verify pass "
+            "scores every node of the tree's fixed shape): give k instead of tree, or no threshold"
+        )
+    return float(threshold)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Eagle:
     """An EAGLE head drafting a chain of k tokens, or a token tree (`tree`: a TokenTree or a list
     of paths, e.g. `TokenTree.top_k((4, 2, 2))`; k is then the tree's depth and must not be given
     otherwise). Each node drafts its parent's rank-r candidate, from the head's own prediction at
-    the parent."""
+    the parent. `confidence_threshold` (chains only, default 0: every draft): a row verifies its
+    drafts only while the product of their probabilities under the head is at least this."""
 
     head: EagleHead
     k: int | None = None
     tree: TokenTree | None = None
+    confidence_threshold: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.head, EagleHead):
@@ -255,13 +296,21 @@ class Eagle:
                 f"got {type(self.head).__name__}"
             )
         k, tree = chain_or_tree("Eagle", self.k, self.tree)
+        threshold = check_confidence_threshold("Eagle", self.confidence_threshold, tree)
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "tree", tree)
+        object.__setattr__(self, "confidence_threshold", threshold)
 
     def spec(self, target: Model, warp=None, mesh=None) -> EagleSpec:
         self.head.check_target(target)
         dtype = self.head.params.fc.dtype.name
-        return EagleSpec(config=self.head.config, k=self.k, tree=self.tree, dtype=dtype)
+        return EagleSpec(
+            config=self.head.config,
+            k=self.k,
+            tree=self.tree,
+            dtype=dtype,
+            confidence_threshold=self.confidence_threshold,
+        )
 
     def params(self, target: Model) -> HeadInputs:
         def build(target):

@@ -28,7 +28,7 @@ from specjax.models.eagle3 import (
 )
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, kept_inputs
-from specjax.speculate.proposers.eagle import EagleSpec, chain_or_tree
+from specjax.speculate.proposers.eagle import EagleSpec, chain_or_tree, check_confidence_threshold
 from specjax.speculate.tree import TokenTree
 
 
@@ -72,11 +72,13 @@ class Eagle3:
     checkpoint by specjax.load_head) drafting a chain of k tokens, or a token tree (`tree`: a
     TokenTree or a list of paths; k is then its depth). Lossless at any temperature: its drafts
     are deterministic (each node its parent's rank-r candidate) and verified as every
-    proposer's are."""
+    proposer's are. `confidence_threshold` as for Eagle: a chain's drafts are verified only while
+    the product of their probabilities under the head is at least this (default 0: all k)."""
 
     head: Eagle3Head
     k: int | None = None
     tree: TokenTree | None = None
+    confidence_threshold: float = 0.0
 
     def __post_init__(self):
         if not isinstance(self.head, Eagle3Head):
@@ -85,13 +87,21 @@ class Eagle3:
                 f"{type(self.head).__name__}"
             )
         k, tree = chain_or_tree("Eagle3", self.k, self.tree)
+        threshold = check_confidence_threshold("Eagle3", self.confidence_threshold, tree)
         object.__setattr__(self, "k", k)
         object.__setattr__(self, "tree", tree)
+        object.__setattr__(self, "confidence_threshold", threshold)
 
     def spec(self, target: Model, warp=None, mesh=None) -> Eagle3Spec:
         self.head.check_target(target)
         dtype = self.head.params.fc.dtype.name
-        return Eagle3Spec(config=self.head.config, k=self.k, tree=self.tree, dtype=dtype)
+        return Eagle3Spec(
+            config=self.head.config,
+            k=self.k,
+            tree=self.tree,
+            dtype=dtype,
+            confidence_threshold=self.confidence_threshold,
+        )
 
     def params(self, target: Model) -> HeadInputs:
         def build(target):

@@ -85,9 +85,12 @@ class HybridSpec:
     def verify_widths(self) -> tuple[int, ...] | None:
         """Where the parts draft different numbers of tokens, the verify pass widths the loop
         chooses between (the smallest covering every running row's drafts): a step whose rows
-        all draft with the shorter part scores only its drafts. None when both draft k."""
-        widths = tuple(sorted({self.first.k, self.then.k}))
-        return widths if len(widths) > 1 else None
+        all draft with the shorter part scores only its drafts. A part's own widths (a head with a
+        confidence threshold) join its k. None when every step drafts k."""
+        widths = {self.first.k, self.then.k}
+        for part in (self.first, self.then):
+            widths.update(getattr(part, "verify_widths", None) or ())
+        return tuple(sorted(widths)) if len(widths) > 1 else None
 
     @property
     def feature_layers(self):
