@@ -97,6 +97,20 @@ def reference_tree(head, tree, hidden, sequence, length):
     return [tokens[p] for p in tree.paths], [probs[p] for p in tree.paths]
 
 
+def committed_rows(prompts, S=64):
+    """Two rows' committed sequences (each prompt and its 30 plain greedy tokens) padded to S
+    [2, S], and the target's final-normed hidden states over them [2, S, D]."""
+    plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
+    tokens = np.zeros((len(prompts), S), np.int32)
+    for b, (prompt, answer) in enumerate(zip(prompts, plain, strict=True)):
+        tokens[b, : len(prompt) + len(answer)] = prompt + answer
+    tokens = jnp.asarray(tokens)
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), tokens.shape)
+    cache = init_cache(TARGET.config, len(prompts), S)
+    hidden, _ = forward_hidden(TARGET.params, TARGET.config, tokens, positions, cache, empty_cache=True)
+    return tokens, hidden
+
+
 # The fast set keeps three of the four pairs (the full-vocabulary chain, 32 s, runs with
 # `make test-all`): each head and each shape still meets the reference.
 @pytest.mark.parametrize(
@@ -125,18 +139,8 @@ def test_drafts_equal_a_from_scratch_reference(head, shape):
         spec, observed = spec.accepting(3), (1, 3)
     tree = spec.drafting_tree
     prompts = [PROMPTS[0], PROMPTS[1]]
-    plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
-    sequences = [np.asarray(p + t, np.int32) for p, t in zip(prompts, plain, strict=True)]
     S = 64
-    tokens = np.zeros((2, S), np.int32)
-    for b, seq in enumerate(sequences):
-        tokens[b, : len(seq)] = seq
-    tokens = jnp.asarray(tokens)
-    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
-    hidden, _ = forward_hidden(
-        TARGET.params, TARGET.config, tokens, positions, init_cache(TARGET.config, 2, S), empty_cache=True
-    )
-
+    tokens, hidden = committed_rows(prompts, S)
     bucket = 12
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     state = spec.init(TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, hidden[:, :bucket])
@@ -237,16 +241,8 @@ def test_a_threshold_keeps_the_drafts_whose_path_probability_reaches_it():
     params = specjax.Eagle(HEAD, k=3).params(TARGET)
     assert spec.verify_widths == (1, 2, 3) and not spec.always_drafts
     prompts = [PROMPTS[0], PROMPTS[1]]
-    plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
     S = 64
-    tokens = np.zeros((2, S), np.int32)
-    for b, (prompt, answer) in enumerate(zip(prompts, plain, strict=True)):
-        tokens[b, : len(prompt) + len(answer)] = prompt + answer
-    tokens = jnp.asarray(tokens)
-    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
-    hidden, _ = forward_hidden(
-        TARGET.params, TARGET.config, tokens, positions, init_cache(TARGET.config, 2, S), empty_cache=True
-    )
+    tokens, hidden = committed_rows(prompts, S)
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     state = spec.init(TARGET.params, params, tokens[:, :12], prompt_lengths, S, hidden[:, :12])
     lengths = prompt_lengths + 1
