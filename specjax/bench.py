@@ -554,7 +554,7 @@ class SpecBenchResult:
             f"machine: {machine()}",
             f"batch 1, greedy, {chat}, {self.max_new_tokens} new tokens, {self.prompts_per_category} "
             f"prompts per category, median of {self.repeats}; speedup is over specjax plain decoding; "
-            "tau = mean acceptance length (tokens per target forward, bonus included)\n",
+            "tau = mean acceptance length (1 + accepted drafts per step that drafted, vLLM's definition)\n",
             markdown_table(*self.table()),
             *self.training_note(),
             "\nconditional acceptance per draft position (accepted / reached), summed over the prompts:\n",
