@@ -263,7 +263,7 @@ def chain_or_tree(owner: str, k: int | None, tree) -> tuple[int, TokenTree | Non
     return tree.depth, None if tree.is_chain else tree
 
 
-def check_confidence_threshold(owner: str, threshold, tree) -> float:
+def _check_confidence_threshold(owner: str, threshold, tree) -> float:
     """The threshold as a float in [0, 1); a tree with one is an error: a tree's verify pass scores
     every node of its fixed shape, so leaving nodes out would save nothing."""
     if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold < 1:
@@ -274,6 +274,28 @@ def check_confidence_threshold(owner: str, threshold, tree) -> float:
             "scores every node of the tree's fixed shape): give k instead of tree, or no threshold"
         )
     return float(threshold)
+
+
+def settle_drafting(proposer, owner: str) -> None:
+    """Check and normalise a head proposer's drafting fields (Eagle, Eagle3; frozen, so set in
+    place): k and tree as `chain_or_tree` gives them, the confidence threshold as a float."""
+    k, tree = chain_or_tree(owner, proposer.k, proposer.tree)
+    threshold = _check_confidence_threshold(owner, proposer.confidence_threshold, tree)
+    for name, value in (("k", k), ("tree", tree), ("confidence_threshold", threshold)):
+        object.__setattr__(proposer, name, value)
+
+
+def head_spec(spec_class, proposer, target: Model):
+    """The spec of a head proposer (Eagle, Eagle3) for `target`: the head checked against it, its
+    drafting fields, and its weights' dtype (which its KV cache follows)."""
+    proposer.head.check_target(target)
+    return spec_class(
+        config=proposer.head.config,
+        k=proposer.k,
+        tree=proposer.tree,
+        dtype=proposer.head.params.fc.dtype.name,
+        confidence_threshold=proposer.confidence_threshold,
+    )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -295,22 +317,10 @@ class Eagle:
                 f"Eagle head must be a specjax.models.EagleHead (see specjax.load_head), "
                 f"got {type(self.head).__name__}"
             )
-        k, tree = chain_or_tree("Eagle", self.k, self.tree)
-        threshold = check_confidence_threshold("Eagle", self.confidence_threshold, tree)
-        object.__setattr__(self, "k", k)
-        object.__setattr__(self, "tree", tree)
-        object.__setattr__(self, "confidence_threshold", threshold)
+        settle_drafting(self, "Eagle")
 
     def spec(self, target: Model, warp=None, mesh=None) -> EagleSpec:
-        self.head.check_target(target)
-        dtype = self.head.params.fc.dtype.name
-        return EagleSpec(
-            config=self.head.config,
-            k=self.k,
-            tree=self.tree,
-            dtype=dtype,
-            confidence_threshold=self.confidence_threshold,
-        )
+        return head_spec(EagleSpec, self, target)
 
     def params(self, target: Model) -> HeadInputs:
         def build(target):

@@ -28,7 +28,7 @@ from specjax.models.eagle3 import (
 )
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, kept_inputs
-from specjax.speculate.proposers.eagle import EagleSpec, chain_or_tree, check_confidence_threshold
+from specjax.speculate.proposers.eagle import EagleSpec, head_spec, settle_drafting
 from specjax.speculate.tree import TokenTree
 
 
@@ -86,22 +86,10 @@ class Eagle3:
                 f"Eagle3 head must be a specjax.models.Eagle3Head (see specjax.load_head), got "
                 f"{type(self.head).__name__}"
             )
-        k, tree = chain_or_tree("Eagle3", self.k, self.tree)
-        threshold = check_confidence_threshold("Eagle3", self.confidence_threshold, tree)
-        object.__setattr__(self, "k", k)
-        object.__setattr__(self, "tree", tree)
-        object.__setattr__(self, "confidence_threshold", threshold)
+        settle_drafting(self, "Eagle3")
 
     def spec(self, target: Model, warp=None, mesh=None) -> Eagle3Spec:
-        self.head.check_target(target)
-        dtype = self.head.params.fc.dtype.name
-        return Eagle3Spec(
-            config=self.head.config,
-            k=self.k,
-            tree=self.tree,
-            dtype=dtype,
-            confidence_threshold=self.confidence_threshold,
-        )
+        return head_spec(Eagle3Spec, self, target)
 
     def params(self, target: Model) -> HeadInputs:
         def build(target):
