@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import kernels, models, sharding
+from specjax import backend as backends
+from specjax import models, sharding
 from specjax.models.checkpoint import dtype_name
 from specjax.models.llama import LlamaParams, with_panel_weights
 from specjax.models.model import Model
@@ -466,10 +467,11 @@ def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
     if available is not None and needed > available:
         gib = 1 << 30
         raise ValueError(
-            f"prompts and max_new_tokens={max_new_tokens}: the KV caches and buffers for a batch of "
-            f"{spec.batch_size} rows of {spec.capacity} slots need about {needed / gib:.2f} GiB, but the "
-            f"device has {available / gib:.2f} GiB free; use fewer prompts per call or a smaller "
-            "max_new_tokens"
+            f"prompts and max_new_tokens={max_new_tokens}: a batch of {spec.batch_size} rows with prompts "
+            f"padded to {spec.prompt_bucket} tokens and {spec.capacity} cache slots per row needs about "
+            f"{needed:,} bytes ({needed / gib:.2f} GiB: KV caches, buffers and the prefill's and "
+            f"attention's working memory), but the device has {available / gib:.2f} GiB free; use "
+            "fewer or shorter prompts per call or a smaller max_new_tokens"
         )
 
 
@@ -507,6 +509,8 @@ def generate(
     chat: bool = False,
     mesh=None,
     cache_dtype=None,
+    kernels: str = "auto",
+    matmul_precision: str | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
@@ -523,6 +527,14 @@ def generate(
     "bfloat16" or "float16"; default: the model's dtype) is the dtype of the target's KV cache; a
     proposer's own cache (a draft model's, an EAGLE head's) follows its own weights.
 
+    `kernels` picks the kernels (specjax/backend.py): "auto" (the platform's own: the CPU
+    kernels on a CPU, Pallas attention on a GPU or TPU), "xla" (plain XLA everywhere), or
+    "pallas:tpu" / "pallas:cuda" (that accelerator's Pallas kernels, interpreted where the program
+    runs elsewhere: slow, for checking their numerics). `matmul_precision` (jax's names:
+    "default", "high", "highest", ...) is the precision of the products; default "highest" for a
+    float32 model, so that its products are float32 on every platform (accelerators otherwise use
+    TF32 or bfloat16 passes), and the platform's default for bfloat16 and float16 models.
+
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from
     the others' makes every process raise a ValueError before anything is compiled
@@ -530,17 +542,65 @@ def generate(
     """
     agreement = sharding.CallAgreement(mesh, "generate")
     try:
-        return _generate(
-            model, prompts, proposer, sampling, max_new_tokens, key, chat, mesh, cache_dtype, agreement
+        options = dict(
+            proposer=proposer,
+            sampling=sampling,
+            max_new_tokens=max_new_tokens,
+            key=key,
+            chat=chat,
+            mesh=mesh,
+            cache_dtype=cache_dtype,
+            kernels=kernels,
+            matmul_precision=matmul_precision,
         )
+        return _generate(model, prompts, options, agreement)
     except Exception:
         agreement.fail()  # the other processes must not wait for this one's fingerprint
         raise
 
 
-def _generate(
-    model, prompts, proposer, sampling, max_new_tokens, key, chat, mesh, cache_dtype, agreement
-) -> GenerateResult:
+@dataclasses.dataclass
+class Prepared:
+    """A generation's program and arguments, made on the host before anything runs: `generate`
+    compiles and calls it, `export_generate` lowers it for other platforms."""
+
+    spec: LoopSpec
+    params: Any
+    proposer_params: Any
+    inputs: GenerationInputs
+    rows: list[list[int]]  # each prompt's token ids
+    samplings: list[Sampling]  # each row's options
+
+
+def _generate(model, prompts, options: dict, agreement) -> GenerateResult:
+    mesh = options["mesh"]
+    if mesh is None:
+        devices = jax.devices()[:1]
+    else:
+        devices = list(mesh.devices.flat)
+    return _run(model, prepare(model, prompts, **options, agreement=agreement, devices=devices))
+
+
+def prepare(
+    model,
+    prompts,
+    proposer=None,
+    sampling=None,
+    max_new_tokens=128,
+    key=None,
+    chat=False,
+    mesh=None,
+    cache_dtype=None,
+    kernels="auto",
+    matmul_precision=None,
+    *,
+    agreement=None,
+    devices=None,
+    platforms=None,
+) -> Prepared:
+    """Validate `generate`'s arguments and make its program's spec and arguments: for `devices`
+    (those of the mesh, or the default device), or, with `platforms`, for export to those
+    platforms (no CPU FFI kernels: they are built for this host)."""
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
     if mesh is not None:
@@ -558,8 +618,12 @@ def _generate(
     _check_token_options(samplings, model)
     key = _key(key, samplings)
     warp = WarpSpec.of(samplings)
+    precision = backends.default_precision(dtype, matmul_precision)
+    if platforms is None:
+        backend = backends.for_devices(devices, kernels, precision)
+    else:
+        backend = backends.Backend(tuple(platforms), kernels, precision, portable=True)
     proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
-    k = 0 if proposer_spec is None else proposer_spec.k  # draft positions (a tree's depth)
 
     longest = max(len(r) for r in rows)
     context = model.config.max_position_embeddings
@@ -584,8 +648,10 @@ def _generate(
         mesh=mesh,
         dtype=dtype,
         cache_dtype=cache_dtype,
+        backend=backend,
     )
-    _check_memory(spec, max_new_tokens)
+    if platforms is None:  # (an exported program's device is not this one)
+        _check_memory(spec, max_new_tokens)
     padded = np.zeros((B, bucket), np.int32)
     for b, row in enumerate(rows):
         padded[b, : len(row)] = row
@@ -605,6 +671,7 @@ def _generate(
         stop_token_ids=jnp.asarray(_stop_token_ids(model, samplings)),
         stop_strings=stop_strings,
     )
+    agreement = agreement or sharding.CallAgreement(None, "prepare")
     agreement.check(  # a no-op unless the mesh spans processes; then one small all-gather
         {
             "prompts": (padded, inputs.prompt_lengths),
@@ -623,7 +690,7 @@ def _generate(
         elif proposer_params is not None:  # heads (Medusa) or a custom proposer's: replicated
             proposer_params = sharding.replicate(proposer_params, mesh)
         inputs = sharding.shard_rows(inputs, mesh, B)
-    elif kernels.enabled():  # the CPU decoding kernel's weight layout (see specjax.kernels)
+    elif backend.cpu_kernels:  # the CPU decoding kernel's weight layout (see specjax.kernels)
         # The kernels compute in float32: a bfloat16 or float16 model keeps XLA's products, so it
         # runs in its own dtype (slowly on a CPU, which has no fast bfloat16 products).
         if dtype == "float32":
@@ -633,6 +700,18 @@ def _generate(
         head_panels = getattr(proposer_spec, "with_panel_weights", None)  # a trained head's own
         if head_panels is not None and proposer_params is not None:
             proposer_params = _with_panels(proposer_params, head_panels)
+    return Prepared(spec, params, proposer_params, inputs, rows, samplings)
+
+
+def _run(model: Model, prepared: Prepared) -> GenerateResult:
+    """Compile (or find) the prepared program, run it and make the result."""
+    spec, params, proposer_params, inputs = (
+        prepared.spec,
+        prepared.params,
+        prepared.proposer_params,
+        prepared.inputs,
+    )
+    rows, samplings, mesh, k = prepared.rows, prepared.samplings, spec.mesh, spec.k
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
     state = program(params, proposer_params, inputs)

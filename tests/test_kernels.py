@@ -11,6 +11,7 @@ from tiny import tiny_config, tiny_model
 
 import specjax
 from specjax import api, kernels
+from specjax.backend import Backend
 from specjax.models import forward, init_cache, init_params
 from specjax.models.llama import (
     attention,
@@ -20,6 +21,8 @@ from specjax.models.llama import (
     visible_slots,
     with_panel_weights,
 )
+
+CPU = Backend(platforms=("cpu",), kernels="auto")  # the CPU kernels, as a CPU generate uses them
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -254,15 +257,17 @@ def test_kernel_attention_equals_xlas_forms(write, tree):
         visible = jnp.arange(S)[None, :] < jnp.asarray(lengths)[:, None]
     args = (q, k_new, v_new, jnp.asarray(k_cache), jnp.asarray(v_cache), visible, mask, write)
     want = attention(*args)
-    got = attention(*args, committed=jnp.asarray(lengths, jnp.int32))
+    with CPU.tracing():
+        got = attention(*args, committed=jnp.asarray(lengths, jnp.int32))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("write", [True, False])
 def test_panel_model_decodes_from_a_filled_cache(write):
-    """After a 21-token prefill, passes of 1 and 6 tokens with panel weights (kernel attention
-    over the committed slots) give the plain model's hidden states, in the write-first and the
-    read-only form; the compiled pass holds the attention kernel's custom call."""
+    """After a 21-token prefill, passes of 1 and 6 tokens with panel weights under the CPU backend
+    (kernel attention over the committed slots) give the plain model's hidden states under plain
+    XLA, in the write-first and the read-only form; the compiled pass holds the attention kernel's
+    custom call under the CPU backend only."""
     model = tiny_model(seed=5)
     packed = with_panel_weights(model.params)
     config = model.config
@@ -281,11 +286,12 @@ def test_panel_model_decodes_from_a_filled_cache(write):
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (2, num_tokens)))
         positions = cache.lengths[:, None] + jnp.arange(num_tokens)
         want = jax.jit(hidden)(model.params, tokens, positions)
-        got = jax.jit(hidden)(packed, tokens, positions)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
         program = jax.jit(hidden).lower
-        assert "specjax_cache_attention" in program(packed, tokens, positions).as_text()
         assert "specjax_cache_attention" not in program(model.params, tokens, positions).as_text()
+        with CPU.tracing():
+            got = jax.jit(hidden)(packed, tokens, positions)
+            assert "specjax_cache_attention" in program(packed, tokens, positions).as_text()
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def test_a_head_dim_the_kernel_lacks_keeps_xlas_attention():
@@ -298,10 +304,11 @@ def test_a_head_dim_the_kernel_lacks_keeps_xlas_attention():
     positions = jnp.arange(5)[None]
     cache = init_cache(config, batch_size=1, capacity=16).replace(lengths=jnp.zeros((1,), jnp.int32))
     run = jax.jit(forward, static_argnums=1)
-    text = run.lower(packed, config, tokens, positions, cache).as_text()
+    with CPU.tracing():
+        text = run.lower(packed, config, tokens, positions, cache).as_text()
+        got, _, _ = run(packed, config, tokens, positions, cache)
     assert "specjax_panel_matmul" in text and "specjax_cache_attention" not in text
     want, _, _ = run(model.params, config, tokens, positions, cache)
-    got, _, _ = run(packed, config, tokens, positions, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

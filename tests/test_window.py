@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax import numpy as jnp
 
+from specjax.backend import Backend
 from specjax.models import KVCache
 from specjax.models.llama import _layer_masks, attention, causal_mask, visible_slots
 
@@ -78,19 +79,20 @@ def test_decoding_attention_keeps_to_the_window(form, shape):
         visible = jnp.arange(S)[None, :] < lengths[:, None]
     committed = lengths if form == "kernel" else None
     masks = _layer_masks(W, jnp.asarray(positions), cache, fresh_mask, visible, write, committed)
-    got = attention(
-        jnp.asarray(q),
-        jnp.asarray(k_new),
-        jnp.asarray(v_new),
-        cache.k[0],
-        cache.v[0],
-        masks.visible,
-        fresh_mask,
-        write,
-        committed,
-        window_keep=masks.window_keep,
-        starts=masks.starts,
-    )
+    with Backend(platforms=("cpu",), kernels="auto").tracing():  # the CPU kernel, for "kernel"
+        got = attention(
+            jnp.asarray(q),
+            jnp.asarray(k_new),
+            jnp.asarray(v_new),
+            cache.k[0],
+            cache.v[0],
+            masks.visible,
+            fresh_mask,
+            write,
+            committed,
+            window_keep=masks.window_keep,
+            starts=masks.starts,
+        )
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 

@@ -12,6 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax import backend
 from specjax.models.config import LlamaConfig
 
 # Batches up to this many rows write their fresh keys and values row by row (see _write_slots).
@@ -74,9 +75,10 @@ class KVCache:
         (advance). `fresh=True` promises an empty cache (every length 0, a prefill): one write at
         slot 0.
 
-        A small batch writes each row's K entries with one `dynamic_update_slice` (a scalar
-        start), which XLA does in place; the vmapped form becomes a scatter that also reads the
-        old slots. Past UNROLLED_WRITE_ROWS rows the vmapped form keeps the program small. The
+        On the CPU a small batch writes each row's K entries with one `dynamic_update_slice` (a
+        scalar start), which XLA:CPU does in place; the vmapped form becomes a scatter that also
+        reads the old slots. Past UNROLLED_WRITE_ROWS rows, and off the CPU (the backend seam,
+        specjax/backend.py), the vmapped form keeps the program small. The
         capacity leaves room for T slots past every row's length (see LoopSpec), so no write is
         clamped.
         """
@@ -88,7 +90,7 @@ class KVCache:
 
         if fresh:
             return jax.lax.dynamic_update_slice(buffer, new.reshape(B * K, *new.shape[2:]), at_slot(0))
-        if B > UNROLLED_WRITE_ROWS:
+        if not backend.active().unrolled_cache_writes(B, UNROLLED_WRITE_ROWS):
 
             def write_row(row, new_row, start):  # [K, ...] each, and a scalar
                 return jax.lax.dynamic_update_slice(row, new_row, at_slot(start))

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import backend
 from specjax.kernels import PanelWeight
-from specjax.models.llama import LlamaParams, project
+from specjax.models.llama import LlamaParams
 
 
 def check_draft_vocab(owner: str, vocab, vocab_size: int, size: int | None = None) -> np.ndarray:
@@ -60,8 +61,5 @@ def draft_logits(head_matrix: jax.Array | PanelWeight, features: jax.Array) -> j
     """features [..., D] -> logits over the draft vocabulary [..., W], float32 (one 2-D product:
     see llama.lm_head for why); head_matrix may be panels (`pack`, for drafting on the CPU)."""
     rows = features.reshape(-1, features.shape[-1])
-    if isinstance(head_matrix, PanelWeight):
-        logits = project(rows, head_matrix)
-    else:
-        logits = jnp.matmul(rows, head_matrix, preferred_element_type=jnp.float32)
+    logits = backend.active().product_f32(rows, head_matrix)
     return logits.reshape(*features.shape[:-1], head_matrix.shape[-1]).astype(jnp.float32)

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels import ATTENTION_HEAD_DIMS, PanelWeight, cache_attention, pack, panel_matmul
+from specjax import backend
+from specjax.kernels import PanelWeight, pack
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 
@@ -286,9 +287,14 @@ PREFILL_CHUNKS = 8
 MIN_PREFILL_CHUNK = 64
 
 
-def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None):
+def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None, positions=None):
     """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone,
-    under fresh_mask [T, T] and, for a sliding-window layer, window_keep [B, T, T].
+    under fresh_mask [T, T] and, for a sliding-window layer (`window`, the tokens at positions
+    [B, T]), window_keep [B, T, T].
+
+    Where the backend has a blocked prefill kernel (accelerators: Pallas flash attention, or the
+    blocked XLA form; specjax/backend.py) and the mask is known while tracing, that runs: working
+    memory O(T x block), never [T, T] scores. Otherwise, on the CPU:
 
     When the mask is a known numpy array in which no token sees a later one (a causal mask, or a
     tree in node order), the queries go in chunks and chunk [a, b) scores keys [0, b) only.
@@ -305,6 +311,9 @@ def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None):
     832: 12.1 ms that way, 8.3 ms this way, in isolation).
     """
     T = q.shape[1]
+    kernel = backend.active().prefill_attention()
+    if kernel is not None and isinstance(fresh_mask, np.ndarray):
+        return _blocked_fresh_attention(kernel, q, k_new, v_new, fresh_mask, window, positions)
     if not (isinstance(fresh_mask, np.ndarray) and not np.triu(fresh_mask, 1).any()):
         mask = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
         return _masked_attention(q, k_new, v_new, mask)
@@ -326,6 +335,39 @@ def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None):
         scores = _drop_masked(scores, keep)
         outs.append(jnp.einsum("rqs,rse->rqe", _softmax(scores, q.dtype), values[:, :end], **_F32))
     return jnp.concatenate(outs, axis=1).reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
+
+
+def attention_workspace_bytes(
+    config: LlamaConfig, batch_size: int, prompt_len: int, width: int, capacity: int, dtype, on
+) -> int:
+    """The most working memory one layer's attention takes on backend `on` (float32 scores and
+    probabilities, partial outputs), beyond its inputs and outputs: the larger of a prefill of
+    `prompt_len` tokens and a decoding pass of `width` tokens over `capacity` cache slots, for a
+    batch of `batch_size` rows of a model in `dtype` (`on`: a specjax.backend.Backend). For the
+    free-memory check: the score tensor of a long prompt can be larger than the cache."""
+    B, H, E, T = batch_size, config.num_heads, config.head_dim, prompt_len
+    if on.prefill_attention() is None:  # the CPU's chunks: one chunk's [chunk, T] scores at a time
+        chunk = min(T, max(MIN_PREFILL_CHUNK, -(-T // PREFILL_CHUNKS)))
+        prefill = 2 * B * H * chunk * T * 4
+    else:  # blocked: per query a float32 output and its softmax statistics, O(T)
+        prefill = 2 * B * H * T * (E + 2) * 4
+    if on.cache_attention(E, dtype):
+        decode = 4 * B * H * width * (E + 2 + width) * 4  # partial outputs; the fresh tokens' scores
+    else:  # XLA scores every slot: [B, H, width, capacity + width], and its softmax
+        decode = 2 * B * H * width * (capacity + width) * 4
+    return max(prefill, decode)
+
+
+def _blocked_fresh_attention(kernel, q, k_new, v_new, fresh_mask, window, positions):
+    """`_fresh_attention` through a blocked kernel (contract of
+    specjax.kernels.attention.prefill_attention), operands laid out one entry per row and kv head."""
+    B, T, K, G, E = q.shape
+    queries = q.transpose(0, 2, 1, 3, 4).reshape(B * K, T, G, E)
+    keys = k_new.transpose(0, 2, 1, 3).reshape(B * K, T, E)
+    values = v_new.transpose(0, 2, 1, 3).reshape(B * K, T, E)
+    mask = None if np.array_equal(fresh_mask, causal_mask(T)) else fresh_mask
+    out = kernel(queries, keys, values, mask=mask, positions=positions, window=window)
+    return out.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
 
 
 def _masked_attention(q, k, v, mask):
@@ -430,21 +472,23 @@ def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed,
 
 def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None):
     """T queries [B, T, K, G, E] attend, in one softmax, to each row's committed cache slots
-    (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the kernel
-    specjax.kernels.cache_attention) and to the T fresh keys and values [B, T, K, E] under
-    fresh_mask [T, T] (or [B, T, T]): what `_committed_and_fresh_attention` and `_cache_attention`
-    compute.
+    (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the backend's
+    kernel, `backend.active().cache_attention`: the CPU's specjax.kernels.cache_attention or a
+    Pallas kernel) and to the T fresh keys and values [B, T, K, E] under fresh_mask [T, T] (or
+    [B, T, T]): what `_committed_and_fresh_attention` and `_cache_attention` compute.
 
-    XLA:CPU scored every slot of the static cache, committed or not, and ran the small products at
-    a fraction of the bandwidth (30 layers over 896 slots: 4-5 ms for one token, 16 ms for nine).
-    The kernel returns its part of the softmax normalized, with the log-sum-exp of its scores; the
-    fresh part joins by rescaling both to their common log-sum-exp.
+    XLA scores every slot of the static cache, committed or not (and XLA:CPU ran the small
+    products at a fraction of the bandwidth: 30 layers over 896 slots, 4-5 ms for one token, 16 ms
+    for nine). The kernel reads the committed slots only and returns its part of the softmax
+    normalized, with the log-sum-exp of its scores; the fresh part joins by rescaling both to
+    their common log-sum-exp.
     """
     B, T, K, G, E = q.shape
     queries = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
     if starts is not None:  # [B, T] -> one per query row, in the same (entry, head, token) order
         starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
-    old, old_lse = cache_attention(queries, k_cache, v_cache, jnp.repeat(committed, K), starts)
+    kernel = backend.active().cache_attention(E, q.dtype)
+    old, old_lse = kernel(queries, k_cache, v_cache, jnp.repeat(committed, K), starts)
     old = old.reshape(B, K, G, T, E)
     old_lse = old_lse.reshape(B, K, G, T)
     scores = _masked_scores(q, k_new, fresh_mask).astype(jnp.float32)  # [B, K, G, T, T]
@@ -468,6 +512,8 @@ def attention(
     scale=None,
     window_keep=None,
     starts=None,
+    window=None,
+    positions=None,
 ):
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E]. Scores are scaled by
     `scale` (default 1/sqrt(E)).
@@ -484,7 +530,8 @@ def attention(
     panels, see `decoder_layers`), either form goes through the CPU kernel: `_kernel_attention`,
     where `starts [B, T]` (a sliding window) is the first committed slot each token sees.
     `window_keep [B, T, T]`: which fresh pairs a sliding window keeps (prefill, read-only and
-    kernel forms; the write-first form has it in `visible`).
+    kernel forms; the write-first form has it in `visible`). `window` and `positions` [B, T]: the
+    sliding window and the tokens' positions, for a prefill's blocked kernel.
     """
     B, T, H, E = q.shape
     K = k_new.shape[2]
@@ -494,7 +541,7 @@ def attention(
     if committed is not None:
         out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts)
     elif visible is None:
-        out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep)
+        out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep, window, positions)
     elif not write:
         out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh)
     else:
@@ -510,6 +557,8 @@ class _LayerMasks:
     visible: jax.Array | None  # see `attention`
     window_keep: jax.Array | None  # [B, T, T], only under a window
     starts: jax.Array | None  # [B, T], only under a window with the kernel
+    window: int | None = None  # the window, for a prefill's blocked kernel
+    positions: jax.Array | None = None  # [B, T], likewise
 
 
 def _layer_masks(window, positions, cache, fresh_mask, visible, write, committed) -> _LayerMasks:
@@ -519,7 +568,7 @@ def _layer_masks(window, positions, cache, fresh_mask, visible, write, committed
         return _LayerMasks(visible, None, None)
     keep = in_window(positions, positions, window)  # [B, T, T]
     if visible is None:  # a prefill: only fresh pairs
-        return _LayerMasks(None, keep, None)
+        return _LayerMasks(None, keep, None, window, positions)
     S = cache.capacity
     if committed is not None:  # the kernel: committed slots from positions - window + 1 on
         return _LayerMasks(visible, keep, positions - (window - 1))
@@ -569,7 +618,7 @@ def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
     B, T, D = h.shape
     x = h.reshape(B * T, D)
     weights, experts = route(config, x, lp.router)  # [N, k]
-    if jax.default_backend() == "cpu":
+    if backend.active().experts_one_by_one():
         mixed = _experts_one_by_one(config, x, weights, experts, lp)
     else:
         mixed = _experts_grouped(config, x, weights, experts, lp)
@@ -677,6 +726,8 @@ def _layer(
         scale=config.attention_scale,
         window_keep=masks.window_keep,
         starts=masks.starts,
+        window=masks.window,
+        positions=masks.positions,
     )
     out = reduce(project(attended, lp.o))
     x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
@@ -713,32 +764,10 @@ def attention_keys_values(
 
 
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., D_in] @ w [D_in, D_out].
-
-    A weight stored as panels (`with_panel_weights`, for decoding on the CPU) goes through the
-    panel kernel (specjax.kernels), whatever the number of rows. For plain arrays:
-    A single row (a batch of one decoding one token) goes as two half-products over the two
-    halves of D_in, summed: one batched product, which XLA:CPU runs on both cores where it ran the
-    plain 1-row product of a [576, 576] matrix on one (measured here: 65 -> 40 us, and [576,
-    1,536] 120 -> 100 us; SmolLM2's plain step at 760 cached tokens 26.7 -> 24.0 ms). Two rows (a
-    verify pass with k = 1, or two rows decoding) go the same way one row at a time: SmolLM2's
-    layers over 2 tokens 24.7-28.0 -> 19.8-23.4 ms, a k = 1 verify step 36.6-41.5 -> 28.7-31.6 ms;
-    each row then gets exactly what it gets alone. From three rows on, going row by row gained
-    nothing (3, 4 and 6 tokens), nor did halves over all rows at once (2 to 64 rows), so they keep
-    the plain product. The halves are a free reshape of w as stored.
-    """
-    if isinstance(w, PanelWeight):
-        return panel_matmul(x, w)
-    rows = math.prod(x.shape[:-1])
-    d_in, d_out = w.shape
-    if (
-        not 0 < rows <= 2 or d_in % 2 or w.dtype != jnp.float32
-    ):  # (in bfloat16 the sum of halves rounds twice)
-        return x @ w
-    w_halves = w.reshape(2, d_in // 2, d_out)
-    flat = x.reshape(rows, 2, 1, d_in // 2)
-    out = [jnp.einsum("hre,hed->hrd", flat[r], w_halves).sum(0) for r in range(rows)]
-    return jnp.concatenate(out, 0).reshape(*x.shape[:-1], d_out)
+    """x [..., D_in] @ w [D_in, D_out], as the active backend multiplies (specjax/backend.py: on
+    the CPU, weights stored as panels go through the CPU kernel and one or two rows are split for
+    both cores; elsewhere the plain product)."""
+    return backend.active().matmul(x, w)
 
 
 PANEL_FIELDS = ("qkv", "o", "gate", "up", "down")
@@ -843,16 +872,11 @@ def decoder_layers(
     else:
         fresh_mask = jnp.asarray(fresh_mask, bool)
     reduce = _identity if reduce is None else reduce
-    # Layers whose weights are panels (decoding on the CPU) attend through the kernel, which reads
-    # each row's committed slots only; not where `visible` is given (it says what to attend to).
+    # Where the backend has a kernel that reads each row's committed slots only (the CPU's, or
+    # Pallas on an accelerator), decoding passes attend through it; not where `visible` is given
+    # (it says what to attend to).
     committed = None
-    if (
-        not empty_cache
-        and visible is None
-        and layers
-        and isinstance(layers[0].qkv, PanelWeight)
-        and config.head_dim in ATTENTION_HEAD_DIMS
-    ):
+    if not empty_cache and visible is None and backend.active().cache_attention(config.head_dim, x.dtype):
         committed = cache.lengths
     if not write:
         if empty_cache or visible is not None:
@@ -911,26 +935,15 @@ def lm_head(params: LlamaParams, hidden: jax.Array, config: LlamaConfig | None =
     # As one 2-D product: XLA:CPU ran the 3-D einsum over the [V, D] embedding at half the speed
     # (4.9 against 2.4 ms for one row of SmolLM2's 113 MB head, measured here).
     rows = hidden.reshape(-1, hidden.shape[-1])
-    if params.head_panels is not None:
-        logits = panel_matmul(rows, params.head_panels)
-    elif params.lm_head is None and rows.shape[0] > 1:
-        # Several rows (a verify pass, a batch): computed as [V, D] @ [D, rows], the embedding's
-        # stored layout, and transposed after. The barrier keeps XLA from folding the transpose
-        # back into the product, whose [rows, V] form ran slower (6 rows of SmolLM2's head: 8.0
-        # -> 6.7 ms; a 6-token verify step 45.7 -> 42.1 ms, measured here).
-        logits = jax.lax.optimization_barrier(_product(params.embed, rows.T)).T
+    if params.head_panels is not None:  # a copy for the CPU kernel (with_panel_weights)
+        logits = backend.active().product_f32(rows, params.head_panels)
     elif params.lm_head is None:
-        logits = _product(rows, params.embed.T)
+        logits = backend.active().head_product(rows, params.embed)
     else:
-        logits = _product(rows, params.lm_head)
+        logits = backend.active().product_f32(rows, params.lm_head)
     logits = logits.reshape(*hidden.shape[:-1], logits.shape[-1]).astype(jnp.float32)
     cap = None if config is None else config.final_logit_softcapping
     return logits if cap is None else cap * jnp.tanh(logits / cap)
-
-
-def _product(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b, accumulated and returned in float32 (a no-op choice for float32 operands)."""
-    return jnp.matmul(a, b, preferred_element_type=jnp.float32)
 
 
 def forward(

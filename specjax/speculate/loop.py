@@ -24,9 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import backend
+from specjax.backend import Backend
 from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams, lm_head
+from specjax.models.llama import LlamaParams, attention_workspace_bytes, lm_head
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
@@ -57,6 +59,9 @@ class LoopSpec:
     mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
     dtype: str = "float32"  # the target's weights and activations
     cache_dtype: str = "float32"  # the target's KV cache
+    # The kernels and precision the program is traced with (specjax/backend.py); None: the active
+    # backend where the program is traced (plain XLA on the default platform outside a generate).
+    backend: Backend | None = None
 
     @property
     def k(self) -> int:
@@ -85,7 +90,8 @@ def num_drafted(proposer) -> int:
 def memory_bytes(spec: LoopSpec) -> int:
     """Device memory the program allocates beyond the weights, estimated before allocating: the
     KV caches (target and proposer), the token buffer, the penalty counts, and the largest
-    temporaries (one verify pass's logits and probabilities, the prefill's activations)."""
+    temporaries (one verify pass's logits and probabilities, the prefill's activations, and the
+    working memory of one layer's attention on the program's backend)."""
     c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.num_drafted
     V, T = c.vocab_size, spec.prompt_bucket
     total = cache_bytes(c, B, S, np.dtype(jnp.dtype(spec.cache_dtype)).itemsize) + B * S * 4
@@ -96,7 +102,9 @@ def memory_bytes(spec: LoopSpec) -> int:
     total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
     ffw = max(c.intermediate_size, (c.moe_intermediate_size or 0) * c.num_experts_per_tok)
     activations = B * T * (2 * ffw + 4 * c.hidden_size)  # the prefill's, in the model's dtype
-    return total + activations * np.dtype(jnp.dtype(spec.dtype)).itemsize
+    total += activations * np.dtype(jnp.dtype(spec.dtype)).itemsize
+    on = spec.backend or backend.active()
+    return total + attention_workspace_bytes(c, B, T, K + 1, S, spec.dtype, on)
 
 
 @flax.struct.dataclass
@@ -658,7 +666,15 @@ def speculative_step(
 def generate_program(
     spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs
 ) -> DecodeState:
-    """The whole generation, to be jitted with `spec` static: prefill + one while_loop."""
+    """The whole generation, to be jitted with `spec` static: prefill + one while_loop, traced
+    under `spec.backend` (its kernels and matmul precision)."""
+    with (spec.backend or backend.active()).tracing():
+        return _generation(spec, params, proposer_params, inputs)
+
+
+def _generation(
+    spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs
+) -> DecodeState:
     state = prefill(spec, params, proposer_params, inputs)
 
     def cond(state: DecodeState) -> jax.Array:

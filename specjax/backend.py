@@ -1,0 +1,248 @@
+"""The backend seam: which kernels and which tuning a program runs, chosen by the platforms it is
+lowered for.
+
+A generation program is traced once for the platforms it will run on: the CPU (`generate` on a
+CPU host), a GPU or a TPU (`generate` there), or several at once (`export_generate`, which lowers
+for CUDA and TPU from any host). This module is the one place that knows what each platform
+gets; model code asks it (`active()`) and holds no platform checks of its own:
+
+- "cpu": the C++ FFI kernels of specjax.kernels (weights stored as panels, attention to each
+  row's committed slots) where they load, and the XLA:CPU tuning measured on this project's
+  machine (products split into halves, per-row cache writes, a barrier on the tied head, experts
+  one by one).
+- "cuda" and "tpu": Pallas kernels for attention (specjax.kernels.attention: decoding reads only
+  each row's filled KV blocks, prefill is blocked flash attention), plain XLA products.
+- kernels="xla": plain XLA attention on every platform, the fallback anything can run.
+
+The choice is a `Backend`, a frozen value: `LoopSpec` carries it, so equal programs share one
+compilation, and `Backend.tracing()` makes it the active one while a program is traced. Its
+context is a jax user context, part of jit's cache key: a function jitted under two backends is
+traced for each. With no program being traced under one (a model called directly, training) the
+active backend is plain XLA on the default platform.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kernels as cpu_kernels
+
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # names jax.export lowers for
+ACCELERATORS = ("cuda", "tpu")  # the platforms with Pallas kernels here
+# kernels=: "auto" (each platform's own), "xla" (plain XLA everywhere), or "pallas:tpu" /
+# "pallas:cuda": that accelerator's Pallas kernels, in interpret mode where the program does not
+# run on that accelerator (how their numerics are checked on a CPU host).
+KERNEL_CHOICES = ("auto", "xla", "pallas:tpu", "pallas:cuda")
+PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+
+_ACTIVE = jax.make_user_context(default_value=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """How a program computes: for which platforms it is lowered, which kernels it uses and at
+    which precision float32 products run."""
+
+    platforms: tuple[str, ...] = ("cpu",)
+    kernels: str = "auto"  # one of KERNEL_CHOICES
+    # jax's matmul precision for the program's products ("highest": float32 products in float32
+    # on every platform; None leaves jax's default, e.g. TF32 or bfloat16 passes on accelerators).
+    matmul_precision: str | None = None
+    # A program that leaves this process (`export_generate`): no CPU FFI kernels, which are built
+    # for this host's processor and registered in this process only.
+    portable: bool = False
+
+    def __post_init__(self):
+        if not self.platforms or any(p not in PLATFORMS for p in self.platforms):
+            raise ValueError(f"platforms must be a non-empty tuple of {PLATFORMS}, got {self.platforms!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {self.kernels!r}")
+        if self.matmul_precision is not None and self.matmul_precision not in PRECISIONS:
+            raise ValueError(
+                f"matmul_precision must be one of {PRECISIONS} or None, got {self.matmul_precision!r}"
+            )
+
+    @property
+    def cpu_only(self) -> bool:
+        """Whether the program runs on the CPU alone (where the CPU tuning applies)."""
+        return self.platforms == ("cpu",)
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether the C++ FFI kernels run: a CPU program with kernels "auto" where they load
+        (and SPECJAX_CPU_KERNEL is not 0)."""
+        return self.cpu_only and self.kernels == "auto" and not self.portable and cpu_kernels.enabled()
+
+    def pallas_platforms(self) -> tuple[str, ...]:
+        """The platforms whose attention runs Pallas kernels, each by its own kernel."""
+        if self.kernels == "auto":
+            return tuple(p for p in self.platforms if p in ACCELERATORS)
+        if self.kernels.startswith("pallas:"):
+            return self.platforms
+        return ()
+
+    def _pallas_kernel_for(self, platform: str) -> tuple[str, bool]:
+        """(whose Pallas kernel, interpret?) for a program lowered for `platform`."""
+        if self.kernels == "auto":
+            return platform, False
+        accelerator = self.kernels.removeprefix("pallas:")
+        return accelerator, platform != accelerator
+
+    @contextlib.contextmanager
+    def tracing(self) -> Iterator[None]:
+        """Make this the active backend, with its matmul precision, while a program is traced."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_ACTIVE(self))
+            if self.matmul_precision is not None:
+                stack.enter_context(jax.default_matmul_precision(self.matmul_precision))
+            yield
+
+    # -- what model code asks ---------------------------------------------------------------
+
+    def matmul(self, x: jax.Array, w) -> jax.Array:
+        """x [..., D_in] @ w [D_in, D_out] (`w` an array, or panels for the CPU kernel).
+
+        On the CPU, one or two rows (a batch of one decoding, or a verify pass with k = 1) go as
+        two half-products over the two halves of D_in, summed, one row at a time: XLA:CPU runs
+        that batched product on both cores where it ran the plain 1-row product on one (measured
+        here: a [576, 576] product 65 -> 40 us; SmolLM2's plain step at 760 cached tokens 26.7 ->
+        24.0 ms; a k = 1 verify step 36.6-41.5 -> 28.7-31.6 ms). From three rows on it gained
+        nothing. Elsewhere, and in bfloat16 (the sum of halves would round twice), the plain
+        product.
+        """
+        if isinstance(w, cpu_kernels.PanelWeight):
+            return cpu_kernels.panel_matmul(x, w)
+        rows = math.prod(x.shape[:-1])
+        d_in, d_out = w.shape
+        if not self.cpu_only or not 0 < rows <= 2 or d_in % 2 or w.dtype != jnp.float32:
+            return x @ w
+        w_halves = w.reshape(2, d_in // 2, d_out)
+        flat = x.reshape(rows, 2, 1, d_in // 2)
+        out = [jnp.einsum("hre,hed->hrd", flat[r], w_halves).sum(0) for r in range(rows)]
+        return jnp.concatenate(out, 0).reshape(*x.shape[:-1], d_out)
+
+    def product_f32(self, x: jax.Array, w) -> jax.Array:
+        """x [N, D_in] @ w [D_in, D_out] accumulated and returned in float32 (an LM head's
+        logits): panels through the CPU kernel, else one plain product."""
+        if isinstance(w, cpu_kernels.PanelWeight):
+            return cpu_kernels.panel_matmul(x, w)
+        return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+    def head_product(self, rows: jax.Array, embed: jax.Array) -> jax.Array:
+        """rows [N, D] @ embed.T (a tied LM head, embed [V, D]) -> [N, V] float32.
+
+        On the CPU, several rows are computed as [V, D] @ [D, N], the embedding's stored layout,
+        and transposed after, with a barrier that keeps XLA from folding the transpose back into
+        the product, whose [N, V] form ran slower (6 rows of SmolLM2's head: 8.0 -> 6.7 ms, a
+        6-token verify step 45.7 -> 42.1 ms, measured here)."""
+        if self.cpu_only and rows.shape[0] > 1:
+            product = jnp.matmul(embed, rows.T, preferred_element_type=jnp.float32)
+            return jax.lax.optimization_barrier(product).T
+        return jnp.matmul(rows, embed.T, preferred_element_type=jnp.float32)
+
+    def unrolled_cache_writes(self, batch_size: int, max_rows: int) -> bool:
+        """Whether a cache write goes row by row (one dynamic_update_slice per row, which XLA:CPU
+        does in place) rather than as one vmapped write (a scatter): on the CPU up to `max_rows`
+        rows; elsewhere never (2 x layers x batch small writes per pass cost launches there)."""
+        return self.cpu_only and batch_size <= max_rows
+
+    def experts_one_by_one(self) -> bool:
+        """Whether a mixture of experts loops over its routed experts (XLA:CPU lowers ragged_dot
+        to a masked product over every expert) rather than grouping them with ragged_dot."""
+        return self.cpu_only
+
+    def cache_attention(self, head_dim: int, dtype) -> Callable | None:
+        """The function that attends to each row's committed cache slots, with the contract of
+        `specjax.kernels.cache_attention` (queries [N, R, E], keys [N, E, S], values [N, S, E],
+        lengths [N], starts [N, R] or None -> out [N, R, E], lse [N, R]); None where this backend
+        has no such kernel and the model attends over the whole cache with XLA, masked."""
+        if self.cpu_kernels:
+            # The C++ kernel computes in float32: for other dtypes it would convert the cache.
+            ok = head_dim in cpu_kernels.ATTENTION_HEAD_DIMS and jnp.dtype(dtype) == jnp.float32
+            return cpu_kernels.cache_attention if ok else None
+        platforms = self.pallas_platforms()
+        if not platforms:
+            return None
+        return functools.partial(_by_platform, self, "cache_attention", platforms)
+
+    def prefill_attention(self) -> Callable | None:
+        """The blocked attention of a prefill into an empty cache, with the contract of
+        `specjax.kernels.attention.prefill_attention`, or None where the model's own chunked
+        XLA form runs (the CPU, tuned for it)."""
+        if self.cpu_only and self.kernels in ("auto", "xla"):
+            return None
+        platforms = self.pallas_platforms()
+        if not platforms:
+            return functools.partial(_attention_kernels().prefill_attention, implementation="xla")
+        return functools.partial(_by_platform, self, "prefill_attention", platforms)
+
+
+def _attention_kernels():
+    """specjax.kernels.attention, imported when first needed (it imports Pallas)."""
+    from specjax.kernels import attention
+
+    return attention
+
+
+def _by_platform(backend: Backend, name: str, platforms: tuple[str, ...], *args, **kwargs):
+    """Kernel `name` of specjax.kernels.attention, each platform the program is lowered for
+    running its own Pallas kernel (lax.platform_dependent: exported for CUDA and TPU, the
+    program holds both and picks by where it runs)."""
+    kernel = getattr(_attention_kernels(), name)
+
+    def on(platform):
+        accelerator, interpret = backend._pallas_kernel_for(platform)
+        return functools.partial(kernel, implementation=accelerator, interpret=interpret, **kwargs)
+
+    if len(platforms) == 1:
+        return on(platforms[0])(*args)
+    return jax.lax.platform_dependent(*args, **{p: on(p) for p in platforms})
+
+
+def active() -> Backend:
+    """The backend of the program being traced (`Backend.tracing`), else plain XLA on the default
+    platform."""
+    return _ACTIVE.value or _default()
+
+
+@functools.cache
+def _default() -> Backend:
+    return Backend(platforms=(default_platform(),), kernels="xla")
+
+
+def platform_of(device: jax.Device) -> str:
+    """The name jax.export uses for a device's platform ("gpu" devices are "cuda" or "rocm")."""
+    if device.platform != "gpu":
+        return device.platform
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+
+
+def default_platform() -> str:
+    return platform_of(jax.devices()[0])
+
+
+def for_devices(devices, kernels: str = "auto", matmul_precision: str | None = None) -> Backend:
+    """The backend of a program that runs on `devices` (one platform)."""
+    platforms = {platform_of(d) for d in devices}
+    if len(platforms) != 1:
+        raise ValueError(f"mesh: devices of one platform are needed, got {sorted(platforms)}")
+    return Backend(platforms=tuple(platforms), kernels=kernels, matmul_precision=matmul_precision)
+
+
+def default_precision(dtype: str, matmul_precision: str | None) -> str | None:
+    """The matmul precision a generation runs at: the user's, else "highest" for a float32 model
+    (its products in float32 on every platform, so that float32 results match the CPU's and
+    transformers'), else jax's default for its dtype."""
+    if matmul_precision is not None:
+        if matmul_precision not in PRECISIONS:
+            allowed = f"one of {PRECISIONS} or None"
+            raise ValueError(f"matmul_precision must be {allowed}, got {matmul_precision!r}")
+        return matmul_precision
+    return "highest" if dtype == "float32" else None
