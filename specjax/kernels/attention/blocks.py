@@ -25,12 +25,14 @@ class BlockTable:
 
 
 def block_table(mask: np.ndarray, block_q: int, block_k: int) -> BlockTable:
-    """The BlockTable of mask [T, T] (query t, key u) in tiles of block_q x block_k; pairs past T
-    (the last blocks' padding) count as dropped."""
+    """The BlockTable of mask [T, T] (query t, key u) in tiles of block_q x block_k. Padding keys
+    (past T) are dropped; padding queries, whose outputs are cut off, copy the last real query's
+    row, so that they change neither which tiles are skipped or full nor how tiles repeat."""
     T = mask.shape[0]
     num_q, num_k = -(-T // block_q), -(-T // block_k)
     padded = np.zeros((num_q * block_q, num_k * block_k), bool)
     padded[:T, :T] = mask
+    padded[T:, :T] = mask[T - 1]
     tiles_of = padded.reshape(num_q, block_q, num_k, block_k).transpose(0, 2, 1, 3)  # [Q, K, bq, bk]
     any_kept, all_kept = tiles_of.any(axis=(2, 3)), tiles_of.all(axis=(2, 3))
     tiles = [np.ones((block_q, block_k), bool)]
