@@ -28,6 +28,11 @@ PALLAS_HEAD_DIMS = (64, 128, 256)  # what the Pallas kernels are built for on a 
 INTERPRET_HEAD_DIMS = (16, 32, 64, 128, 256)  # in interpret mode also tiny test models' heads
 DECODE_BLOCK_K = {"tpu": 256, "cuda": 128}  # slots per block (cuda: 64 at head dim 256)
 DECODE_SPLITS = {"tpu": 2, "cuda": 8}
+# Prefill tokens per block (block_q, block_k). TPU: block_q is chosen so that a step's
+# block_q * G query rows are about TPU_PREFILL_ROWS (see prefill_blocks). cuda: 64 x 64 keeps a
+# program's tiles in registers up to head dim 256. Not tuned on hardware.
+PREFILL_BLOCKS = {"tpu": (None, 128), "cuda": (64, 64), "xla": (128, 128)}
+TPU_PREFILL_ROWS = 512
 
 __all__ = ["cache_attention", "prefill_attention", "BlockTable", "block_table", "IMPLEMENTATIONS"]
 
@@ -98,8 +103,8 @@ def prefill_attention(
     window: int | None = None,
     implementation: str,
     interpret=False,
-    block_q: int = 128,
-    block_k: int = 128,
+    block_q: int | None = None,
+    block_k: int | None = None,
 ) -> jax.Array:
     """Attention of a prefill's T fresh tokens to each other, for a cache that was empty:
     queries [N, T, G, E] (already scaled), keys and values [N, T, E] (entry n = b*K + k).
@@ -113,7 +118,7 @@ def prefill_attention(
 
     Returns out [N, T, G, E] float32; a query that sees no key gets 0. block_q tokens of queries
     and block_k keys per step (capped at T; on TPU block_q a multiple of 8 and block_k of 128,
-    on cuda powers of two).
+    on cuda powers of two; defaults: `prefill_blocks`).
     """
     N, T, G, E = _shape("queries", queries, 4, "[N, T, G, E]")
     _expect("keys", keys, (N, T, E), "[N, T, E] (N, T, E of queries)")
@@ -141,6 +146,7 @@ def prefill_attention(
                 f"with T = {T} and B dividing N = {N}"
             )
         positions = jnp.asarray(positions).astype(jnp.int32)
+    block_q, block_k = prefill_blocks(implementation, G, block_q, block_k)
     if implementation != "xla":
         _head_dim(E, implementation, interpret)
         _block("block_q", block_q, implementation, lanes=False)
@@ -156,6 +162,14 @@ def prefill_attention(
         return xla.prefill_attention(queries, keys, values, **options)
     run = prefill.tpu_prefill_attention if implementation == "tpu" else prefill.gpu_prefill_attention
     return run(queries, keys, values, interpret=interpret, **options)
+
+
+def prefill_blocks(implementation: str, G: int, block_q: int | None = None, block_k: int | None = None):
+    """(block_q, block_k) with the defaults of PREFILL_BLOCKS filled in for those that are None."""
+    default_q, default_k = PREFILL_BLOCKS[implementation]
+    if default_q is None:  # TPU: a step takes block_q tokens times G heads as its rows
+        default_q = max(8, TPU_PREFILL_ROWS // G // 8 * 8)
+    return (default_q if block_q is None else block_q), (default_k if block_k is None else block_k)
 
 
 def _fit_block(block: int, T: int, implementation: str) -> int:

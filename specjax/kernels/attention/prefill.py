@@ -205,7 +205,7 @@ def gpu_prefill_attention(queries, keys, values, *, table, positions, window, bl
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, block_q, None, E), lambda n, g, qi: (n, qi, g, 0)),
         out_shape=jax.ShapeDtypeStruct((N, t_q, G, E), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=4 if E <= 64 else 8, num_stages=2),
         interpret=interpret,
         name="specjax_prefill_attention",
     )(*operands)
