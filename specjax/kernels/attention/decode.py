@@ -1,0 +1,249 @@
+"""Flash-decoding: a pass's queries attend to each cache entry's committed slots, as Pallas
+kernels for TPU (Mosaic) and GPU (Triton).
+
+Letters: N cache entries (row b's kv head k is entry b*K + k), R query rows of an entry (G query
+heads times T fresh tokens, any order), E head dim, S slots, P splits.
+
+An entry's slots are cut into blocks of `block_k`. Only the blocks that hold a visible slot are
+read: from the block of the entry's lowest window start (0 without a window) up to the block of
+its last committed slot. That range is shared out evenly among P splits, so a short entry keeps
+all P at work; each split runs an online softmax over its blocks and returns its partial state
+(running max m, sum l, unnormalized output acc), and `combine_splits` merges the P partials
+outside the kernel. Both kernels mask scores outside [window start, length) and zero the keys
+and values read there, so stale or padded slots (whatever they hold, NaN included) never reach
+the result.
+
+GPU: the Triton backend of Pallas. It runs on every NVIDIA GPU that Triton supports (Ampere and
+later), and its kernels read the lengths in the kernel and loop over the needed blocks with a
+dynamic trip count and masked loads, which is all flash-decoding needs. Mosaic GPU targets
+Hopper and later only and builds its pipelines from warpgroup primitives; nothing here needs them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plgpu
+
+from specjax.kernels.attention.online import LANES, NEG, normalized, online_softmax, precision
+
+
+def split_range(length, window_lo, split, *, block_k: int, num_splits: int):
+    """The blocks [lo, hi) that split `split` of an entry visits (hi <= lo: none): the entry's
+    needed blocks, from the one holding slot window_lo to the one holding slot length - 1, cut
+    into num_splits runs of equal length (the last ones shorter or empty). Scalars in, scalars
+    out; used by the kernels and by the TPU index maps alike. Every operand is >= 0, so
+    lax.div (rounding toward zero) is the floor division; jnp's `//` also corrects for signs,
+    with an op that Mosaic cannot lower without knowing the TPU generation."""
+    first = lax.div(window_lo, block_k)
+    end = lax.div(length + block_k - 1, block_k)  # one past the last needed block
+    per = lax.div(jnp.maximum(end - first, 0) + num_splits - 1, num_splits)
+    lo = first + split * per
+    return lo, jnp.minimum(lo + per, end)
+
+
+def window_starts(starts, lengths):
+    """[N] int32: the lowest slot any query row of an entry sees (0 without a window; per-row
+    starts may be negative or past the length)."""
+    if starts is None:
+        return jnp.zeros_like(lengths)
+    return jnp.maximum(jnp.min(starts, axis=1), 0)
+
+
+def combine_splits(m, l, acc):
+    """Merge per-split partial softmaxes m, l [N, P, R] and acc [N, P, R, E] into the output
+    [N, R, E] and log-sum-exp [N, R] (-inf and 0 where no split saw a slot)."""
+    m_all = jnp.max(m, axis=1)  # [N, R]
+    scale = jnp.exp(m - m_all[:, None])  # [N, P, R]; splits that saw nothing have l = acc = 0
+    total = jnp.sum(l * scale, axis=1)  # [N, R]
+    out = normalized(total, jnp.sum(acc * scale[..., None], axis=1))
+    seen = total > 0
+    return out, jnp.where(seen, m_all + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU
+
+
+def tpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_splits, interpret):
+    """See `specjax.kernels.attention.cache_attention`. Grid (N, P, steps): step i of split j
+    of entry n reads block lo + i of its range. The lengths and each entry's lowest window start
+    arrive by scalar prefetch, so the index maps know the range: past its end they repeat the
+    split's last block (the pipeline then issues no new copy) and `pl.when` skips the compute."""
+    N, R, E = queries.shape
+    S = values.shape[1]
+    block_k = min(block_k, S)  # a block as long as the whole slot axis is always a legal shape
+    steps = pl.cdiv(pl.cdiv(S, block_k), num_splits)  # the most blocks one split can get
+    dtype = jnp.result_type(queries, keys, values)
+    window_lo = window_starts(starts, lengths)
+    ranges = functools.partial(split_range, block_k=block_k, num_splits=num_splits)
+
+    def block(n, j, i, lengths_ref, window_lo_ref):
+        lo, hi = ranges(lengths_ref[n], window_lo_ref[n], j)
+        return jnp.maximum(jnp.minimum(lo + i, hi - 1), 0)
+
+    in_specs = [
+        pl.BlockSpec((None, R, E), lambda n, j, i, *_: (n, 0, 0)),
+        pl.BlockSpec((None, E, block_k), lambda n, j, i, *refs: (n, 0, block(n, j, i, *refs))),
+        pl.BlockSpec((None, block_k, E), lambda n, j, i, *refs: (n, block(n, j, i, *refs), 0)),
+    ]
+    operands = [queries.astype(dtype), keys.astype(dtype), values.astype(dtype)]
+    if starts is not None:  # one start per row, as a column [R, 1] to mask scores [R, block_k]
+        in_specs.append(pl.BlockSpec((None, R, 1), lambda n, j, i, *_: (n, 0, 0)))
+        operands.append(starts[..., None])
+    lm_spec = pl.BlockSpec((None, None, R, LANES), lambda n, j, i, *_: (n, j, 0, 0))
+    out_specs = [lm_spec, lm_spec, pl.BlockSpec((None, None, R, E), lambda n, j, i, *_: (n, j, 0, 0))]
+    out_shape = [
+        jax.ShapeDtypeStruct((N, num_splits, R, LANES), jnp.float32),  # m
+        jax.ShapeDtypeStruct((N, num_splits, R, LANES), jnp.float32),  # l
+        jax.ShapeDtypeStruct((N, num_splits, R, E), jnp.float32),  # acc
+    ]
+    kernel = functools.partial(
+        _tpu_kernel, ranges=ranges, block_k=block_k, steps=steps, windowed=starts is not None
+    )
+    m, l, acc = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(N, num_splits, steps),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            scratch_shapes=[
+                pltpu.VMEM((R, LANES), jnp.float32),
+                pltpu.VMEM((R, LANES), jnp.float32),
+                pltpu.VMEM((R, E), jnp.float32),
+            ],
+        ),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="specjax_decode_attention",
+    )(lengths, window_lo, *operands)
+    return combine_splits(m[..., 0], l[..., 0], acc)
+
+
+def _tpu_kernel(lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, *refs, ranges, block_k, steps, windowed):
+    starts_ref = refs[0] if windowed else None
+    m_out, l_out, acc_out, m_ref, l_ref, acc_ref = refs[1:] if windowed else refs
+    n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length, window_lo = lengths_ref[n], window_lo_ref[n]
+    lo, hi = ranges(length, window_lo, j)
+
+    @pl.when(i == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(lo + i < hi)
+    def _block():
+        first_slot = (lo + i) * block_k
+        slots = first_slot + lax.broadcasted_iota(jnp.int32, (1, block_k), 1)  # as a row
+        slot_column = first_slot + lax.broadcasted_iota(jnp.int32, (block_k, 1), 0)  # and a column
+        readable = (slots >= window_lo) & (slots < length)  # [1, block_k]
+        keys = jnp.where(readable, k_ref[...], 0)  # [E, block_k]
+        values = jnp.where((slot_column >= window_lo) & (slot_column < length), v_ref[...], 0)
+        q = q_ref[...]
+        scores = jnp.dot(q, keys, precision=precision(q.dtype), preferred_element_type=jnp.float32)
+        keep = readable if starts_ref is None else readable & (slots >= starts_ref[...])  # [R, block_k]
+        state = online_softmax(m_ref[...], l_ref[...], acc_ref[...], scores, keep, values, lanes=True)
+        m_ref[...], l_ref[...], acc_ref[...] = state
+
+    @pl.when(i == steps - 1)
+    def _finish():
+        m_out[...], l_out[...], acc_out[...] = m_ref[...], l_ref[...], acc_ref[...]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU (Triton)
+
+
+def gpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_splits, interpret):
+    """See `specjax.kernels.attention.cache_attention`. Grid (N, P, row blocks): each program
+    reads its entry's length, computes its split's block range and loops over exactly those
+    blocks. Triton needs power-of-two tiles, so rows are padded to one (at least 16, the
+    smallest matrix product) and taken in blocks of at most 64."""
+    N, R, E = queries.shape
+    S = values.shape[1]
+    rows = max(16, pl.next_power_of_2(R))
+    block_r = min(rows, 64)
+    dtype = jnp.result_type(queries, keys, values)
+    window_lo = window_starts(starts, lengths)
+    queries = jnp.pad(queries.astype(dtype), ((0, 0), (0, rows - R), (0, 0)))
+    if starts is None:
+        starts = jnp.zeros((N, rows), jnp.int32)
+    else:  # padded rows start past every slot: they see nothing and are dropped
+        starts = jnp.pad(starts, ((0, 0), (0, rows - R)), constant_values=np.iinfo(np.int32).max)
+    entry = lambda n, j, r: (n,)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None,), entry),  # lengths
+        pl.BlockSpec((None,), entry),  # window_lo
+        pl.BlockSpec((None, block_r, E), lambda n, j, r: (n, r, 0)),
+        pl.BlockSpec((None, E, S), lambda n, j, r: (n, 0, 0)),  # the whole entry: loads pick blocks
+        pl.BlockSpec((None, S, E), lambda n, j, r: (n, 0, 0)),
+        pl.BlockSpec((None, block_r), lambda n, j, r: (n, r)),
+    ]
+    lm_spec = pl.BlockSpec((None, None, block_r), lambda n, j, r: (n, j, r))
+    out_specs = [lm_spec, lm_spec, pl.BlockSpec((None, None, block_r, E), lambda n, j, r: (n, j, r, 0))]
+    out_shape = [
+        jax.ShapeDtypeStruct((N, num_splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((N, num_splits, rows), jnp.float32),
+        jax.ShapeDtypeStruct((N, num_splits, rows, E), jnp.float32),
+    ]
+    ranges = functools.partial(split_range, block_k=block_k, num_splits=num_splits)
+    m, l, acc = pl.pallas_call(
+        functools.partial(_gpu_kernel, ranges=ranges, block_k=block_k),
+        grid=(N, num_splits, rows // block_r),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="specjax_decode_attention",
+    )(lengths, window_lo, queries, keys.astype(dtype), values.astype(dtype), starts)
+    out, lse = combine_splits(m, l, acc)
+    return out[:, :R], lse[:, :R]
+
+
+def _gpu_kernel(
+    lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, starts_ref, m_out, l_out, acc_out, *, ranges, block_k
+):
+    length, window_lo = lengths_ref[...], window_lo_ref[...]
+    lo, hi = ranges(length, window_lo, pl.program_id(1))
+    q = q_ref[...]  # [block_r, E]
+    row_starts = starts_ref[...]  # [block_r]
+    E = q.shape[1]
+
+    def visit(b, carry):
+        m, l, acc = carry
+        slots = b * block_k + jnp.arange(block_k)
+        readable = (slots >= window_lo) & (slots < length)  # [block_k]
+        # Masked loads: slots outside the range (past S included) are not read at all.
+        keys = plgpu.load(
+            k_ref.at[:, pl.ds(b * block_k, block_k)],
+            mask=jnp.broadcast_to(readable[None, :], (E, block_k)),
+            other=0.0,
+        )
+        values = plgpu.load(
+            v_ref.at[pl.ds(b * block_k, block_k), :],
+            mask=jnp.broadcast_to(readable[:, None], (block_k, E)),
+            other=0.0,
+        )
+        scores = jnp.dot(q, keys, precision=precision(q.dtype), preferred_element_type=jnp.float32)
+        keep = readable[None, :] & (slots[None, :] >= row_starts[:, None])  # [block_r, block_k]
+        return online_softmax(m, l, acc, scores, keep, values)
+
+    block_r = q.shape[0]
+    init = (
+        jnp.full((block_r,), NEG, jnp.float32),
+        jnp.zeros((block_r,), jnp.float32),
+        jnp.zeros((block_r, E), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(lo, jnp.maximum(lo, hi), visit, init)
+    m_out[...], l_out[...], acc_out[...] = m, l, acc

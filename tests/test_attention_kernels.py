@@ -1,0 +1,388 @@
+"""specjax.kernels.attention against float64 numpy references: every implementation ("xla", and
+the Pallas kernels for "cuda" and "tpu" in Pallas' interpreter), plus lowering of the Pallas
+kernels for both accelerators from this CPU host.
+
+The Pallas decode tests fill every slot no query may see (at and past each entry's length, below
+its window) with NaN: a kernel that read one into its products would return NaN, so an output
+equal to the reference shows that only the visible slots' blocks reached the arithmetic.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+from specjax.kernels.attention import block_table, cache_attention, prefill_attention
+
+# Float32: the kernels compute in float32 what the reference computes in float64.
+F32_TOL = dict(rtol=1e-5, atol=1e-5)
+# Bfloat16: the probabilities are rounded to bfloat16 (relative error <= 2**-9) before their
+# product with the values, so an output can move by up to 2**-9 * max|v|; we allow twice that.
+# Scores (and so the log-sum-exp) come from the same bfloat16 inputs with float32 sums.
+BF16_LSE_ATOL = 1e-4
+
+
+def interpret_for(implementation, tpu_model=False):
+    """How each implementation runs here: "xla" as it is, the Pallas kernels in Pallas' generic
+    interpreter, or with `tpu_model` the TPU kernel in Pallas' TPU interpreter, which models the
+    TPU's memories and DMAs and raises on any read out of bounds (a wrong block index), at about
+    twice the compile time. The windowed cases take it: they exercise the index maps most."""
+    if implementation == "tpu" and tpu_model:
+        return pltpu.InterpretParams()
+    return implementation != "xla"
+
+
+def rounded(x, dtype):
+    """x as the kernel sees it (dtype) and as the reference reads it (float64 of that)."""
+    x = jnp.asarray(x, dtype)
+    return x, np.asarray(x.astype(jnp.float32), np.float64)
+
+
+# ----------------------------------------------------------------------------------------------
+# cache_attention
+
+
+def decode_reference(q, k, v, lengths, starts):
+    """out [N, R, E], lse [N, R] in float64: each query over slots max(start, 0) .. length - 1."""
+    N, R, E = q.shape
+    out, lse = np.zeros((N, R, E)), np.full((N, R), -np.inf)
+    for n in range(N):
+        for r in range(R):
+            lo = 0 if starts is None else max(int(starts[n, r]), 0)
+            if lo >= lengths[n]:
+                continue
+            scores = q[n, r] @ k[n][:, lo : lengths[n]]
+            peak = scores.max()
+            weights = np.exp(scores - peak)
+            lse[n, r] = peak + np.log(weights.sum())
+            out[n, r] = weights @ v[n][lo : lengths[n]] / weights.sum()
+    return out, lse
+
+
+def poisoned(k, v, lengths, starts):
+    """Copies of keys [N, E, S] and values [N, S, E] with NaN in every slot no query of its
+    entry sees: at and past the length, and below the lowest window start."""
+    k, v = np.array(k), np.array(v)
+    for n, length in enumerate(lengths):
+        lo = 0 if starts is None else max(int(starts[n].min()), 0)
+        k[n, :, length:] = k[n, :, :lo] = np.nan
+        v[n, length:] = v[n, :lo] = np.nan
+    return k, v
+
+
+def decode_case(seed, *, N, G, T, E, S, dtype, windowed):
+    """Random queries (scaled), keys and values, lengths from 0 to S (both ends included) and,
+    when windowed, per-row starts below 0, inside the committed slots and past the length."""
+    rng = np.random.default_rng(seed)
+    R = G * T
+    q, q64 = rounded(rng.standard_normal((N, R, E)) / np.sqrt(E), dtype)
+    k, k64 = rounded(rng.standard_normal((N, E, S)), dtype)
+    v, v64 = rounded(rng.standard_normal((N, S, E)), dtype)
+    lengths = np.concatenate([[0, S], rng.integers(0, S + 1, N - 2)]).astype(np.int32)
+    starts = rng.integers(-40, S + 40, (N, R)).astype(np.int32) if windowed else None
+    return (q, k, v, lengths, starts), (q64, k64, v64)
+
+
+# (head dim, dtype, windowed, slots): head dims 64/128/256, both dtypes, slot counts that are not
+# a multiple of the blocks (128 slots on TPU, 32 on cuda below).
+DECODE_CASES = [
+    (64, jnp.float32, False, 300),
+    (128, jnp.bfloat16, True, 270),
+    (256, jnp.float32, True, 200),
+]
+
+
+def check_decode(out, lse, q64, k64, v64, lengths, starts, dtype):
+    expect_out, expect_lse = decode_reference(q64, k64, v64, lengths, starts)
+    assert out.dtype == lse.dtype == jnp.float32
+    out, lse = np.asarray(out), np.asarray(lse)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expect_lse))  # rows that see nothing
+    seen = np.isfinite(expect_lse)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(out, expect_out, **F32_TOL)
+        np.testing.assert_allclose(lse[seen], expect_lse[seen], **F32_TOL)
+    else:
+        np.testing.assert_allclose(out, expect_out, rtol=0, atol=2 * 2**-9 * np.abs(v64).max())
+        np.testing.assert_allclose(lse[seen], expect_lse[seen], rtol=0, atol=BF16_LSE_ATOL)
+
+
+@pytest.mark.parametrize("implementation", ["tpu", "cuda"])
+@pytest.mark.parametrize("head_dim, dtype, windowed, slots", DECODE_CASES)
+def test_pallas_decode_reads_only_visible_slots(implementation, head_dim, dtype, windowed, slots):
+    """GQA rows (G = 2 heads x T = 3 tokens), lengths 0..S, windows, several blocks split among
+    3 partial softmaxes; every invisible slot is NaN."""
+    (q, k, v, lengths, starts), (q64, k64, v64) = decode_case(
+        head_dim, N=4, G=2, T=3, E=head_dim, S=slots, dtype=dtype, windowed=windowed
+    )
+    k_bad, v_bad = poisoned(k.astype(jnp.float32), v.astype(jnp.float32), lengths, starts)
+    out, lse = cache_attention(
+        q,
+        jnp.asarray(k_bad, dtype),
+        jnp.asarray(v_bad, dtype),
+        lengths,
+        starts,
+        implementation=implementation,
+        interpret=interpret_for(implementation, tpu_model=windowed),
+        block_k=128 if implementation == "tpu" else 32,
+        num_splits=3,
+    )
+    check_decode(out, lse, q64, k64, v64, lengths, starts, dtype)
+
+
+@pytest.mark.parametrize("head_dim, dtype, windowed, slots", [*DECODE_CASES, (16, jnp.float32, True, 50)])
+def test_xla_decode(head_dim, dtype, windowed, slots):
+    (q, k, v, lengths, starts), (q64, k64, v64) = decode_case(
+        head_dim, N=4, G=2, T=3, E=head_dim, S=slots, dtype=dtype, windowed=windowed
+    )
+    out, lse = cache_attention(q, k, v, lengths, starts, implementation="xla")
+    check_decode(out, lse, q64, k64, v64, lengths, starts, dtype)
+
+
+def test_xla_decode_reads_every_slot():
+    """The poison test can fail: "xla" scores every slot, so NaN past the lengths reaches it."""
+    (q, k, v, lengths, _), _ = decode_case(0, N=3, G=1, T=1, E=16, S=40, dtype=jnp.float32, windowed=False)
+    k_bad, v_bad = poisoned(k, v, lengths, None)
+    out, _ = cache_attention(q, k_bad, v_bad, lengths, implementation="xla")
+    assert np.isnan(np.asarray(out)).any()
+
+
+@pytest.mark.parametrize("implementation", ["tpu", pytest.param("cuda", marks=pytest.mark.slow)])
+def test_pallas_decode_tiny_head_dim_in_interpret_mode(implementation):
+    """Head dim 32 (tiny test models), one split, one row per entry."""
+    (q, k, v, lengths, starts), (q64, k64, v64) = decode_case(
+        7, N=3, G=1, T=1, E=32, S=140, dtype=jnp.float32, windowed=True
+    )
+    out, lse = cache_attention(
+        q,
+        k,
+        v,
+        lengths,
+        starts,
+        implementation=implementation,
+        interpret=interpret_for(implementation),
+        num_splits=1,
+    )
+    check_decode(out, lse, q64, k64, v64, lengths, starts, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# prefill_attention
+
+
+def prefill_reference(q, k, v, keep):
+    """out [N, T, G, E] in float64; keep [N, T, T] bool (query t, key u); 0 where t keeps nothing."""
+    scores = np.einsum("ntge,nue->ngtu", q, k)
+    scores = np.where(keep[:, None], scores, -np.inf)
+    peak = scores.max(-1, keepdims=True)
+    weights = np.exp(scores - np.where(np.isfinite(peak), peak, 0))
+    total = weights.sum(-1, keepdims=True)
+    probs = np.where(total > 0, weights / np.where(total > 0, total, 1), 0)
+    return np.einsum("ngtu,nue->ntge", probs, v)
+
+
+def tree_mask(rng, T):
+    """A random tree in node order (each node's parent comes before it): node t sees its
+    ancestors and itself."""
+    mask = np.eye(T, dtype=bool)
+    for t in range(1, T):
+        mask[t] |= mask[rng.integers(0, t)]
+    return mask
+
+
+def look_ahead_mask(T, block):
+    """DFlash-style blocks: a token sees every token of its own block (later ones too) and of
+    the blocks before it."""
+    blocks = np.arange(T) // block
+    return blocks[None, :] <= blocks[:, None]
+
+
+def prefill_case(seed, *, B, K, G, T, E, dtype):
+    rng = np.random.default_rng(seed)
+    N = B * K
+    q, q64 = rounded(rng.standard_normal((N, T, G, E)) / np.sqrt(E), dtype)
+    k, k64 = rounded(rng.standard_normal((N, T, E)), dtype)
+    v, v64 = rounded(rng.standard_normal((N, T, E)), dtype)
+    return rng, (q, k, v), (q64, k64, v64)
+
+
+def prefill_masks(name, rng, B, K, T):
+    """(mask argument, positions [B, T] or None, window or None, keep [N, T, T] for the reference)."""
+    positions, window = None, None
+    if name == "causal":
+        mask, keep = None, np.tril(np.ones((T, T), bool))
+    elif name == "tree":
+        mask = keep = tree_mask(rng, T)
+    else:  # look-ahead blocks under a sliding window, one row seeing nothing
+        mask = look_ahead_mask(T, 5)
+        mask[7] = False
+        keep = mask
+        positions = np.stack([np.arange(T), np.arange(T) + 11]).astype(np.int32)[:B]
+        window = 9
+    keep = np.broadcast_to(keep, (B * K, T, T))
+    if window is not None:
+        per_entry = np.repeat(positions, K, axis=0)
+        keep = keep & (per_entry[:, :, None] - per_entry[:, None, :] < window)
+    return mask, positions, window, keep
+
+
+# (mask, head dim, dtype, tokens): T never a multiple of the blocks; on TPU the 150- and
+# 140-token cases take several 128-key blocks.
+PREFILL_CASES = [
+    ("causal", 64, jnp.float32, 150),
+    ("tree", 128, jnp.bfloat16, 45),
+    ("look-ahead+window", 256, jnp.float32, 140),
+]
+
+
+@pytest.mark.parametrize("implementation", ["xla", "tpu", "cuda"])
+@pytest.mark.parametrize("mask_name, head_dim, dtype, tokens", PREFILL_CASES)
+def test_prefill(implementation, mask_name, head_dim, dtype, tokens):
+    B, K, G = 2, 1, 2
+    rng, (q, k, v), (q64, k64, v64) = prefill_case(tokens, B=B, K=K, G=G, T=tokens, E=head_dim, dtype=dtype)
+    mask, positions, window, keep = prefill_masks(mask_name, rng, B, K, tokens)
+    blocks = dict(block_q=32, block_k=128) if implementation == "tpu" else dict(block_q=32, block_k=32)
+    out = prefill_attention(
+        q,
+        k,
+        v,
+        mask=mask,
+        positions=positions,
+        window=window,
+        implementation=implementation,
+        interpret=interpret_for(implementation, tpu_model=window is not None),
+        **blocks,
+    )
+    expect = prefill_reference(q64, k64, v64, keep)
+    assert out.dtype == jnp.float32 and out.shape == q.shape
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(out), expect, **F32_TOL)
+    else:
+        np.testing.assert_allclose(np.asarray(out), expect, rtol=0, atol=2 * 2**-9 * np.abs(v64).max())
+
+
+def test_block_table_skips_and_shares_tiles():
+    """Causal at equal blocks: key blocks above the diagonal are never visited, blocks below it
+    need no mask, and the diagonal tiles are one shared partial tile."""
+    T, block = 100, 32  # 4 blocks, the last one 4 tokens long
+    table = block_table(np.tril(np.ones((T, T), bool)), block, block)
+    np.testing.assert_array_equal(table.count, [1, 2, 3, 4])
+    for qi in range(4):
+        np.testing.assert_array_equal(table.kv_block[qi, : qi + 1], np.arange(qi + 1))
+        assert (table.tile[qi, :qi] == 0).all() and table.tile[qi, qi] > 0
+    # The first three diagonal tiles are equal; the last one is cut at T.
+    assert len(set(table.tile[:3, :].max(axis=1))) == 1 and table.tiles.shape[0] == 3
+    np.testing.assert_array_equal(table.tiles[0], np.ones((block, block), bool))
+
+
+# ----------------------------------------------------------------------------------------------
+# Lowering for the accelerators, from this CPU host
+
+
+def custom_calls(exported) -> set[str]:
+    """The custom call targets in an exported module (searched, never printed: it is megabytes)."""
+    text = exported.mlir_module()
+    return set(re.findall(r"custom_call @([\w$.]+)", text)) | set(
+        re.findall(r'call_target_name = "([^"]+)"', text)
+    )
+
+
+EXPECTED_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+def export_for(platform, f, *args):
+    # Triton's custom call has no compatibility guarantee, so export only with that check off.
+    checks = [jax.export.DisabledSafetyCheck.custom_call(EXPECTED_CALL["cuda"])]
+    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(*args)
+
+
+def assert_kernel_only(exported, platform):
+    calls = custom_calls(exported)
+    assert EXPECTED_CALL[platform] in calls
+    assert not any(call.startswith("specjax_") for call in calls), calls  # no CPU FFI kernel
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_lowers(platform, head_dim, dtype):
+    N, R, S = 8, 36, 1000
+    spec = jax.ShapeDtypeStruct
+    args = [spec((N, R, head_dim), dtype), spec((N, head_dim, S), dtype), spec((N, S, head_dim), dtype)]
+    args += [spec((N,), jnp.int32), spec((N, R), jnp.int32)]
+    for windowed in (True, False):
+
+        def f(q, k, v, lengths, starts, windowed=windowed):
+            return cache_attention(q, k, v, lengths, starts if windowed else None, implementation=platform)
+
+        assert_kernel_only(export_for(platform, f, *args), platform)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_prefill_lowers(platform, dtype):
+    B, K, G, T = 2, 2, 4, 300
+    rng = np.random.default_rng(0)
+    spec = jax.ShapeDtypeStruct
+    for head_dim, mask, window in (
+        (64, None, None),
+        (128, tree_mask(rng, T), None),
+        (256, look_ahead_mask(T, 16), 64),
+    ):
+        args = [
+            spec((B * K, T, G, head_dim), dtype),
+            spec((B * K, T, head_dim), dtype),
+            spec((B * K, T, head_dim), dtype),
+        ]
+        args.append(spec((B, T), jnp.int32))
+
+        def f(q, k, v, positions, mask=mask, window=window):
+            return prefill_attention(
+                q,
+                k,
+                v,
+                mask=mask,
+                positions=positions if window else None,
+                window=window,
+                implementation=platform,
+            )
+
+        assert_kernel_only(export_for(platform, f, *args), platform)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors at the door
+
+
+def test_errors_name_the_argument():
+    q, k, v = jnp.zeros((2, 3, 64)), jnp.zeros((2, 64, 10)), jnp.zeros((2, 10, 64))
+    lengths = jnp.zeros((2,), jnp.int32)
+    with pytest.raises(ValueError, match="implementation is 'gpu'"):
+        cache_attention(q, k, v, lengths, implementation="gpu")
+    with pytest.raises(ValueError, match=r"keys has shape \(2, 10, 64\)"):
+        cache_attention(q, v, v, lengths, implementation="xla")
+    with pytest.raises(ValueError, match=r"starts has shape \(2, 4\)"):
+        cache_attention(q, k, v, lengths, jnp.zeros((2, 4), jnp.int32), implementation="xla")
+    with pytest.raises(ValueError, match="lengths has shape"):
+        cache_attention(q, k, v, lengths[:1], implementation="xla")
+    with pytest.raises(ValueError, match="head dim .* is 48"):
+        cache_attention(q[..., :48], k[:, :48], v[..., :48], lengths, implementation="tpu")
+    with pytest.raises(ValueError, match="head dim .* is 32"):  # tiny heads: interpret mode only
+        cache_attention(q[..., :32], k[:, :32], v[..., :32], lengths, implementation="cuda")
+    with pytest.raises(ValueError, match="block_k is 100"):
+        cache_attention(q, k, v, lengths, implementation="tpu", block_k=100)
+    with pytest.raises(ValueError, match="dtype int32"):
+        cache_attention(q.astype(jnp.int32), k, v, lengths, implementation="xla")
+    pq, pk = jnp.zeros((2, 5, 2, 64)), jnp.zeros((2, 5, 64))
+    with pytest.raises(ValueError, match="mask is"):
+        prefill_attention(pq, pk, pk, mask=jnp.ones((5, 5), bool), implementation="xla")
+    with pytest.raises(ValueError, match="positions is None and window is 4"):
+        prefill_attention(pq, pk, pk, window=4, implementation="xla")
+    with pytest.raises(ValueError, match="positions has shape"):
+        prefill_attention(pq, pk, pk, positions=jnp.zeros((3, 5), jnp.int32), window=4, implementation="xla")
+    with pytest.raises(ValueError, match="block_q is 12"):
+        prefill_attention(pq, pk, pk, implementation="cuda", block_q=12)
