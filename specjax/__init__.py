@@ -13,6 +13,7 @@ from specjax.api import (
     set_program_cache,
 )
 from specjax.costs import measure_step_costs
+from specjax.export import export_arguments, export_generate
 from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load_head
 from specjax.speculate import (
@@ -68,6 +69,8 @@ __all__ = [
     "ablate",
     "clear_compiled_programs",
     "estimate_memory",
+    "export_arguments",
+    "export_generate",
     "generate",
     "load",
     "load_ablation",

@@ -620,9 +620,11 @@ def prepare(
     warp = WarpSpec.of(samplings)
     precision = backends.default_precision(dtype, matmul_precision)
     if platforms is None:
-        backend = backends.for_devices(devices, kernels, precision)
+        backend = backends.for_devices(devices, kernels, precision, sharded=mesh is not None)
     else:
-        backend = backends.Backend(tuple(platforms), kernels, precision, portable=True)
+        backend = backends.Backend(
+            tuple(platforms), kernels, precision, portable=True, sharded=mesh is not None
+        )
     proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
 
     longest = max(len(r) for r in rows)

@@ -30,6 +30,8 @@ import math
 from collections.abc import Callable, Iterator
 
 import jax
+import jax.extend
+import jax.interpreters.mlir
 import jax.numpy as jnp
 
 from specjax import kernels as cpu_kernels
@@ -58,6 +60,9 @@ class Backend:
     # A program that leaves this process (`export_generate`): no CPU FFI kernels, which are built
     # for this host's processor and registered in this process only.
     portable: bool = False
+    # A program over a mesh (its forward under shard_map): the CPU kernels stay off there, as the
+    # panel weights have no sharding rule.
+    sharded: bool = False
 
     def __post_init__(self):
         if not self.platforms or any(p not in PLATFORMS for p in self.platforms):
@@ -78,7 +83,9 @@ class Backend:
     def cpu_kernels(self) -> bool:
         """Whether the C++ FFI kernels run: a CPU program with kernels "auto" where they load
         (and SPECJAX_CPU_KERNEL is not 0)."""
-        return self.cpu_only and self.kernels == "auto" and not self.portable and cpu_kernels.enabled()
+        if not self.cpu_only or self.kernels != "auto" or self.portable or self.sharded:
+            return False
+        return cpu_kernels.enabled()
 
     def pallas_platforms(self) -> tuple[str, ...]:
         """The platforms whose attention runs Pallas kernels, each by its own kernel."""
@@ -193,17 +200,71 @@ def _attention_kernels():
 
 def _by_platform(backend: Backend, name: str, platforms: tuple[str, ...], *args, **kwargs):
     """Kernel `name` of specjax.kernels.attention, each platform the program is lowered for
-    running its own Pallas kernel (lax.platform_dependent: exported for CUDA and TPU, the
-    program holds both and picks by where it runs)."""
+    running its own Pallas kernel."""
     kernel = getattr(_attention_kernels(), name)
+
+    # Arrays are the kernel's operands; the rest (a numpy mask, a window) shape the kernel itself.
+    arrays = {name: value for name, value in kwargs.items() if isinstance(value, jax.Array)}
+    static = {name: value for name, value in kwargs.items() if name not in arrays}
 
     def on(platform):
         accelerator, interpret = backend._pallas_kernel_for(platform)
-        return functools.partial(kernel, implementation=accelerator, interpret=interpret, **kwargs)
+
+        def run(args, arrays):
+            return kernel(*args, implementation=accelerator, interpret=interpret, **static, **arrays)
+
+        return run
 
     if len(platforms) == 1:
-        return on(platforms[0])(*args)
-    return jax.lax.platform_dependent(*args, **{p: on(p) for p in platforms})
+        return on(platforms[0])(args, arrays)
+    return per_platform({p: on(p) for p in platforms}, args, arrays)
+
+
+# A program lowered for several platforms (export_generate's CUDA and TPU) holds each platform's
+# kernel and picks by where it runs. lax.platform_dependent cannot do that for Pallas kernels: it
+# lowers every branch for every platform, and a TPU kernel does not lower for CUDA. A primitive
+# whose lowering rule is registered per platform is lowered, for each platform, with its own rule
+# only (jax emits the switch on the platform).
+_per_platform_p = jax.extend.core.Primitive("specjax_per_platform")
+_per_platform_p.multiple_results = True
+
+
+def per_platform(implementations: dict[str, Callable], *args):
+    """implementations[p](*args) on platform p (args and results pytrees, the results of the same
+    shapes on every platform)."""
+    leaves, in_tree = jax.tree.flatten(args)
+    out_tree = None
+
+    def on_leaves(function):
+        def run(*leaves):
+            nonlocal out_tree
+            out, out_tree = jax.tree.flatten(function(*jax.tree.unflatten(in_tree, leaves)))
+            return out
+
+        return run
+
+    table = tuple(sorted((p, on_leaves(f)) for p, f in implementations.items()))
+    out_avals = tuple(jax.eval_shape(table[0][1], *leaves))
+    results = _per_platform_p.bind(*leaves, implementations=table, out_avals=out_avals)
+    return jax.tree.unflatten(out_tree, results)
+
+
+def _per_platform_abstract(*args, implementations, out_avals):
+    return [jax.core.ShapedArray(a.shape, a.dtype) for a in out_avals]
+
+
+def _per_platform_lowering(ctx, *args, implementations, out_avals, platform):
+    function = dict(implementations).get(platform)
+    if function is None:
+        raise ValueError(f"no kernel for platform {platform!r}: have {[p for p, _ in implementations]}")
+    return jax.interpreters.mlir.lower_fun(function, multiple_results=True)(ctx, *args)
+
+
+_per_platform_p.def_abstract_eval(_per_platform_abstract)
+for _platform in PLATFORMS:
+    jax.interpreters.mlir.register_lowering(
+        _per_platform_p, functools.partial(_per_platform_lowering, platform=_platform), platform=_platform
+    )
 
 
 def active() -> Backend:
@@ -228,12 +289,14 @@ def default_platform() -> str:
     return platform_of(jax.devices()[0])
 
 
-def for_devices(devices, kernels: str = "auto", matmul_precision: str | None = None) -> Backend:
-    """The backend of a program that runs on `devices` (one platform)."""
+def for_devices(
+    devices, kernels: str = "auto", matmul_precision: str | None = None, sharded: bool = False
+) -> Backend:
+    """The backend of a program that runs on `devices` (one platform; `sharded`: over a mesh)."""
     platforms = {platform_of(d) for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"mesh: devices of one platform are needed, got {sorted(platforms)}")
-    return Backend(platforms=tuple(platforms), kernels=kernels, matmul_precision=matmul_precision)
+    return Backend(tuple(platforms), kernels, matmul_precision, sharded=sharded)
 
 
 def default_precision(dtype: str, matmul_precision: str | None) -> str | None:

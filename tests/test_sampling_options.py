@@ -423,8 +423,58 @@ def test_a_cache_too_big_for_the_device_is_refused_before_allocating(monkeypatch
     import specjax.api
 
     monkeypatch.setattr(specjax.api, "available_memory_bytes", lambda: 1 << 20)
-    with pytest.raises(ValueError, match=r"need about 0\.\d\d GiB, but the device has 0\.00 GiB free"):
+    message = r"8 rows with prompts padded to 16 tokens .* needs about [\d,]+ bytes \(0\.\d\d GiB: .*\), but"
+    with pytest.raises(ValueError, match=message):
         specjax.generate(TARGET, [[1, 2, 3]] * 8, max_new_tokens=200)
+
+
+def test_the_memory_check_counts_attentions_working_memory():
+    """A prefill's scores: quadratic in the prompt on the CPU (its chunks of [chunk, T] scores),
+    linear where the prefill is blocked (an accelerator); a decoding pass over the whole cache with
+    XLA, the filled part only with a kernel. Llama-3-8B's shapes, batch 8, 8,192 prompt tokens."""
+    from specjax.backend import Backend
+    from specjax.models import LlamaConfig
+    from specjax.models.llama import attention_workspace_bytes
+
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+    )
+    cpu, tpu = Backend(("cpu",), "xla"), Backend(("tpu",), "auto")
+
+    def workspace(on, T, width=1):
+        return attention_workspace_bytes(config, 8, T, width, T + 256, "bfloat16", on)
+
+    assert workspace(cpu, 8192) == 2 * 8 * 32 * 1024 * 8192 * 4  # 17.2 GB of scores
+    assert workspace(cpu, 16384) == 4 * workspace(cpu, 8192)
+    assert workspace(tpu, 16384) == 2 * workspace(tpu, 8192) < workspace(cpu, 8192) / 4
+    # Decoding 5 tokens over 32,768 slots: XLA's scores cover every slot, the kernel's do not.
+    xla_decode = attention_workspace_bytes(config, 8, 16, 5, 32768, "bfloat16", Backend(("tpu",), "xla"))
+    assert xla_decode == 2 * 8 * 32 * 5 * (32768 + 5) * 4
+    assert attention_workspace_bytes(config, 8, 16, 5, 32768, "bfloat16", tpu) < xla_decode / 50
+
+
+def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
+    """The cache alone fits, the prefill's scores of a 1,000-token prompt do not."""
+    import specjax.api
+    from specjax.speculate.loop import memory_bytes
+
+    seen = []
+    real = specjax.api._check_memory
+    monkeypatch.setattr(specjax.api, "_check_memory", lambda spec, n: seen.append(spec) or real(spec, n))
+    specjax.generate(TARGET, [[1] * 1000], max_new_tokens=2)
+    spec = seen[0]
+    from specjax.models.cache import cache_bytes
+
+    cache = cache_bytes(TARGET.config, 1, spec.capacity)
+    assert memory_bytes(spec) > cache + 2 * TARGET.config.num_heads * 125 * 1024 * 4
+    monkeypatch.setattr(specjax.api, "available_memory_bytes", lambda: memory_bytes(spec) - 1)
+    with pytest.raises(ValueError, match=r"1 rows with prompts padded to 1024 tokens"):
+        specjax.generate(TARGET, [[1] * 1000], max_new_tokens=2)
 
 
 def test_memory_estimate_counts_the_caches():

@@ -19,6 +19,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from specjax import backend
 from specjax.models import llama
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
@@ -81,6 +82,9 @@ def mesh_forward_hidden(
         mesh=mesh,
         in_specs=(params_spec, rows, rows, cache_spec),
         out_specs=(P(*rows, None, None), written_spec) + ((P(*rows, None, None),) if capture else ()),
+        # Pallas kernels declare no varying-axes type for their outputs, which check_vma requires
+        # of every value inside; the specs above say how everything is split all the same.
+        check_vma=not backend.active().pallas_platforms(),
     )
     return sharded(params, tokens, positions, cache)
 

@@ -1,0 +1,168 @@
+"""`export_generate`: the whole generation program lowered for CUDA and TPU from this CPU host.
+
+Every proposer and (in make test-all) every family in float32 and bfloat16 lowers for both
+platforms; the modules hold no CPU custom call (`specjax_*`, built for this host) and their
+attention goes through the Pallas kernels on both (`tpu_custom_call` for TPU, a Mosaic GPU or
+Triton custom call for CUDA). A program exported for the CPU, serialized and read back, gives
+`generate`'s tokens: the export path runs the same program.
+"""
+
+from __future__ import annotations
+
+import re
+
+import families
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny import tiny_model
+
+import specjax
+from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, init_params
+from specjax.models.families import config_from_hf
+from specjax.speculate.tree import TokenTree
+
+# Head dim 64: a size the accelerators' kernels are built for (tiny_model's default is 16).
+TARGET = tiny_model(seed=3, hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=4)
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 8, 7]]
+GPU_KERNELS = ("mosaic_gpu", "mosaic_gpu_v2", "__gpu$xla.gpu.triton")
+
+
+def custom_calls(exported: jax.export.Exported) -> set[str]:
+    """The custom-call targets in an exported module (never print the module: megabytes)."""
+    text = exported.mlir_module()
+    named = re.findall(r"stablehlo\.custom_call @([\w.$]+)", text)
+    return set(named) | set(re.findall(r'call_target_name = "([^"]+)"', text))
+
+
+def assert_accelerator_program(exported: jax.export.Exported) -> None:
+    calls = custom_calls(exported)
+    assert not {c for c in calls if c.startswith("specjax_")}, calls
+    assert "tpu_custom_call" in calls, calls
+    assert calls & set(GPU_KERNELS), calls
+
+
+def proposers():
+    key = jax.random.key(0)
+    eagle3 = Eagle3Head.init(TARGET, key, aux_layer_ids=(0, 2, 4), scale=1.0)
+    dflash = DFlashHead.init(TARGET, key, block_size=4, num_layers=1, aux_layer_ids=(1, 3), scale=1.0)
+    medusa = MedusaHead.init(TARGET, num_heads=2, key=key)
+    return {
+        "ngram": specjax.NGram(k=3),
+        "draft": specjax.DraftModel(tiny_model(seed=4, hidden_size=128, num_heads=2, num_kv_heads=1), k=3),
+        "self_draft": specjax.SelfDraft(layers=1, k=2),
+        "medusa_tree": specjax.Medusa(medusa, tree=TokenTree.top_k((2, 2))),
+        "eagle": specjax.Eagle(EagleHead.init(TARGET, key), k=3),
+        "eagle3_tree": specjax.Eagle3(eagle3, tree=TokenTree.top_k((2, 1))),
+        "dflash": specjax.DFlash(dflash),
+        "hybrid": specjax.Hybrid(specjax.NGram(k=3, n_min=2), specjax.Eagle3(eagle3, k=3)),
+        "dynamic": specjax.Dynamic(specjax.NGram(k=3)),
+    }
+
+
+PROPOSERS = proposers()
+
+
+@pytest.mark.parametrize("name", ["plain", *PROPOSERS])
+def test_every_proposer_lowers_for_cuda_and_tpu(name):
+    exported = specjax.export_generate(
+        TARGET, PROMPTS, proposer=PROPOSERS.get(name), max_new_tokens=8, platforms=("cuda", "tpu")
+    )
+    assert exported.platforms == ("cuda", "tpu")
+    assert_accelerator_program(exported)
+
+
+def test_sampled_generation_with_a_tree_lowers():
+    exported = specjax.export_generate(
+        TARGET,
+        PROMPTS,
+        proposer=PROPOSERS["medusa_tree"],
+        sampling=specjax.Sampling(temperature=0.8, top_p=0.9),
+        key=jax.random.key(1),
+        max_new_tokens=8,
+    )
+    assert_accelerator_program(exported)
+
+
+def test_a_data_2_model_2_mesh_lowers():
+    mesh = specjax.sharding.make_mesh(data=2, model=2)
+    model = tiny_model(seed=3, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
+    exported = specjax.export_generate(
+        model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8, mesh=mesh
+    )
+    assert exported.nr_devices == 4
+    assert_accelerator_program(exported)
+
+
+# The default suite lowers three families (windows and interleaved rotary bases, experts, both
+# dtypes); make test-all lowers every family in both dtypes.
+DEFAULT_FAMILIES = {("llama3", "float32"), ("gemma3", "bfloat16"), ("qwen3_moe", "float32")}
+FAMILY_CASES = [
+    pytest.param(family, dtype, marks=() if (family, dtype) in DEFAULT_FAMILIES else pytest.mark.slow)
+    for family in families.FAMILIES
+    for dtype in ("float32", "bfloat16")
+]
+
+
+def family_model(family: str, dtype: str) -> specjax.Model:
+    """A random model of `family` (its tiny test config, tests/families.py) with head dim 64."""
+    hf = families.hf_config(family)
+    hf.hidden_size, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim = 128, 2, 1, 64
+    config = config_from_hf(hf.to_dict())
+    return specjax.Model(config, init_params(config, jax.random.key(0), getattr(jnp, dtype)))
+
+
+@pytest.mark.parametrize("family, dtype", FAMILY_CASES)
+def test_every_family_lowers_for_cuda_and_tpu(family, dtype):
+    model = family_model(family, dtype)
+    exported = specjax.export_generate(model, PROMPTS, proposer=specjax.NGram(k=2), max_new_tokens=6)
+    assert_accelerator_program(exported)
+
+
+def test_a_float32_model_exports_float32_products():
+    """A float32 model's products are float32 on every platform (HIGHEST precision on every
+    dot); matmul_precision="default" leaves the platform's default."""
+    exported = specjax.export_generate(TARGET, PROMPTS, max_new_tokens=4, platforms=("cuda",))
+    dots = re.findall(r"stablehlo\.dot_general.*", exported.mlir_module())
+    assert dots and all("HIGHEST" in dot for dot in dots), [d for d in dots if "HIGHEST" not in d][:2]
+    loose = specjax.export_generate(
+        TARGET, PROMPTS, max_new_tokens=4, platforms=("cuda",), matmul_precision="default"
+    )
+    assert not any("HIGHEST" in dot for dot in re.findall(r"stablehlo\.dot_general.*", loose.mlir_module()))
+
+
+@pytest.mark.parametrize("proposer", [None, "eagle3_tree"])
+def test_a_cpu_export_read_back_gives_generates_tokens(proposer):
+    proposer = PROPOSERS.get(proposer)
+    options = dict(proposer=proposer, max_new_tokens=10, platforms=("cpu",))
+    exported = specjax.export_generate(TARGET, PROMPTS, **options)
+    assert not {c for c in custom_calls(exported) if c.startswith("specjax_")}
+    program = jax.export.deserialize(exported.serialize())
+    tokens, lengths = program.call(*specjax.export_arguments(TARGET, PROMPTS, **options))
+    want = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=10).tokens
+    tokens, lengths = np.asarray(tokens), np.asarray(lengths)
+    got = [tokens[b, len(p) : lengths[b]].tolist() for b, p in enumerate(PROMPTS)]
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    "platforms, match",
+    [((), "platforms must be"), (("gpu",), "platforms must be"), (("tpu", "tpu"), "distinct")],
+)
+def test_bad_platforms_are_refused(platforms, match):
+    with pytest.raises(ValueError, match=match):
+        specjax.export_generate(TARGET, PROMPTS, platforms=platforms)
+
+
+def test_bad_kernel_choices_are_refused():
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        specjax.generate(TARGET, PROMPTS, kernels="triton", max_new_tokens=2)
+    with pytest.raises(ValueError, match="matmul_precision must be one of"):
+        specjax.generate(TARGET, PROMPTS, matmul_precision="fp8", max_new_tokens=2)
+
+
+def test_bfloat16_keeps_the_platforms_default_precision():
+    model = specjax.Model(TARGET.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), TARGET.params))
+    exported = specjax.export_generate(model, PROMPTS, max_new_tokens=4, platforms=("cuda",))
+    assert not any("HIGHEST" in d for d in re.findall(r"stablehlo\.dot_general.*", exported.mlir_module()))
