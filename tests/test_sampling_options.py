@@ -451,7 +451,8 @@ def test_the_memory_check_counts_attentions_working_memory():
 
     assert workspace(cpu, 8192) == 2 * 8 * 32 * 1024 * 8192 * 4  # 17.2 GB of scores
     assert workspace(cpu, 16384) == 4 * workspace(cpu, 8192)
-    assert workspace(tpu, 16384) == 2 * workspace(tpu, 8192) < workspace(cpu, 8192) / 4
+    assert workspace(tpu, 16384) == 2 * workspace(tpu, 8192)
+    assert workspace(tpu, 8192) < workspace(cpu, 8192) / 4
     # Decoding 5 tokens over 32,768 slots: XLA's scores cover every slot, the kernel's do not.
     xla_decode = attention_workspace_bytes(config, 8, 16, 5, 32768, "bfloat16", Backend(("tpu",), "xla"))
     assert xla_decode == 2 * 8 * 32 * 5 * (32768 + 5) * 4
@@ -459,22 +460,22 @@ def test_the_memory_check_counts_attentions_working_memory():
 
 
 def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
-    """The cache alone fits, the prefill's scores of a 1,000-token prompt do not."""
+    """A prompt of 400 tokens (bucket 448): the check counts its prefill's scores."""
     import specjax.api
     from specjax.speculate.loop import memory_bytes
 
     seen = []
     real = specjax.api._check_memory
     monkeypatch.setattr(specjax.api, "_check_memory", lambda spec, n: seen.append(spec) or real(spec, n))
-    specjax.generate(TARGET, [[1] * 1000], max_new_tokens=2)
+    specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
     spec = seen[0]
     from specjax.models.cache import cache_bytes
 
     cache = cache_bytes(TARGET.config, 1, spec.capacity)
-    assert memory_bytes(spec) > cache + 2 * TARGET.config.num_heads * 125 * 1024 * 4
+    assert memory_bytes(spec) > cache + 2 * TARGET.config.num_heads * 64 * 448 * 4
     monkeypatch.setattr(specjax.api, "available_memory_bytes", lambda: memory_bytes(spec) - 1)
-    with pytest.raises(ValueError, match=r"1 rows with prompts padded to 1024 tokens"):
-        specjax.generate(TARGET, [[1] * 1000], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"1 rows with prompts padded to 448 tokens"):
+        specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
 
 
 def test_memory_estimate_counts_the_caches():
