@@ -59,6 +59,47 @@ def prompt_bucket(length: int) -> int:
     return -(-length // BUCKET_STEP) * BUCKET_STEP
 
 
+def batch_bucket(num_rows: int, buckets: Sequence[int] | None = None, multiple_of: int = 1) -> int:
+    """The padded batch size: the smallest of `buckets` (increasing) that holds `num_rows` and is a
+    multiple of `multiple_of` (a mesh's data-parallel degree, over which rows split evenly). By
+    default 1, 2, 4, 8, ... times `multiple_of`: a new batch size then compiles a new program only
+    when it crosses a power of two. Padding rows cost a batch bucket's compute, nothing else (see
+    `_generate`). ValueError, naming `batch_buckets`, when no bucket of the list fits."""
+    if buckets is None:
+        groups = -(-num_rows // multiple_of)
+        return multiple_of * (1 << (groups - 1).bit_length())
+    for size in buckets:
+        if size >= num_rows and size % multiple_of == 0:
+            return size
+    if buckets[-1] < num_rows:
+        raise ValueError(
+            f"batch_buckets: {num_rows} prompts do not fit the largest bucket of {list(buckets)}; add "
+            f"a bucket >= {num_rows}, or pass batch_buckets=None (1, 2, 4, 8, ...)"
+        )
+    raise ValueError(
+        f"batch_buckets: no bucket of {list(buckets)} that holds {num_rows} prompts is a multiple of "
+        f"the mesh's data-parallel degree {multiple_of} (rows split evenly over it); add one, e.g. "
+        f"{-(-num_rows // multiple_of) * multiple_of}, or pass batch_buckets=None"
+    )
+
+
+def _check_batch_buckets(buckets) -> tuple[int, ...] | None:
+    """batch_buckets as a tuple of batch sizes, or None for the default."""
+    if buckets is None:
+        return None
+    sizes = tuple(buckets) if isinstance(buckets, Sequence) and not isinstance(buckets, str | bytes) else ()
+    if (
+        not sizes
+        or not all(isinstance(b, int | np.integer) and not isinstance(b, bool) and b >= 1 for b in sizes)
+        or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
+    ):
+        raise ValueError(
+            "batch_buckets must be None (1, 2, 4, 8, ...) or a non-empty list of increasing positive "
+            f"integers (the batch sizes to pad to), got {buckets!r}"
+        )
+    return tuple(int(b) for b in sizes)
+
+
 # Compiled programs by (LoopSpec, params structure): a repeated call skips tracing and compiling.
 # A kept program holds host memory: on XLA:CPU about 2.5 KB per instruction of its optimized HLO
 # (the module, its buffer assignment, thunks and compiled kernels; the machine code itself is a
@@ -511,6 +552,7 @@ def generate(
     cache_dtype=None,
     kernels: str = "auto",
     matmul_precision: str | None = None,
+    batch_buckets: Sequence[int] | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
@@ -535,6 +577,11 @@ def generate(
     float32 model, so that its products are float32 on every platform (accelerators otherwise use
     TF32 or bfloat16 passes), and the platform's default for bfloat16 and float16 models.
 
+    The batch is padded to a bucket so that a new number of prompts rarely compiles a new program:
+    `batch_buckets` lists the batch sizes to pad to (increasing), default 1, 2, 4, 8, ...; on a
+    mesh, the smallest that is a multiple of its data-parallel degree. Padding rows are done from
+    the start: they cost their share of each step's compute and appear nowhere in the result.
+
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from
     the others' makes every process raise a ValueError before anything is compiled
@@ -552,6 +599,7 @@ def generate(
             cache_dtype=cache_dtype,
             kernels=kernels,
             matmul_precision=matmul_precision,
+            batch_buckets=batch_buckets,
         )
         return _generate(model, prompts, options, agreement)
     except Exception:
@@ -593,6 +641,7 @@ def prepare(
     cache_dtype=None,
     kernels="auto",
     matmul_precision=None,
+    batch_buckets=None,
     *,
     agreement=None,
     devices=None,
@@ -608,6 +657,7 @@ def prepare(
         sharding.check_model_split(mesh, model.config)
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    batch_buckets = _check_batch_buckets(batch_buckets)
     dtype = model.params.dtype.name
     try:
         cache_dtype = dtype if cache_dtype is None else dtype_name(cache_dtype)
@@ -634,7 +684,12 @@ def prepare(
             f"prompts: the longest prompt has {longest} tokens; with max_new_tokens={max_new_tokens} it "
             f"exceeds the model's context of {context} tokens"
         )
-    B, bucket = len(rows), prompt_bucket(longest)
+    # Padding rows (B - num_rows of them) have a one-token prompt, neutral options and no token to
+    # generate: the loop counts them done from the start (see `prefill`); they are dropped below.
+    num_rows, bucket = len(rows), prompt_bucket(longest)
+    B = batch_bucket(num_rows, batch_buckets, 1 if mesh is None else sharding.data_degree(mesh))
+    padding = B - num_rows
+    row_samplings = samplings + [Sampling()] * padding  # warp and key come from the real rows
     if mesh is not None:
         sharding.check_batch_split(mesh, B)
     # Room for a verify pass past the last committed token: k drafts, or a tree's nodes.
@@ -660,17 +715,17 @@ def prepare(
     stop_strings = None
     if any(s.stop for s in samplings):
         stop_strings = build_stop_strings(
-            model.tokenizer, model.config.vocab_size, [s.stop for s in samplings]
+            model.tokenizer, model.config.vocab_size, [s.stop for s in row_samplings]
         )
     inputs = GenerationInputs(
         prompt_tokens=jnp.asarray(padded),
-        prompt_lengths=jnp.asarray([len(r) for r in rows], jnp.int32),
-        max_new_tokens=jnp.full((B,), max_new_tokens, jnp.int32),
-        sampling=SamplingParams.of(samplings, B, model.config.vocab_size),
+        prompt_lengths=jnp.asarray([len(r) for r in rows] + [1] * padding, jnp.int32),
+        max_new_tokens=jnp.asarray([max_new_tokens] * num_rows + [0] * padding, jnp.int32),
+        sampling=SamplingParams.of(row_samplings, B, model.config.vocab_size),
         key=key,
-        seeds=jnp.asarray([s.seed or 0 for s in samplings], jnp.uint32),
-        seeded=jnp.asarray([s.seed is not None for s in samplings]),
-        stop_token_ids=jnp.asarray(_stop_token_ids(model, samplings)),
+        seeds=jnp.asarray([s.seed or 0 for s in row_samplings], jnp.uint32),
+        seeded=jnp.asarray([s.seed is not None for s in row_samplings]),
+        stop_token_ids=jnp.asarray(_stop_token_ids(model, row_samplings)),
         stop_strings=stop_strings,
     )
     agreement = agreement or sharding.CallAgreement(None, "prepare")
@@ -714,6 +769,7 @@ def _run(model: Model, prepared: Prepared) -> GenerateResult:
         prepared.inputs,
     )
     rows, samplings, mesh, k = prepared.rows, prepared.samplings, spec.mesh, spec.k
+    num_rows = len(rows)  # the batch's real rows; the program's spec.batch_size pads them
     program, compile_time = _compiled(spec, params, proposer_params, inputs)
     start = time.perf_counter()
     state = program(params, proposer_params, inputs)
@@ -724,6 +780,8 @@ def _run(model: Model, prepared: Prepared) -> GenerateResult:
         (state.tokens, state.lengths, state.nonfinite_step, state.metrics, own)
     )
     run_time = time.perf_counter() - start
+    # Drop the padding rows: every per-row array, the metrics' counters included.
+    nonfinite_step, counters, own = jax.tree.map(lambda x: x[:num_rows], (nonfinite_step, counters, own))
 
     if (nonfinite_step >= 0).any():
         bad = ", ".join(

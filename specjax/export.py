@@ -10,7 +10,8 @@ by where it runs.
 Its arguments are flat: the leaves of (params, proposer params, inputs) as `export_arguments`
 makes them, so that a serialized program needs no pytree registrations to be read back. It
 returns (tokens [B, S] int32: each row's prompt then its new tokens, lengths [B] int32: where
-each row's tokens end); a row's new tokens are tokens[b, len(prompt_b) : lengths[b]].
+each row's tokens end); a row's new tokens are tokens[b, len(prompt_b) : lengths[b]]. B is the
+batch padded to its bucket (`generate`'s batch_buckets): rows past the prompts are padding.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def export_generate(
     cache_dtype=None,
     kernels: str = "auto",
     matmul_precision: str | None = None,
+    batch_buckets=None,
 ) -> jax.export.Exported:
     """The generation `generate(model, prompts, ...)` would run, lowered for `platforms` (names
     jax.export knows: "cpu", "cuda", "rocm", "tpu"). Every other argument is `generate`'s. Run
@@ -84,6 +86,7 @@ def export_arguments(
     cache_dtype=None,
     kernels: str = "auto",
     matmul_precision: str | None = None,
+    batch_buckets=None,
 ) -> list[jax.Array]:
     """The flat arguments of the program `export_generate` made with the same arguments."""
     platforms = _check_platforms(platforms)
@@ -101,6 +104,7 @@ _OPTIONS = (
     "cache_dtype",
     "kernels",
     "matmul_precision",
+    "batch_buckets",
 )
 
 

@@ -352,13 +352,19 @@ def test_model_that_does_not_split(overrides, message):
         specjax.generate(model, PROMPTS[:2], max_new_tokens=4, mesh=mesh)
 
 
-def test_batch_that_does_not_split():
+def test_batch_padded_to_split(one_device_greedy):
+    """3 rows on data degree 2 pad to a batch of 4 (the program the 4 rows of PROMPTS use); a
+    user's buckets must hold one that splits."""
     mesh = sharding.make_mesh(model=2, data=2)
+    result = specjax.generate(TARGET, PROMPTS[:3], max_new_tokens=NEW_TOKENS, mesh=mesh)
+    assert result.tokens == one_device_greedy[:3]
+    assert result.metrics.emitted.tolist() == [NEW_TOKENS] * 3
     message = (
-        r"prompts: a batch of 3 rows does not divide over the mesh axis 'data' of size 2; pass a multiple"
+        r"batch_buckets: no bucket of \[3, 5\] that holds 3 prompts is a multiple of the mesh's "
+        r"data-parallel degree 2 .*e\.g\. 4"
     )
     with pytest.raises(ValueError, match=message):
-        specjax.generate(TARGET, PROMPTS[:3], max_new_tokens=4, mesh=mesh)
+        specjax.generate(TARGET, PROMPTS[:3], max_new_tokens=4, mesh=mesh, batch_buckets=[3, 5])
 
 
 def test_draft_that_does_not_split():

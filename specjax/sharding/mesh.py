@@ -108,10 +108,11 @@ def check_model_split(mesh: Mesh, config: LlamaConfig, who: str = "model") -> No
 
 
 def check_batch_split(mesh: Mesh, batch_size: int) -> None:
-    """ValueError unless the batch divides over the mesh's "data" axis (rows are never padded)."""
+    """ValueError unless the batch divides over the mesh's "data" axis (`generate` pads the batch
+    to a bucket that does: see `specjax.api.batch_bucket`)."""
     d = data_degree(mesh)
     if batch_size % d:
         raise ValueError(
             f"prompts: a batch of {batch_size} rows does not divide over the mesh axis {DATA!r} of "
-            f"size {d}; pass a multiple of {d} prompts (specjax does not pad the batch)"
+            f"size {d}; pad it to a multiple of {d}"
         )

@@ -235,7 +235,10 @@ def _commit(spec: LoopSpec, inputs: GenerationInputs, state: DecodeState, candid
 
 
 def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs) -> DecodeState:
-    """Run the prompts through the target (and the proposer) and pick each row's first token."""
+    """Run the prompts through the target (and the proposer) and pick each row's first token.
+
+    A row with no token to generate (max_new_tokens 0: a padding row of a batch bucket) is done
+    from the start: it never commits a token, never counts in the metrics, never holds the loop."""
     B, T = inputs.prompt_tokens.shape
     rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype)
@@ -257,12 +260,13 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     first, _ = choose_tokens(_step_keys(keys, jnp.zeros((), jnp.int32)), adjusted, inputs.sampling, spec.warp)
 
     zeros = jnp.zeros((B,), jnp.int32)
+    live = inputs.max_new_tokens > 0
     state = DecodeState(
         tokens=jnp.zeros((B, spec.capacity), jnp.int32).at[:, :T].set(inputs.prompt_tokens),
         lengths=inputs.prompt_lengths,
         prompt_lengths=inputs.prompt_lengths,
         max_lengths=inputs.prompt_lengths + inputs.max_new_tokens,
-        done=jnp.zeros((B,), bool),
+        done=~live,
         cache=cache,
         proposer_state=proposer_state,
         keys=keys,
@@ -272,10 +276,10 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
         stop_states=None if inputs.stop_strings is None else zeros,
         nonfinite_step=zeros - 1,
     )
-    state = _flag_nonfinite(state, _all_finite(logits), jnp.ones((B,), bool))
+    state = _flag_nonfinite(state, _all_finite(logits), live)
     state, num_emitted = _commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
-    ones = jnp.ones((B,), jnp.int32)
-    return state.replace(metrics=state.metrics.replace(target_forwards=ones, emitted=num_emitted))
+    forwards = live.astype(jnp.int32)
+    return state.replace(metrics=state.metrics.replace(target_forwards=forwards, emitted=num_emitted))
 
 
 def _target_forward(
