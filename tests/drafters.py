@@ -12,6 +12,9 @@ rejections and rollbacks happen too. A random one-layer draft of a random target
 - `noisy_copy`: a draft model that is the target with Gaussian noise on every weight, plus extra
   layers whose residual updates are as small, so that its config (and its own KV cache) differ
   from the target's.
+- `first_layer_eagle`: an EAGLE head built from the target's weights: the target's first layer over
+  the next token's embedding and a little of the feature, so it drafts about what SelfDraft does.
+- `trained_medusa`: Medusa heads fitted with specjax.train on the target's own continuations.
 - `check_acceptance`: the accepted fraction lies in a band, and steps that accepted every draft
   and steps that rejected some both occurred.
 """
@@ -23,7 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 from tiny import tiny_model
 
-from specjax.models import Model, init_params
+import specjax
+from specjax.models import EagleHead, MedusaHead, Model, init_params
+from specjax.models.eagle import EagleConfig, EagleParams
+from specjax.models.signature import target_signature
+from specjax.train import distill_data, train_medusa
 
 
 def scale_residual_updates(layer, scale: float):
@@ -54,6 +61,34 @@ def noisy_copy(model: Model, noise: float, seed: int = 0, extra_layers: int = 1)
     extra = init_params(dataclasses.replace(config, num_layers=extra_layers), keys[-1]).layers
     layers = (*params.layers, *(scale_residual_updates(layer, noise) for layer in extra))
     return Model(config, params.replace(layers=layers), model.tokenizer, name=f"{model.name}-noisy-{noise}")
+
+
+def first_layer_eagle(target: Model, feature_weight: float = 0.1) -> EagleHead:
+    """An EAGLE head whose layer is the target's first and whose fc feeds it the next token's
+    embedding plus `feature_weight` times the target's feature: over the pairs (f_t, x_{t+1}) its
+    layer sees about what the target's first layer sees at t + 1, so through the target's head it
+    drafts about what SelfDraft(layers=1) drafts (without the final norm's weights), and it reads
+    both of its inputs."""
+    D, V = target.config.hidden_size, target.config.vocab_size
+    fc = jnp.concatenate([feature_weight * jnp.eye(D), jnp.eye(D)], axis=0)  # [2D, D]: (f, embed)
+    params = EagleParams(fc=fc, fc_bias=jnp.zeros((D,), jnp.float32), layer=target.params.layers[0])
+    config = EagleConfig.for_target(target.config)
+    return EagleHead(config, params, np.arange(V, dtype=np.int32), target_signature(target))
+
+
+def trained_medusa(
+    target: Model, num_heads: int = 2, steps: int = 400, num_prompts: int = 64, new_tokens: int = 40
+) -> MedusaHead:
+    """Medusa heads trained by `specjax.train.train_medusa` (seeded, so the same every run) on the
+    target's greedy continuations of random prompts. Head i must learn the token i + 2 places on
+    from a hidden state, which the target's own weights give no closed form for."""
+    rng = np.random.default_rng(0)
+    V = target.config.vocab_size
+    prompts = [rng.integers(0, V, size=int(rng.integers(2, 9))).tolist() for _ in range(num_prompts)]
+    answers = specjax.generate(target, prompts, max_new_tokens=new_tokens).tokens
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    data = distill_data(target, sequences, max_len=new_tokens + 8)
+    return train_medusa(target, data, num_heads, steps=steps, learning_rate=1e-2, progress=False)
 
 
 def accepted_fraction(metrics) -> float:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafters import check_acceptance, layered_target, noisy_copy
+from drafters import check_acceptance, first_layer_eagle, layered_target, noisy_copy, trained_medusa
 from jax.sharding import NamedSharding
 from test_loading import tiny_config as torch_tiny_config
 from test_loading import tiny_model as torch_tiny_model
@@ -57,20 +57,25 @@ PROMPTS = [  # repeats for n-gram matches, different lengths in one batch
 NEW_TOKENS = 20
 
 
-MEDUSA = specjax.models.MedusaHead.init(TARGET, num_heads=2, key=jax.random.key(0), scale=0.5)
-EAGLE = specjax.models.EagleHead.init(TARGET, jax.random.key(0))
+# An EAGLE head built from the target's first layer, and two Medusa heads trained on its
+# continuations (on first use: a few seconds), both of which draft right part of the time.
+EAGLE = first_layer_eagle(TARGET)
+medusa_heads = functools.cache(lambda: trained_medusa(TARGET, num_heads=2))
 
 
 def make_proposer(name, k=3):
+    tree = specjax.TokenTree.top_k((3, 2))
     return {
-        "none": None,
-        "ngram": specjax.NGram(k=k, n_max=3, n_min=1),
-        "draft": specjax.DraftModel(DRAFT, k=k),
-        "draft-tp": specjax.DraftModel(DRAFT, k=k, tensor_parallel=True),
-        "self": specjax.SelfDraft(layers=1, k=k),
-        "medusa-tree": specjax.Medusa(MEDUSA, tree=specjax.TokenTree.top_k((3, 2))),
-        "eagle-tree": specjax.Eagle(EAGLE, tree=specjax.TokenTree.top_k((3, 2))),
-    }[name]
+        "none": lambda: None,
+        "ngram": lambda: specjax.NGram(k=k, n_max=3, n_min=1),
+        "draft": lambda: specjax.DraftModel(DRAFT, k=k),
+        "draft-tp": lambda: specjax.DraftModel(DRAFT, k=k, tensor_parallel=True),
+        "self": lambda: specjax.SelfDraft(layers=1, k=k),
+        "medusa-tree": lambda: specjax.Medusa(medusa_heads(), tree=tree),
+        "medusa-chain": lambda: specjax.Medusa(medusa_heads()),  # one draft per head
+        "eagle-tree": lambda: specjax.Eagle(EAGLE, tree=tree),
+        "eagle-chain": lambda: specjax.Eagle(EAGLE, k=k),
+    }[name]()
 
 
 @pytest.fixture(scope="module")
@@ -79,19 +84,20 @@ def one_device_greedy():
     return specjax.generate(TARGET, PROMPTS, max_new_tokens=NEW_TOKENS).tokens
 
 
-# Proposers built to accept part of the time (tests/drafters.py), and the band their accepted
-# fraction must lie in, greedy or sampled, on one device or a mesh.
-ACCEPTANCE = {"draft": (0.2, 0.9), "draft-tp": (0.2, 0.9), "self": (0.2, 0.9)}
+# Proposers built to accept part of the time (tests/drafters.py), and the band their greedy
+# accepted fraction lies in (check_acceptance), on one device and on every mesh: 30% to 73% here.
+ACCEPTING = ("draft", "draft-tp", "self", "medusa-tree", "medusa-chain", "eagle-tree", "eagle-chain")
+GREEDY_BAND = (0.2, 0.9)
 
 
-def check_on_mesh(model, data, name, expected, prompts=PROMPTS, **kwargs):
+def check_on_mesh(model, data, name, expected, prompts=PROMPTS, band=None, **kwargs):
     mesh = sharding.make_mesh(model=model, data=data)
     result = specjax.generate(
         TARGET, prompts, proposer=make_proposer(name), max_new_tokens=NEW_TOKENS, mesh=mesh, **kwargs
     )
     assert result.tokens == expected, (model, data, name)
-    if name in ACCEPTANCE:
-        check_acceptance(result.metrics, *ACCEPTANCE[name])
+    if band is not None:
+        check_acceptance(result.metrics, *band)
     return result
 
 
@@ -104,12 +110,13 @@ FAST = {
     (2, 2, "draft-tp"),
     (4, 2, "medusa-tree"),
     (2, 2, "eagle-tree"),
+    (2, 2, "eagle-chain"),
 }
 GRID = [
     pytest.param(model, data, name, marks=() if (model, data, name) in FAST else pytest.mark.slow)
     for model in (1, 2, 4, 8)
     for data in (1, 2)
-    for name in ("none", "ngram", "draft", "self", "draft-tp", "medusa-tree", "eagle-tree")
+    for name in ("none", "ngram", *ACCEPTING)
     if model * data <= 8
 ]
 
@@ -129,8 +136,9 @@ def one_device_accepted():
 
 @pytest.mark.parametrize("model, data, name", GRID)
 def test_greedy_on_mesh_equals_one_device(one_device_greedy, one_device_accepted, model, data, name):
-    result = check_on_mesh(model, data, name, one_device_greedy)
-    if name in ACCEPTANCE:  # the same drafts accepted: the mesh drafted what one device did
+    band = GREEDY_BAND if name in ACCEPTING else None
+    result = check_on_mesh(model, data, name, one_device_greedy, band=band)
+    if name in ACCEPTING:  # the same drafts accepted: the mesh drafted what one device did
         assert result.metrics.accepted.tolist() == one_device_accepted(name)
 
 
@@ -142,7 +150,10 @@ def test_sampled_on_mesh_equals_one_device(name):
     expected = specjax.generate(
         TARGET, PROMPTS, proposer=make_proposer(name), max_new_tokens=NEW_TOKENS, **kwargs
     )
-    result = check_on_mesh(2, 2, name, expected.tokens, **kwargs)
+    # Sampled, the noisy draft accepts 83% of its drafts here; the Medusa heads, trained on greedy
+    # continuations, under 5%.
+    band = (0.2, 0.95) if name == "draft" else None
+    result = check_on_mesh(2, 2, name, expected.tokens, band=band, **kwargs)
     assert result.metrics.accepted.tolist() == expected.metrics.accepted.tolist()
 
 
