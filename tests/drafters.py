@@ -67,7 +67,7 @@ def first_layer_eagle(target: Model, feature_weight: float = 0.1) -> EagleHead:
     """An EAGLE head whose layer is the target's first and whose fc feeds it the next token's
     embedding plus `feature_weight` times the target's feature: over the pairs (f_t, x_{t+1}) its
     layer sees about what the target's first layer sees at t + 1, so through the target's head it
-    drafts about what SelfDraft(layers=1) drafts (without the final norm's weights), and it reads
+    drafts about what SelfDraft(layers=1) drafts (the target's final norm aside), and it reads
     both of its inputs."""
     D, V = target.config.hidden_size, target.config.vocab_size
     fc = jnp.concatenate([feature_weight * jnp.eye(D), jnp.eye(D)], axis=0)  # [2D, D]: (f, embed)
