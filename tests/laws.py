@@ -31,6 +31,7 @@ is to fail when a seed or the code's order of draws changes, not a flake rate.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
@@ -80,6 +81,7 @@ def chi2_sf(x, df: int):
     return stats.chi2.sf(x, df)
 
 
+@functools.cache
 def noncentrality_for_power(df: int, alpha: float = ALPHA, power: float = POWER) -> float:
     """The noncentrality lam at which a chi-square test with df degrees of freedom, rejecting above
     its 1 - alpha quantile, rejects with probability `power`."""
@@ -133,6 +135,7 @@ def check_counts(
     messages (their indices if None). Returns what was tested."""
     counts, probs = np.asarray(counts, np.int64), np.asarray(probs, np.float64)
     labels = list(range(len(probs))) if labels is None else list(labels)
+    assert (probs >= 0).all() and abs(probs.sum() - 1) < 1e-5, f"{what}: the reference is not a law"
     n = int(counts.sum())
     impossible = probs == 0
     drawn = np.flatnonzero(counts * impossible)
