@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from laws import check_counts
 from tiny import tiny_model
 
 import specjax
@@ -161,7 +162,9 @@ def test_max_new_tokens_and_texts_with_sampling():
 
 
 def test_sampled_first_token_follows_warped_distribution():
-    """Many rows of one prompt: the first sampled token's counts match the exact warped law."""
+    """Many rows of one prompt: the first sampled token's counts match the exact warped law, checked
+    by tests/laws.py (per-cell bounds and a G-test at false-alarm rate 1e-6): at 4,000 rows over
+    its 8 tokens it detects a shift of 5.7% of the mass."""
     from specjax.speculate.sampling import SamplingParams, WarpSpec, warp_logits
 
     model = tiny_model(seed=6)
@@ -180,9 +183,8 @@ def test_sampled_first_token_follows_warped_distribution():
         np.asarray(warp_logits(logits[:, -1], SamplingParams.of(sampling, 1), WarpSpec.of(sampling))[0])
     )
     probs = probs.astype(np.float64)
-    assert (counts[probs == 0] == 0).all()  # filtered tokens never appear
-    sigma = np.sqrt(rows * probs * (1 - probs))
-    assert (np.abs(counts - rows * probs) <= 6 * sigma + 3).all()
+    check = check_counts(counts, probs / probs.sum(), "first token")  # filtered tokens never appear
+    assert check.detectable_shift < 0.057, check
     assert (probs > 0).sum() > 2  # the test exercises a real spread, not a single token
 
 

@@ -3,12 +3,14 @@ stop token ids and stop strings, checked against a float64 numpy reference of th
 exact enumeration of the target's law; plus the errors raised from inside the loop and at the
 door."""
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from laws import assert_sequence_law, detectable_shift, pool, power_against
 from oracle import Oracle, references
 from tiny import tiny_model, tiny_tokenizer
 
@@ -138,11 +140,13 @@ def test_adjust_and_warp_match_the_numpy_reference(sampling):
 
 # Four sampled row groups, each exercising some options, and a greedy group with penalties and a
 # bias: one batch, one program. Every sampled group keeps top_k small so that the law of three
-# tokens can be enumerated.
+# tokens can be enumerated. Group 0's temperature (0.7, was 0.8) and group 2's min_p (0.15, was
+# 0.05, which filtered nothing here) are set so that losing either changes the law detectably
+# (test_the_mixed_batch_law_check_catches_a_lost_option).
 GROUPS = [
-    specjax.Sampling(temperature=0.8, top_k=4, top_p=0.9),
+    specjax.Sampling(temperature=0.7, top_k=4, top_p=0.9),
     specjax.Sampling(temperature=1.0, top_k=5, repetition_penalty=1.8),
-    specjax.Sampling(temperature=0.9, top_k=5, frequency_penalty=1.5, presence_penalty=0.8, min_p=0.05),
+    specjax.Sampling(temperature=0.9, top_k=5, frequency_penalty=1.5, presence_penalty=0.8, min_p=0.15),
     specjax.Sampling(temperature=0.7, top_k=5, logit_bias={44: 2.5, 21: 1.5, 30: -3.0}),
 ]
 GREEDY = specjax.Sampling(repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={44: 1.0})
@@ -185,9 +189,13 @@ def tree_proposers(num_rows):
 )
 def test_mixed_batch_follows_the_reference_law(group_laws, name):
     """The first three tokens of every row follow its own options' exact law (the first token from
-    the prefill, the next two from speculative steps). Each count is bounded by 6 binomial
-    standard deviations plus 3: over the at most 4 x 125 sequences the false-alarm rate is below
-    1e-6."""
+    the prefill, the next two from speculative steps), checked per group by tests/laws.py: no
+    sequence of probability 0, each count within 6 binomial standard deviations plus 3, and a
+    G-test at false-alarm rate 1e-6 (1.4e-6 to 4.4e-6 per group with the per-cell bounds). At
+    ROWS_PER_GROUP = 1,500 over 36 to 82 pooled cells, the G-test detects any shift of 11.5% to
+    13.3% of a group's mass (with probability 0.9); the errors this test exists for are larger or put
+    mass on forbidden sequences (test_the_mixed_batch_law_check_catches_a_lost_option). More rows
+    would cost about 4 s of run time per 1,000 per group and proposer here."""
     samplings = [s for s in GROUPS for _ in range(ROWS_PER_GROUP)] + [GREEDY] * 4
     proposer = tree_proposers(len(samplings))[name] if "tree" in name else proposers(2)[name]
     result = specjax.generate(
@@ -200,14 +208,8 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     )
     for g, joint in enumerate(group_laws):
         rows = result.tokens[g * ROWS_PER_GROUP : (g + 1) * ROWS_PER_GROUP]
-        counts = {}
-        for tokens in rows:
-            counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-        assert set(counts) <= set(joint), f"group {g}: a sequence of zero probability was sampled"
-        for seq, prob in joint.items():
-            expected, seen = ROWS_PER_GROUP * prob, counts.get(seq, 0)
-            sigma = np.sqrt(ROWS_PER_GROUP * prob * (1 - prob))
-            assert abs(seen - expected) <= 6 * sigma + 3, (g, seq, seen, expected)
+        check = assert_sequence_law(rows, joint, f"group {g}")
+        assert check.detectable_shift < 0.135 and check.false_alarm < 5e-6, check
         assert len(joint) > 6, f"group {g} has too little spread to test"
     greedy = reference_greedy(TARGET, PROMPT, GREEDY, 3)
     assert result.tokens[-4:] == [greedy] * 4
@@ -224,6 +226,42 @@ def test_penalties_change_the_law():
         law = reference_joint(TARGET, PROMPT, s, 2)
         distance = sum(abs(law.get(q, 0) - plain.get(q, 0)) for q in set(law) | set(plain))
         assert distance > 0.05, s
+
+
+# Each option set back to its neutral value. top_k is left out: without it the law of three tokens
+# has 97^3 sequences, too many to enumerate.
+NEUTRAL = dict(
+    temperature=1.0,
+    top_p=1.0,
+    min_p=0.0,
+    repetition_penalty=1.0,
+    frequency_penalty=0.0,
+    presence_penalty=0.0,
+    logit_bias=None,
+)
+
+
+def test_the_mixed_batch_law_check_catches_a_lost_option(group_laws):
+    """What the check of test_mixed_batch_follows_the_reference_law catches at ROWS_PER_GROUP =
+    1,500 rows per group, beyond the 11.5% to 13.3% shift of mass that its G-test detects in any
+    direction: a group sampled with another group's options, or with any one of its options lost
+    (set to its neutral value). Each such law moves 0.3% to 94% of the mass and is rejected with
+    probability above 0.99: by the G-test (its power from the noncentral chi-square), or because it
+    puts mass on sequences that the group's law forbids and one of the 1,500 draws lands there."""
+    n = ROWS_PER_GROUP
+    for g, law in enumerate(group_laws):
+        probs = np.array(list(law.values()))
+        assert detectable_shift(n, pool(n * probs).max() + 1) < 0.135
+        alternatives = {f"group {h}'s options": group_laws[h] for h in range(len(GROUPS)) if h != g}
+        for option, neutral in NEUTRAL.items():
+            lost = dataclasses.replace(GROUPS[g], **{option: neutral})
+            if lost != GROUPS[g]:
+                alternatives[f"no {option}"] = reference_joint(TARGET, PROMPT, lost, 3)
+        for name, other in alternatives.items():
+            alternative = np.array([other.get(seq, 0.0) for seq in law])
+            forbidden = max(1.0 - alternative.sum(), 0.0)  # the mass it puts outside the law's support
+            caught = max(power_against(n, probs, alternative), 1 - (1 - forbidden) ** n)
+            assert caught > 0.99, (g, name, caught)
 
 
 GREEDY_ROWS = [

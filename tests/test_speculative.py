@@ -11,6 +11,7 @@ import pytest
 from drafters import check_acceptance, layered_target, noisy_copy
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from laws import assert_sequence_law
 from tiny import tiny_model
 
 import specjax
@@ -306,7 +307,9 @@ def test_ngram_misses_are_not_counted_as_drafts():
 def test_sampled_law_when_no_row_drafts():
     """Steps where no row drafts take a one-token pass (a batch-wide branch): its sampled
     tokens must follow the same law. The prompt is chosen so that no first token can be found
-    in it, so every row misses its lookup at the first speculative step."""
+    in it, so every row misses its lookup at the first speculative step. The law of the two
+    tokens is checked by tests/laws.py (per-cell bounds and a G-test at false-alarm rate 1e-6):
+    at 6,000 rows over its 16 sequences it detects a shift of 5.1% of the mass."""
     sampling = specjax.Sampling(temperature=0.8, top_k=4, top_p=0.9)
     for start in range(20, 90, 7):
         prompt = [start, start + 1, start + 2]
@@ -323,13 +326,8 @@ def test_sampled_law_when_no_row_drafts():
         key=jax.random.key(9),
     )
     assert result.metrics.drafting_steps.sum() == 0 and result.metrics.steps.sum() == rows
-    counts = {}
-    for tokens in result.tokens:
-        counts[tuple(tokens)] = counts.get(tuple(tokens), 0) + 1
-    assert set(counts) <= set(joint)
-    for seq, prob in joint.items():
-        sigma = np.sqrt(rows * prob * (1 - prob))
-        assert abs(counts.get(seq, 0) - rows * prob) <= 6 * sigma + 3, (seq, counts.get(seq, 0), rows * prob)
+    check = assert_sequence_law(result.tokens, joint, "two tokens")
+    assert check.detectable_shift < 0.052, check
 
 
 def ngram_reference(seq, k, n_max, n_min):

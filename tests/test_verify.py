@@ -1,8 +1,14 @@
 """Verification against exact laws computed in float64 numpy.
 
 The statistical tests replicate one fixed (p, q) over many rows, so every row is an independent
-draw of the same experiment; each count is bounded by 6 binomial standard deviations plus 3, and
-an outcome of probability exactly 0 must never occur.
+draw of the same experiment, and check each law with tests/laws.py: an outcome of probability
+exactly 0 never occurs, each count lies within 6 binomial standard deviations plus 3, and a G-test
+over all cells passes at false-alarm rate 1e-6 per law. At ROWS = 100,000 draws over the 16 tokens
+a G-test detects (with probability 0.9) any change that moves 1.25% of the mass between tokens,
+0.88% at the CHAIN_ROWS = 200,000 of the main law test; laws conditioned on a stop position see
+fewer rows and detect less.
+A numpy rejection sampler with a planted flaw (acceptance min(1, 1.1 p / q), or the replacement
+drawn from p instead of the residual) fails the same checks on the same inputs.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from laws import assert_law
+from laws import assert_law, power_against
 
 from specjax.speculate.sampling import greedy_argmax
 from specjax.speculate.verify import expected_acceptance, greedy_verify, rejection_sample
 
 ROWS = 100_000
+CHAIN_ROWS = 200_000  # test_rejection_sample_follows_exact_laws and its planted flaws
 VOCAB = 16
 
 _rejection_sample = jax.jit(rejection_sample)
@@ -78,8 +85,9 @@ def sample_drafts(rng: np.random.Generator, q: np.ndarray, rows: int = ROWS) -> 
 
 
 def run(seed: int, p: np.ndarray, q: np.ndarray, drafts: np.ndarray, valid=None):
+    rows = len(drafts)
     tokens, n = _rejection_sample(
-        jax.random.key(seed), replicate(p), replicate(q), jnp.asarray(drafts), valid
+        jax.random.key(seed), replicate(p, rows), replicate(q, rows), jnp.asarray(drafts), valid
     )
     return np.asarray(tokens), np.asarray(n)
 
@@ -107,31 +115,102 @@ def assert_layout(tokens: np.ndarray, n: np.ndarray, drafts: np.ndarray, p: np.n
 # Rejection sampling: exact laws
 
 
+def chain_laws(p: np.ndarray, q: np.ndarray) -> dict[str, np.ndarray]:
+    """The laws of rejection sampling with drafts drawn from q, by name: "num_accepted", from
+    a_i = sum_v min(p_i, q_i); "stop j", the token at the stop position given n = j: the residual
+    for j < K, p_K for the bonus; "emitted j", the token at position j given n >= j: p_j, because
+    the method is lossless (j = 0 is the first token of every row; here p_j does not depend on
+    the prefix, so this is the law)."""
+    k = q.shape[0]
+    acceptance = np.minimum(np.float64(p[:k]), np.float64(q)).sum(-1)
+    laws = {"num_accepted": law_of_n(acceptance)}
+    laws |= {f"stop {j}": residual(p[j], q[j]) if j < k else normalize(p[k]) for j in range(k + 1)}
+    return laws | {f"emitted {j}": normalize(p[j]) for j in range(k + 1)}
+
+
+def assert_chain_laws(tokens: np.ndarray, n: np.ndarray, p: np.ndarray, q: np.ndarray) -> dict:
+    """Draws of rejection sampling follow chain_laws; returns each law's LawCheck by name."""
+    laws = chain_laws(p, q)
+    checks = {"num_accepted": assert_law(n, laws["num_accepted"], "num_accepted")}
+    for j in range(q.shape[0] + 1):
+        checks[f"stop {j}"] = assert_law(tokens[n == j, j], laws[f"stop {j}"], f"stop token at position {j}")
+        emitted = tokens[n >= j, j]
+        checks[f"emitted {j}"] = assert_law(emitted, laws[f"emitted {j}"], f"emitted token at position {j}")
+    return checks
+
+
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_rejection_sample_follows_exact_laws(k):
+    """At CHAIN_ROWS = 200,000 the G-tests on num_accepted (K + 1 cells) and on the first token (16)
+    detect a shift of 0.88% of the mass. The acceptance rates of these inputs are low (0.05 to
+    0.48): later positions are reached by 19% of the rows down to 0.05% and detect shifts of 2%
+    to 40%. The rows were 100,000 (a shift of 1.25%), at which the best single G-test missed
+    acceptance at min(1, 1.1 p / q) instead of min(1, p / q) with probability 0.02 at K = 3; now
+    below 1e-6 (test_the_law_checks_reject_a_flawed_sampler)."""
     p, q = law_inputs(seed=10 + k, k=k)
-    drafts = sample_drafts(np.random.default_rng(k), q)
+    drafts = sample_drafts(np.random.default_rng(k), q, CHAIN_ROWS)
     tokens, n = run(k, p, q, drafts)
     assert_layout(tokens, n, drafts, p)
-
-    # (a) the number accepted, from a_i = sum_v min(p_i, q_i).
-    acceptance = np.minimum(np.float64(p[:k]), np.float64(q)).sum(-1)
-    assert_law(n, law_of_n(acceptance), "num_accepted")
-
-    # (b) the token at the stop position: the residual for n < K, p_K for the bonus.
-    for j in range(k + 1):
-        stop = tokens[n == j, j]
-        law = residual(p[j], q[j]) if j < k else normalize(p[k])
-        assert_law(stop, law, f"stop token at position {j}")
-
-    # (c) lossless: the token emitted at position j, whenever one is, follows p_j; j = 0 is the
-    # first token of every row. (Here p_j does not depend on the prefix, so this is the law.)
-    for j in range(k + 1):
-        assert_law(tokens[n >= j, j], normalize(p[j]), f"emitted token at position {j}")
-
-    # (d) the forbidden drafts (token 0, p = 0) are drafted often but never emitted.
+    checks = assert_chain_laws(tokens, n, p, q)
+    assert checks["num_accepted"].detectable_shift < 0.0088
+    assert checks["emitted 0"].detectable_shift < 0.0088
+    # The forbidden drafts (token 0, p = 0) are drafted often but never emitted.
     assert (drafts == 0).mean() > 0.05
     assert not (tokens[:, :k] == 0).any()
+
+
+def flawed_rejection_sample(rng, p, q, drafts, accept_scale=1.0, replace_from_p=False):
+    """Rejection sampling over rows written out in float64 numpy, with two planted flaws: draft x_i
+    is accepted with probability min(1, accept_scale p_i(x) / q_i(x)), and on rejection the token
+    comes from p_i instead of the residual normalize(max(p_i - q_i, 0)) if replace_from_p. Drafts
+    are drawn from q, so q_i(x_i) > 0. Returns tokens [rows, K+1] (-1 after n) and n [rows]."""
+    rows, k = drafts.shape
+    p64, q64 = np.float64(p), np.float64(q)
+    at_draft = p64[np.arange(k), drafts], q64[np.arange(k), drafts]  # [rows, K] each
+    accepted = rng.uniform(size=(rows, k)) < np.minimum(1.0, accept_scale * at_draft[0] / at_draft[1])
+    n = np.where(accepted.all(1), k, np.argmin(accepted, 1))
+    laws = [normalize(p64[j]) if replace_from_p else residual(p[j], q[j]) for j in range(k)]
+    cdf = np.cumsum(np.stack([*laws, normalize(p64[k])]), -1)[n]  # [rows, V], the law at the stop
+    stop = np.minimum((rng.uniform(size=rows)[:, None] >= cdf).sum(1), p.shape[-1] - 1)
+    tokens = np.where(np.arange(k + 1) < n[:, None], np.pad(drafts, [(0, 0), (0, 1)]), -1)
+    tokens[np.arange(rows), n] = stop
+    return tokens.astype(np.int32), n.astype(np.int32)
+
+
+def flawed_laws(p, q, accept_scale=1.0, replace_from_p=False) -> dict[str, np.ndarray]:
+    """The exact laws that flawed_rejection_sample follows, under chain_laws's names."""
+    k = q.shape[0]
+    p64, q64 = np.float64(p[:k]), np.float64(q)
+    kept = np.minimum(q64, accept_scale * p64)  # q_i(x) min(1, c p_i(x) / q_i(x))
+    acceptance = kept.sum(-1)
+    replacement = [normalize(p64[j]) if replace_from_p else residual(p[j], q[j]) for j in range(k)]
+    laws = {"num_accepted": law_of_n(acceptance)}
+    laws |= {f"stop {j}": replacement[j] for j in range(k)}
+    return laws | {f"emitted {j}": kept[j] + (1 - acceptance[j]) * replacement[j] for j in range(k)}
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_the_law_checks_reject_a_flawed_sampler(k):
+    """On the inputs of test_rejection_sample_follows_exact_laws, the checks pass specjax's
+    rejection_sample and a numpy one, and fail the numpy one with either flaw. Not by luck: from
+    the flawed sampler's exact laws, some G-test alone rejects it with probability above 1 - 1e-6
+    at these sample sizes (the per-cell bounds catch acceptance at 1.1x here too, and the
+    zero-probability check a replacement drawn from p)."""
+    p, q = law_inputs(seed=10 + k, k=k)
+    drafts = sample_drafts(np.random.default_rng(k), q, CHAIN_ROWS)
+    assert_chain_laws(*run(k, p, q, drafts), p, q)
+    assert_chain_laws(*flawed_rejection_sample(np.random.default_rng(100 + k), p, q, drafts), p, q)
+
+    laws = chain_laws(p, q)
+    for flaw in [dict(accept_scale=1.1), dict(replace_from_p=True)]:
+        tokens, n = flawed_rejection_sample(np.random.default_rng(100 + k), p, q, drafts, **flaw)
+        sizes = {"num_accepted": len(n)} | {f"stop {j}": (n == j).sum() for j in range(k)}
+        sizes |= {f"emitted {j}": (n >= j).sum() for j in range(k)}
+        flawed = flawed_laws(p, q, **flaw)
+        power = {name: power_against(sizes[name], laws[name], law) for name, law in flawed.items()}
+        assert max(power.values()) > 1 - 1e-6, (flaw, power)
+        with pytest.raises(AssertionError, match=r"G-test rejects|probability 0 drawn|\(bound"):
+            assert_chain_laws(tokens, n, p, q)
 
 
 def test_rejection_sample_one_hot_draft():
