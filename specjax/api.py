@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import backend as backends
 from specjax import models, sharding
+from specjax.kernels import backend as backends
 from specjax.models.checkpoint import dtype_name
 from specjax.models.llama import LlamaParams, with_panel_weights
 from specjax.models.model import Model
@@ -569,7 +569,7 @@ def generate(
     "bfloat16" or "float16"; default: the model's dtype) is the dtype of the target's KV cache; a
     proposer's own cache (a draft model's, an EAGLE head's) follows its own weights.
 
-    `kernels` picks the kernels (specjax/backend.py): "auto" (the platform's own: the CPU
+    `kernels` picks the kernels (specjax/kernels/backend.py): "auto" (the platform's own: the CPU
     kernels on a CPU, Pallas attention on a GPU or TPU), "xla" (plain XLA everywhere), or
     "pallas:tpu" / "pallas:cuda" (that accelerator's Pallas kernels, interpreted where the program
     runs elsewhere: slow, for checking their numerics). `matmul_precision` (jax's names:
@@ -621,12 +621,7 @@ class Prepared:
 
 
 def _generate(model, prompts, options: dict, agreement) -> GenerateResult:
-    mesh = options["mesh"]
-    if mesh is None:
-        devices = jax.devices()[:1]
-    else:
-        devices = list(mesh.devices.flat)
-    return _run(model, prepare(model, prompts, **options, agreement=agreement, devices=devices))
+    return _run(model, prepare(model, prompts, **options, agreement=agreement))
 
 
 def prepare(
@@ -648,7 +643,7 @@ def prepare(
     platforms=None,
 ) -> Prepared:
     """Validate `generate`'s arguments and make its program's spec and arguments: for `devices`
-    (those of the mesh, or the default device), or, with `platforms`, for export to those
+    (default: those of the mesh, or the default device), or, with `platforms`, for export to those
     platforms (no CPU FFI kernels: they are built for this host)."""
     if not isinstance(model, Model):
         raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
@@ -670,6 +665,8 @@ def prepare(
     warp = WarpSpec.of(samplings)
     precision = backends.default_precision(dtype, matmul_precision)
     if platforms is None:
+        if devices is None:  # the mesh's, or the default device
+            devices = jax.devices()[:1] if mesh is None else list(mesh.devices.flat)
         backend = backends.for_devices(devices, kernels, precision, sharded=mesh is not None)
     else:
         backend = backends.Backend(

@@ -2,7 +2,7 @@
 any host, to serialize here and run there.
 
 The program is the one `generate` compiles on the accelerator itself (specjax/api.py `prepare`):
-the same loop, with the kernels the backend seam (specjax/backend.py) gives those platforms, so
+the same loop, with the kernels the backend seam (specjax/kernels/backend.py) gives those platforms, so
 Pallas attention on "cuda" and "tpu" and never the CPU's FFI kernels, which are built for this
 host. Lowered for several platforms at once, the program holds each platform's kernels and picks
 by where it runs.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import jax
 
 from specjax import api
-from specjax.backend import PLATFORMS
+from specjax.kernels.backend import PLATFORMS
 from specjax.speculate.loop import generate_program
 
 

@@ -11,7 +11,7 @@ from tiny import tiny_config, tiny_model
 
 import specjax
 from specjax import api, kernels
-from specjax.backend import Backend
+from specjax.kernels.backend import Backend
 from specjax.models import forward, init_cache, init_params
 from specjax.models.llama import (
     attention,

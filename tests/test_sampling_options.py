@@ -470,7 +470,7 @@ def test_the_memory_check_counts_attentions_working_memory():
     """A prefill's scores: quadratic in the prompt on the CPU (its chunks of [chunk, T] scores),
     linear where the prefill is blocked (an accelerator); a decoding pass over the whole cache with
     XLA, the filled part only with a kernel. Llama-3-8B's shapes, batch 8, 8,192 prompt tokens."""
-    from specjax.backend import Backend
+    from specjax.kernels.backend import Backend
     from specjax.models import LlamaConfig
     from specjax.models.llama import attention_workspace_bytes
 

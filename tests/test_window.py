@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax import numpy as jnp
 
-from specjax.backend import Backend
+from specjax.kernels.backend import Backend
 from specjax.models import KVCache
 from specjax.models.llama import _layer_masks, attention, causal_mask, visible_slots
 

@@ -14,7 +14,7 @@ own fresh tokens.
 The kernels are XLA FFI custom calls, compiled from source with the machine's C++ compiler on
 first use (a few seconds) and kept under `$SPECJAX_CACHE/kernels` (default
 `~/.cache/specjax/kernels`). A program lowered for the CPU alone uses them (the backend seam,
-specjax/backend.py, decides): `generate` then stores float32 weights as panels
+specjax/kernels/backend.py, decides): `generate` then stores float32 weights as panels
 (`llama.with_panel_weights`), which the seam's products send to `panel_matmul`, and attention reads
 the cache through `cache_attention`.
 `SPECJAX_CPU_KERNEL=0` turns them off, and where they cannot be built a warning says why and
@@ -137,7 +137,7 @@ def _require() -> None:
 
 def enabled() -> bool:
     """Whether a CPU program may use the kernels: they load, and SPECJAX_CPU_KERNEL is not 0.
-    Which programs are CPU programs is the backend seam's choice (specjax/backend.py)."""
+    Which programs are CPU programs is the backend seam's choice (specjax/kernels/backend.py)."""
     if os.environ.get("SPECJAX_CPU_KERNEL", "1") == "0":
         return False
     return available()

@@ -12,7 +12,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax import backend
+from specjax.kernels import backend
 from specjax.models.config import LlamaConfig
 
 # Batches up to this many rows write their fresh keys and values row by row (see _write_slots).
@@ -78,7 +78,7 @@ class KVCache:
         On the CPU a small batch writes each row's K entries with one `dynamic_update_slice` (a
         scalar start), which XLA:CPU does in place; the vmapped form becomes a scatter that also
         reads the old slots. Past UNROLLED_WRITE_ROWS rows, and off the CPU (the backend seam,
-        specjax/backend.py), the vmapped form keeps the program small. The
+        specjax/kernels/backend.py), the vmapped form keeps the program small. The
         capacity leaves room for T slots past every row's length (see LoopSpec), so no write is
         clamped.
         """

@@ -15,8 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import backend
-from specjax.kernels import PanelWeight
+from specjax.kernels import PanelWeight, backend
 from specjax.models.llama import LlamaParams
 
 

@@ -41,8 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import backend
-from specjax.kernels import PanelWeight, pack
+from specjax.kernels import PanelWeight, backend, pack
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 
@@ -293,7 +292,7 @@ def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None,
     [B, T]), window_keep [B, T, T].
 
     Where the backend has a blocked prefill kernel (accelerators: Pallas flash attention, or the
-    blocked XLA form; specjax/backend.py) and the mask is known while tracing, that runs: working
+    blocked XLA form; specjax/kernels/backend.py) and the mask is known while tracing, that runs: working
     memory O(T x block), never [T, T] scores. Otherwise, on the CPU:
 
     When the mask is a known numpy array in which no token sees a later one (a causal mask, or a
@@ -343,7 +342,7 @@ def attention_workspace_bytes(
     """The most working memory one layer's attention takes on backend `on` (float32 scores and
     probabilities, partial outputs), beyond its inputs and outputs: the larger of a prefill of
     `prompt_len` tokens and a decoding pass of `width` tokens over `capacity` cache slots, for a
-    batch of `batch_size` rows of a model in `dtype` (`on`: a specjax.backend.Backend). For the
+    batch of `batch_size` rows of a model in `dtype` (`on`: a specjax.kernels.backend.Backend). For the
     free-memory check: the score tensor of a long prompt can be larger than the cache."""
     B, H, E, T = batch_size, config.num_heads, config.head_dim, prompt_len
     if on.prefill_attention() is None:  # the CPU's chunks: one chunk's [chunk, T] scores at a time
@@ -764,7 +763,7 @@ def attention_keys_values(
 
 
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., D_in] @ w [D_in, D_out], as the active backend multiplies (specjax/backend.py: on
+    """x [..., D_in] @ w [D_in, D_out], as the active backend multiplies (specjax/kernels/backend.py: on
     the CPU, weights stored as panels go through the CPU kernel and one or two rows are split for
     both cores; elsewhere the plain product)."""
     return backend.active().matmul(x, w)

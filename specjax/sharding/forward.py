@@ -19,7 +19,7 @@ import jax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from specjax import backend
+from specjax.kernels import backend
 from specjax.models import llama
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig

@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import backend
-from specjax.backend import Backend
+from specjax.kernels import backend
+from specjax.kernels.backend import Backend
 from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams, attention_workspace_bytes, lm_head
@@ -59,7 +59,7 @@ class LoopSpec:
     mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
     dtype: str = "float32"  # the target's weights and activations
     cache_dtype: str = "float32"  # the target's KV cache
-    # The kernels and precision the program is traced with (specjax/backend.py); None: the active
+    # The kernels and precision the program is traced with (specjax/kernels/backend.py); None: the active
     # backend where the program is traced (plain XLA on the default platform outside a generate).
     backend: Backend | None = None
 
