@@ -26,8 +26,11 @@ PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 test: $(STAMP)
 	$(PYTEST)
 
+# Every test, slow ones included; then the planted bugs (tests/planted_bugs.py, docs/planted-bugs.md):
+# small bugs planted one at a time in a copy of the package, each of which the tests must catch.
 test-all: $(STAMP)
 	$(PYTEST) -m ""
+	$(PY) tests/planted_bugs.py
 
 bench: $(STAMP)
 	$(PY) benchmarks/plain_decoding.py

@@ -16,6 +16,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 import specjax
 from specjax.models import EagleHead, MedusaHead, forward, init_cache
+from specjax.speculate.history import TokenHistory
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, warp_logits
 from specjax.speculate.tree import TokenTree
 
@@ -136,6 +137,36 @@ def test_adjust_and_warp_match_the_numpy_reference(sampling):
         want = reference_probs(logits[b], prompt, generated[b], sampling)
         np.testing.assert_allclose(got[b], want, atol=2e-6)
         assert ((got[b] > 0) == (want > 0)).all()
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [TokenTree.chain(4), TokenTree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0)])],
+    ids=["chain", "tree"],
+)
+def test_counts_at_nodes_add_the_valid_drafts_on_each_path(tree):
+    """The penalties' counts a verify pass scores each node with: the committed counts plus the
+    valid drafts on the path to the node (its ancestors and itself), each counted once, against a
+    walk up the tree. Greedy and sampled tests of the loop hardly see a draft counted twice: that
+    changes a logit only through the frequency penalty of a token repeated inside one step."""
+    rng = np.random.default_rng(0)
+    B, N, vocab = 4, tree.num_nodes, 5  # a small vocabulary, so tokens repeat along paths
+    committed = rng.integers(0, 3, size=(B, vocab)).astype(np.int32)
+    node_tokens = rng.integers(0, vocab, size=(B, N)).astype(np.int32)
+    valid = rng.random((B, N)) < 0.8
+    history = TokenHistory(counts=jnp.asarray(committed), in_prompt=jnp.zeros((B, vocab), bool))
+    got = history.counts_at_nodes(
+        jnp.asarray(node_tokens), jnp.asarray(valid), jnp.asarray(tree.attention_mask)
+    )
+    got = np.asarray(got)  # [B, N+1, V], the root first
+    for b in range(B):
+        for i in range(N + 1):
+            want, node = committed[b].copy(), i
+            while node > 0:  # node n >= 1 holds node_tokens[:, n - 1]
+                want[node_tokens[b, node - 1]] += valid[b, node - 1]
+                node = tree.parents[node]
+            np.testing.assert_array_equal(got[b, i], want, err_msg=f"row {b}, node {i}")
+    assert (got - committed[:, None]).max() >= 2  # some path holds a token twice
 
 
 # Four sampled row groups, each exercising some options, and a greedy group with penalties and a

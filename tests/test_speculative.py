@@ -148,6 +148,30 @@ def test_target_as_its_own_draft_accepts_everything(k):
     assert summary["expected_acceptance_per_position"] == pytest.approx([1.0] * k)
 
 
+def one_live_layer(model):
+    """The model with its second (last) layer's attention and MLP output projections zeroed: that
+    layer adds exactly zero to the residual stream, so the first layer, the final norm and the head
+    (SelfDraft(layers=1)) compute the model itself."""
+    first, last = model.params.layers
+    last = last.replace(o=jnp.zeros_like(last.o), down=jnp.zeros_like(last.down))
+    params = model.params.replace(layers=(first, last))
+    return specjax.Model(model.config, params, name=f"{model.name}-one-live-layer")
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_self_draft_that_is_the_target_accepts_everything(k):
+    """SelfDraft's own cache, checked as the test above checks DraftModel's: greedy output is right
+    whatever the draft's cache holds (verification repairs it), so only the acceptance shows a
+    draft that reads a stale or misplaced slot (tests/planted_bugs.py, selfdraft-rollback)."""
+    target = one_live_layer(TARGET)
+    result = specjax.generate(target, PROMPTS, proposer=specjax.SelfDraft(layers=1, k=k), max_new_tokens=30)
+    assert result.tokens == specjax.generate(target, PROMPTS, max_new_tokens=30).tokens
+    summary = result.metrics.summary()
+    assert summary["acceptance_rate"] == 1.0
+    assert summary["mean_acceptance_length"] == k + 1
+    assert summary["acceptance_per_position"] == [1.0] * k
+
+
 def exact_joint(model, prompt, sampling, num_tokens):
     """P(first num_tokens tokens) by enumeration over the warped target distribution (float64)."""
     spec, params = WarpSpec.of(sampling), SamplingParams.of(sampling, 1)
