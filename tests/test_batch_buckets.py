@@ -64,7 +64,11 @@ SAMPLED_ROWS = [  # every per-row option, so each is padded along with the batch
 ]
 
 
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+# The sampled case (every per-row option, under SelfDraft) runs in make test-all: the default
+# suite keeps the greedy one, and test_sampling_options covers the options in a padded batch too.
+@pytest.mark.parametrize(
+    "sampled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["greedy", "sampled"]
+)
 def test_a_padded_batch_equals_the_rows_unpadded(sampled):
     """Three rows padded to 4 (the default bucket) against the same three in a bucket of 3."""
     options = dict(sampling=SAMPLED_ROWS, key=jax.random.key(3)) if sampled else {}

@@ -95,9 +95,9 @@ def test_a_data_2_model_2_mesh_lowers():
     assert_accelerator_program(exported)
 
 
-# The default suite lowers three families (windows and interleaved rotary bases, experts, both
-# dtypes); make test-all lowers every family in both dtypes.
-DEFAULT_FAMILIES = {("llama3", "float32"), ("gemma3", "bfloat16"), ("qwen3_moe", "float32")}
+# The default suite lowers Gemma 3 in bfloat16 (windows, interleaved rotary bases; the proposers'
+# tests above lower Llama in float32); make test-all lowers every family in both dtypes.
+DEFAULT_FAMILIES = {("gemma3", "bfloat16")}
 FAMILY_CASES = [
     pytest.param(family, dtype, marks=() if (family, dtype) in DEFAULT_FAMILIES else pytest.mark.slow)
     for family in families.FAMILIES

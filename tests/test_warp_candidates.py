@@ -143,7 +143,8 @@ def test_candidates_of_a_batch():
     assert candidates(S(0.0, top_k=3), S(1.0)) == 0  # greedy rows are not warped
 
 
-@pytest.mark.parametrize("proposer", [None, "draft"])
+# The draft model's case (its own warp of the same candidates) runs in make test-all.
+@pytest.mark.parametrize("proposer", [None, pytest.param("draft", marks=pytest.mark.slow)])
 def test_seeded_generation_samples_the_same_tokens_as_the_sort(monkeypatch, proposer):
     """With a vocabulary of 512, top-k rows take 64 candidates and top-p rows 256: both the
     target's warp and the draft's go through them. Forcing the full sort (candidates 0) must give
