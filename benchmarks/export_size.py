@@ -1,8 +1,10 @@
 """How the exported generate program grows with depth: the module's size, its dot_generals and its
 Pallas calls for CUDA and TPU, and XLA:CPU's compile time of the same program on the XLA path,
-for random Llama models of 4, 16, 32 and 80 layers (small widths: the size is in the structure).
+for random Llama models of 4, 16, 32 and 80 layers (small widths: the size is in the structure),
+with the layers scanned (the accelerators' default) and unrolled (the CPU's).
 
     .venv/bin/python benchmarks/export_size.py [--layers 4 16 32 80] [--proposer plain ngram]
+        [--layout scanned unrolled]
 
 Prints a markdown table for docs/benchmarks.md.
 """
@@ -34,10 +36,10 @@ def model_of(layers: int) -> Model:
     return Model(config, init_params(config, jax.random.key(0)), name=f"random-{layers}")
 
 
-def measure(layers: int, proposer_name: str) -> dict:
+def measure(layers: int, proposer_name: str, layout: str) -> dict:
     model = model_of(layers)
     proposer = specjax.NGram(k=4) if proposer_name == "ngram" else None
-    options = dict(proposer=proposer, max_new_tokens=16)
+    options = dict(proposer=proposer, max_new_tokens=16, scan_layers=layout == "scanned")
     start = time.perf_counter()
     exported = specjax.export_generate(model, PROMPTS, platforms=("cuda", "tpu"), **options)
     export_s = time.perf_counter() - start
@@ -52,6 +54,7 @@ def measure(layers: int, proposer_name: str) -> dict:
     return {
         "layers": layers,
         "proposer": proposer_name,
+        "layout": layout,
         "module_mb": len(text) / 1e6,
         "dot_generals": text.count("stablehlo.dot_general"),
         "pallas_calls": sum(c in ("tpu_custom_call", "__gpu$xla.gpu.triton") for c in calls),
@@ -66,19 +69,31 @@ def main() -> None:
     )
     parser.add_argument("--layers", type=int, nargs="+", default=[4, 16, 32, 80])
     parser.add_argument("--proposer", nargs="+", default=["plain", "ngram"], choices=["plain", "ngram"])
+    parser.add_argument(
+        "--layout", nargs="+", default=["scanned", "unrolled"], choices=["scanned", "unrolled"]
+    )
     args = parser.parse_args()
-    columns = ("proposer", "layers", "module (MB)", "dot_generals", "Pallas calls", "export (s)")
+    columns = (
+        "proposer",
+        "layers",
+        "layers run",
+        "module (MB)",
+        "dot_generals",
+        "Pallas calls",
+        "export (s)",
+    )
     columns += ("XLA:CPU compile (s)",)
     print("| " + " | ".join(columns) + " |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for name in args.proposer:
-        for layers in args.layers:
-            r = measure(layers, name)
-            print(
-                f"| {name} | {layers} | {r['module_mb']:.2f} | {r['dot_generals']} | {r['pallas_calls']} | "
-                f"{r['export_s']:.1f} | {r['cpu_compile_s']:.1f} |",
-                flush=True,
-            )
+        for layout in args.layout:
+            for layers in args.layers:
+                r = measure(layers, name, layout)
+                print(
+                    f"| {name} | {layers} | {layout} | {r['module_mb']:.2f} | {r['dot_generals']} | "
+                    f"{r['pallas_calls']} | {r['export_s']:.1f} | {r['cpu_compile_s']:.1f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ def export_generate(
     kernels: str = "auto",
     matmul_precision: str | None = None,
     batch_buckets=None,
+    scan_layers: bool | None = None,
 ) -> jax.export.Exported:
     """The generation `generate(model, prompts, ...)` would run, lowered for `platforms` (names
     jax.export knows: "cpu", "cuda", "rocm", "tpu"). Every other argument is `generate`'s. Run
@@ -87,6 +88,7 @@ def export_arguments(
     kernels: str = "auto",
     matmul_precision: str | None = None,
     batch_buckets=None,
+    scan_layers: bool | None = None,
 ) -> list[jax.Array]:
     """The flat arguments of the program `export_generate` made with the same arguments."""
     platforms = _check_platforms(platforms)
@@ -105,6 +107,7 @@ _OPTIONS = (
     "kernels",
     "matmul_precision",
     "batch_buckets",
+    "scan_layers",
 )
 
 

@@ -63,6 +63,9 @@ class Backend:
     # A program over a mesh (its forward under shard_map): the CPU kernels stay off there, as the
     # panel weights have no sharding rule.
     sharded: bool = False
+    # Whether the decoder layers run as a loop over stacked weights (models/llama.py, LayerStack)
+    # rather than unrolled; None: on accelerators, not on the CPU (see `scans_layers`).
+    scan_layers: bool | None = None
 
     def __post_init__(self):
         if not self.platforms or any(p not in PLATFORMS for p in self.platforms):
@@ -73,6 +76,8 @@ class Backend:
             raise ValueError(
                 f"matmul_precision must be one of {PRECISIONS} or None, got {self.matmul_precision!r}"
             )
+        if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
+            raise ValueError(f"scan_layers must be True, False or None, got {self.scan_layers!r}")
 
     @property
     def cpu_only(self) -> bool:
@@ -80,12 +85,21 @@ class Backend:
         return self.platforms == ("cpu",)
 
     @property
+    def scans_layers(self) -> bool:
+        """Whether the decoder layers run as one loop per run of same-kind layers over stacked
+        weights and a stacked cache: the program, and its compile time, then stay the same size
+        whatever the depth. On by default on accelerators. Off by default on the CPU, where
+        XLA:CPU copies each layer's slice of a stacked weight before multiplying (a SmolLM2 step
+        1.8x slower, models/llama.py) and the FFI kernels want each layer's weights as panels."""
+        return not self.cpu_only if self.scan_layers is None else self.scan_layers
+
+    @property
     def cpu_kernels(self) -> bool:
         """Whether the C++ FFI kernels run: a CPU program with kernels "auto" where they load
-        (and SPECJAX_CPU_KERNEL is not 0)."""
+        (and SPECJAX_CPU_KERNEL is not 0), its layers unrolled."""
         if not self.cpu_only or self.kernels != "auto" or self.portable or self.sharded:
             return False
-        return cpu_kernels.enabled()
+        return not self.scans_layers and cpu_kernels.enabled()
 
     def pallas_platforms(self) -> tuple[str, ...]:
         """The platforms whose attention runs Pallas kernels, each by its own kernel."""
@@ -290,13 +304,17 @@ def default_platform() -> str:
 
 
 def for_devices(
-    devices, kernels: str = "auto", matmul_precision: str | None = None, sharded: bool = False
+    devices,
+    kernels: str = "auto",
+    matmul_precision: str | None = None,
+    sharded: bool = False,
+    scan_layers: bool | None = None,
 ) -> Backend:
     """The backend of a program that runs on `devices` (one platform; `sharded`: over a mesh)."""
     platforms = {platform_of(d) for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"mesh: devices of one platform are needed, got {sorted(platforms)}")
-    return Backend(tuple(platforms), kernels, matmul_precision, sharded=sharded)
+    return Backend(tuple(platforms), kernels, matmul_precision, sharded=sharded, scan_layers=scan_layers)
 
 
 def default_precision(dtype: str, matmul_precision: str | None) -> str | None:

@@ -41,6 +41,11 @@ class KVCache:
     On a mesh the buffers are split over ("data", "model") along the merged axis: each device
     holds its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
     forward, `write` and `move_slots`, under shard_map: specjax/sharding) reads the entries there.
+
+    Where the model's layers run as a loop (a `LayerStack` of its params, on accelerators: see
+    models/llama.py), the buffer of a stack of n layers holds them all on a leading axis: keys
+    [n, B*K, E, S], values [n, B*K, S, E]. The cache's buffers follow its params' layers, one
+    buffer per single layer or per stack (`init_cache(..., like=params.layers)`).
     """
 
     k: tuple[jax.Array, ...]
@@ -49,25 +54,58 @@ class KVCache:
 
     @property
     def num_layers(self) -> int:
-        return len(self.k)
+        return sum(layers_in(buffer) for buffer in self.k)
+
+    @property
+    def layout(self) -> tuple[int | None, ...]:
+        """Per buffer: None for one layer's, n for a stack's [n, B*K, ...] (see `cache_layout`)."""
+        return tuple(None if buffer.ndim == 3 else buffer.shape[0] for buffer in self.k)
 
     @property
     def capacity(self) -> int:
-        return self.v[0].shape[1]
+        return self.v[0].shape[-2]
 
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
 
-    def write_keys(self, buffer: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
+    def write_keys(self, buffer: jax.Array, new: jax.Array, fresh: bool = False, layer=None) -> jax.Array:
         """Store T fresh keys per row at slots `lengths .. lengths + T - 1` of one layer's key
-        buffer [B*K, E, S]; new [B, T, K, E]. See `_write_slots`."""
+        buffer [B*K, E, S]; new [B, T, K, E]. See `_write_slots`. A stack's buffer
+        [n, B*K, E, S] takes new [B, T, K, E] for its layer `layer` (an int or a traced index), or
+        [n, B, T, K, E] for all n with `layer` None (`_write_stacked`)."""
+        if buffer.ndim == 4:
+            return self._write_stacked(buffer, new, keys=True, fresh=fresh, layer=layer)
         return self._write_slots(buffer, jnp.transpose(new, (0, 2, 3, 1)), slot_axis=2, fresh=fresh)
 
-    def write_values(self, buffer: jax.Array, new: jax.Array, fresh: bool = False) -> jax.Array:
+    def write_values(self, buffer: jax.Array, new: jax.Array, fresh: bool = False, layer=None) -> jax.Array:
         """Store T fresh values per row at slots `lengths .. lengths + T - 1` of one layer's value
-        buffer [B*K, S, E]; new [B, T, K, E]. See `_write_slots`."""
+        buffer [B*K, S, E]; new [B, T, K, E]. See `_write_slots`; a stack's buffer as in
+        `write_keys`."""
+        if buffer.ndim == 4:
+            return self._write_stacked(buffer, new, keys=False, fresh=fresh, layer=layer)
         return self._write_slots(buffer, jnp.swapaxes(new, 1, 2), slot_axis=1, fresh=fresh)
+
+    def _write_stacked(self, buffer: jax.Array, new: jax.Array, keys: bool, fresh: bool, layer) -> jax.Array:
+        """Write into a stack's buffer (keys [n, B*K, E, S] or values [n, B*K, S, E]) the entries
+        new [B, T, K, E] of its layer `layer`, or new [n, B, T, K, E] of every layer (`layer`
+        None), at each row's length (at slot 0 with `fresh`). One scatter of the T slots per entry
+        and layer, which XLA does in place inside the layer loop: taking the layer's buffer out,
+        writing it and putting it back would copy the whole layer every time."""
+        first = 0 if layer is None else layer
+        if layer is not None:
+            new = new[None]
+        n, B, T, K, E = new.shape
+        entries = new.astype(buffer.dtype).transpose(0, 1, 3, 2, 4).reshape(n, B * K, T, E)
+        if fresh:  # as the buffer lays the slots out: keys [n, B*K, E, T], values [n, B*K, T, E]
+            block = jnp.swapaxes(entries, 2, 3) if keys else entries
+            return jax.lax.dynamic_update_slice(buffer, block, (first, 0, 0, 0))
+        layers = first + jnp.arange(n)[:, None, None]  # [n, 1, 1]
+        rows = jnp.arange(B * K)[None, :, None]  # [1, B*K, 1]
+        slots = (jnp.repeat(self.lengths, K)[:, None] + jnp.arange(T)[None, :])[None]  # [1, B*K, T]
+        # Indexed [n, B*K, T] with the head dim a slice: the update is [n, B*K, T, E] either way.
+        at = buffer.at[layers, rows, :, slots] if keys else buffer.at[layers, rows, slots]
+        return at.set(entries, unique_indices=True)
 
     def _write_slots(self, buffer: jax.Array, new: jax.Array, slot_axis: int, fresh: bool) -> jax.Array:
         """Write new [B, K, ...] (each row's K entries, laid out as one entry of `buffer` is, with
@@ -119,10 +157,23 @@ class KVCache:
         def by_row(buf):  # [B, K, ...]; the gathers below read every source before any write
             return buf.reshape(B, buf.shape[0] // B, *buf.shape[1:])
 
-        # Each gather gives [B, D, K, E]: the sources' entries, written at lengths + d.
+        def keys(buf):  # the sources' entries [B, D, K, E], written at lengths + d
+            if buf.ndim == 4:  # a stack's [n, B*K, E, S]: [n, B, D, K, E]
+                return jnp.moveaxis(
+                    buf.reshape(buf.shape[0], B, -1, *buf.shape[2:])[:, rows, :, :, sources], 2, 0
+                )
+            return by_row(buf)[rows, :, :, sources]
+
+        def values(buf):
+            if buf.ndim == 4:
+                return jnp.moveaxis(
+                    buf.reshape(buf.shape[0], B, -1, *buf.shape[2:])[:, rows, :, sources], 2, 0
+                )
+            return by_row(buf)[rows, :, sources]
+
         return self.replace(
-            k=tuple(self.write_keys(buf, by_row(buf)[rows, :, :, sources]) for buf in self.k),
-            v=tuple(self.write_values(buf, by_row(buf)[rows, :, sources]) for buf in self.v),
+            k=tuple(self.write_keys(buf, keys(buf)) for buf in self.k),
+            v=tuple(self.write_values(buf, values(buf)) for buf in self.v),
         )
 
     def advance(self, num_committed: jax.Array) -> KVCache:
@@ -141,31 +192,64 @@ class FreshEntries:
     whole cache per step). Branches that only read the cache, with the writes after the cond,
     need none."""
 
-    k: tuple[jax.Array, ...]
+    k: tuple[jax.Array, ...]  # one per buffer of the cache: a stack's [n, B, T, K, E]
     v: tuple[jax.Array, ...]
 
     def pad_to(self, width: int) -> FreshEntries:
         """Zero entries appended up to `width` tokens, so that branches of different widths agree
         in shape (slots past what a step commits are stale and never read)."""
 
-        def pad(x):
-            return jnp.pad(x, ((0, 0), (0, width - x.shape[1]), (0, 0), (0, 0)))
+        def pad(x):  # [B, T, K, E], or a stack's [n, B, T, K, E]
+            widths = [(0, 0)] * x.ndim
+            widths[-3] = (0, width - x.shape[-3])
+            return jnp.pad(x, widths)
 
         return FreshEntries(k=tuple(map(pad, self.k)), v=tuple(map(pad, self.v)))
 
 
 def init_cache(
-    config: LlamaConfig, batch_size: int, capacity: int, dtype=jnp.float32, num_layers: int | None = None
+    config: LlamaConfig,
+    batch_size: int,
+    capacity: int,
+    dtype=jnp.float32,
+    num_layers: int | None = None,
+    like: tuple | None = None,
 ) -> KVCache:
     """An empty cache of `capacity` slots per row, allocated with zeros; `num_layers` (default all)
-    sizes it for an early-exit pass over the first layers only."""
+    sizes it for an early-exit pass over the first layers only. `like` (a params' `layers`):
+    one buffer per single layer and one stacked buffer per `LayerStack` there (models/llama.py),
+    for the first `num_layers` layers; default one buffer per layer."""
     num_layers = config.num_layers if num_layers is None else num_layers
     entries = batch_size * config.num_kv_heads
+    E = config.head_dim
+    layout = (None,) * num_layers if like is None else cache_layout(like, num_layers)
+    lead = [() if n is None else (n,) for n in layout]
     return KVCache(
-        k=tuple(jnp.zeros((entries, config.head_dim, capacity), dtype) for _ in range(num_layers)),
-        v=tuple(jnp.zeros((entries, capacity, config.head_dim), dtype) for _ in range(num_layers)),
+        k=tuple(jnp.zeros((*n, entries, E, capacity), dtype) for n in lead),
+        v=tuple(jnp.zeros((*n, entries, capacity, E), dtype) for n in lead),
         lengths=jnp.zeros((batch_size,), jnp.int32),
     )
+
+
+def layers_in(buffer: jax.Array) -> int:
+    """How many layers a cache buffer holds: 1, or a stack's n ([n, B*K, ...])."""
+    return 1 if buffer.ndim == 3 else buffer.shape[0]
+
+
+def cache_layout(layers: tuple, num_layers: int) -> tuple[int | None, ...]:
+    """The buffers of a cache for the first `num_layers` of `layers` (a params' layers: single
+    layers, or stacks with a `count`): None for a single layer's buffer, n for a stack's (its
+    first n layers, where `num_layers` ends inside it)."""
+    layout, left = [], num_layers
+    for element in layers:
+        if left <= 0:
+            break
+        count = getattr(element, "count", None)
+        layout.append(None if count is None else min(count, left))
+        left -= 1 if count is None else count
+    if left > 0:
+        raise ValueError(f"num_layers is {num_layers}; the params have {num_layers - left} layers")
+    return tuple(layout)
 
 
 def cache_bytes(

@@ -10,13 +10,17 @@ Einsum letters, used throughout:
     B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
     G query heads per kv head (H = K * G), E head dim, F ffw hidden, V vocab, L layers.
 
-Layers are a tuple, one `LayerParams` (and one cache buffer) per layer, run by a Python loop,
-not stacked on a leading axis and scanned. The reason is speed: XLA:CPU copies a slice of a
-stacked weight (dynamic or static) before it multiplies, which made a decoding step 1.8x slower
-for SmolLM2-135M (95 ms against 52 ms per token, measured here). The price is compile time that
-grows with depth (about 9 s instead of 5 s for 30 layers). Projection weights are stored
-`[in, out]` and applied as `x @ W`. Checkpoints and the disk cache keep the stacked layout
-(see checkpoint.py), which splits it per layer as it loads.
+Layers are a tuple, one `LayerParams` (and one cache buffer) per layer. On the CPU they run by a
+Python loop, unrolled, not stacked on a leading axis and scanned. The reason is speed: XLA:CPU
+copies a slice of a stacked weight (dynamic or static) before it multiplies, which made a
+decoding step 1.8x slower for SmolLM2-135M (95 ms against 52 ms per token, measured here). The
+price is compile time and program size that grow with depth. On accelerators (the backend's
+`scans_layers`) the program stacks each run of same-kind layers once, before its loop
+(`stack_layers`, a `LayerStack`), and each pass runs a stack as one `fori_loop` over it, the
+cache's buffer for that run stacked alike: the program holds one copy of each kind of layer
+whatever the depth. Projection weights are stored `[in, out]` and applied as `x @ W`.
+Checkpoints and the disk cache keep the stacked layout (see checkpoint.py), which splits it per
+layer as it loads.
 
 The query, key and value projections are one weight, `qkv`, so that a decoding step makes one
 product for them, not three: XLA:CPU runs a [576, 576] product on one core at about 18 GB/s
@@ -32,6 +36,7 @@ and values. Checkpoints keep the three projections apart, as HF and GGUF files d
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import PanelWeight, backend, pack
-from specjax.models.cache import FreshEntries, KVCache
+from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
 
 
@@ -69,9 +74,26 @@ class LayerParams:
 
 
 @flax.struct.dataclass
+class LayerStack:
+    """Consecutive decoder layers of one kind (one window, one rotary base, dense or experts),
+    their weights stacked on a leading axis: each field of `layers` is [n, ...]. The decoder runs
+    a stack as one loop over its layers (`decoder_layers`), so a program holds one copy of the
+    layer however deep the model. Made inside the program (`stack_layers`) where the backend
+    scans layers (on accelerators), never stored: loading, checkpoints and training keep one
+    LayerParams per layer."""
+
+    layers: LayerParams
+
+    @property
+    def count(self) -> int:
+        return jax.tree.leaves(self.layers)[0].shape[0]
+
+
+@flax.struct.dataclass
 class LlamaParams:
     embed: jax.Array  # [V, D]
-    layers: tuple[LayerParams, ...]  # one per layer
+    # One per layer; inside a program that scans layers, runs of them as LayerStacks.
+    layers: tuple[LayerParams | LayerStack, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
     # The head ([D, V]: lm_head, or embed transposed) as panels for the CPU kernel; set only by
@@ -178,6 +200,15 @@ def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig, index: int = 0)
     if bias is not None:
         fields.update(zip(("q_bias", "k_bias", "v_bias"), split_qkv(bias, H, K), strict=True))
     return {name: fields[name] for name in checkpoint_layer_shapes(config, index)}
+
+
+def layers_bytes(config: LlamaConfig, itemsize: int) -> int:
+    """Bytes the decoder layers' weights take (the size of their stacked copy, `stack_layers`)."""
+    total = 0
+    for i in range(config.num_layers):
+        shapes = dataclasses.astuple(layer_shapes(config, i))
+        total += sum(math.prod(shape) for shape in shapes if shape is not None)
+    return total * itemsize
 
 
 def param_shapes(config: LlamaConfig) -> LlamaParams:
@@ -469,7 +500,7 @@ def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed,
     return _cache_values(probs[..., :S], v_cache) + new
 
 
-def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None):
+def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None, layer=None):
     """T queries [B, T, K, G, E] attend, in one softmax, to each row's committed cache slots
     (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the backend's
     kernel, `backend.active().cache_attention`: the CPU's specjax.kernels.cache_attention or a
@@ -480,14 +511,16 @@ def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, 
     products at a fraction of the bandwidth: 30 layers over 896 slots, 4-5 ms for one token, 16 ms
     for nine). The kernel reads the committed slots only and returns its part of the softmax
     normalized, with the log-sum-exp of its scores; the fresh part joins by rescaling both to
-    their common log-sum-exp.
+    their common log-sum-exp. With `layer`, the caches are a stack's ([n, B*K, ...]) and the
+    kernel reads that layer of them in place.
     """
     B, T, K, G, E = q.shape
     queries = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
     if starts is not None:  # [B, T] -> one per query row, in the same (entry, head, token) order
         starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
     kernel = backend.active().cache_attention(E, q.dtype)
-    old, old_lse = kernel(queries, k_cache, v_cache, jnp.repeat(committed, K), starts)
+    stacked = {} if layer is None else {"layer": layer}
+    old, old_lse = kernel(queries, k_cache, v_cache, jnp.repeat(committed, K), starts, **stacked)
     old = old.reshape(B, K, G, T, E)
     old_lse = old_lse.reshape(B, K, G, T)
     scores = _masked_scores(q, k_new, fresh_mask).astype(jnp.float32)  # [B, K, G, T, T]
@@ -513,9 +546,11 @@ def attention(
     starts=None,
     window=None,
     positions=None,
+    layer=None,
 ):
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E]. Scores are scaled by
-    `scale` (default 1/sqrt(E)).
+    `scale` (default 1/sqrt(E)). With `layer` (an index), k_cache and v_cache are a stack's
+    buffers ([n, B*K, ...], see KVCache) and the layer's attention reads layer `layer` of them.
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
     cache k_cache [B*K, E, S], v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
@@ -538,13 +573,17 @@ def attention(
     q = q.reshape(B, T, K, H // K, E) * scale
     fresh = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
     if committed is not None:
-        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts)
+        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts, layer)
     elif visible is None:
         out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep, window, positions)
-    elif not write:
-        out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh)
     else:
-        out = _cache_attention(q, k_cache, v_cache, visible)
+        if layer is not None:  # a stack's buffers: XLA reads the layer's slice in its products
+            k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
+            v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
+        if not write:
+            out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh)
+        else:
+            out = _cache_attention(q, k_cache, v_cache, visible)
     return out.reshape(B, T, H * E).astype(q.dtype)
 
 
@@ -679,8 +718,10 @@ def _layer(
     write,
     committed=None,
     attention_input=None,
+    layer=None,
 ):
-    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers (see KVCache);
+    """One decoder layer. x [B, T, D]; k_buf, v_buf this layer's cache buffers (see KVCache), or
+    with `layer` (an index) a stack's buffers, of which the layer reads and writes that one;
     `masks` what its kind of attention sees (`_layer_masks`), inv_freq its rotary frequencies.
     Returns the new x and the buffers with the fresh keys and values written at slots
     `cache.lengths + t`; with `write=False`, the new x and the fresh keys and values [B, T, K, E].
@@ -711,7 +752,7 @@ def _layer(
     q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     if write:
         fresh = masks.visible is None  # a prefill into an empty cache
-        k_buf, v_buf = cache.write_keys(k_buf, k, fresh), cache.write_values(v_buf, v, fresh)
+        k_buf, v_buf = cache.write_keys(k_buf, k, fresh, layer), cache.write_values(v_buf, v, fresh, layer)
     attended = attention(
         q,
         k,
@@ -727,6 +768,7 @@ def _layer(
         starts=masks.starts,
         window=masks.window,
         positions=masks.positions,
+        layer=layer,
     )
     out = reduce(project(attended, lp.o))
     x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
@@ -834,7 +876,7 @@ def forward_hidden(
     if cache.num_layers > config.num_layers:
         raise ValueError(f"cache has {cache.num_layers} layers, the model only {config.num_layers}")
     x = embed_tokens(params, config, tokens)  # [B, T, D]
-    layers = params.layers[: cache.num_layers]
+    layers = params.layers[: len(cache.k)]  # (a stack's buffer may hold its first layers only)
     out = decoder_layers(
         layers, config, x, positions, cache, fresh_mask, empty_cache, reduce, write=write, capture=capture
     )
@@ -886,37 +928,47 @@ def decoder_layers(
     # Layers of one kind (window, rotary base) share their masks and frequencies: Gemma 3
     # interleaves two kinds, other families have one.
     masks, frequencies = {}, {}
-    if any(not 0 <= i <= len(layers) for i in capture):
-        raise ValueError(f"capture: layer ids must be in 0..{len(layers)}, got {capture}")
-    new_k, new_v, captured = [], [], {}
-    for i, layer in enumerate(layers):
-        if i in capture:
-            captured[i] = x
-        window = config.layer_window(i)
+    num_layers = cache.num_layers
+    if any(not 0 <= i <= num_layers for i in capture):
+        raise ValueError(f"capture: layer ids must be in 0..{num_layers}, got {capture}")
+
+    def kind(i):  # the masks and rotary frequencies of layer i
+        window, rope = config.layer_window(i), config.layer_rope(i)
         if window not in masks:
             masks[window] = _layer_masks(window, positions, cache, fresh_mask, visible, write, committed)
-        rope = config.layer_rope(i)
         if rope not in frequencies:
             frequencies[rope] = rope_inverse_frequencies(config, i)
-        x, k_out, v_out = _layer(
-            config,
-            masks[window],
-            frequencies[rope],
-            positions,
-            cache,
-            fresh_mask,
-            x,
-            layer,
-            cache.k[i],
-            cache.v[i],
-            reduce,
-            write,
-            committed,
-            first_attention_input if i == 0 else None,
-        )
+        return masks[window], frequencies[rope]
+
+    new_k, new_v, captured = [], [], {}
+    first = 0  # the index of the buffer's first layer
+    for element, k_buf, v_buf in zip(layers, cache.k, cache.v, strict=True):
+        n = layers_in(k_buf)
+        run = (config, *kind(first), positions, cache, fresh_mask)
+        if isinstance(element, LayerStack):
+            if first == 0 and first_attention_input is not None:
+                raise ValueError("first_attention_input: the first layer must not be in a LayerStack")
+            x, k_out, v_out = _stacked_layers(
+                run, element, x, k_buf, v_buf, reduce, write, committed, first, capture, captured
+            )
+        else:
+            if first in capture:
+                captured[first] = x
+            x, k_out, v_out = _layer(
+                *run,
+                x,
+                element,
+                k_buf,
+                v_buf,
+                reduce,
+                write,
+                committed,
+                first_attention_input if first == 0 else None,
+            )
         new_k.append(k_out)
         new_v.append(v_out)
-    captured[len(layers)] = x
+        first += n
+    captured[num_layers] = x
     entries = (
         FreshEntries(k=tuple(new_k), v=tuple(new_v))
         if not write
@@ -925,6 +977,69 @@ def decoder_layers(
     if not capture:
         return x, entries
     return x, entries, jnp.concatenate([captured[i] for i in capture], axis=-1)
+
+
+def _stacked_layers(
+    run, stack: LayerStack, x, k_buf, v_buf, reduce, write, committed, first, capture, captured
+):
+    """The first n layers of `stack` (n: those its cache buffers k_buf, v_buf [n, B*K, ...] hold;
+    an early exit may end inside a stack), as `fori_loop`s over the stacked weights and buffers:
+    one loop, or one per stretch between the layer ids in `capture` (the streams entering those
+    layers go into `captured`). `run`: `_layer`'s leading arguments, one kind for the whole stack.
+    Returns x and the written buffers, or with `write=False` the fresh entries [n, B, T, K, E].
+
+    Each step takes its layer's slice of the weights (XLA fuses it into the products) and reads
+    and writes its layer of the stacked buffers in place; with `write=False` the loop carries the
+    fresh entries out instead."""
+    n = layers_in(k_buf)
+    B, T, _ = x.shape
+    K, E = k_buf.shape[1] // B, k_buf.shape[2]
+    if write:
+        k_out, v_out = k_buf, v_buf
+    else:
+        k_out = jnp.zeros((n, B, T, K, E), x.dtype)
+        v_out = jnp.zeros((n, B, T, K, E), x.dtype)
+
+    def step(i, carry):
+        x, k_out, v_out = carry
+        weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), stack.layers)
+        if write:
+            return _layer(*run, x, weights, k_out, v_out, reduce, write, committed, layer=i)
+        x, k, v = _layer(*run, x, weights, k_buf, v_buf, reduce, write, committed, layer=i)
+        k_out = jax.lax.dynamic_update_index_in_dim(k_out, k.astype(k_out.dtype), i, 0)
+        v_out = jax.lax.dynamic_update_index_in_dim(v_out, v.astype(v_out.dtype), i, 0)
+        return x, k_out, v_out
+
+    cuts = sorted({0, n, *(i - first for i in capture if first < i < first + n)})
+    carry = (x, k_out, v_out)
+    for lo, hi in itertools.pairwise(cuts):
+        if first + lo in capture:
+            captured[first + lo] = carry[0]
+        carry = jax.lax.fori_loop(lo, hi, step, carry)
+    return carry
+
+
+def stack_layers(params: LlamaParams, config: LlamaConfig) -> LlamaParams:
+    """`params` with each run of two or more consecutive layers of one kind (window, rotary base,
+    and the same weights' shapes: dense and expert layers apart) as one `LayerStack`. For a program
+    that scans layers (the backend's `scans_layers`), called once before its loop: the stacks are
+    a copy of the layers' weights, made once per call, not per step."""
+    if any(isinstance(element, LayerStack) for element in params.layers):
+        return params
+
+    def kind(i):
+        shapes = [(w.shape, w.dtype) for w in jax.tree.leaves(params.layers[i])]
+        return config.layer_window(i), config.layer_rope(i), jax.tree.structure(params.layers[i]), shapes
+
+    elements, i = [], 0
+    while i < len(params.layers):
+        end = i + 1
+        while end < len(params.layers) and kind(end) == kind(i):
+            end += 1
+        run = params.layers[i:end]
+        elements.append(run[0] if len(run) == 1 else LayerStack(jax.tree.map(lambda *w: jnp.stack(w), *run)))
+        i = end
+    return params.replace(layers=tuple(elements))
 
 
 def lm_head(params: LlamaParams, hidden: jax.Array, config: LlamaConfig | None = None) -> jax.Array:

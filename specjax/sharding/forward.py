@@ -25,7 +25,7 @@ from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
 from specjax.sharding.mesh import MODEL
-from specjax.sharding.specs import cache_specs, fresh_specs, param_specs, row_spec
+from specjax.sharding.specs import cache_specs, fresh_specs, params_specs_like, row_spec
 
 
 def _sum_over_model(x: jax.Array) -> jax.Array:
@@ -73,9 +73,9 @@ def mesh_forward_hidden(
 
     if mesh is None:
         return local(params, tokens, positions, cache)
-    params_spec = param_specs(config, tensor_parallel)
-    cache_spec = cache_specs(cache.num_layers, tensor_parallel)
-    written_spec = cache_spec if write else fresh_specs(cache.num_layers, tensor_parallel)
+    params_spec = params_specs_like(params, config, tensor_parallel)
+    cache_spec = cache_specs(cache.layout, tensor_parallel)
+    written_spec = cache_spec if write else fresh_specs(cache.layout, tensor_parallel)
     rows = row_spec()
     sharded = jax.shard_map(
         local,
@@ -96,7 +96,7 @@ def mesh_move_slots(mesh: Mesh | None, cache: KVCache, sources: jax.Array) -> KV
 
 def mesh_write(mesh: Mesh | None, cache: KVCache, fresh: FreshEntries) -> KVCache:
     """`cache.write(fresh)` (a pass's unwritten entries) on `mesh`: see `_per_device`."""
-    return _per_device(mesh, KVCache.write, cache, fresh, fresh_specs(cache.num_layers))
+    return _per_device(mesh, KVCache.write, cache, fresh, fresh_specs(cache.layout))
 
 
 def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_spec) -> KVCache:
@@ -105,6 +105,6 @@ def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_sp
     shard_map like the forward that wrote them. With mesh None, the plain call."""
     if mesh is None:
         return update(cache, argument)
-    cache_spec = cache_specs(cache.num_layers)
+    cache_spec = cache_specs(cache.layout)
     sharded = jax.shard_map(update, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
     return sharded(cache, argument)

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.checkpoint import flatten
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LayerParams, LlamaParams, layer_shapes
+from specjax.models.llama import LayerParams, LayerStack, LlamaParams, layer_shapes
 from specjax.models.tensors import normalize_index
 from specjax.sharding.mesh import DATA, MODEL
 
@@ -119,18 +119,53 @@ def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParam
     )
 
 
-def cache_specs(num_layers: int, tensor_parallel: bool = True) -> KVCache:
+def params_specs_like(params: LlamaParams, config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParams:
+    """`param_specs` shaped as `params`, whose layers may be LayerStacks (a program that scans
+    layers, models/llama.py): a stack's weights are split as each of its layers is, along their
+    own axes, the stacking axis whole on every device."""
+    specs = param_specs(config, tensor_parallel)
+    layers, first = [], 0
+    for element in params.layers:
+        if isinstance(element, LayerStack):
+            stacked = jax.tree.map(
+                lambda spec: P(None, *spec), specs.layers[first], is_leaf=lambda x: isinstance(x, P)
+            )
+            layers.append(LayerStack(stacked))
+            first += element.count
+        else:
+            layers.append(specs.layers[first])
+            first += 1
+    return specs.replace(layers=tuple(layers))
+
+
+def cache_specs(layout: int | tuple[int | None, ...], tensor_parallel: bool = True) -> KVCache:
     """A KVCache tree of PartitionSpecs: rows on "data", kv heads on "model" (the buffers' merged
-    leading axis is split over both: each device holds its rows' entries for its kv heads)."""
+    leading axis is split over both: each device holds its rows' entries for its kv heads).
+    `layout`: the number of layers (a buffer each), or a cache's `layout` (a stack's buffer has
+    its layers on a leading axis, whole on every device)."""
     keys = logical_to_spec(KEY_CACHE_AXES, tensor_parallel)
     values = logical_to_spec(VALUE_CACHE_AXES, tensor_parallel)
-    return KVCache(k=(keys,) * num_layers, v=(values,) * num_layers, lengths=row_spec())
+    layout = (None,) * layout if isinstance(layout, int) else layout
+    return KVCache(
+        k=tuple(_stacked(keys, n) for n in layout),
+        v=tuple(_stacked(values, n) for n in layout),
+        lengths=row_spec(),
+    )
 
 
-def fresh_specs(num_layers: int, tensor_parallel: bool = True) -> FreshEntries:
-    """A FreshEntries tree of PartitionSpecs: rows on "data", kv heads on "model"."""
+def fresh_specs(layout: int | tuple[int | None, ...], tensor_parallel: bool = True) -> FreshEntries:
+    """A FreshEntries tree of PartitionSpecs: rows on "data", kv heads on "model" (`layout` as
+    for `cache_specs`)."""
     entries = logical_to_spec(FRESH_AXES, tensor_parallel)
-    return FreshEntries(k=(entries,) * num_layers, v=(entries,) * num_layers)
+    layout = (None,) * layout if isinstance(layout, int) else layout
+    return FreshEntries(
+        k=tuple(_stacked(entries, n) for n in layout), v=tuple(_stacked(entries, n) for n in layout)
+    )
+
+
+def _stacked(spec: P, layers: int | None) -> P:
+    """A buffer's spec, with a stack's leading layer axis (not split) where `layers` is not None."""
+    return spec if layers is None else P(None, *spec)
 
 
 def row_spec() -> P:

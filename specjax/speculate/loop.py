@@ -28,7 +28,7 @@ from specjax.kernels import backend
 from specjax.kernels.backend import Backend
 from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams, attention_workspace_bytes, lm_head
+from specjax.models.llama import LlamaParams, attention_workspace_bytes, layers_bytes, lm_head, stack_layers
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
@@ -104,6 +104,8 @@ def memory_bytes(spec: LoopSpec) -> int:
     activations = B * T * (2 * ffw + 4 * c.hidden_size)  # the prefill's, in the model's dtype
     total += activations * np.dtype(jnp.dtype(spec.dtype)).itemsize
     on = spec.backend or backend.active()
+    if on.scans_layers:  # the layers' weights stacked, a copy beside them while the program runs
+        total += layers_bytes(c, np.dtype(jnp.dtype(spec.dtype)).itemsize)
     return total + attention_workspace_bytes(c, B, T, K + 1, S, spec.dtype, on)
 
 
@@ -241,7 +243,7 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     from the start: it never commits a token, never counts in the metrics, never holds the loop."""
     B, T = inputs.prompt_tokens.shape
     rows = jnp.arange(B)
-    cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype)
+    cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype, like=params.layers)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     hidden, features, cache = _forward(spec, params, inputs.prompt_tokens, positions, cache, empty_cache=True)
     # Only each row's last prompt position needs logits (right padding follows it).
@@ -672,7 +674,13 @@ def generate_program(
 ) -> DecodeState:
     """The whole generation, to be jitted with `spec` static: prefill + one while_loop, traced
     under `spec.backend` (its kernels and matmul precision)."""
-    with (spec.backend or backend.active()).tracing():
+    on = spec.backend or backend.active()
+    with on.tracing():
+        if on.scans_layers:  # once, before the loop: the stacks are a copy of the layers' weights
+            params = stack_layers(params, spec.config)
+            stack_own = getattr(spec.proposer, "stack_layers", None)  # a draft model's own layers
+            if stack_own is not None and proposer_params is not None:
+                proposer_params = stack_own(proposer_params)
         return _generation(spec, params, proposer_params, inputs)
 
 

@@ -88,6 +88,11 @@ class Wrapper:
         packing = getattr(self.inner, "with_panel_weights", None)
         return params if packing is None else packing(params)
 
+    def stack_layers(self, params):
+        """The inner spec's params with a draft model's layers stacked (see DraftSpec), if it has any."""
+        stacking = getattr(self.inner, "stack_layers", None)
+        return params if stacking is None else stacking(params)
+
 
 def kept_inputs(owner, target, build: Callable[[Any], Any]):
     """`build(target)`, kept on `owner` (a user-facing proposer object) while `target.params`

@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import lm_head
+from specjax.models.llama import lm_head, stack_layers
 from specjax.models.model import Model
 from specjax.sharding import check_model_split, mesh_forward_hidden
 from specjax.speculate.history import TokenHistory
@@ -60,13 +60,20 @@ class DraftSpec:
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         params = target_params if self.shares_target_params else params
         B, T = prompt_tokens.shape
-        cache = init_cache(self.config, B, capacity, self.dtype, num_layers=self.num_layers)
+        cache = init_cache(
+            self.config, B, capacity, self.dtype, num_layers=self.num_layers, like=params.layers
+        )
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         _, cache = self._forward(params, prompt_tokens, positions, cache, empty_cache=True)
         return DraftState(cache=cache.advance(prompt_lengths))
 
     def update(self, state: DraftState, path_hidden, num_accepted) -> DraftState:
         return state  # the draft catches up inside propose (see the module docstring)
+
+    def stack_layers(self, params):
+        """A draft model's own params with its layers stacked, for a program that scans layers
+        (a SelfDraft runs the target's, which the loop stacks)."""
+        return params if self.shares_target_params else stack_layers(params, self.config)
 
     def propose(
         self,

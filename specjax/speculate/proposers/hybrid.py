@@ -108,6 +108,15 @@ class HybridSpec:
 
         return HybridParams(packed(self.first, params.first), packed(self.then, params.then))
 
+    def stack_layers(self, params):
+        """Each part's params with a draft model's layers stacked (see DraftSpec), where it has any."""
+
+        def stacked(spec, part):
+            stacking = getattr(spec, "stack_layers", None)
+            return part if stacking is None or part is None else stacking(part)
+
+        return HybridParams(stacked(self.first, params.first), stacked(self.then, params.then))
+
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         B = prompt_tokens.shape[0]
         args = (prompt_tokens, prompt_lengths, capacity, target_hidden)
