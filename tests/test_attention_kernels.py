@@ -19,7 +19,9 @@ import pytest
 from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
+from specjax import kernels as cpu_kernels
 from specjax.kernels.attention import block_table, cache_attention, prefill_attention
+from specjax.kernels.backend import Backend
 
 # Float32: the kernels compute in float32 what the reference computes in float64.
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -467,6 +469,48 @@ def test_prefill_lowers(platform, dtype):
         assert_kernel_only(export_for(platform, f, *args), platform)
 
 
+@pytest.mark.parametrize("layers_as", ["fori_loop", "python ints"])
+def test_stacked_decode_lowers_without_slicing_the_stack(layers_as):
+    """A loop over the layers of a stacked cache, calling the backend's kernel as a model would,
+    lowered for cuda and tpu at once: each platform's kernel takes the stacked buffers
+    themselves, and nothing slices a layer out of them in front of it (that slice would copy the
+    layer's whole cache at every layer of every step). The stacked shapes occur nowhere else, so
+    an op that slices one names its type."""
+    L, N, R, E, S = 3, 4, 8, 64, 1000
+    spec = jax.ShapeDtypeStruct
+    args = [spec((L, N, R, E), jnp.float32), spec((L, N, E, S), jnp.float32), spec((L, N, S, E), jnp.float32)]
+    args += [spec((N,), jnp.int32), spec((N, R), jnp.int32)]
+    backend = Backend(("cuda", "tpu"), "auto")
+
+    def f(q, k, v, lengths, starts):
+        with backend.tracing():
+            kernel = backend.cache_attention(E, jnp.float32)
+
+            def one(layer, total):
+                return total + kernel(q[layer], k, v, lengths, starts, layer=layer)[0]
+
+            total = jnp.zeros((N, R, E))
+            if layers_as == "fori_loop":
+                return lax.fori_loop(0, L, one, total)
+            for layer in range(L):
+                total = one(layer, total)
+            return total
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(EXPECTED_CALL["cuda"])]
+    exported = jax.export.export(jax.jit(f), platforms=["cuda", "tpu"], disabled_checks=checks)(*args)
+    assert set(EXPECTED_CALL.values()) <= custom_calls(exported)
+    stacked = (f"tensor<{L}x{N}x{E}x{S}xf32>", f"tensor<{L}x{N}x{S}x{E}xf32>")
+    lines = exported.mlir_module().splitlines()
+    slicing = re.compile(r"stablehlo\.(dynamic_slice|slice|gather|dynamic_gather|real_dynamic_slice)\b")
+    sliced = [
+        line.strip()[:200] for line in lines if slicing.search(line) and any(t in line for t in stacked)
+    ]
+    assert not sliced, sliced
+    for call in EXPECTED_CALL.values():  # each kernel's operands: the stacked buffers
+        calls = [line for line in lines if f"custom_call @{call}(" in line]
+        assert calls and all(t in line for line in calls for t in stacked), call
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors at the door
 
@@ -520,3 +564,5 @@ def test_stacked_cache_errors_name_the_argument():
             ValueError, match="layer is .*; allowed: None, an int in 0..3 or an integer scalar"
         ):
             cache_attention(q, k, v, lengths, implementation="xla", layer=layer)
+    with pytest.raises(ValueError, match="layer is 0; allowed: None"):  # the CPU kernel: one layer only
+        cpu_kernels.cache_attention(q, k, v, lengths, layer=0)
