@@ -9,15 +9,19 @@ equal to the reference shows that only the visible slots' blocks reached the ari
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jax.experimental.pallas import tpu as pltpu
 
+from specjax import kernels as cpu_kernels
 from specjax.kernels.attention import block_table, cache_attention, prefill_attention
+from specjax.kernels.backend import Backend
 
 # Float32: the kernels compute in float32 what the reference computes in float64.
 F32_TOL = dict(rtol=1e-5, atol=1e-5)
@@ -98,16 +102,22 @@ DECODE_CASES = [
 
 
 def check_decode(out, lse, q64, k64, v64, lengths, starts, dtype):
-    expect_out, expect_lse = decode_reference(q64, k64, v64, lengths, starts)
+    expect = decode_reference(q64, k64, v64, lengths, starts)
+    assert_decode_close(out, lse, *expect, dtype=dtype, v_max=np.abs(v64).max())
+
+
+def assert_decode_close(out, lse, expect_out, expect_lse, *, dtype, v_max):
+    """out, lse close to the expected ones at the tolerances of operands of `dtype` (v_max:
+    the largest |value|), with minus infinity where they have it."""
     assert out.dtype == lse.dtype == jnp.float32
-    out, lse = np.asarray(out), np.asarray(lse)
+    out, lse, expect_lse = np.asarray(out), np.asarray(lse), np.asarray(expect_lse)
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(expect_lse))  # rows that see nothing
     seen = np.isfinite(expect_lse)
     if dtype == jnp.float32:
         np.testing.assert_allclose(out, expect_out, **F32_TOL)
         np.testing.assert_allclose(lse[seen], expect_lse[seen], **F32_TOL)
     else:
-        np.testing.assert_allclose(out, expect_out, rtol=0, atol=2 * 2**-9 * np.abs(v64).max())
+        np.testing.assert_allclose(out, expect_out, rtol=0, atol=2 * 2**-9 * v_max)
         np.testing.assert_allclose(lse[seen], expect_lse[seen], rtol=0, atol=BF16_LSE_ATOL)
 
 
@@ -168,6 +178,111 @@ def test_pallas_decode_tiny_head_dim_in_interpret_mode(implementation):
         num_splits=1,
     )
     check_decode(out, lse, q64, k64, v64, lengths, starts, jnp.float32)
+
+
+# ----------------------------------------------------------------------------------------------
+# cache_attention on a stacked cache: keys [L, N, E, S], values [L, N, S, E] and a layer
+
+
+def stacked_case(seed, *, L, N, G, T, E, S, dtype, windowed):
+    """L layers' own queries [L, N, R, E], keys [L, N, E, S] and values [L, N, S, E], with the
+    lengths (0 and S among them) and window starts that every layer of a model shares; and the
+    float64 copies."""
+    layers = [
+        decode_case(seed + l, N=N, G=G, T=T, E=E, S=S, dtype=dtype, windowed=windowed) for l in range(L)
+    ]
+    (_, _, _, lengths, starts), _ = layers[0]
+    stacked = [jnp.stack([case[0][i] for case in layers]) for i in range(3)]
+    stacked64 = [np.stack([case[1][i] for case in layers]) for i in range(3)]
+    return (*stacked, lengths, starts), stacked64
+
+
+def poisoned_stack(k, v, lengths, starts, *, only_layer, slots):
+    """Copies of stacked keys and values with NaN in every layer but `only_layer` (None: in none)
+    and, with `slots`, in each layer's slots that no query sees (as `poisoned`)."""
+    dtype = k.dtype
+    k, v = np.array(k.astype(jnp.float32)), np.array(v.astype(jnp.float32))
+    if slots:
+        for l in range(len(k)):
+            k[l], v[l] = poisoned(k[l], v[l], lengths, starts)
+    if only_layer is not None:
+        others = np.arange(len(k)) != only_layer
+        k[others] = v[others] = np.nan
+    return jnp.asarray(k, dtype), jnp.asarray(v, dtype)
+
+
+def stacked_options(implementation, windowed):
+    """The kernel's keywords: several blocks of the slots, split among 2 partial softmaxes."""
+    if implementation == "xla":
+        return dict(implementation="xla")
+    return dict(
+        implementation=implementation,
+        interpret=interpret_for(implementation, tpu_model=windowed),
+        block_k=128 if implementation == "tpu" else 32,
+        num_splits=2,
+    )
+
+
+# (head dim, dtype, windowed, slots), as DECODE_CASES.
+STACKED_CASES = [(32, jnp.float32, False, 200), (64, jnp.bfloat16, True, 270)]
+LAYER_GIVEN_AS = ["int", "traced", "fori_loop"]
+# The default suite's cases (implementation, windowed, layer given as); the rest are slow.
+FAST_STACKED = {("tpu", True, "fori_loop"), ("cuda", False, "traced")}
+
+
+STACKED_PARAMS = [
+    pytest.param(
+        implementation,
+        *case,
+        given,
+        marks=() if (implementation, case[2], given) in FAST_STACKED else pytest.mark.slow,
+    )
+    for implementation in ("xla", "tpu", "cuda")
+    for case in STACKED_CASES
+    for given in LAYER_GIVEN_AS
+]
+
+
+@pytest.mark.parametrize("implementation, head_dim, dtype, windowed, slots, given", STACKED_PARAMS)
+def test_stacked_decode_reads_its_layer_in_place(implementation, head_dim, dtype, windowed, slots, given):
+    """Each layer of a 3-layer stacked cache against the float64 reference on that layer's own
+    buffers, the layer given as a Python int, as a traced scalar (jit) or as a fori_loop's index.
+    With one layer asked for, every other layer is NaN (only that layer reaches the arithmetic),
+    and the result also matches the unstacked kernel on that layer's buffers. In the loop every
+    layer is read, each holding its own keys and values, so a kernel that read another layer's
+    would differ from the reference. The Pallas kernels also get NaN in each layer's slots that
+    no query sees (xla scores every slot of its layer: test_xla_decode_reads_every_slot)."""
+    L = 3
+    (q, k, v, lengths, starts), (q64, k64, v64) = stacked_case(
+        head_dim, L=L, N=3, G=2, T=2, E=head_dim, S=slots, dtype=dtype, windowed=windowed
+    )
+    attend = functools.partial(cache_attention, **stacked_options(implementation, windowed))
+    pallas = implementation != "xla"
+    if given == "fori_loop":
+        k_bad, v_bad = poisoned_stack(k, v, lengths, starts, only_layer=None, slots=pallas)
+
+        def every_layer(q, k, v, lengths, starts):
+            def one(layer, results):
+                out, lse = attend(q[layer], k, v, lengths, starts, layer=layer)
+                return results[0].at[layer].set(out), results[1].at[layer].set(lse)
+
+            N, R, E = q.shape[1:]
+            return lax.fori_loop(0, L, one, (jnp.zeros((L, N, R, E)), jnp.zeros((L, N, R))))
+
+        outs, lses = jax.jit(every_layer)(q, k_bad, v_bad, lengths, starts)
+        layers = range(L)
+    else:
+        layer = 1  # the middle one: a layer off by one either way reads NaN
+        k_bad, v_bad = poisoned_stack(k, v, lengths, starts, only_layer=layer, slots=pallas)
+        if given == "int":
+            out, lse = attend(q[layer], k_bad, v_bad, lengths, starts, layer=layer)
+        else:
+            out, lse = jax.jit(attend)(q[layer], k_bad, v_bad, lengths, starts, layer=jnp.int32(layer))
+        unstacked = attend(q[layer], k_bad[layer], v_bad[layer], lengths, starts)
+        assert_decode_close(out, lse, *unstacked, dtype=dtype, v_max=np.abs(v64[layer]).max())
+        outs, lses, layers = {layer: out}, {layer: lse}, [layer]
+    for l in layers:
+        check_decode(outs[l], lses[l], q64[l], k64[l], v64[l], lengths, starts, dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -354,6 +469,48 @@ def test_prefill_lowers(platform, dtype):
         assert_kernel_only(export_for(platform, f, *args), platform)
 
 
+@pytest.mark.parametrize("layers_as", ["fori_loop", "python ints"])
+def test_stacked_decode_lowers_without_slicing_the_stack(layers_as):
+    """A loop over the layers of a stacked cache, calling the backend's kernel as a model would,
+    lowered for cuda and tpu at once: each platform's kernel takes the stacked buffers
+    themselves, and nothing slices a layer out of them in front of it (that slice would copy the
+    layer's whole cache at every layer of every step). The stacked shapes occur nowhere else, so
+    an op that slices one names its type."""
+    L, N, R, E, S = 3, 4, 8, 64, 1000
+    spec = jax.ShapeDtypeStruct
+    args = [spec((L, N, R, E), jnp.float32), spec((L, N, E, S), jnp.float32), spec((L, N, S, E), jnp.float32)]
+    args += [spec((N,), jnp.int32), spec((N, R), jnp.int32)]
+    backend = Backend(("cuda", "tpu"), "auto")
+
+    def f(q, k, v, lengths, starts):
+        with backend.tracing():
+            kernel = backend.cache_attention(E, jnp.float32)
+
+            def one(layer, total):
+                return total + kernel(q[layer], k, v, lengths, starts, layer=layer)[0]
+
+            total = jnp.zeros((N, R, E))
+            if layers_as == "fori_loop":
+                return lax.fori_loop(0, L, one, total)
+            for layer in range(L):
+                total = one(layer, total)
+            return total
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(EXPECTED_CALL["cuda"])]
+    exported = jax.export.export(jax.jit(f), platforms=["cuda", "tpu"], disabled_checks=checks)(*args)
+    assert set(EXPECTED_CALL.values()) <= custom_calls(exported)
+    stacked = (f"tensor<{L}x{N}x{E}x{S}xf32>", f"tensor<{L}x{N}x{S}x{E}xf32>")
+    lines = exported.mlir_module().splitlines()
+    slicing = re.compile(r"stablehlo\.(dynamic_slice|slice|gather|dynamic_gather|real_dynamic_slice)\b")
+    sliced = [
+        line.strip()[:200] for line in lines if slicing.search(line) and any(t in line for t in stacked)
+    ]
+    assert not sliced, sliced
+    for call in EXPECTED_CALL.values():  # each kernel's operands: the stacked buffers
+        calls = [line for line in lines if f"custom_call @{call}(" in line]
+        assert calls and all(t in line for line in calls for t in stacked), call
+
+
 # ----------------------------------------------------------------------------------------------
 # Errors at the door
 
@@ -386,3 +543,26 @@ def test_errors_name_the_argument():
         prefill_attention(pq, pk, pk, positions=jnp.zeros((3, 5), jnp.int32), window=4, implementation="xla")
     with pytest.raises(ValueError, match="block_q is 12"):
         prefill_attention(pq, pk, pk, implementation="cuda", block_q=12)
+
+
+def test_stacked_cache_errors_name_the_argument():
+    q, lengths = jnp.zeros((2, 3, 64)), jnp.zeros((2,), jnp.int32)
+    k, v = jnp.zeros((4, 2, 64, 10)), jnp.zeros((4, 2, 10, 64))  # 4 layers
+    with pytest.raises(ValueError, match=r"values has shape \(4, 2, 10, 64\); allowed: \[N, S, E\]"):
+        cache_attention(q, k, v, lengths, implementation="xla")  # a stack, but no layer
+    with pytest.raises(ValueError, match=r"values has shape \(2, 10, 64\); allowed: \[L, N, S, E\]"):
+        cache_attention(q, k[0], v[0], lengths, implementation="xla", layer=0)  # one layer's cache
+    with pytest.raises(ValueError, match=r"keys has shape \(4, 2, 10, 64\), expected \(4, 2, 64, 10\)"):
+        cache_attention(q, v, v, lengths, implementation="tpu", layer=0)
+    with pytest.raises(ValueError, match=r"keys has shape \(3, 2, 64, 10\), expected \(4, 2, 64, 10\)"):
+        cache_attention(q, k[:3], v, lengths, implementation="cuda", layer=0)  # layer counts differ
+    for layer in (4, -1):
+        with pytest.raises(ValueError, match=rf"layer is {layer}; allowed: 0..3"):
+            cache_attention(q, k, v, lengths, implementation="xla", layer=layer)
+    for layer in (1.0, True, jnp.zeros((1,), jnp.int32), jnp.float32(1)):
+        with pytest.raises(
+            ValueError, match="layer is .*; allowed: None, an int in 0..3 or an integer scalar"
+        ):
+            cache_attention(q, k, v, lengths, implementation="xla", layer=layer)
+    with pytest.raises(ValueError, match="layer is 0; allowed: None"):  # the CPU kernel: one layer only
+        cpu_kernels.cache_attention(q, k, v, lengths, layer=0)

@@ -92,6 +92,8 @@ def cache_attention(
     values: jax.Array,
     lengths: jax.Array,
     starts: jax.Array | None = None,
+    *,
+    layer: None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [N, R, E] (already scaled) to the first lengths[n] slots of cache
     entry n: keys [N, E, S], values [N, S, E] (the KVCache's layouts), lengths [N] int32.
@@ -105,7 +107,16 @@ def cache_attention(
     where a query sees no slot, lengths[n] 0 or its start at or past lengths[n], with output 0), so
     that a caller can merge more keys into the same softmax. Float32; E one of
     ATTENTION_HEAD_DIMS. No gradient.
+
+    layer: None only. The backend's Pallas kernels (specjax.kernels.attention) take a stacked
+    cache and a layer; a CPU program never holds a stacked cache, and this kernel refuses a layer
+    rather than ignore it.
     """
+    if layer is not None:
+        raise ValueError(
+            f"cache_attention: layer is {layer!r}; allowed: None (the CPU kernel reads one layer's "
+            "cache, keys [N, E, S] and values [N, S, E], not a stacked one)"
+        )
     _require()
     N, R, E = queries.shape
     if E not in ATTENTION_HEAD_DIMS:

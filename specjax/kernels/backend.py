@@ -183,7 +183,11 @@ class Backend:
         """The function that attends to each row's committed cache slots, with the contract of
         `specjax.kernels.cache_attention` (queries [N, R, E], keys [N, E, S], values [N, S, E],
         lengths [N], starts [N, R] or None -> out [N, R, E], lse [N, R]); None where this backend
-        has no such kernel and the model attends over the whole cache with XLA, masked."""
+        has no such kernel and the model attends over the whole cache with XLA, masked.
+
+        Its keyword `layer` (an int or an int32 scalar, traced or not) takes a stacked cache, keys
+        [L, N, E, S] and values [L, N, S, E], of which the Pallas kernels read that layer in place
+        (`specjax.kernels.attention.cache_attention`); the CPU kernel refuses it."""
         if self.cpu_kernels:
             # The C++ kernel computes in float32: for other dtypes it would convert the cache.
             ok = head_dim in cpu_kernels.ATTENTION_HEAD_DIMS and jnp.dtype(dtype) == jnp.float32
@@ -217,7 +221,8 @@ def _by_platform(backend: Backend, name: str, platforms: tuple[str, ...], *args,
     running its own Pallas kernel."""
     kernel = getattr(_attention_kernels(), name)
 
-    # Arrays are the kernel's operands; the rest (a numpy mask, a window) shape the kernel itself.
+    # Arrays are the kernel's operands (a traced layer among them); the rest (a numpy mask, a
+    # window, a Python int layer) shape the kernel itself.
     arrays = {name: value for name, value in kwargs.items() if isinstance(value, jax.Array)}
     static = {name: value for name, value in kwargs.items() if name not in arrays}
 

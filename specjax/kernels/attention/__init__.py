@@ -48,9 +48,17 @@ def cache_attention(
     interpret=False,
     block_k: int | None = None,
     num_splits: int | None = None,
+    layer: int | jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [N, R, E] (already scaled) to the first lengths[n] slots of cache
     entry n: keys [N, E, S], values [N, S, E] (the KVCache's layouts), lengths [N] int32 (0..S).
+
+    layer: with a stacked cache, keys [L, N, E, S] and values [L, N, S, E] (every layer's cache
+    in one buffer), the layer to attend to: a Python int in 0..L-1, or an integer scalar array
+    (a traced one, e.g. the index of a loop over layers, is clamped to 0..L-1 as
+    `lax.dynamic_index_in_dim` does). The kernels read that layer's blocks from the stacked
+    buffers themselves: `keys[layer]` in front of a custom call would copy the layer's whole
+    cache at every layer of every step.
 
     starts [N, R] int32 (a sliding window: a query at position p with window W starts at
     p - W + 1, so it may be negative): query r of entry n sees only slots
@@ -68,9 +76,15 @@ def cache_attention(
     "tpu" a `pltpu.InterpretParams`).
     """
     N, R, E = _shape("queries", queries, 3, "[N, R, E]")
-    S = _shape("values", values, 3, "[N, S, E]")[1]
-    _expect("keys", keys, (N, E, S), "[N, E, S] (N, E of queries, S of values)")
-    _expect("values", values, (N, S, E), "[N, S, E] (N, E of queries)")
+    if layer is None:
+        S = _shape("values", values, 3, "[N, S, E] (without layer)")[1]
+        _expect("keys", keys, (N, E, S), "[N, E, S] (N, E of queries, S of values; without layer)")
+        _expect("values", values, (N, S, E), "[N, S, E] (N, E of queries; without layer)")
+    else:
+        L, _, S, _ = _shape("values", values, 4, "[L, N, S, E] (a stacked cache, with layer)")
+        _expect("keys", keys, (L, N, E, S), "[L, N, E, S] (N, E of queries, L, S of values; with layer)")
+        _expect("values", values, (L, N, S, E), "[L, N, S, E] (N, E of queries; with layer)")
+        layer = _layer(layer, L)
     _expect("lengths", lengths, (N,), "[N]")
     if starts is not None:
         _expect("starts", starts, (N, R), "[N, R] or None")
@@ -79,7 +93,7 @@ def cache_attention(
     lengths = jnp.asarray(lengths).astype(jnp.int32)
     _implementation(implementation)
     if implementation == "xla":
-        return xla.cache_attention(queries, keys, values, lengths, starts)
+        return xla.cache_attention(queries, keys, values, lengths, starts, layer)
     _head_dim(E, implementation, interpret)
     if block_k is None:
         block_k = 64 if implementation == "cuda" and E > 128 else DECODE_BLOCK_K[implementation]
@@ -89,7 +103,15 @@ def cache_attention(
         raise ValueError(f"cache_attention: num_splits is {num_splits!r}; allowed: an int >= 1")
     run = decode.tpu_cache_attention if implementation == "tpu" else decode.gpu_cache_attention
     return run(
-        queries, keys, values, lengths, starts, block_k=block_k, num_splits=num_splits, interpret=interpret
+        queries,
+        keys,
+        values,
+        lengths,
+        starts,
+        layer,
+        block_k=block_k,
+        num_splits=num_splits,
+        interpret=interpret,
     )
 
 
@@ -204,6 +226,23 @@ def _expect(name: str, x, shape: tuple[int, ...], allowed: str) -> None:
         raise ValueError(
             f"attention: {name} has shape {tuple(jnp.shape(x))}, expected {shape}; allowed: {allowed}"
         )
+
+
+def _layer(layer, L: int) -> jax.Array:
+    """The layer of a stacked cache of L layers as an int32 scalar: a Python or numpy int must be
+    in 0..L-1; a traced one is clamped there (an index map reading past the buffer would read
+    another array's memory, or fault)."""
+    if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+        if not 0 <= layer < L:
+            raise ValueError(f"attention: layer is {layer!r}; allowed: 0..{L - 1} (L = {L} layers in keys)")
+        return jnp.asarray(layer, jnp.int32)
+    dtype = getattr(layer, "dtype", None)
+    if dtype is None or jnp.shape(layer) != () or not jnp.issubdtype(dtype, jnp.integer):
+        raise ValueError(
+            f"attention: layer is {_describe(layer)}; allowed: None, an int in 0..{L - 1} or an "
+            "integer scalar array"
+        )
+    return jnp.clip(jnp.asarray(layer), 0, L - 1).astype(jnp.int32)
 
 
 def _floats(**arrays) -> None:

@@ -13,6 +13,10 @@ outside the kernel. Both kernels mask scores outside [window start, length) and 
 and values read there, so stale or padded slots (whatever they hold, NaN included) never reach
 the result.
 
+A stacked cache (keys [L, N, E, S], values [L, N, S, E], with a layer index, traced or not) is
+read in place: the TPU kernel's index maps and the GPU kernel's loads pick the layer's blocks.
+Slicing the layer out in XLA first would copy its whole cache at every layer of every step.
+
 GPU: the Triton backend of Pallas. It runs on every NVIDIA GPU that Triton supports (Ampere and
 later), and its kernels read the lengths in the kernel and loop over the needed blocks with a
 dynamic trip count and masked loads, which is all flash-decoding needs. Mosaic GPU targets
@@ -71,27 +75,37 @@ def combine_splits(m, l, acc):
 # TPU
 
 
-def tpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_splits, interpret):
+def tpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_k, num_splits, interpret):
     """See `specjax.kernels.attention.cache_attention`. Grid (N, P, steps): step i of split j
     of entry n reads block lo + i of its range. The lengths and each entry's lowest window start
     arrive by scalar prefetch, so the index maps know the range: past its end they repeat the
-    split's last block (the pipeline then issues no new copy) and `pl.when` skips the compute."""
+    split's last block (the pipeline then issues no new copy) and `pl.when` skips the compute.
+    A stacked cache's layer (an int32 scalar, or None) arrives by scalar prefetch too, last; the
+    key and value index maps lead with it and their blocks squeeze the layer axis."""
     N, R, E = queries.shape
-    S = values.shape[1]
+    S = values.shape[-2]
     block_k = min(block_k, S)  # a block as long as the whole slot axis is always a legal shape
     steps = pl.cdiv(pl.cdiv(S, block_k), num_splits)  # the most blocks one split can get
     dtype = jnp.result_type(queries, keys, values)
     window_lo = window_starts(starts, lengths)
     ranges = functools.partial(split_range, block_k=block_k, num_splits=num_splits)
 
-    def block(n, j, i, lengths_ref, window_lo_ref):
+    def block(n, j, i, lengths_ref, window_lo_ref, *_):
         lo, hi = ranges(lengths_ref[n], window_lo_ref[n], j)
         return jnp.maximum(jnp.minimum(lo + i, hi - 1), 0)
 
+    key_block, value_block = (None, E, block_k), (None, block_k, E)
+    key_at = lambda n, j, i, *refs: (n, 0, block(n, j, i, *refs))  # noqa: E731
+    value_at = lambda n, j, i, *refs: (n, block(n, j, i, *refs), 0)  # noqa: E731
+    prefetch = [lengths, window_lo]
+    if layer is not None:
+        prefetch.append(layer.reshape(1))
+        key_block, value_block = (None, *key_block), (None, *value_block)
+        key_at, value_at = _in_layer(key_at), _in_layer(value_at)
     in_specs = [
         pl.BlockSpec((None, R, E), lambda n, j, i, *_: (n, 0, 0)),
-        pl.BlockSpec((None, E, block_k), lambda n, j, i, *refs: (n, 0, block(n, j, i, *refs))),
-        pl.BlockSpec((None, block_k, E), lambda n, j, i, *refs: (n, block(n, j, i, *refs), 0)),
+        pl.BlockSpec(key_block, key_at),
+        pl.BlockSpec(value_block, value_at),
     ]
     operands = [queries.astype(dtype), keys.astype(dtype), values.astype(dtype)]
     if starts is not None:  # one start per row, as a column [R, 1] to mask scores [R, block_k]
@@ -105,12 +119,17 @@ def tpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_
         jax.ShapeDtypeStruct((N, num_splits, R, E), jnp.float32),  # acc
     ]
     kernel = functools.partial(
-        _tpu_kernel, ranges=ranges, block_k=block_k, steps=steps, windowed=starts is not None
+        _tpu_kernel,
+        ranges=ranges,
+        block_k=block_k,
+        steps=steps,
+        windowed=starts is not None,
+        stacked=layer is not None,
     )
     m, l, acc = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=len(prefetch),
             grid=(N, num_splits, steps),
             in_specs=in_specs,
             out_specs=out_specs,
@@ -124,13 +143,22 @@ def tpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
         interpret=interpret,
         name="specjax_decode_attention",
-    )(lengths, window_lo, *operands)
+    )(*prefetch, *operands)
     return combine_splits(m[..., 0], l[..., 0], acc)
 
 
-def _tpu_kernel(lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, *refs, ranges, block_k, steps, windowed):
-    starts_ref = refs[0] if windowed else None
-    m_out, l_out, acc_out, m_ref, l_ref, acc_ref = refs[1:] if windowed else refs
+def _in_layer(index_map):
+    """A TPU index map into a stacked buffer: `index_map`'s block, in the layer that the last
+    scalar prefetch operand holds."""
+    return lambda n, j, i, *refs: (refs[-1][0], *index_map(n, j, i, *refs))
+
+
+def _tpu_kernel(lengths_ref, window_lo_ref, *refs, ranges, block_k, steps, windowed, stacked):
+    if stacked:  # a stacked cache's layer: only the index maps read it
+        refs = refs[1:]
+    q_ref, k_ref, v_ref, *refs = refs
+    starts_ref = refs.pop(0) if windowed else None
+    m_out, l_out, acc_out, m_ref, l_ref, acc_ref = refs
     n, j, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     length, window_lo = lengths_ref[n], window_lo_ref[n]
     lo, hi = ranges(length, window_lo, j)
@@ -164,13 +192,17 @@ def _tpu_kernel(lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, *refs, ranges, 
 # GPU (Triton)
 
 
-def gpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_splits, interpret):
+def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_k, num_splits, interpret):
     """See `specjax.kernels.attention.cache_attention`. Grid (N, P, row blocks): each program
     reads its entry's length, computes its split's block range and loops over exactly those
     blocks. Triton needs power-of-two tiles, so rows are padded to one (at least 16, the
-    smallest matrix product) and taken in blocks of at most 64."""
+    smallest matrix product) and taken in blocks of at most 64.
+
+    A stacked cache's layer (an int32 scalar, or None) is one more input, last: Triton's index
+    maps cannot read data, so a program takes its entry in every layer as its block (a pointer,
+    nothing is copied) and its loads offset into the layer."""
     N, R, E = queries.shape
-    S = values.shape[1]
+    S = values.shape[-2]
     rows = max(16, pl.next_power_of_2(R))
     block_r = min(rows, 64)
     dtype = jnp.result_type(queries, keys, values)
@@ -181,14 +213,26 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_
     else:  # padded rows start past every slot: they see nothing and are dropped
         starts = jnp.pad(starts, ((0, 0), (0, rows - R)), constant_values=np.iinfo(np.int32).max)
     entry = lambda n, j, r: (n,)  # noqa: E731
+    # Keys and values: the whole entry (in every layer, for a stacked cache); the loads pick blocks.
+    if layer is None:
+        key_spec = pl.BlockSpec((None, E, S), lambda n, j, r: (n, 0, 0))
+        value_spec = pl.BlockSpec((None, S, E), lambda n, j, r: (n, 0, 0))
+    else:
+        L = keys.shape[0]
+        key_spec = pl.BlockSpec((L, None, E, S), lambda n, j, r: (0, n, 0, 0))
+        value_spec = pl.BlockSpec((L, None, S, E), lambda n, j, r: (0, n, 0, 0))
     in_specs = [
         pl.BlockSpec((None,), entry),  # lengths
         pl.BlockSpec((None,), entry),  # window_lo
         pl.BlockSpec((None, block_r, E), lambda n, j, r: (n, r, 0)),
-        pl.BlockSpec((None, E, S), lambda n, j, r: (n, 0, 0)),  # the whole entry: loads pick blocks
-        pl.BlockSpec((None, S, E), lambda n, j, r: (n, 0, 0)),
+        key_spec,
+        value_spec,
         pl.BlockSpec((None, block_r), lambda n, j, r: (n, r)),
     ]
+    operands = [lengths, window_lo, queries, keys.astype(dtype), values.astype(dtype), starts]
+    if layer is not None:
+        in_specs.append(pl.BlockSpec((None,), lambda n, j, r: (0,)))
+        operands.append(layer.reshape(1))
     lm_spec = pl.BlockSpec((None, None, block_r), lambda n, j, r: (n, j, r))
     out_specs = [lm_spec, lm_spec, pl.BlockSpec((None, None, block_r, E), lambda n, j, r: (n, j, r, 0))]
     out_shape = [
@@ -198,7 +242,7 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_
     ]
     ranges = functools.partial(split_range, block_k=block_k, num_splits=num_splits)
     m, l, acc = pl.pallas_call(
-        functools.partial(_gpu_kernel, ranges=ranges, block_k=block_k),
+        functools.partial(_gpu_kernel, ranges=ranges, block_k=block_k, stacked=layer is not None),
         grid=(N, num_splits, rows // block_r),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -206,14 +250,19 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, *, block_k, num_
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="specjax_decode_attention",
-    )(lengths, window_lo, queries, keys.astype(dtype), values.astype(dtype), starts)
+    )(*operands)
     out, lse = combine_splits(m, l, acc)
     return out[:, :R], lse[:, :R]
 
 
-def _gpu_kernel(
-    lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, starts_ref, m_out, l_out, acc_out, *, ranges, block_k
-):
+def _gpu_kernel(lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, starts_ref, *refs, ranges, block_k, stacked):
+    # A stacked cache's refs are k_ref [L, E, S] and v_ref [L, S, E], this entry in every layer:
+    # its loads lead with the layer's index (one indexer: Triton's loads take no chained `.at`).
+    layer = ()
+    if stacked:
+        layer_ref, *refs = refs
+        layer = (layer_ref[...],)
+    m_out, l_out, acc_out = refs
     length, window_lo = lengths_ref[...], window_lo_ref[...]
     lo, hi = ranges(length, window_lo, pl.program_id(1))
     q = q_ref[...]  # [block_r, E]
@@ -226,12 +275,12 @@ def _gpu_kernel(
         readable = (slots >= window_lo) & (slots < length)  # [block_k]
         # Masked loads: slots outside the range (past S included) are not read at all.
         keys = plgpu.load(
-            k_ref.at[:, pl.ds(b * block_k, block_k)],
+            k_ref.at[*layer, :, pl.ds(b * block_k, block_k)],
             mask=jnp.broadcast_to(readable[None, :], (E, block_k)),
             other=0.0,
         )
         values = plgpu.load(
-            v_ref.at[pl.ds(b * block_k, block_k), :],
+            v_ref.at[*layer, pl.ds(b * block_k, block_k), :],
             mask=jnp.broadcast_to(readable[:, None], (block_k, E)),
             other=0.0,
         )

@@ -15,13 +15,19 @@ from specjax.kernels.attention.blocks import BlockTable
 from specjax.kernels.attention.online import NEG, normalized, online_softmax, precision
 
 
-def cache_attention(queries, keys, values, lengths, starts=None):
+def cache_attention(queries, keys, values, lengths, starts=None, layer=None):
     """`specjax.kernels.attention.cache_attention` in plain jnp: scores every slot and masks.
 
     It reads all S slots of every entry at every step, committed or not: its decode cost is the
     capacity's, not the lengths'. Stale slots get weight 0, but a slot holding a non-finite value
     would still poison the product (0 * inf); the cache never holds one (it starts zeroed and
-    only ever receives computed keys and values)."""
+    only ever receives computed keys and values).
+
+    layer: an int32 scalar, with keys [L, N, E, S] and values [L, N, S, E]: the layer's slice
+    is left to XLA, which can fuse it into the products that read it."""
+    if layer is not None:
+        keys = lax.dynamic_index_in_dim(keys, layer, 0, keepdims=False)
+        values = lax.dynamic_index_in_dim(values, layer, 0, keepdims=False)
     S = values.shape[1]
     dtype = jnp.result_type(queries, keys, values)
     scores = jnp.einsum(
