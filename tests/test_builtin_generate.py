@@ -86,6 +86,7 @@ def test_plain_greedy_equals_hf_generate(smollm2, hf_smollm2, prompt_ids, plain)
 
 
 @pytest.mark.data
+@pytest.mark.slow  # tests/test_generate.py checks batches against rows alone on tiny models
 def test_plain_greedy_batch_of_four_equals_batch_of_one(smollm2, prompt_ids, plain):
     for start in (0, 4):
         batch = specjax.generate(smollm2, prompt_ids[start : start + 4], max_new_tokens=NEW_TOKENS)
@@ -146,11 +147,11 @@ def check_lossless(model, prompt_ids, plain, proposer, batch_size):
     return result
 
 
-# The fast default set: lookup and a draft model once at batch 1 (tests/test_speculative.py covers
+# The fast default set: lookup once at batch 1 (tests/test_speculative.py covers
 # batches of every proposer on tiny models, the plain batch of four is checked above, and SelfDraft
 # runs on the built-in model in tests/test_sharding.py); `make test-all` runs the whole grid of k
 # in {1, 2, 4, 8} by batch {1, 4}.
-FAST = {("ngram", 4, 1), ("draft", 2, 1)}
+FAST = {("ngram", 4, 1)}
 GRID = [
     pytest.param(name, k, batch, marks=() if (name, k, batch) in FAST else pytest.mark.slow)
     for name in ("ngram", "draft", "self")
@@ -166,7 +167,7 @@ def test_speculative_greedy_equals_plain(smollm2, prompt_ids, plain, name, k, ba
     check_lossless(smollm2, ids, plain[: len(ids)], make_proposer(name, k, smollm2), batch_size)
 
 
-HEAD_FAST = {("eagle-tree", 1), ("medusa", 1), ("eagle3", 1)}  # batches of 4: test_speculative_...
+HEAD_FAST = {("eagle3", 1)}  # the rest, and batches of 4, in make test-all
 HEAD_GRID = [
     pytest.param(name, batch, marks=() if (name, batch) in HEAD_FAST else pytest.mark.slow)
     for name in ("medusa", "medusa-tree", "eagle", "eagle-tree", "eagle3", "eagle3-tree", "dflash", "hybrid")

@@ -126,7 +126,7 @@ def proposers(model: specjax.Model, plain: list[list[int]], prompts) -> dict:
 # sliding windows and its own norms (Gemma 3) and one mixture of experts (the rest share their
 # forward pieces, and the built-in model, a Llama, runs every proposer in
 # tests/test_builtin_generate.py; logits and greedy generation of every family stay in the default set).
-PROPOSER_FAST = {"gemma3", "qwen3_moe"}
+PROPOSER_FAST = {"qwen3_moe"}
 PROPOSER_GRID = [
     pytest.param(f, marks=() if f in PROPOSER_FAST else pytest.mark.slow) for f in families.FAMILIES
 ]

@@ -217,11 +217,13 @@ def two_by_two(tmp_path_factory):
     return cases, per_process, reference
 
 
+@pytest.mark.slow  # two processes compiling on 2 cores: minutes; make test-all
 def test_generate_across_two_processes(two_by_two):
     cases, per_process, reference = two_by_two
     check_same(per_process, reference, cases)
 
 
+@pytest.mark.slow  # two processes compiling on 2 cores: minutes; make test-all
 def test_load_reads_only_own_slices(two_by_two):
     cases, per_process, _ = two_by_two
     by_name = {c["name"]: c for c in cases}
@@ -229,6 +231,7 @@ def test_load_reads_only_own_slices(two_by_two):
     check_load(per_process, by_name["load-tiny-d1m4"], spans_model_axis=True)
 
 
+@pytest.mark.slow  # two processes compiling on 2 cores: minutes; make test-all
 def test_mismatched_call_is_an_error_not_a_hang(two_by_two):
     _, per_process, _ = two_by_two
     check_mismatch(per_process, "mismatch-prompts", "prompts")

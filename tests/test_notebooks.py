@@ -50,6 +50,7 @@ def outputs(nb, kind: str) -> list:
     return [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if kind in o.get("data", {})]
 
 
+@pytest.mark.slow  # 3-7 minutes on 2 CPU cores: over the default suite's budget
 def test_quickstart_runs():
     nb, seconds = run_notebook("quickstart.ipynb")
     print(f"quickstart.ipynb (small): {seconds:.1f} s")

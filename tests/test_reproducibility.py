@@ -40,7 +40,7 @@ def test_greedy_tokens_do_not_depend_on_the_batch(name):
     assert run(PROMPTS + LONG)[:4] == together  # another bucket, another batch size
 
 
-@pytest.mark.parametrize("name", [pytest.param("selfdraft", marks=pytest.mark.slow), "dynamic"])
+@pytest.mark.parametrize("name", ["selfdraft", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_sampled_tokens_repeat_with_the_same_key_and_seeded_rows_ignore_the_batch(name):
     # Dynamic: the batch's largest k picks how many drafts are drawn and verified; a row's random
     # numbers must not depend on it (jax's counter-based bits make a shorter draw a prefix).

@@ -205,7 +205,8 @@ def tree_proposers(num_rows):
     }
 
 
-# The default set keeps one tree (EAGLE's: a tree whose q is a head's); `make test-all` all three.
+# The default set keeps the chains (trees' laws: tests/test_speculative.py); `make test-all` the
+# three trees too.
 @pytest.mark.parametrize(
     "name",
     [
@@ -215,7 +216,7 @@ def tree_proposers(num_rows):
         "self",
         pytest.param("medusa_tree", marks=pytest.mark.slow),
         pytest.param("oracle_tree", marks=pytest.mark.slow),
-        "eagle_tree",
+        pytest.param("eagle_tree", marks=pytest.mark.slow),
     ],
 )
 def test_mixed_batch_follows_the_reference_law(group_laws, name):
@@ -348,7 +349,7 @@ def test_mixed_options_share_one_program():
 # Seeds
 
 
-@pytest.mark.parametrize("name", ["ngram", "draft"])
+@pytest.mark.parametrize("name", ["ngram", pytest.param("draft", marks=pytest.mark.slow)])
 def test_a_seeded_row_does_not_depend_on_the_key_or_the_batch(name):
     """A seeded row draws from its own stream: alone or beside other rows (which draft or miss
     their n-gram lookups differently), under any key, it samples the same tokens."""
@@ -395,7 +396,9 @@ def stop_string_for(text: str, start: int, length: int = 3) -> str:
     raise AssertionError(f"no fresh substring in {text!r}")
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "target", "self"])
+@pytest.mark.parametrize(
+    "name", ["none", "ngram", pytest.param("target", marks=pytest.mark.slow), pytest.param("self", marks=pytest.mark.slow)]
+)
 def test_stop_strings_end_rows_at_the_first_occurrence(free_text, name):
     tokens, texts = free_text
     stops = [stop_string_for(text, 6 + 2 * b) for b, text in enumerate(texts)]

@@ -25,6 +25,7 @@ def written(smollm2):
     return self_instruct_prompts(smollm2, 4, seed=3, **SMALL)
 
 
+@pytest.mark.slow  # the built-in model writes the prompts: minutes here
 def test_prompts_are_finished_distinct_user_turns(smollm2, written):
     assert len(written) == 4 and len(set(written)) == 4
     for prompt in written:
@@ -40,6 +41,7 @@ def test_same_seed_same_prompts_and_exclude_holds_them_out(smollm2, written):
     assert written[0] not in without_first and without_first == written[1:]
 
 
+@pytest.mark.slow
 def test_too_few_kept_turns_is_an_error(smollm2):
     with pytest.raises(ValueError, match=r"kept \d+ of num_prompts=50 user turns after max_batches=1"):
         self_instruct_prompts(smollm2, 50, max_batches=1, **SMALL)

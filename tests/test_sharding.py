@@ -108,7 +108,6 @@ FAST = {
     (2, 2, "self"),
     (8, 1, "self"),
     (2, 2, "draft-tp"),
-    (4, 2, "medusa-tree"),
     (2, 2, "eagle-tree"),
     (2, 2, "eagle-chain"),
 }
@@ -142,7 +141,9 @@ def test_greedy_on_mesh_equals_one_device(one_device_greedy, one_device_accepted
         assert result.metrics.accepted.tolist() == one_device_accepted(name)
 
 
-@pytest.mark.parametrize("name", ["draft", "medusa-tree", pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["draft", pytest.param("medusa-tree", marks=pytest.mark.slow), pytest.param("none", marks=pytest.mark.slow)]
+)
 def test_sampled_on_mesh_equals_one_device(name):
     """Same key, same tokens (see the module docstring for why equality is the right test)."""
     sampling = specjax.Sampling(temperature=0.8, top_k=20, top_p=0.95)
@@ -300,7 +301,7 @@ def builtin_greedy(smollm2):
 @pytest.mark.parametrize(
     "name, data",
     [
-        ("self", 1),
+        pytest.param("self", 1, marks=pytest.mark.slow),
         pytest.param("none", 1, marks=pytest.mark.slow),
         pytest.param("ngram", 2, marks=pytest.mark.slow),
         pytest.param("draft", 1, marks=pytest.mark.slow),

@@ -328,6 +328,7 @@ def test_ngram_misses_are_not_counted_as_drafts():
     assert summary["mean_acceptance_length"] == pytest.approx(1 + m.accepted.sum() / m.drafting_steps.sum())
 
 
+@pytest.mark.slow  # tests/test_laws.py and the chain laws above cover the verifier's law
 def test_sampled_law_when_no_row_drafts():
     """Steps where no row drafts take a one-token pass (a batch-wide branch): its sampled
     tokens must follow the same law. The prompt is chosen so that no first token can be found
