@@ -18,6 +18,7 @@ import jax.extend
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
+from drafters import layered_target, noisy_copy
 from tiny import tiny_model
 
 import specjax
@@ -29,7 +30,7 @@ from specjax.models.llama import LayerStack, stack_layers
 from specjax.speculate.loop import generate_program, memory_bytes
 from specjax.speculate.tree import TokenTree
 
-TARGET = tiny_model(seed=31, num_layers=4)
+TARGET = layered_target(seed=31, num_layers=4)  # its first layers predict it part of the time
 PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2]]
 # Sliding layers between full ones, with their own rotary base (Gemma 3's pattern).
 WINDOWED = tiny_model(
@@ -50,11 +51,12 @@ def proposer(name: str):
         return specjax.ForcedAcceptance(0.6, proposer=specjax.NGram(k=3), k=3)
     if name == "self_draft":  # 3 of 4 layers: the early exit ends inside the stack
         return specjax.SelfDraft(layers=3, k=2)
-    if name == "draft":
-        return specjax.DraftModel(tiny_model(seed=34, num_layers=3), k=3)
-    if name == "eagle3_tree":  # features captured entering layers 1 and 3 and after the last
+    if name == "draft":  # the target with noise and one more layer: accepted part of the time
+        return specjax.DraftModel(noisy_copy(TARGET, noise=0.05), k=3)
+    if name == "eagle3_tree":  # features captured entering layers 1 and 3 and after the last; a
+        # random head's tree paths forced at 60% a level, so accepted paths move in every layer
         head = Eagle3Head.init(TARGET, jax.random.key(0), aux_layer_ids=(1, 3, 4), scale=1.0)
-        return specjax.Eagle3(head, tree=TokenTree.top_k((2, 1)))
+        return specjax.ForcedAcceptance(0.6, specjax.Eagle3(head, tree=TokenTree.top_k((2, 1))))
     raise ValueError(name)
 
 

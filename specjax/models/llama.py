@@ -996,9 +996,9 @@ def _stacked_layers(
     K, E = k_buf.shape[1] // B, k_buf.shape[2]
     if write:
         k_out, v_out = k_buf, v_buf
-    else:
-        k_out = jnp.zeros((n, B, T, K, E), x.dtype)
-        v_out = jnp.zeros((n, B, T, K, E), x.dtype)
+    else:  # zeros "like" the buffers: under shard_map, varying over the same mesh axes
+        k_out = jnp.zeros_like(k_buf, x.dtype, shape=(n, B, T, K, E))
+        v_out = jnp.zeros_like(v_buf, x.dtype, shape=(n, B, T, K, E))
 
     def step(i, carry):
         x, k_out, v_out = carry
