@@ -397,7 +397,13 @@ def stop_string_for(text: str, start: int, length: int = 3) -> str:
 
 
 @pytest.mark.parametrize(
-    "name", ["none", "ngram", pytest.param("target", marks=pytest.mark.slow), pytest.param("self", marks=pytest.mark.slow)]
+    "name",
+    [
+        "none",
+        "ngram",
+        pytest.param("target", marks=pytest.mark.slow),
+        pytest.param("self", marks=pytest.mark.slow),
+    ],
 )
 def test_stop_strings_end_rows_at_the_first_occurrence(free_text, name):
     tokens, texts = free_text

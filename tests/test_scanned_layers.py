@@ -17,8 +17,8 @@ import jax
 import jax.extend
 import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 from drafters import layered_target, noisy_copy
+from jax.sharding import PartitionSpec as P
 from tiny import tiny_model
 
 import specjax

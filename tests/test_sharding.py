@@ -142,7 +142,12 @@ def test_greedy_on_mesh_equals_one_device(one_device_greedy, one_device_accepted
 
 
 @pytest.mark.parametrize(
-    "name", ["draft", pytest.param("medusa-tree", marks=pytest.mark.slow), pytest.param("none", marks=pytest.mark.slow)]
+    "name",
+    [
+        "draft",
+        pytest.param("medusa-tree", marks=pytest.mark.slow),
+        pytest.param("none", marks=pytest.mark.slow),
+    ],
 )
 def test_sampled_on_mesh_equals_one_device(name):
     """Same key, same tokens (see the module docstring for why equality is the right test)."""
