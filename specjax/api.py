@@ -751,10 +751,9 @@ def prepare(
     params = model.params
     if mesh is not None:  # no-ops for arrays already placed, e.g. by specjax.load(..., mesh=mesh)
         params = sharding.shard_params(params, model.config, mesh)
-        if isinstance(proposer_params, LlamaParams):  # a DraftModel's own weights, placed as it asks
-            proposer_params = sharding.shard_params(
-                proposer_params, proposer_spec.config, mesh, proposer_spec.tensor_parallel
-            )
+        placing = getattr(proposer_spec, "place_params", None)  # a draft model's own, as it asks
+        if proposer_params is not None and placing is not None:
+            proposer_params = placing(proposer_params, mesh)
         elif proposer_params is not None:  # heads (Medusa) or a custom proposer's: replicated
             proposer_params = sharding.replicate(proposer_params, mesh)
         inputs = sharding.shard_rows(inputs, mesh, B)

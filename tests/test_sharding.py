@@ -75,6 +75,9 @@ def make_proposer(name, k=3):
         "medusa-chain": lambda: specjax.Medusa(medusa_heads()),  # one draft per head
         "eagle-tree": lambda: specjax.Eagle(EAGLE, tree=tree),
         "eagle-chain": lambda: specjax.Eagle(EAGLE, k=k),
+        # per row, n-gram drafts where it has a match, else the EAGLE head's
+        "hybrid": lambda: specjax.Hybrid(specjax.NGram(k=k, n_min=2), specjax.Eagle(EAGLE, k=k)),
+        "dynamic": lambda: specjax.Dynamic(specjax.DraftModel(DRAFT, k=k)),  # each row's own k
     }[name]()
 
 
@@ -86,7 +89,17 @@ def one_device_greedy():
 
 # Proposers built to accept part of the time (tests/drafters.py), and the band their greedy
 # accepted fraction lies in (check_acceptance), on one device and on every mesh: 30% to 73% here.
-ACCEPTING = ("draft", "draft-tp", "self", "medusa-tree", "medusa-chain", "eagle-tree", "eagle-chain")
+ACCEPTING = (
+    "draft",
+    "draft-tp",
+    "self",
+    "medusa-tree",
+    "medusa-chain",
+    "eagle-tree",
+    "eagle-chain",
+    "hybrid",
+    "dynamic",
+)
 GREEDY_BAND = (0.2, 0.9)
 
 
@@ -110,6 +123,8 @@ FAST = {
     (2, 2, "draft-tp"),
     (2, 2, "eagle-tree"),
     (2, 2, "eagle-chain"),
+    (2, 2, "hybrid"),
+    (2, 2, "dynamic"),  # a wrapped draft model's weights placed on the mesh (they once were not)
 }
 GRID = [
     pytest.param(model, data, name, marks=() if (model, data, name) in FAST else pytest.mark.slow)

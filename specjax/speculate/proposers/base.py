@@ -9,6 +9,8 @@ from typing import Any
 import flax.struct
 import jax
 
+from specjax.sharding import replicate
+
 MAX_SPECULATIVE_TOKENS = 16  # k above this buys nothing measurable and bloats the verify pass
 
 
@@ -87,6 +89,11 @@ class Wrapper:
         """The inner spec's params for drafting on the CPU (a trained head's panels), if it has any."""
         packing = getattr(self.inner, "with_panel_weights", None)
         return params if packing is None else packing(params)
+
+    def place_params(self, params, mesh):
+        """The inner spec's params placed on `mesh` as it asks (a draft model's), else replicated."""
+        placing = getattr(self.inner, "place_params", None)
+        return replicate(params, mesh) if placing is None else placing(params, mesh)
 
     def stack_layers(self, params):
         """The inner spec's params with a draft model's layers stacked (see DraftSpec), if it has any."""

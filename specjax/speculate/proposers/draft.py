@@ -22,7 +22,7 @@ from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import lm_head, stack_layers
 from specjax.models.model import Model
-from specjax.sharding import check_model_split, mesh_forward_hidden
+from specjax.sharding import check_model_split, mesh_forward_hidden, shard_params
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.proposers.base import Proposal, check_k
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, choose_tokens
@@ -69,6 +69,13 @@ class DraftSpec:
 
     def update(self, state: DraftState, path_hidden, num_accepted) -> DraftState:
         return state  # the draft catches up inside propose (see the module docstring)
+
+    def place_params(self, params, mesh):
+        """A draft model's own weights placed on `mesh`: split like the target's where it runs
+        tensor-parallel, else replicated (a SelfDraft has none of its own: None)."""
+        if params is None:
+            return None
+        return shard_params(params, self.config, mesh, self.tensor_parallel)
 
     def stack_layers(self, params):
         """A draft model's own params with its layers stacked, for a program that scans layers

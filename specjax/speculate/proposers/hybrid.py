@@ -34,6 +34,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.sharding import replicate
 from specjax.speculate.proposers.base import Proposal, kept_inputs
 from specjax.speculate.proposers.dynamic import GoodputSchedule, ScheduleState
 
@@ -107,6 +108,17 @@ class HybridSpec:
             return part if packing is None or part is None else packing(part)
 
         return HybridParams(packed(self.first, params.first), packed(self.then, params.then))
+
+    def place_params(self, params, mesh):
+        """Each part's params placed on `mesh` as it asks (a draft model's), else replicated."""
+
+        def placed(spec, part):
+            placing = getattr(spec, "place_params", None)
+            if part is None:
+                return None
+            return replicate(part, mesh) if placing is None else placing(part, mesh)
+
+        return HybridParams(placed(self.first, params.first), placed(self.then, params.then))
 
     def stack_layers(self, params):
         """Each part's params with a draft model's layers stacked (see DraftSpec), where it has any."""
