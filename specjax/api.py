@@ -583,7 +583,7 @@ def generate(
     mesh, the smallest that is a multiple of its data-parallel degree. Padding rows are done from
     the start: they cost their share of each step's compute and appear nowhere in the result.
 
-    `scan_layers`: run each run of same-kind decoder layers as one loop over their stacked weights
+    `scan_layers`: run each run of decoder layers of one shape as one loop over their stacked weights
     (True), so that the program and its compile time stay the same size whatever the depth, or
     unrolled (False). Default (None): scanned on GPUs and TPUs, unrolled on the CPU, where a loop
     over stacked weights decodes 1.8x slower. Scanning stacks the layers' weights once per call:

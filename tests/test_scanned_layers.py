@@ -108,9 +108,9 @@ def test_scanned_layers_on_a_mesh():
     assert_same(*both(TARGET, "forced", mesh=mesh))
 
 
-def test_runs_of_one_kind_are_stacked():
-    kinds = [type(e).__name__ for e in stack_layers(WINDOWED.params, WINDOWED.config).layers]
-    assert kinds == ["LayerStack", "LayerParams", "LayerStack"]  # sliding x2, full, sliding x2
+def test_runs_of_one_shape_are_stacked():
+    stacked = stack_layers(WINDOWED.params, WINDOWED.config).layers
+    assert [e.count for e in stacked] == [5]  # sliding and full layers in one stack
     stacked = stack_layers(MIXTURE.params, MIXTURE.config).layers
     assert [getattr(e, "count", 1) for e in stacked] == [1, 1, 2]  # experts, dense, experts x2
     stack = stack_layers(TARGET.params, TARGET.config).layers[0]
@@ -119,13 +119,13 @@ def test_runs_of_one_kind_are_stacked():
 
 
 def test_a_cache_follows_its_params_layers():
-    layers = stack_layers(WINDOWED.params, WINDOWED.config).layers
-    cache = init_cache(WINDOWED.config, 2, 16, like=layers)
-    assert cache.layout == (2, None, 2) and cache.num_layers == 5
-    assert cache.k[0].shape == (2, 2 * 2, 16, 16) and cache.v[1].shape == (2 * 2, 16, 16)
-    early = init_cache(WINDOWED.config, 2, 16, num_layers=4, like=layers)
-    assert early.layout == (2, None, 1)  # an early exit after 4 layers ends inside the last stack
-    assert sharding.cache_specs(early.layout).k[0] == P(None, ("data", "model"), None, None)
+    layers = stack_layers(MIXTURE.params, MIXTURE.config).layers
+    cache = init_cache(MIXTURE.config, 2, 16, like=layers)
+    assert cache.layout == (None, None, 2) and cache.num_layers == 4
+    assert cache.k[2].shape == (2, 2 * 2, 16, 16) and cache.v[1].shape == (2 * 2, 16, 16)
+    early = init_cache(MIXTURE.config, 2, 16, num_layers=3, like=layers)
+    assert early.layout == (None, None, 1)  # an early exit after 3 layers ends inside the stack
+    assert sharding.cache_specs(early.layout).k[2] == P(None, ("data", "model"), None, None)
 
 
 def count_ops(jaxpr, name: str) -> int:
@@ -138,8 +138,8 @@ def count_ops(jaxpr, name: str) -> int:
     return total
 
 
-def traced_products(num_layers: int, scan: bool) -> int:
-    model = tiny_model(seed=35, num_layers=num_layers)
+def traced_products(num_layers: int, scan: bool, **config) -> int:
+    model = tiny_model(seed=35, num_layers=num_layers, **config)
     prepared = api.prepare(model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8, scan_layers=scan)
     args = (prepared.params, prepared.proposer_params, prepared.inputs)
     jaxpr = jax.make_jaxpr(generate_program, static_argnums=0)(prepared.spec, *args)
@@ -149,6 +149,16 @@ def traced_products(num_layers: int, scan: bool) -> int:
 def test_a_scanned_program_does_not_grow_with_depth():
     assert traced_products(2, scan=True) == traced_products(12, scan=True)
     assert traced_products(12, scan=False) > traced_products(2, scan=False)  # unrolled: it does
+
+
+def gemma_pattern(num_layers: int) -> dict:
+    """Five sliding layers to one full one, each kind with its own rotary base (Gemma 3)."""
+    types = tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(num_layers))
+    return dict(sliding_window=6, local_rope_theta=1000.0, layer_types=types)
+
+
+def test_interleaved_windows_do_not_grow_a_scanned_program():
+    assert traced_products(6, True, **gemma_pattern(6)) == traced_products(24, True, **gemma_pattern(24))
 
 
 def test_the_memory_check_counts_the_stacked_copy():

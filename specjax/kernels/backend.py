@@ -86,7 +86,7 @@ class Backend:
 
     @property
     def scans_layers(self) -> bool:
-        """Whether the decoder layers run as one loop per run of same-kind layers over stacked
+        """Whether the decoder layers run as one loop per run of layers of one shape over stacked
         weights and a stacked cache: the program, and its compile time, then stay the same size
         whatever the depth. On by default on accelerators. Off by default on the CPU, where
         XLA:CPU copies each layer's slice of a stacked weight before multiplying (a SmolLM2 step

@@ -15,7 +15,7 @@ Python loop, unrolled, not stacked on a leading axis and scanned. The reason is 
 copies a slice of a stacked weight (dynamic or static) before it multiplies, which made a
 decoding step 1.8x slower for SmolLM2-135M (95 ms against 52 ms per token, measured here). The
 price is compile time and program size that grow with depth. On accelerators (the backend's
-`scans_layers`) the program stacks each run of same-kind layers once, before its loop
+`scans_layers`) the program stacks each run of layers of one shape once, before its loop
 (`stack_layers`, a `LayerStack`), and each pass runs a stack as one `fori_loop` over it, the
 cache's buffer for that run stacked alike: the program holds one copy of each kind of layer
 whatever the depth. Projection weights are stored `[in, out]` and applied as `x @ W`.
@@ -36,6 +36,7 @@ and values. Checkpoints keep the three projections apart, as HF and GGUF files d
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Callable
@@ -75,10 +76,10 @@ class LayerParams:
 
 @flax.struct.dataclass
 class LayerStack:
-    """Consecutive decoder layers of one kind (one window, one rotary base, dense or experts),
-    their weights stacked on a leading axis: each field of `layers` is [n, ...]. The decoder runs
-    a stack as one loop over its layers (`decoder_layers`), so a program holds one copy of the
-    layer however deep the model. Made inside the program (`stack_layers`) where the backend
+    """Consecutive decoder layers whose weights have the same shapes (dense or experts; windows
+    and rotary bases may differ), stacked on a leading axis: each field of `layers` is [n, ...].
+    The decoder runs a stack as one loop over its layers (`decoder_layers`), so a program holds
+    one copy of each kind of layer however deep the model. Made inside the program (`stack_layers`) where the backend
     scans layers (on accelerators), never stored: loading, checkpoints and training keep one
     LayerParams per layer."""
 
@@ -948,8 +949,16 @@ def decoder_layers(
         if isinstance(element, LayerStack):
             if first == 0 and first_attention_input is not None:
                 raise ValueError("first_attention_input: the first layer must not be in a LayerStack")
+            # The stack's layers may be of several kinds (Gemma 3's sliding and full layers): one
+            # set of `_layer`'s leading arguments per kind, and each layer's kind.
+            keys = [(config.layer_window(first + j), config.layer_rope(first + j)) for j in range(n)]
+            distinct = list(dict.fromkeys(keys))
+            runs = [
+                (config, *kind(first + keys.index(key)), positions, cache, fresh_mask) for key in distinct
+            ]
+            kind_of = tuple(distinct.index(key) for key in keys)
             x, k_out, v_out = _stacked_layers(
-                run, element, x, k_buf, v_buf, reduce, write, committed, first, capture, captured
+                runs, kind_of, element, x, k_buf, v_buf, reduce, write, committed, first, capture, captured
             )
         else:
             if first in capture:
@@ -980,17 +989,22 @@ def decoder_layers(
 
 
 def _stacked_layers(
-    run, stack: LayerStack, x, k_buf, v_buf, reduce, write, committed, first, capture, captured
+    runs, kind_of, stack: LayerStack, x, k_buf, v_buf, reduce, write, committed, first, capture, captured
 ):
     """The first n layers of `stack` (n: those its cache buffers k_buf, v_buf [n, B*K, ...] hold;
     an early exit may end inside a stack), as `fori_loop`s over the stacked weights and buffers:
     one loop, or one per stretch between the layer ids in `capture` (the streams entering those
-    layers go into `captured`). `run`: `_layer`'s leading arguments, one kind for the whole stack.
-    Returns x and the written buffers, or with `write=False` the fresh entries [n, B, T, K, E].
+    layers go into `captured`). `runs`: `_layer`'s leading arguments (masks, rotary frequencies)
+    for each kind of layer in the stack; `kind_of[j]`: layer j's. Returns x and the written
+    buffers, or with `write=False` the fresh entries [n, B, T, K, E].
 
     Each step takes its layer's slice of the weights (XLA fuses it into the products) and reads
     and writes its layer of the stacked buffers in place; with `write=False` the loop carries the
-    fresh entries out instead."""
+    fresh entries out instead. Layers of several kinds (a window on some, another rotary base)
+    run through a `lax.switch` on the layer's kind, one branch per kind, so the loop's body holds
+    one copy of the layer per kind whatever the depth. A prefill's switch only computes (its
+    attention reads no cache) and the write follows it, so the cache is updated in place; a
+    decoding pass that writes (a draft model's own) updates it inside the branches."""
     n = layers_in(k_buf)
     B, T, _ = x.shape
     K, E = k_buf.shape[1] // B, k_buf.shape[2]
@@ -1000,12 +1014,26 @@ def _stacked_layers(
         k_out = jnp.zeros_like(k_buf, x.dtype, shape=(n, B, T, K, E))
         v_out = jnp.zeros_like(v_buf, x.dtype, shape=(n, B, T, K, E))
 
+    prefill = runs[0][1].visible is None  # (the masks of every kind agree on that)
+    cache = runs[0][4]
+
+    def layer(i, x, weights, k_in, v_in, write_now):  # layer i, with its kind's arguments
+        def of_kind(run, x, weights, k_in, v_in):
+            return _layer(*run, x, weights, k_in, v_in, reduce, write_now, committed, layer=i)
+
+        if len(runs) == 1:
+            return of_kind(runs[0], x, weights, k_in, v_in)
+        branches = [functools.partial(of_kind, run) for run in runs]
+        return jax.lax.switch(jnp.asarray(kind_of)[i], branches, x, weights, k_in, v_in)
+
     def step(i, carry):
         x, k_out, v_out = carry
         weights = jax.tree.map(lambda w: jax.lax.dynamic_index_in_dim(w, i, keepdims=False), stack.layers)
-        if write:
-            return _layer(*run, x, weights, k_out, v_out, reduce, write, committed, layer=i)
-        x, k, v = _layer(*run, x, weights, k_buf, v_buf, reduce, write, committed, layer=i)
+        if write and (len(runs) == 1 or not prefill):
+            return layer(i, x, weights, k_out, v_out, True)
+        x, k, v = layer(i, x, weights, k_out if write else k_buf, v_out if write else v_buf, False)
+        if write:  # a prefill: its fresh entries written after the switch
+            return x, cache.write_keys(k_out, k, True, i), cache.write_values(v_out, v, True, i)
         k_out = jax.lax.dynamic_update_index_in_dim(k_out, k.astype(k_out.dtype), i, 0)
         v_out = jax.lax.dynamic_update_index_in_dim(v_out, v.astype(v_out.dtype), i, 0)
         return x, k_out, v_out
@@ -1020,16 +1048,17 @@ def _stacked_layers(
 
 
 def stack_layers(params: LlamaParams, config: LlamaConfig) -> LlamaParams:
-    """`params` with each run of two or more consecutive layers of one kind (window, rotary base,
-    and the same weights' shapes: dense and expert layers apart) as one `LayerStack`. For a program
-    that scans layers (the backend's `scans_layers`), called once before its loop: the stacks are
-    a copy of the layers' weights, made once per call, not per step."""
+    """`params` with each run of two or more consecutive layers with weights of the same shapes
+    (dense and expert layers apart) as one `LayerStack`, whatever their windows and rotary bases
+    (`decoder_layers` switches on those per layer). For a program that scans layers (the
+    backend's `scans_layers`), called once before its loop: the stacks are a copy of the layers'
+    weights, made once per call, not per step."""
     if any(isinstance(element, LayerStack) for element in params.layers):
         return params
 
     def kind(i):
         shapes = [(w.shape, w.dtype) for w in jax.tree.leaves(params.layers[i])]
-        return config.layer_window(i), config.layer_rope(i), jax.tree.structure(params.layers[i]), shapes
+        return jax.tree.structure(params.layers[i]), shapes
 
     elements, i = [], 0
     while i < len(params.layers):
