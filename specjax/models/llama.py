@@ -79,9 +79,9 @@ class LayerStack:
     """Consecutive decoder layers whose weights have the same shapes (dense or experts; windows
     and rotary bases may differ), stacked on a leading axis: each field of `layers` is [n, ...].
     The decoder runs a stack as one loop over its layers (`decoder_layers`), so a program holds
-    one copy of each kind of layer however deep the model. Made inside the program (`stack_layers`) where the backend
-    scans layers (on accelerators), never stored: loading, checkpoints and training keep one
-    LayerParams per layer."""
+    one copy of each kind of layer however deep the model. Made inside the program
+    (`stack_layers`) where the backend scans layers (on accelerators), never stored: loading,
+    checkpoints and training keep one LayerParams per layer."""
 
     layers: LayerParams
 
