@@ -14,9 +14,22 @@ rejections and rollbacks happen too. A random one-layer draft of a random target
   from the target's.
 - `first_layer_eagle`: an EAGLE head built from the target's weights: the target's first layer over
   the next token's embedding and a little of the feature, so it drafts about what SelfDraft does.
+- `quiet_target`: a `layered_target` whose token embeddings are small next to its first layer's
+  updates, for heads whose residual stream does not carry the token's embedding (EAGLE-3, DFlash);
+  with `constant_queries`, its first layer asks the same query whatever the token (for DFlash,
+  whose block slots are masks).
+- `first_layer_eagle3`: an EAGLE-3 head whose layer is the target's first reading the token, with
+  a little of the fused feature: over a `quiet_target` it drafts about what SelfDraft does.
+- `first_layer_dflash`: a DFlash head whose layer is the first of a `quiet_target` with constant
+  queries, reading the target's embedding stream as context: each slot drafts about SelfDraft's
+  next token, so blocks are accepted in part, and whole where the target repeats a token.
 - `trained_medusa`: Medusa heads fitted with specjax.train on the target's own continuations.
 - `check_acceptance`: the accepted fraction lies in a band, and steps that accepted every draft
-  and steps that rejected some both occurred.
+  and steps that rejected some both occurred; `check_part_acceptance`: a Hybrid part's band.
+
+EAGLE-3 and DFlash heads trained instead (specjax.train on these targets' own continuations)
+took 12 to 40 s each here, mostly compiling; the EAGLE-3 heads accepted 13% of a chain of 4, the
+DFlash heads 3-33% at a block of 2 and at most 10% at a block of 5, seldom two drafts in a step.
 """
 
 import dataclasses
@@ -27,8 +40,12 @@ import numpy as np
 from tiny import tiny_model
 
 import specjax
-from specjax.models import EagleHead, MedusaHead, Model, init_params
+from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, Model, init_params
+from specjax.models.dflash import DFlashConfig, DFlashParams
+from specjax.models.draft_vocab import draft_head_matrix
 from specjax.models.eagle import EagleConfig, EagleParams
+from specjax.models.eagle3 import Eagle3Config, Eagle3Params
+from specjax.models.llama import fuse_qkv, split_qkv
 from specjax.models.signature import target_signature
 from specjax.train import distill_data, train_medusa
 
@@ -44,6 +61,44 @@ def layered_target(seed: int = 11, late_scale: float = 0.3, **overrides) -> Mode
     first, *later = model.params.layers
     layers = (first, *(scale_residual_updates(layer, late_scale) for layer in later))
     return Model(model.config, model.params.replace(layers=layers), name=f"layered-{seed}-{late_scale}")
+
+
+def quiet_target(
+    seed: int = 11,
+    late_scale: float = 0.1,
+    embed_scale: float = 0.05,
+    constant_queries: bool = False,
+    **overrides,
+) -> Model:
+    """`layered_target(seed, late_scale, **overrides)` with its token embeddings scaled by
+    `embed_scale`, for heads whose residual stream does not carry the token's embedding (an
+    EAGLE-3 head's carries its feature, a DFlash block's slots a mask): after the target's first
+    layer its residual is nearly that layer's updates alone, which a head built from that layer
+    can reproduce.
+
+    With `constant_queries` (for DFlash), its first layer is Qwen3-style (q/k norms, DFlash's
+    layer form, and biases) without query weights: every token asks the same query, its bias,
+    so where that layer attends depends on the keys (tokens and positions) and not on the token
+    that asks. Its key and value biases are zero and its last token id (DFlash's mask) has a zero
+    embedding, so that a mask's key and value are zero."""
+    if constant_queries:
+        overrides = {"qk_norm": True, "qkv_bias": True, **overrides}
+    model = layered_target(seed, late_scale, **overrides)
+    c = model.config
+    embed = embed_scale * model.params.embed
+    first, *later = model.params.layers
+    if constant_queries:
+        H, K = c.num_heads, c.num_kv_heads
+        q, k, v = split_qkv(first.qkv, H, K)
+        q_bias, k_bias, v_bias = split_qkv(first.qkv_bias, H, K)
+        first = first.replace(
+            qkv=fuse_qkv(jnp.zeros_like(q), k, v, K),
+            qkv_bias=fuse_qkv(q_bias, jnp.zeros_like(k_bias), jnp.zeros_like(v_bias), K),
+        )
+        embed = embed.at[c.vocab_size - 1].set(0.0)
+    params = model.params.replace(embed=embed, layers=(first, *later))
+    name = f"quiet-{seed}-{late_scale}-{embed_scale}" + ("-constant_queries" if constant_queries else "")
+    return Model(c, params, name=name)
 
 
 def noisy_copy(model: Model, noise: float, seed: int = 0, extra_layers: int = 1) -> Model:
@@ -63,17 +118,91 @@ def noisy_copy(model: Model, noise: float, seed: int = 0, extra_layers: int = 1)
     return Model(config, params.replace(layers=layers), model.tokenizer, name=f"{model.name}-noisy-{noise}")
 
 
-def first_layer_eagle(target: Model, feature_weight: float = 0.1) -> EagleHead:
+def first_layer_eagle(target: Model, feature_weight: float = 0.1, vocab=None) -> EagleHead:
     """An EAGLE head whose layer is the target's first and whose fc feeds it the next token's
     embedding plus `feature_weight` times the target's feature: over the pairs (f_t, x_{t+1}) its
     layer sees about what the target's first layer sees at t + 1, so through the target's head it
     drafts about what SelfDraft(layers=1) drafts (the target's final norm aside), and it reads
-    both of its inputs."""
+    both of its inputs. It drafts from `vocab` (default: all tokens)."""
     D, V = target.config.hidden_size, target.config.vocab_size
     fc = jnp.concatenate([feature_weight * jnp.eye(D), jnp.eye(D)], axis=0)  # [2D, D]: (f, embed)
     params = EagleParams(fc=fc, fc_bias=jnp.zeros((D,), jnp.float32), layer=target.params.layers[0])
-    config = EagleConfig.for_target(target.config)
-    return EagleHead(config, params, np.arange(V, dtype=np.int32), target_signature(target))
+    vocab = np.arange(V, dtype=np.int32) if vocab is None else np.asarray(vocab, np.int32)
+    config = EagleConfig.for_target(target.config, len(vocab))
+    return EagleHead(config, params, vocab, target_signature(target))
+
+
+def first_layer_eagle3(target: Model, aux_layer_ids, vocab=None, feature_weight: float = 0.02) -> Eagle3Head:
+    """An EAGLE-3 head whose layer is the target's first: the token half of its attention's
+    input goes through that layer's own projections, so over the pairs (g_t, x_{t+1}) its
+    queries, keys and values are the target's first layer's at t + 1. Its residual is its
+    feature (EAGLE-3's design), here the normed feature times `feature_weight` (fc passing the
+    lowest fused stream; the feature half of the attention reads it at that weight too), where
+    the target's is the token's embedding: over a `quiet_target` both are small next to the
+    layer's updates, and the head drafts about what SelfDraft(layers=1) drafts, from the target's
+    final norm and its head's columns for `vocab` (default: all tokens)."""
+    c = target.config
+    D, V = c.hidden_size, c.vocab_size
+    vocab = np.arange(V, dtype=np.int32) if vocab is None else np.asarray(vocab, np.int32)
+    config = Eagle3Config.for_target(
+        c,
+        len(vocab),
+        aux_layer_ids=aux_layer_ids,
+        norm_before_residual=True,
+        qk_norm=c.qk_norm,
+        qkv_bias=c.qkv_bias,
+    )
+    first = target.params.layers[0]
+    params = Eagle3Params(
+        fc=jnp.zeros((config.feature_size, D)).at[:D].set(jnp.eye(D)),  # [A, D]: the lowest stream
+        layers=(first.replace(qkv=jnp.concatenate([first.qkv, first.qkv])),),  # [2D, .]: token, feature
+        hidden_norm=jnp.full((D,), feature_weight),
+        norm=target.params.final_norm,
+        lm_head=draft_head_matrix(target.params, jnp.asarray(vocab)),
+    )
+    return Eagle3Head(config, params, vocab, target_signature(target))
+
+
+def first_layer_dflash(target: Model, block_size: int, aux_layer_ids, vocab=None) -> DFlashHead:
+    """A DFlash head whose one layer is the first of a `quiet_target(constant_queries=True)`.
+    Its context is the target's embedding stream (aux id 0, first in `aux_layer_ids`) normed by
+    that layer's own norm, so the context's keys and values are the target's first layer's; a
+    slot asks the target's one query whatever its token, and the masks' zero keys and values
+    only dilute. Slot i so attends as the target's first layer would at the anchor's position
+    + i, and every slot drafts about the token SelfDraft(layers=1) drafts after the anchor:
+    the first slot is right part of the time, a whole block where the target repeats a token.
+    It reads tokens with the target's head, or the target's columns for `vocab`."""
+    c = target.config
+    D = c.hidden_size
+    if not c.qk_norm or aux_layer_ids[0] != 0:
+        raise ValueError("first_layer_dflash needs a quiet_target(constant_queries=True) and aux id 0 first")
+    config = DFlashConfig(
+        hidden_size=D,
+        intermediate_size=c.intermediate_size,
+        num_heads=c.num_heads,
+        num_kv_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        vocab_size=c.vocab_size,
+        num_layers=1,
+        aux_layer_ids=tuple(aux_layer_ids),
+        block_size=block_size,
+        mask_token_id=c.vocab_size - 1,
+        draft_vocab_size=None if vocab is None else len(vocab),
+        rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling,
+        rms_norm_eps=c.rms_norm_eps,
+        qkv_bias=c.qkv_bias,
+    )
+    first = target.params.layers[0]
+    params = DFlashParams(
+        fc=jnp.zeros((config.feature_size, D)).at[:D].set(jnp.eye(D)),  # [A, D]: the embeddings
+        hidden_norm=first.attn_norm,
+        layers=(first,),
+        norm=target.params.final_norm,
+        lm_head=None if vocab is None else draft_head_matrix(target.params, jnp.asarray(vocab)),
+    )
+    vocab = np.arange(c.vocab_size, dtype=np.int32) if vocab is None else np.asarray(vocab, np.int32)
+    return DFlashHead(config, params, vocab, target_signature(target))
 
 
 def trained_medusa(
@@ -97,6 +226,15 @@ def accepted_fraction(metrics) -> float:
     acceptance rate; for a tree, whose nodes outnumber its depth, it is the mean accepted length
     over k."""
     return float(metrics.accepted.sum() / (metrics.num_speculative_tokens * metrics.drafting_steps.sum()))
+
+
+def check_part_acceptance(metrics, part: str, low: float, high: float) -> float:
+    """Assert that the fraction of a Hybrid part's drafts ("first" or "then") that were accepted
+    lies in [low, high]. Returns the fraction."""
+    counts = metrics.proposer
+    fraction = float(counts[f"{part}_accepted"].sum() / counts[f"{part}_drafted"].sum())
+    assert low <= fraction <= high, (part, fraction)
+    return fraction
 
 
 def check_acceptance(metrics, low: float, high: float) -> float:

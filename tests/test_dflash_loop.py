@@ -1,7 +1,8 @@
 """DFlash in the compiled loop, on tiny random models: the proposer's drafts (pending features
 projected into the context step by step) equal a from-scratch recomputation at every step under
 ragged acceptance, and greedy DFlash decoding equals plain decoding (blocks of 2 to 9, the
-target's head and a draft vocabulary of the head's own, batch 1 and 4, sampled runs reproduce)."""
+target's head and a draft vocabulary of the head's own, batch 1 and 4, sampled runs reproduce)
+with heads built from the target's first layer, whose drafts are accepted part of the time."""
 
 from __future__ import annotations
 
@@ -11,14 +12,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafters import check_acceptance, first_layer_dflash, quiet_target
 from tiny import tiny_model
 
 import specjax
 from specjax.models import DFlashHead, init_cache
 from specjax.models.dflash import dflash_block, dflash_context, dflash_logits, init_dflash
+from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.llama import forward_hidden
 
-TARGET = tiny_model(seed=11, num_layers=4)
+# A target whose first layer asks one query whatever the token, with quiet embeddings and small
+# later layers (tests/drafters.py): heads built from that layer draft it part of the time. The
+# reference tests drive random heads (every weight in use); the loop's, heads built from it.
+TARGET = quiet_target(seed=11, num_layers=4, embed_scale=0.01, constant_queries=True)
 HEAD = DFlashHead.init(TARGET, jax.random.key(0), block_size=5, num_layers=2, aux_layer_ids=(1, 3), scale=1.0)
 SUBSET = np.sort(np.random.default_rng(1).permutation(TARGET.config.vocab_size)[:40])
 _config = dataclasses.replace(HEAD.config, draft_vocab_size=len(SUBSET))
@@ -93,26 +99,40 @@ def test_drafts_equal_a_from_scratch_reference(head, observed, block):
         lengths = lengths + n + 1
 
 
+NEW_TOKENS = 40  # a block of 9 is accepted whole only on a run of the target's: 40 tokens hold a few
+
+
 @pytest.fixture(scope="module")
 def plain_greedy():
-    return specjax.generate(TARGET, PROMPTS, max_new_tokens=24).tokens
+    return specjax.generate(TARGET, PROMPTS, max_new_tokens=NEW_TOKENS).tokens
 
 
+# The band each case's accepted fraction lies in (check_acceptance; measured here: block 2 0.43,
+# block 5 0.21, block 9 with the draft vocabulary 0.12): per draft position, so lower for longer
+# blocks, whose later slots are right only where the target repeats a token. The draft vocabulary
+# is the 40 tokens the target emits most here, as a trained head's would be.
 @pytest.mark.parametrize(
-    "head, block",
-    [pytest.param(HEAD, None, marks=pytest.mark.slow), (HEAD, 2), (SUBSET_HEAD, 9)],
+    "draft_vocab, block, band",
+    [
+        pytest.param(False, None, (0.1, 0.9), marks=pytest.mark.slow),
+        (False, 2, (0.2, 0.9)),
+        (True, 9, (0.05, 0.9)),
+    ],
     ids=["block5", "block2", "block9-draft-vocab"],  # block 5 (the head's own) is between the two
 )
-def test_dflash_greedy_equals_plain(plain_greedy, head, block):
+def test_dflash_greedy_equals_plain(plain_greedy, draft_vocab, block, band):
+    vocab = np.sort(frequent_tokens(plain_greedy, TARGET.config.vocab_size, 40)) if draft_vocab else None
+    head = first_layer_dflash(TARGET, block_size=5, aux_layer_ids=(0, 3), vocab=vocab)
     proposer = specjax.DFlash(head, block=block)
-    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=24)
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=NEW_TOKENS)
     assert result.tokens == plain_greedy
     assert (
-        specjax.generate(TARGET, PROMPTS[2:3], proposer=proposer, max_new_tokens=24).tokens
+        specjax.generate(TARGET, PROMPTS[2:3], proposer=proposer, max_new_tokens=NEW_TOKENS).tokens
         == plain_greedy[2:3]
     )
     m = result.metrics
     assert m.drafted.sum() == m.steps.sum() * proposer.k
+    check_acceptance(m, *band)
     sampling = specjax.Sampling(temperature=0.9, seed=5)
     first = specjax.generate(TARGET, PROMPTS, proposer=proposer, sampling=sampling, max_new_tokens=12)
     assert (

@@ -3,20 +3,22 @@ synthetic acceptance (ForcedAcceptance), on tiny random models.
 
 The exact checks drive the schedules with forced acceptance, where every step's outcome is known
 in advance, so the loop's k sequence can be predicted by hand; greedy equality with plain decoding
-checks that masking per row stays lossless."""
+checks that masking per row stays lossless, with model drafts accepted part of the time."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafters import check_acceptance, layered_target, noisy_copy, trained_medusa
 from laws import check_counts
-from tiny import tiny_model
 
 import specjax
 from specjax.models import MedusaHead
 from specjax.speculate import GoodputSchedule, HeuristicSchedule
 
-TARGET = tiny_model(seed=3)
+# A target whose second layer adds small updates (tests/drafters.py): SelfDraft, a noisy copy of
+# it and Medusa heads trained on its continuations draft it part of the time.
+TARGET = layered_target(seed=11, late_scale=0.3)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9], [10, 11, 12, 13, 14, 15, 10, 11, 12], [40, 41, 42, 40, 41]]
 
 
@@ -25,23 +27,34 @@ def plain_greedy():
     return specjax.generate(TARGET, PROMPTS, max_new_tokens=32).tokens
 
 
+GOODPUT = GoodputSchedule(draft_cost=0.2, verify_cost=0.1)
+PROPOSERS = {  # made when a test runs: the noisy copy and the trained heads take a moment
+    "ngram-heuristic": lambda: specjax.Dynamic(specjax.NGram(k=4, n_max=2)),
+    "selfdraft-heuristic": lambda: specjax.Dynamic(specjax.SelfDraft(layers=1, k=4)),
+    "selfdraft-goodput": lambda: specjax.Dynamic(specjax.SelfDraft(layers=1, k=4), GOODPUT),
+    "draft-heuristic": lambda: specjax.Dynamic(specjax.DraftModel(noisy_copy(TARGET, noise=0.05), k=4)),
+    "medusa-heuristic": lambda: specjax.Dynamic(specjax.Medusa(trained_medusa(TARGET, num_heads=3))),
+}
+
+
 @pytest.mark.parametrize(
-    "proposer",
+    "name",
     [
-        specjax.Dynamic(specjax.NGram(k=4, n_max=2)),
-        pytest.param(specjax.Dynamic(specjax.SelfDraft(layers=1, k=4)), marks=pytest.mark.slow),
-        specjax.Dynamic(specjax.SelfDraft(layers=1, k=4), GoodputSchedule(draft_cost=0.2, verify_cost=0.1)),
-        specjax.Dynamic(
-            specjax.Medusa(MedusaHead.init(TARGET, num_heads=3, key=jax.random.key(0), scale=0.5))
-        ),
+        "ngram-heuristic",
+        pytest.param("selfdraft-heuristic", marks=pytest.mark.slow),
+        "selfdraft-goodput",
+        "draft-heuristic",
+        "medusa-heuristic",
     ],
-    ids=["ngram-heuristic", "selfdraft-heuristic", "selfdraft-goodput", "medusa-heuristic"],
 )
-def test_dynamic_greedy_equals_plain_without_recompiling(plain_greedy, proposer):
+def test_dynamic_greedy_equals_plain_without_recompiling(plain_greedy, name):
+    proposer = PROPOSERS[name]()
     result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=32)
     assert result.tokens == plain_greedy
     m = result.metrics
     assert m.drafted.sum() > 0 and m.accept_hist.sum() == m.drafting_steps.sum()
+    if name != "ngram-heuristic":  # model drafts accept part of the time: 0.20 to 0.39 here
+        check_acceptance(m, 0.1, 0.9)
     compiled = specjax.api.compiled_program_count()
     other = [p[:-1] for p in PROMPTS]  # new prompt lengths, same bucket: the same program
     specjax.generate(TARGET, other, proposer=proposer, max_new_tokens=32)
