@@ -25,7 +25,8 @@ rejections and rollbacks happen too. A random one-layer draft of a random target
   next token, so blocks are accepted in part, and whole where the target repeats a token.
 - `trained_medusa`: Medusa heads fitted with specjax.train on the target's own continuations.
 - `check_acceptance`: the accepted fraction lies in a band, and steps that accepted every draft
-  and steps that rejected some both occurred; `check_part_acceptance`: a Hybrid part's band.
+  and steps that rejected some both occurred; `check_drafted_acceptance`: the band of a proposer
+  whose drafts per step vary; `check_part_acceptance`: a Hybrid part's band.
 
 EAGLE-3 and DFlash heads trained instead (specjax.train on these targets' own continuations)
 took 12 to 40 s each here, mostly compiling; the EAGLE-3 heads accepted 13% of a chain of 4, the
@@ -56,7 +57,11 @@ def scale_residual_updates(layer, scale: float):
 
 
 def layered_target(seed: int = 11, late_scale: float = 0.3, **overrides) -> Model:
-    """`tiny_model(seed, **overrides)` with every layer after the first scaled by `late_scale`."""
+    """`tiny_model(seed, **overrides)` with every layer after the first scaled by `late_scale`.
+    Seed 11's greedy continuations of the tests' prompts hold long runs of one token, where a
+    head that drafts the target's last prediction again (a fresh EAGLE or Medusa head) is right
+    too: such heads accepted 10-25% of their drafts there, 4% at most on seed 15, whose
+    continuations hardly repeat a token."""
     model = tiny_model(seed=seed, **overrides)
     first, *later = model.params.layers
     layers = (first, *(scale_residual_updates(layer, late_scale) for layer in later))
@@ -226,6 +231,15 @@ def accepted_fraction(metrics) -> float:
     acceptance rate; for a tree, whose nodes outnumber its depth, it is the mean accepted length
     over k."""
     return float(metrics.accepted.sum() / (metrics.num_speculative_tokens * metrics.drafting_steps.sum()))
+
+
+def check_drafted_acceptance(metrics, low: float, high: float) -> float:
+    """Assert that the fraction of the drafts verified that were accepted lies in [low, high],
+    for proposers whose number of drafts varies by step (a confidence threshold, a goodput
+    schedule), where "all k accepted" is not in the histogram. Returns the fraction."""
+    fraction = float(metrics.accepted.sum() / metrics.drafted.sum())
+    assert low <= fraction <= high, fraction
+    return fraction
 
 
 def check_part_acceptance(metrics, part: str, low: float, high: float) -> float:

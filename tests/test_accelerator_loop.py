@@ -109,9 +109,10 @@ def run(model, proposer, kernels, batch):
     return specjax.generate(model, prompts, proposer=proposer, max_new_tokens=12, kernels=kernels)
 
 
-# Model drafts (accepted fractions 0.38 to 0.78 here at batch 4; the batch of one, 20 repeats of one
-# token, accepts nearly every draft): the XLA run's acceptance lies in the band, so that the
-# kernels' run is compared on accepted and rejected drafts both.
+# Model drafts: the XLA run's acceptance lies in the band, so that the kernels' run is compared on
+# accepted and rejected drafts both. At batch 4 they accept 0.38 to 0.78 here, where random heads
+# (or SelfDraft of a target without small later layers) accepted 0.19 at most; the batch of one,
+# 20 repeats of one token, accepts nearly every draft.
 MODEL_DRAFTS = ("draft", "self_draft", "medusa_tree", "eagle", "eagle3_tree", "dflash")
 
 
@@ -123,9 +124,9 @@ def test_the_loop_with_interpreted_kernels_equals_xla(name, kernels, batch):
     assert got.tokens == want.tokens
     assert counts(got) == counts(want)
     if batch == 4 and name in MODEL_DRAFTS:
-        check_acceptance(want.metrics, 0.2, 0.9)
+        check_acceptance(want.metrics, 0.3, 0.9)
     if batch == 4 and name == "hybrid":
-        check_part_acceptance(want.metrics, "then", 0.2, 0.9)
+        check_part_acceptance(want.metrics, "then", 0.3, 0.9)
 
 
 COUNTS = ("steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_length_histogram")

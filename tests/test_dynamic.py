@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafters import check_acceptance, layered_target, noisy_copy, trained_medusa
+from drafters import check_acceptance, check_drafted_acceptance, layered_target, noisy_copy, trained_medusa
 from laws import check_counts
 
 import specjax
@@ -17,8 +17,9 @@ from specjax.models import MedusaHead
 from specjax.speculate import GoodputSchedule, HeuristicSchedule
 
 # A target whose second layer adds small updates (tests/drafters.py): SelfDraft, a noisy copy of
-# it and Medusa heads trained on its continuations draft it part of the time.
-TARGET = layered_target(seed=11, late_scale=0.3)
+# it and Medusa heads trained on its continuations draft it part of the time (seed 15 hardly
+# repeats a token, so drafts that are right only on runs accept nearly nothing).
+TARGET = layered_target(seed=15, late_scale=0.3)
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [3, 9], [10, 11, 12, 13, 14, 15, 10, 11, 12], [40, 41, 42, 40, 41]]
 
 
@@ -53,8 +54,10 @@ def test_dynamic_greedy_equals_plain_without_recompiling(plain_greedy, name):
     assert result.tokens == plain_greedy
     m = result.metrics
     assert m.drafted.sum() > 0 and m.accept_hist.sum() == m.drafting_steps.sum()
-    if name != "ngram-heuristic":  # model drafts accept part of the time: 0.20 to 0.39 here
-        check_acceptance(m, 0.1, 0.9)
+    if name == "selfdraft-goodput":  # its k seldom reaches 4: a band on the drafts verified (0.69)
+        check_drafted_acceptance(m, 0.4, 0.9)
+    elif name != "ngram-heuristic":  # model drafts accept part of the time: 0.10 to 0.66 here
+        check_acceptance(m, 0.05, 0.9)
     compiled = specjax.api.compiled_program_count()
     other = [p[:-1] for p in PROMPTS]  # new prompt lengths, same bucket: the same program
     specjax.generate(TARGET, other, proposer=proposer, max_new_tokens=32)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from drafters import check_acceptance, first_layer_eagle, layered_target
+from drafters import check_acceptance, check_drafted_acceptance, first_layer_eagle, layered_target
 from tiny import tiny_model
 
 import specjax
@@ -206,8 +206,9 @@ def test_observe_writes_what_a_catch_up_writes(proposer):
 
 # The loop's drafters: a target whose second layer adds small updates and EAGLE heads built from
 # its first layer (tests/drafters.py), whose drafts are accepted part of the time (the reference
-# tests above drive random heads, every weight in use).
-LAYERED = layered_target(seed=11, late_scale=0.3)
+# tests above drive random heads, every weight in use). Seed 15 hardly repeats a token, so fresh
+# heads, which draft the target's last prediction again, accept 4% at most.
+LAYERED = layered_target(seed=15, late_scale=0.3)
 BUILT = first_layer_eagle(LAYERED)
 BUILT_SUBSET = first_layer_eagle(LAYERED, vocab=SUBSET)  # misses the tokens outside SUBSET
 
@@ -237,7 +238,7 @@ def test_eagle_greedy_equals_plain(plain_greedy, shape, head):
     m = result.metrics
     assert (m.accept_hist.sum(1) == m.steps).all()
     assert (m.accepted_at.sum(1) == m.accepted).all()
-    check_acceptance(m, 0.15, 0.9)  # 0.22 to 0.81 over the grid here
+    check_acceptance(m, 0.08, 0.9)  # 0.13 (a chain of 4 from the subset) to 0.76 over the grid here
 
 
 # -- A confidence threshold: a chain verifies only its confident prefix -------------------------
@@ -282,7 +283,7 @@ def test_a_thresholded_chain_equals_plain(plain_greedy, threshold):
     """Greedy output is plain decoding's at batch 4 and 1; a step drafts only its confident prefix,
     so fewer drafts are verified than k per step (at 0.1 some steps draft nothing and make a
     one-token pass), every count adds up, and the drafts verified are accepted part of the time
-    (0.42 and 0.63 of them here)."""
+    (0.64 and 0.92 of them here)."""
     proposer = specjax.Eagle(BUILT, k=3, confidence_threshold=threshold)
     result = specjax.generate(LAYERED, PROMPTS, proposer=proposer, max_new_tokens=24)
     assert result.tokens == plain_greedy
@@ -293,7 +294,7 @@ def test_a_thresholded_chain_equals_plain(plain_greedy, threshold):
     assert (m.drafting_steps < m.steps).any() == (threshold == 0.1)
     assert (m.accept_hist.sum(1) == m.drafting_steps).all() and (m.accepted_at.sum(1) == m.accepted).all()
     assert (m.accepted <= m.drafted).all()
-    assert 0.2 <= m.accepted.sum() / m.drafted.sum() <= 0.9
+    check_drafted_acceptance(m, 0.2, 0.95)
 
 
 def test_a_threshold_nothing_reaches_is_plain_decoding(plain_greedy):

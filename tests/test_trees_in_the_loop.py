@@ -21,8 +21,9 @@ from specjax.speculate.proposers import Proposal, Stateless, ngram_propose
 from specjax.speculate.tree import TokenTree
 
 # A target whose second layer adds small updates (tests/drafters.py), so that heads trained on its
-# continuations draft it part of the time.
-TARGET = layered_target(seed=11, late_scale=0.3)
+# continuations draft it part of the time; seed 15 hardly repeats a token, so fresh heads, which
+# draft the target's last prediction again, accept 4% at most.
+TARGET = layered_target(seed=15, late_scale=0.3)
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
     [3, 9],
@@ -73,7 +74,7 @@ def test_medusa_greedy_equals_plain(plain_greedy, tree, subset):
     assert (m.accepted_at.sum(1) == m.accepted).all()
     assert (m.reached_at >= m.accepted_at).all()
     assert m.drafted.sum() == m.steps.sum() * proposer.tree.num_nodes
-    check_acceptance(m, 0.1, 0.9)
+    check_acceptance(m, 0.1, 0.9)  # 0.17 (the subset) to 0.35 here
 
 
 def test_oracle_full_tree_accepts_later_siblings_and_stays_exact(plain_greedy):
