@@ -44,7 +44,7 @@ PROPOSERS = {  # made when a test runs: the noisy copy and the trained heads tak
         "ngram-heuristic",
         pytest.param("selfdraft-heuristic", marks=pytest.mark.slow),
         "selfdraft-goodput",
-        "draft-heuristic",
+        pytest.param("draft-heuristic", marks=pytest.mark.slow),  # 8 s; a draft model's cache as SelfDraft's
         "medusa-heuristic",
     ],
 )
