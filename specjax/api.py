@@ -33,7 +33,7 @@ from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program,
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
-from specjax.speculate.stops import build_stop_strings, cut_text
+from specjax.speculate.stops import build_stop_strings, cut_text, token_texts
 
 MIN_BUCKET = 16  # shortest prompt bucket; buckets double from here up to BUCKET_STEP
 BUCKET_STEP = 64  # longer prompts round up to a multiple of this
@@ -46,6 +46,9 @@ class GenerateResult:
     texts: list[str] | None  # decoded new tokens, cut before a stop string (None without a tokenizer)
     metrics: SpecMetrics
     prompt_tokens: list[list[int]]  # the token ids each row was fed
+    # Why each row ended: "stop" (EOS, a stop token id or a stop string) or "length" (it reached
+    # max_new_tokens). A row whose last allowed token is a stop ends with "stop".
+    finish_reasons: list[str]
 
 
 def prompt_bucket(length: int) -> int:
@@ -786,8 +789,8 @@ def _run(model: Model, prepared: Prepared) -> GenerateResult:
     fetch = jax.device_get if mesh is None else sharding.fetch  # the latter spans hosts too
     own_counters = getattr(spec.proposer, "counters", None)  # a proposer's own counts (Hybrid)
     own = None if own_counters is None else own_counters(state.proposer_state)
-    tokens, lengths, nonfinite_step, counters, own = fetch(
-        (state.tokens, state.lengths, state.nonfinite_step, state.metrics, own)
+    tokens, lengths, max_lengths, nonfinite_step, counters, own = fetch(
+        (state.tokens, state.lengths, state.max_lengths, state.nonfinite_step, state.metrics, own)
     )
     run_time = time.perf_counter() - start
     # Drop the padding rows: every per-row array, the metrics' counters included.
@@ -803,13 +806,50 @@ def _run(model: Model, prepared: Prepared) -> GenerateResult:
             f"(model {model.name!r})"
         )
     new_tokens = [tokens[b, len(row) : lengths[b]].tolist() for b, row in enumerate(rows)]
-    texts = None
+    texts, cut = None, [False] * num_rows
     if model.tokenizer is not None:
-        texts = [
-            cut_text(model.tokenizer.decode(t, skip_special_tokens=True), s.stop)
-            for t, s in zip(new_tokens, samplings, strict=True)
-        ]
+        whole = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+        texts = [cut_text(text, s.stop) for text, s in zip(whole, samplings, strict=True)]
+        cut = [len(a) < len(b) for a, b in zip(texts, whole, strict=True)]
+    at_limit = (lengths >= max_lengths)[:num_rows].tolist()
     metrics = SpecMetrics.from_counters(
         counters, k=k, compile_time_s=compile_time, run_time_s=run_time, proposer=own
     )
-    return GenerateResult(tokens=new_tokens, texts=texts, metrics=metrics, prompt_tokens=rows)
+    return GenerateResult(
+        tokens=new_tokens,
+        texts=texts,
+        metrics=metrics,
+        prompt_tokens=rows,
+        finish_reasons=_finish_reasons(model, new_tokens, samplings, at_limit, cut),
+    )
+
+
+def _finish_reasons(
+    model: Model,
+    new_tokens: list[list[int]],
+    samplings: list[Sampling],
+    at_limit: list[bool],
+    cut: list[bool],
+) -> list[str]:
+    """Why each row ended: "stop" or "length" (see GenerateResult.finish_reasons).
+
+    at_limit[b]: the row holds max_new_tokens new tokens; cut[b]: its text was cut at a stop string.
+
+    The loop marks a row done at its first stop or at its limit and keeps no record of which. A row
+    that ended short of its limit stopped. One that reached it stopped too when its last token is a
+    stop: EOS, a stop token id, or the token that completes a stop string in the token texts that
+    the loop's automaton reads (`token_texts`, from the first new token on; the loop would have
+    ended the row at any earlier occurrence). These texts can differ from the decoded text: a
+    SentencePiece tokenizer drops the first token's leading space. A row whose text was cut at a
+    stop string counts as stopped as well: the loop can miss a string holding a character split
+    across tokens (stops.py), `cut_text` cannot."""
+    eos = set(_eos_ids(model))
+    reasons = []
+    for tokens, sampling, full, was_cut in zip(new_tokens, samplings, at_limit, cut, strict=True):
+        stopped = not full or was_cut or tokens[-1] in eos | set(sampling.stop_token_ids)
+        if not stopped and sampling.stop:
+            texts = token_texts(model.tokenizer, model.config.vocab_size)  # cached per tokenizer
+            read = "".join(texts[t] for t in tokens)
+            stopped = any(s in read for s in sampling.stop)
+        reasons.append("stop" if stopped else "length")
+    return reasons
