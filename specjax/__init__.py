@@ -33,6 +33,7 @@ from specjax.speculate import (
     SpecMetrics,
     TokenTree,
 )
+from specjax.text import chat_prompt_ids
 
 
 def __getattr__(name: str):
@@ -67,6 +68,7 @@ __all__ = [
     "TokenTree",
     "ProgramCacheInfo",
     "ablate",
+    "chat_prompt_ids",
     "clear_compiled_programs",
     "estimate_memory",
     "export_arguments",
