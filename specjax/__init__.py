@@ -33,7 +33,7 @@ from specjax.speculate import (
     SpecMetrics,
     TokenTree,
 )
-from specjax.text import chat_prompt_ids
+from specjax.text import TextDeltas, chat_prompt_ids
 
 
 def __getattr__(name: str):
@@ -65,6 +65,7 @@ __all__ = [
     "Sampling",
     "SelfDraft",
     "SpecMetrics",
+    "TextDeltas",
     "TokenTree",
     "ProgramCacheInfo",
     "ablate",
