@@ -33,6 +33,7 @@ from specjax.speculate import (
     SpecMetrics,
     TokenTree,
 )
+from specjax.text import TextDeltas, chat_prompt_ids
 
 
 def __getattr__(name: str):
@@ -64,9 +65,11 @@ __all__ = [
     "Sampling",
     "SelfDraft",
     "SpecMetrics",
+    "TextDeltas",
     "TokenTree",
     "ProgramCacheInfo",
     "ablate",
+    "chat_prompt_ids",
     "clear_compiled_programs",
     "estimate_memory",
     "export_arguments",
