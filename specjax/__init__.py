@@ -16,6 +16,7 @@ from specjax.costs import measure_step_costs
 from specjax.export import export_arguments, export_generate
 from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load_head
+from specjax.serve.stream import StreamDelta, stream
 from specjax.speculate import (
     DFlash,
     DraftModel,
@@ -48,6 +49,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__",
+    "stream",
+    "StreamDelta",
     "DraftModel",
     "Dynamic",
     "ForcedAcceptance",
