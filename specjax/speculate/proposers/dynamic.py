@@ -102,6 +102,11 @@ class GoodputSchedule:
     prior_weight: float = 2.0
     probe_every: int = 16
     initial_k: int | None = None
+    # verify_cost by the number of rows running in the step, ((rows, cost), ...) by increasing
+    # rows (other counts interpolate; past the ends, the nearest): a verified token costs more of
+    # a step as the batch grows and the step stops being bound by reading the weights, so a
+    # continuous batch under load should draft less. None: verify_cost whatever the batch.
+    verify_cost_by_rows: tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self):
         def check(name, low, high, closed_high=True):
@@ -121,6 +126,25 @@ class GoodputSchedule:
         _check_initial_k("GoodputSchedule", self.initial_k, 0)
         if not _is_int(self.probe_every) or self.probe_every < 1:
             raise ValueError(f"GoodputSchedule probe_every must be an integer >= 1, got {self.probe_every!r}")
+        table = self.verify_cost_by_rows
+        if table is not None:
+            pairs = tuple(table) if isinstance(table, tuple | list) else ()
+            ok = len(pairs) > 0 and all(
+                isinstance(p, tuple | list)
+                and len(p) == 2
+                and _is_int(p[0])
+                and p[0] >= 1
+                and isinstance(p[1], int | float)
+                and math.isfinite(p[1])
+                and p[1] >= 0
+                for p in pairs
+            )
+            if not ok or any(a[0] >= b[0] for a, b in zip(pairs, pairs[1:], strict=False)):
+                raise ValueError(
+                    "GoodputSchedule verify_cost_by_rows must be None or ((rows, cost), ...) with rows "
+                    f"increasing integers >= 1 and costs finite numbers >= 0, got {table!r}"
+                )
+            object.__setattr__(self, "verify_cost_by_rows", tuple((int(r), float(c)) for r, c in pairs))
 
     def init(self, B: int, K: int, choices: tuple[int, ...] | None = None) -> ScheduleState:
         """The state before any step: k is initial_k (with `choices`, the smallest choice at or
@@ -138,11 +162,23 @@ class GoodputSchedule:
         w = self.prior_weight
         return (state.accepted + self.prior * w) / (state.reached + w)
 
-    def best_k(self, alpha: jax.Array, K: int, choices: tuple[int, ...] | None = None) -> jax.Array:
-        """[B] argmax over k in `choices` (default 0..K) of E(k) / cost(k)."""
+    def verify_cost_at(self, running: jax.Array | None):
+        """The verify cost of a step with these rows running ([B] bool; None: verify_cost)."""
+        if self.verify_cost_by_rows is None or running is None:
+            return self.verify_cost
+        rows, costs = zip(*self.verify_cost_by_rows, strict=True)
+        count = jnp.sum(running).astype(jnp.float32)
+        return jnp.interp(count, jnp.asarray(rows, jnp.float32), jnp.asarray(costs, jnp.float32))
+
+    def best_k(
+        self, alpha: jax.Array, K: int, choices: tuple[int, ...] | None = None, verify_cost=None
+    ) -> jax.Array:
+        """[B] argmax over k in `choices` (default 0..K) of E(k) / cost(k) (at `verify_cost`,
+        default the schedule's own)."""
+        verify_cost = self.verify_cost if verify_cost is None else verify_cost
         all_k = jnp.arange(K + 1, dtype=jnp.float32)
         expected = jnp.cumsum(alpha[:, None] ** all_k[None, :], axis=1)  # [B, K+1]: 1 + a + ... + a^k
-        cost = 1.0 + (self.draft_cost + self.verify_cost) * all_k
+        cost = 1.0 + (self.draft_cost + verify_cost) * all_k
         goodput = expected / cost[None, :]
         if choices is None:
             return jnp.argmax(goodput, axis=1).astype(jnp.int32)
@@ -150,10 +186,17 @@ class GoodputSchedule:
         return options[jnp.argmax(goodput[:, options], axis=1)]
 
     def update(
-        self, state: ScheduleState, num_accepted, num_drafted, K: int, choices: tuple[int, ...] | None = None
+        self,
+        state: ScheduleState,
+        num_accepted,
+        num_drafted,
+        K: int,
+        choices: tuple[int, ...] | None = None,
+        running: jax.Array | None = None,
     ) -> ScheduleState:
         """The state after a step: the acceptance estimate moved by the step's evidence, and k the
-        best of `choices` (default 0..K; a probe takes the smallest k above 0)."""
+        best of `choices` (default 0..K; a probe takes the smallest k above 0), at the verify cost
+        of a step with `running` rows ([B] bool, for verify_cost_by_rows)."""
         drafted = num_drafted > 0
         reached = jnp.minimum(num_accepted + 1, num_drafted)
         # The estimate moves only with evidence: a step without drafts leaves it as it was.
@@ -162,7 +205,7 @@ class GoodputSchedule:
             reached=jnp.where(drafted, self.decay * state.reached + reached, state.reached),
             idle=jnp.where(drafted, 0, state.idle + 1),
         )
-        k = self.best_k(self.alpha(state), K, choices)
+        k = self.best_k(self.alpha(state), K, choices, self.verify_cost_at(running))
         probe = (k == 0) & (state.idle + 1 >= self.probe_every)
         smallest = 1 if choices is None else min(c for c in choices if c > 0)
         return state.replace(k=jnp.where(probe, smallest, k))
@@ -262,9 +305,17 @@ class DynamicSpec(Wrapper):
         num_drafted = jnp.max(jnp.where(valid, jnp.asarray(depth)[None, :], 0), axis=1).astype(jnp.int32)
         return proposal.replace(valid=valid), DynamicState(inner_state, state.schedule, num_drafted)
 
-    def update(self, state: DynamicState, path_hidden, num_accepted) -> DynamicState:
-        inner = self.inner.update(state.inner, path_hidden, num_accepted)
-        schedule = self.schedule.update(state.schedule, num_accepted, state.num_drafted, self.k)
+    counts_running_rows = True  # the loop passes `running` to update: see verify_cost_by_rows
+
+    def update(self, state: DynamicState, path_hidden, num_accepted, running=None) -> DynamicState:
+        if getattr(self.inner, "counts_running_rows", False):
+            inner = self.inner.update(state.inner, path_hidden, num_accepted, running)
+        else:
+            inner = self.inner.update(state.inner, path_hidden, num_accepted)
+        extra = {}
+        if getattr(self.schedule, "verify_cost_by_rows", None) is not None:  # a cost by batch occupancy
+            extra["running"] = running
+        schedule = self.schedule.update(state.schedule, num_accepted, state.num_drafted, self.k, **extra)
         return DynamicState(inner, schedule, state.num_drafted)
 
 
