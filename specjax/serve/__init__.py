@@ -1,0 +1,23 @@
+"""Online serving: `specjax serve MODEL`, an OpenAI-compatible HTTP server.
+
+    specjax.serve.serve(model_or_path, speculative_config=None, ...)   run the server (blocks)
+    specjax.serve.make_app(engine, ...)                                the FastAPI app over an Engine
+    specjax.serve.speculative_config_to_proposer(config, target)       vLLM's --speculative-config
+
+The HTTP layer (app.py, protocol.py, scheduler.py, metrics.py) needs the `serve` extra (FastAPI,
+uvicorn, prometheus-client); it is imported on first use, so the engine and the config mapping
+load without it.
+"""
+
+from specjax.serve.config import speculative_config_to_proposer
+
+
+def __getattr__(name: str):
+    if name in ("serve", "make_app"):
+        from specjax.serve import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'specjax.serve' has no attribute {name!r}")
+
+
+__all__ = ["make_app", "serve", "speculative_config_to_proposer"]
