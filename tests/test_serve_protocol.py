@@ -105,6 +105,13 @@ def test_sampling_fields_map_onto_specjax_sampling():
         ({"prompt": "x", "stop": [1]}, "stop", "stop must be"),
         ({"prompt": "x", "stop_token_ids": [200]}, "stop_token_ids", "token id 200 outside the vocabulary"),
         ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+        (
+            {"prompt": "x", "max_tokens": 64},
+            "max_tokens",
+            "max_tokens=64: with a prompt of 1 tokens it exceeds",
+        ),
+        ({"prompt": "x" * 60}, "max_tokens", "max_tokens=16: with a prompt of 60 tokens"),
+        ({"prompt": "x" * 64}, "prompt", "the prompt has 64 tokens, the server's max_model_len is 64"),
         ({"prompt": "x", "stream": "yes"}, "stream", "stream must be true or false"),
         ({"prompt": "x", "speculative": 1}, "speculative", "speculative must be true or false"),
         (

@@ -228,17 +228,27 @@ def _sampling(body: dict, vocab_size: int) -> Sampling:
 
 def _max_tokens(body: dict, kind: str, prompt_len: int, max_model_len: int) -> int:
     """The token budget: max_completion_tokens (chat) or max_tokens; default 16 for a completion
-    (OpenAI's) and what the context leaves for a chat completion."""
-    name = (
-        "max_completion_tokens"
-        if kind == CHAT and body.get("max_completion_tokens") is not None
-        else "max_tokens"
-    )
+    (OpenAI's) and what the context leaves for a chat completion. The prompt and the budget must
+    fit in max_model_len."""
+    prompt = "messages" if kind == CHAT else "prompt"
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            f"{prompt}: the prompt has {prompt_len} tokens, the server's max_model_len is {max_model_len}",
+            param=prompt,
+        )
+    chat_budget = kind == CHAT and body.get("max_completion_tokens") is not None
+    name = "max_completion_tokens" if chat_budget else "max_tokens"
     value = body.get(name)
     if value is None:
-        return DEFAULT_COMPLETION_TOKENS if kind == COMPLETION else max(max_model_len - prompt_len, 1)
+        value = DEFAULT_COMPLETION_TOKENS if kind == COMPLETION else max_model_len - prompt_len
     if not _is_int(value) or value < 1:
         raise RequestError(f"{name} must be an integer >= 1, got {value!r}", param=name)
+    if prompt_len + value > max_model_len:
+        raise RequestError(
+            f"{name}={value}: with a prompt of {prompt_len} tokens it exceeds the server's max_model_len "
+            f"of {max_model_len} tokens",
+            param=name,
+        )
     return value
 
 

@@ -149,7 +149,8 @@ class Scheduler:
     def _handle(self, kind: str, stream: RequestStream) -> None:
         if kind == "abort":
             if stream.request_id in self._streams:  # else: refused, finished or never admitted
-                self.engine.abort(stream.request_id)  # its final Update comes from the next step
+                for update in self.engine.abort(stream.request_id):  # its final Update
+                    self._dispatch(update)
             return
         try:
             request_id = self.engine.add(stream.request)
