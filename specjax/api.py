@@ -757,17 +757,27 @@ def prepare(
         elif proposer_params is not None:  # heads (Medusa) or a custom proposer's: replicated
             proposer_params = sharding.replicate(proposer_params, mesh)
         inputs = sharding.shard_rows(inputs, mesh, B)
-    elif backend.cpu_kernels:  # the CPU decoding kernel's weight layout (see specjax.kernels)
-        # The kernels compute in float32: a bfloat16 or float16 model keeps XLA's products, so it
-        # runs in its own dtype (slowly on a CPU, which has no fast bfloat16 products).
-        if dtype == "float32":
-            params = _with_panels(params)
-        if isinstance(proposer_params, LlamaParams) and proposer_params.dtype == jnp.float32:
-            proposer_params = _with_panels(proposer_params)
-        head_panels = getattr(proposer_spec, "with_panel_weights", None)  # a trained head's own
-        if head_panels is not None and proposer_params is not None:
-            proposer_params = _with_panels(proposer_params, head_panels)
+    else:
+        params, proposer_params = kernel_weights(spec, params, proposer_params)
     return Prepared(spec, params, proposer_params, inputs, rows, samplings)
+
+
+def kernel_weights(spec: LoopSpec, params, proposer_params):
+    """The weights in the layout of the backend's kernels: with the CPU decoding kernels, the
+    target's, a draft model's and a trained head's panel weights (see specjax.kernels); as they
+    are otherwise."""
+    if not spec.backend.cpu_kernels:
+        return params, proposer_params
+    # The kernels compute in float32: a bfloat16 or float16 model keeps XLA's products, so it
+    # runs in its own dtype (slowly on a CPU, which has no fast bfloat16 products).
+    if spec.dtype == "float32":
+        params = _with_panels(params)
+    if isinstance(proposer_params, LlamaParams) and proposer_params.dtype == jnp.float32:
+        proposer_params = _with_panels(proposer_params)
+    head_panels = getattr(spec.proposer, "with_panel_weights", None)  # a trained head's own
+    if head_panels is not None and proposer_params is not None:
+        proposer_params = _with_panels(proposer_params, head_panels)
+    return params, proposer_params
 
 
 def _run(model: Model, prepared: Prepared) -> GenerateResult:

@@ -118,8 +118,12 @@ class DecodeState:
     done: jax.Array  # [B] bool: stopped (EOS, stop token or string, max_new_tokens, bad logits)
     cache: KVCache  # the target's; holds every token of the sequence but the last
     proposer_state: Any  # the proposer's own (its KV cache, ...), None for plain decoding
-    keys: jax.Array  # [B] PRNG keys, one per row; each step folds in its step number
-    step: jax.Array  # [] int32
+    keys: jax.Array  # [B] PRNG keys, one per row; each step folds in the row's own step number
+    step: jax.Array  # [] int32: steps the loop has run
+    # [B] int32: the loop's step when the row's prefill ran (0 in `generate`; a continuous batch
+    # admits rows later). A row's own step number is step - first_step, so a seeded row draws the
+    # same numbers whenever it joins (specjax/serve/engine.py).
+    first_step: jax.Array
     metrics: MetricCounters
     history: TokenHistory | None  # token counts for the penalties; None when no row has one
     stop_states: jax.Array | None  # [B] int32 stop-string automaton states; None without stops
@@ -139,6 +143,10 @@ class GenerationInputs:
     seeded: jax.Array  # [B] bool: ... where it has one
     stop_token_ids: jax.Array  # [B, M] int32: EOS and the row's stop token ids, padded with -1
     stop_strings: StopStrings | None = None
+    # [B] bool: the rows whose drafts are verified; None: every row's. A row left out makes a
+    # plain step's worth of progress per step (its drafts are marked invalid), inside a batch that
+    # speculates: a continuous batch's per-request opt-out (specjax/serve/engine.py).
+    speculate: jax.Array | None = None
 
     @classmethod
     def simple(cls, prompt_tokens, prompt_lengths, max_new_tokens, sampling, key, stop_token_ids=()):
@@ -169,7 +177,13 @@ def row_keys(inputs: GenerationInputs) -> jax.Array:
 
 
 def _step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    """keys [B] folded with each row's step number (step [] or [B])."""
+    return jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(step, keys.shape))
+
+
+def _row_step(state: DecodeState) -> jax.Array:
+    """[B] each row's own step number."""
+    return state.step - state.first_step
 
 
 def _all_finite(logits: jax.Array) -> jax.Array:
@@ -182,7 +196,7 @@ def _flag_nonfinite(state: DecodeState, finite: jax.Array, running: jax.Array) -
     bad = running & ~finite
     first = bad & (state.nonfinite_step < 0)
     return state.replace(
-        nonfinite_step=jnp.where(first, state.step, state.nonfinite_step), done=state.done | bad
+        nonfinite_step=jnp.where(first, _row_step(state), state.nonfinite_step), done=state.done | bad
     )
 
 
@@ -273,6 +287,7 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
         proposer_state=proposer_state,
         keys=keys,
         step=jnp.zeros((), jnp.int32),
+        first_step=zeros,
         metrics=MetricCounters.zeros(B, spec.k),
         history=history,
         stop_states=None if inputs.stop_strings is None else zeros,
@@ -337,7 +352,7 @@ def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: 
     B = state.tokens.shape[0]
     running = ~state.done
     state = state.replace(step=state.step + 1)
-    keys = _step_keys(state.keys, state.step)
+    keys = _step_keys(state.keys, _row_step(state))
     new, finite, cache = _score_last_token(spec, params, state, inputs.sampling, keys)
     state, num_emitted = _commit(spec, inputs, state, new[:, None], jnp.ones((B,), jnp.int32))
     state = _flag_nonfinite(state, finite, running)
@@ -507,7 +522,7 @@ def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs
     """Draft, at `width` for a Dynamic proposer that switches widths. Returns (Proposal over
     spec.k positions, proposer state)."""
     extra = {} if width is None else {"width": width}
-    return spec.proposer.propose(
+    proposal, proposer_state = spec.proposer.propose(
         params,
         proposer_params,
         state.proposer_state,
@@ -518,6 +533,9 @@ def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs
         state.history,
         **extra,
     )
+    if inputs.speculate is not None:
+        proposal = proposal.replace(valid=proposal.valid & inputs.speculate[:, None])
+    return proposal, proposer_state
 
 
 def _verify(spec: LoopSpec, params, state: DecodeState, proposal, inputs, keys, width=None, write=True):
@@ -618,7 +636,7 @@ def speculative_step(
     K = spec.k
     running = ~state.done
     state = state.replace(step=state.step + 1)
-    keys = jax.vmap(jax.random.split)(_step_keys(state.keys, state.step))  # [B, 2]
+    keys = jax.vmap(jax.random.split)(_step_keys(state.keys, _row_step(state)))  # [B, 2]
 
     widths = getattr(spec.proposer, "widths", None)
     verify_widths = None if spec.tree is not None else getattr(spec.proposer, "verify_widths", None)
@@ -674,27 +692,65 @@ def generate_program(
 ) -> DecodeState:
     """The whole generation, to be jitted with `spec` static: prefill + one while_loop, traced
     under `spec.backend` (its kernels and matmul precision)."""
-    on = spec.backend or backend.active()
-    with on.tracing():
-        if on.scans_layers:  # once, before the loop: the stacks are a copy of the layers' weights
-            params = stack_layers(params, spec.config)
-            stack_own = getattr(spec.proposer, "stack_layers", None)  # a draft model's own layers
-            if stack_own is not None and proposer_params is not None:
-                proposer_params = stack_own(proposer_params)
-        return _generation(spec, params, proposer_params, inputs)
+    with (spec.backend or backend.active()).tracing():
+        params, proposer_params = program_params(spec, params, proposer_params)
+        state = prefill(spec, params, proposer_params, inputs)
+
+        def cond(state: DecodeState) -> jax.Array:
+            return jnp.any(~state.done) & (state.step < spec.capacity)
+
+        step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)
+        return jax.lax.while_loop(cond, step, state)
 
 
-def _generation(
-    spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs
-) -> DecodeState:
-    state = prefill(spec, params, proposer_params, inputs)
+def program_params(spec: LoopSpec, params: LlamaParams, proposer_params):
+    """The weights as the program's backend reads them: on one that scans layers, each run of
+    layers stacked (a copy of their weights, made once per program before its loop), a draft
+    model's own layers too."""
+    if not (spec.backend or backend.active()).scans_layers:
+        return params, proposer_params
+    params = stack_layers(params, spec.config)
+    stack_own = getattr(spec.proposer, "stack_layers", None)  # a draft model's own layers
+    if stack_own is not None and proposer_params is not None:
+        proposer_params = stack_own(proposer_params)
+    return params, proposer_params
 
-    def cond(state: DecodeState) -> jax.Array:
-        return jnp.any(~state.done) & (state.step < spec.capacity)
 
-    def body(state: DecodeState) -> DecodeState:
-        if spec.proposer is None:
-            return plain_step(spec, params, state, inputs)
-        return speculative_step(spec, params, proposer_params, state, inputs)
+def decoding_step(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs) -> DecodeState:
+    """One step of the loop: plain or speculative."""
+    if spec.proposer is None:
+        return plain_step(spec, params, state, inputs)
+    return speculative_step(spec, params, proposer_params, state, inputs)
 
-    return jax.lax.while_loop(cond, body, state)
+
+def resume_program(
+    spec: LoopSpec,
+    params: LlamaParams,
+    proposer_params,
+    state: DecodeState,
+    inputs: GenerationInputs,
+    max_steps: jax.Array,
+    stop_when_freed: jax.Array,
+    reported: jax.Array,
+    window: int,
+) -> tuple[DecodeState, jax.Array]:
+    """Run the loop from `state` for at most max_steps [] steps, or until a row finishes when
+    stop_when_freed [] is set (requests are waiting for its slot), or until every row is done.
+
+    The continuous batch's chunk (specjax/serve/engine.py): `params` as `program_params` made
+    them (the engine stacks its weights once, not every chunk). Returns the state and, so that
+    only new tokens go to the host, tokens [B, window] of each row from column reported[b] on
+    (the host's count of the row's tokens it has seen; `window` static, >= the tokens a chunk
+    can commit past it)."""
+    with (spec.backend or backend.active()).tracing():
+        first_step, done_before = state.step, state.done
+
+        def cond(state: DecodeState) -> jax.Array:
+            freed = jnp.any(state.done & ~done_before)
+            under = state.step - first_step < max_steps
+            return jnp.any(~state.done) & under & ~(stop_when_freed & freed)
+
+        step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)
+        state = jax.lax.while_loop(cond, step, state)
+        columns = jnp.minimum(reported[:, None] + jnp.arange(window)[None, :], spec.capacity - 1)
+        return state, jnp.take_along_axis(state.tokens, columns, axis=1)

@@ -51,18 +51,21 @@ class StopStrings:
         return jnp.stack(after, axis=1), jnp.stack(stop, axis=1)
 
 
-def _aho_corasick(patterns: Sequence[str]) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
-    """(delta [S, A+1], output bitmask per state [S], alphabet {char: column}) of the automaton
-    that finds every pattern; column A stands for any character outside the patterns."""
+def _aho_corasick(patterns: Sequence[str]) -> tuple[np.ndarray, np.ndarray, dict[str, int], list[str]]:
+    """(delta [S, A+1], output bitmask per state [S], alphabet {char: column}, the prefix of a
+    pattern each state stands for [S]) of the automaton that finds every pattern; column A stands
+    for any character outside the patterns."""
     alphabet = {c: i for i, c in enumerate(sorted(set("".join(patterns))))}
     goto: list[dict[str, int]] = [{}]
     output = [0]
+    prefixes = [""]
     for bit, pattern in enumerate(patterns):
         state = 0
         for c in pattern:
             if c not in goto[state]:
                 goto.append({})
                 output.append(0)
+                prefixes.append(prefixes[state] + c)
                 goto[state][c] = len(goto) - 1
             state = goto[state][c]
         output[state] |= 1 << bit
@@ -84,12 +87,12 @@ def _aho_corasick(patterns: Sequence[str]) -> tuple[np.ndarray, np.ndarray, dict
                 queue.append(child)
             else:
                 delta[state, column] = delta[fail[state], column]
-    return delta, np.asarray(output, np.int64), alphabet
+    return delta, np.asarray(output, np.int64), alphabet, prefixes
 
 
 def token_tables(token_texts: Sequence[str], patterns: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """(next_state [S, V], matches [S, V]) for the patterns over tokens with these texts."""
-    delta, output, alphabet = _aho_corasick(patterns)
+    delta, output, alphabet, _ = _aho_corasick(patterns)
     other = len(alphabet)
     width = max(1, max(len(t) for t in token_texts))
     chars = np.full((len(token_texts), width), -1, np.int64)  # -1 pads past a token's end
@@ -147,16 +150,57 @@ def build_stop_strings(tokenizer, vocab_size: int, per_row: Sequence[Sequence[st
             f"sampling stop: {len(patterns)} distinct stop strings in one call, at most "
             f"{MAX_STOP_STRINGS} are supported"
         )
-    next_state, matches = token_tables(token_texts(tokenizer, vocab_size), patterns)
-    padded = -(-next_state.shape[0] // STATE_GRANULE) * STATE_GRANULE  # unreachable extra states
-    pad = ((0, padded - next_state.shape[0]), (0, 0))
-    bit = {s: 1 << i for i, s in enumerate(patterns)}
-    row_mask = np.array([sum(bit[s] for s in set(row)) for row in per_row], np.int32)
-    return StopStrings(
-        next_state=jnp.asarray(np.pad(next_state, pad)),
-        matches=jnp.asarray(np.pad(matches, pad)),
-        row_mask=jnp.asarray(row_mask),
-    )
+    return StopStringSet(tuple(patterns)).device_tables(tokenizer, vocab_size, per_row)
+
+
+class StopStringSet:
+    """The host side of one automaton: its patterns (bit i stands for patterns[i]) and the prefix
+    each of its states stands for, so that a continuous batch, whose set of stop strings changes
+    as requests come and go, can move a running row to the new automaton (`move_states`)."""
+
+    def __init__(self, patterns: Sequence[str]):
+        self.patterns = tuple(patterns)
+        self.delta, _, self.alphabet, self.prefixes = _aho_corasick(self.patterns)
+
+    @property
+    def num_states(self) -> int:
+        return len(self.prefixes)
+
+    def mask(self, stops: Sequence[str]) -> int:
+        """The bitmask of a row that stops at `stops` (each one of the patterns)."""
+        return sum(1 << self.patterns.index(s) for s in set(stops))
+
+    def state_after(self, text: str) -> int:
+        """The state reached by reading text from the start state."""
+        state, other = 0, len(self.alphabet)
+        for c in text:
+            state = int(self.delta[state, self.alphabet.get(c, other)])
+        return state
+
+    def move_states(self, states: np.ndarray, old: StopStringSet) -> np.ndarray:
+        """Row states of `old`'s automaton as states of this one.
+
+        A state of `old` stands for the longest end of the text read so far that begins one of
+        old's patterns. Read from the start, that prefix leads this automaton to the longest end of
+        it that begins one of this set's patterns. For a row whose own strings are in both sets,
+        that is as much of the text as its strings can still complete: what the row matches from
+        then on is what it would have matched had this automaton read the whole text."""
+        return np.asarray([self.state_after(old.prefixes[s]) for s in states], np.int32)
+
+    def device_tables(
+        self, tokenizer, vocab_size: int, per_row: Sequence[Sequence[str]], num_states: int | None = None
+    ) -> StopStrings:
+        """The device tables, padded to num_states rows (default: a multiple of STATE_GRANULE;
+        the padding states are unreachable), with row b stopping at per_row[b]."""
+        next_state, matches = token_tables(token_texts(tokenizer, vocab_size), self.patterns)
+        padded = num_states or -(-next_state.shape[0] // STATE_GRANULE) * STATE_GRANULE
+        pad = ((0, padded - next_state.shape[0]), (0, 0))
+        row_mask = np.array([self.mask(row) for row in per_row], np.int32)
+        return StopStrings(
+            next_state=jnp.asarray(np.pad(next_state, pad)),
+            matches=jnp.asarray(np.pad(matches, pad)),
+            row_mask=jnp.asarray(row_mask),
+        )
 
 
 def cut_text(text: str, stops: Sequence[str]) -> str:

@@ -1,0 +1,622 @@
+"""Continuous batching over the compiled loop: requests join and leave a running batch.
+
+The engine keeps `max_batch` slots on the device: one `DecodeState` of that many rows, with a
+cache of `max_model_len` tokens (and a verify pass's room) per row. Three compiled programs move
+it (each compiled once per shape: a prompt bucket for the first, once for the others):
+
+- admit: prefill one request (the target's cache, its proposer's state, its first token) and
+  write that row into a free slot of the batch, the other slots untouched;
+- resume (`loop.resume_program`): the decoding loop, from the batch's state, for at most
+  `chunk_steps` steps, or until a row finishes while requests wait for a slot; only each row's
+  new tokens and the metric counters come back to the host;
+- the state stays on the device between calls (donated: updated in place).
+
+Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
+`generate` on it alone, and a seeded request draws the same numbers whatever runs beside it and
+whenever it joins (its steps are numbered from its own prefill, `DecodeState.first_step`).
+
+Sampling options are per-row arrays, so one program serves every request: the engine's
+`WarpSpec` enables every option by default (the filters look at `TOP_P_CANDIDATES` logits and
+sort when a row keeps more, as `generate` does). Stop strings use one automaton over the stop
+strings of the running requests; when a request brings new ones, the automaton is rebuilt and the
+running rows carried over to it (`StopStringSet.move_states`), in tables of a fixed size
+(`max_stop_states`) so that the programs never recompile for it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.api import (
+    CAPACITY_GRANULE,
+    MIN_BUCKET,
+    _check_token_options,
+    _eos_ids,
+    available_memory_bytes,
+    kernel_weights,
+    prompt_bucket,
+)
+from specjax.kernels import backend as backends
+from specjax.models.checkpoint import dtype_name
+from specjax.models.model import Model
+from specjax.speculate.loop import (
+    DecodeState,
+    GenerationInputs,
+    LoopSpec,
+    memory_bytes,
+    num_drafted,
+    prefill,
+    program_params,
+    resume_program,
+)
+from specjax.speculate.metrics import SpecMetrics
+from specjax.speculate.proposers import resolve
+from specjax.speculate.sampling import TOP_P_CANDIDATES, Sampling, SamplingParams, WarpSpec
+from specjax.speculate.stops import MAX_STOP_STRINGS, StopStringSet, cut_text
+
+# Every sampling option on, so that any request runs in the same program; greedy rows are
+# unaffected (neutral values leave their logits bit for bit as they are).
+ALL_OPTIONS = WarpSpec(
+    greedy=False,
+    top_k=True,
+    top_p=True,
+    min_p=True,
+    penalties=True,
+    logit_bias=True,
+    candidates=TOP_P_CANDIDATES,
+)
+MAX_STOP_TOKEN_IDS = 16  # EOS and a request's stop token ids, per slot
+
+
+@dataclasses.dataclass
+class Request:
+    """One generation: a prompt's token ids and its options (as `generate` takes them)."""
+
+    prompt: Sequence[int]
+    sampling: Sampling = dataclasses.field(default_factory=Sampling)
+    max_new_tokens: int = 128
+    # False: the request's drafts are never verified (it decodes one token per step, plainly)
+    # while the batch around it speculates; its output is the same either way.
+    speculate: bool = True
+
+
+@dataclasses.dataclass
+class Update:
+    """What one engine step reports for one request: its new tokens, and counters since its
+    previous Update."""
+
+    request_id: int
+    tokens: list[int]  # committed since the previous Update (a stop token included, as generate does)
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (non-finite logits) once finished
+    num_drafts: int  # drafting steps (vLLM's num_drafts)
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_pos: list[int]  # accepted drafts at each draft position (k of them)
+    metrics: SpecMetrics | None = None  # the request's whole figures, once finished
+
+
+@dataclasses.dataclass
+class _Running:
+    """The host's view of a request in a slot."""
+
+    request_id: int
+    request: Request
+    stop_ids: frozenset[int]
+    reported: int  # tokens of the row (prompt included) already reported
+    tokens: list[int]  # generated so far
+    seen: dict[str, np.ndarray]  # counters at the previous Update
+    started: float
+
+
+_DELTAS = ("drafting_steps", "drafted", "accepted", "accepted_at")
+
+
+class Engine:
+    """A batch of `max_batch` slots that requests join and leave (see the module's docstring).
+
+    Drive it from one thread: `add` requests, call `step` while `has_work`, read the Updates.
+
+    model: a specjax Model; proposer: any proposer `generate` takes (None: plain decoding).
+    max_model_len: prompt + new tokens of one request, at most (default: the model's context).
+    chunk_steps: steps per `step` call at most: fewer report tokens sooner, more cost fewer
+        host round trips.
+    warp: the sampling code paths compiled in (default: every option; a `WarpSpec.of(...)` of the
+        requests to come makes a leaner program, and requests needing more are refused).
+    kernels, matmul_precision, cache_dtype, scan_layers: as for `generate`.
+    key: the PRNG key that requests without a seed draw from (request i uses it folded with i).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        proposer=None,
+        *,
+        max_batch: int = 8,
+        max_model_len: int | None = None,
+        chunk_steps: int = 16,
+        warp: WarpSpec | None = None,
+        kernels: str = "auto",
+        matmul_precision: str | None = None,
+        cache_dtype=None,
+        scan_layers: bool | None = None,
+        key: jax.Array | None = None,
+        max_stop_states: int = 64,
+    ):
+        if not isinstance(model, Model):
+            raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
+        context = model.config.max_position_embeddings
+        max_model_len = context if max_model_len is None else max_model_len
+        _check_int("max_batch", max_batch, 1)
+        _check_int("chunk_steps", chunk_steps, 1)
+        _check_int("max_stop_states", max_stop_states, 1)
+        _check_int("max_model_len", max_model_len, 2)
+        if max_model_len > context:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+        self.model, self.max_batch, self.max_model_len = model, max_batch, max_model_len
+        self.chunk_steps, self.proposer = chunk_steps, proposer
+        dtype = model.params.dtype.name
+        try:
+            cache_dtype = dtype if cache_dtype is None else dtype_name(cache_dtype)
+        except ValueError as error:
+            raise ValueError(f"cache_dtype: {error}") from None
+        warp = ALL_OPTIONS if warp is None else warp
+        precision = backends.default_precision(dtype, matmul_precision)
+        backend = backends.for_devices(jax.devices()[:1], kernels, precision, False, scan_layers)
+        proposer_spec, proposer_params = resolve(proposer, model, warp, None)
+        width = num_drafted(proposer_spec)
+        capacity = -(-(max_model_len + width + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
+        self.spec = LoopSpec(
+            config=model.config,
+            batch_size=max_batch,
+            prompt_bucket=MIN_BUCKET,
+            capacity=capacity,
+            warp=warp,
+            proposer=proposer_spec,
+            dtype=dtype,
+            cache_dtype=cache_dtype,
+            backend=backend,
+        )
+        self._check_memory()
+        params, proposer_params = kernel_weights(self.spec, model.params, proposer_params)
+        if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
+            with backend.tracing():
+                params, proposer_params = jax.jit(program_params, static_argnums=0)(
+                    self.spec, params, proposer_params
+                )
+        self._params, self._proposer_params = params, proposer_params
+        self.k = self.spec.k
+        self._window = chunk_steps * (self.k + 1) + 1
+        self._key = jax.random.key(0) if key is None else key
+        self._eos = frozenset(_eos_ids(model))
+        self._max_stop_states = max_stop_states
+        self._programs: dict[Any, Any] = {}
+        self.num_compiles = 0
+
+        self._ids = itertools.count()
+        self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
+        self._slots: list[_Running | None] = [None] * max_batch
+        self._samplings: list[Sampling] = [Sampling()] * max_batch
+        self._stop_strings = StopStringSet(()) if model.tokenizer is not None else None
+        self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
+        self._inputs = self._batch_inputs()
+        self._state = self._empty_state()
+
+    def _check_memory(self) -> None:
+        """Refuse a batch whose caches and working memory do not fit (before allocating them)."""
+        spec = dataclasses.replace(self.spec, prompt_bucket=prompt_bucket(self.max_model_len))
+        needed, available = memory_bytes(spec), available_memory_bytes()
+        if available is not None and needed > available:
+            gib = 1 << 30
+            raise ValueError(
+                f"max_batch={self.max_batch} and max_model_len={self.max_model_len}: the slots' caches "
+                f"({spec.capacity} slots per row) and working memory need about {needed / gib:.2f} GiB, "
+                f"but the device has {available / gib:.2f} GiB free; use a smaller max_batch or "
+                "max_model_len"
+            )
+
+    # ----- the public face -------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return sum(slot is not None for slot in self._slots)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting) or self.num_running > 0
+
+    def add(self, request: Request) -> int:
+        """Check a request and queue it; returns its id. ValueError naming what is wrong."""
+        if not isinstance(request, Request):
+            raise ValueError(f"request must be a specjax.serve.Request, got {type(request).__name__}")
+        prompt = request.prompt
+        listed = isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, str | bytes)
+        if not listed or len(prompt) == 0:
+            raise ValueError(f"prompt must be a non-empty list of token ids, got {prompt!r:.80}")
+        vocab = self.model.config.vocab_size
+        for t in prompt:
+            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
+                raise ValueError(f"prompt holds {t!r}: token ids must be integers in [0, {vocab})")
+        _check_int("max_new_tokens", request.max_new_tokens, 1)
+        if len(prompt) + request.max_new_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_new_tokens={request.max_new_tokens}: with a prompt of {len(prompt)} tokens it "
+                f"exceeds the engine's max_model_len of {self.max_model_len} tokens"
+            )
+        if not isinstance(request.sampling, Sampling):
+            raise ValueError(f"sampling must be a specjax.Sampling, got {type(request.sampling).__name__}")
+        _check_token_options([request.sampling], self.model)
+        self._check_warp(request.sampling)
+        stop_ids = self._eos | set(request.sampling.stop_token_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"sampling.stop_token_ids: {len(stop_ids)} stop token ids with EOS, at most "
+                f"{MAX_STOP_TOKEN_IDS} per request"
+            )
+        if not isinstance(request.speculate, bool):
+            raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
+        request = dataclasses.replace(request, prompt=[int(t) for t in prompt])
+        request_id = next(self._ids)
+        self._waiting.append((request_id, request))
+        return request_id
+
+    def abort(self, request_id: int) -> list[Update]:
+        """Drop a waiting or running request: its final Update (finish_reason "abort"), or [] if
+        it is not here (finished already, or never added)."""
+        for i, (waiting_id, _) in enumerate(self._waiting):
+            if waiting_id == request_id:
+                del self._waiting[i]
+                return [self._final(request_id, [], "abort", None)]
+        for b, slot in enumerate(self._slots):
+            if slot is not None and slot.request_id == request_id:
+                self._state = self._state.replace(done=self._state.done.at[b].set(True))
+                self._free(b)
+                return [self._final(request_id, [], "abort", None)]
+        return []
+
+    def step(self) -> list[Update]:
+        """Admit waiting requests into free slots, run the loop for one chunk, report."""
+        while self._waiting and None in self._slots:
+            request_id, request = self._waiting.popleft()
+            self._admit(self._slots.index(None), request_id, request)
+        if self.num_running == 0:
+            return []
+        reported = np.asarray([0 if s is None else s.reported for s in self._slots], np.int32)
+        self._state, window = self._run(
+            "resume",
+            MIN_BUCKET,
+            self._params,
+            self._proposer_params,
+            self._state,
+            self._inputs,
+            jnp.int32(self.chunk_steps),
+            jnp.asarray(bool(self._waiting)),
+            jnp.asarray(reported),
+        )
+        state = self._state
+        window, lengths, done, nonfinite, counters = jax.device_get(
+            (window, state.lengths, state.done, state.nonfinite_step, state.metrics)
+        )
+        updates = []
+        for b, slot in enumerate(self._slots):
+            if slot is not None:
+                updates.append(self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters))
+        return updates
+
+    def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
+        """Add requests and step until all are done: their new tokens by request id (for tests and
+        scripts; a server reads `step`'s Updates as they come)."""
+        ids = [self.add(r) for r in requests]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        while self.has_work:
+            for update in self.step():
+                tokens[update.request_id] += update.tokens
+        return tokens
+
+    # ----- slots -----------------------------------------------------------------------------
+
+    def _admit(self, b: int, request_id: int, request: Request) -> None:
+        """Prefill the request into slot b (one compiled program per prompt bucket)."""
+        sampling = request.sampling
+        self._samplings[b] = sampling
+        if self._stop_strings is not None and not set(sampling.stop) <= set(self._stop_strings.patterns):
+            self._grow_stop_strings(b, sampling.stop)
+        self._slots[b] = _Running(
+            request_id,
+            request,
+            self._eos | frozenset(sampling.stop_token_ids),
+            reported=len(request.prompt),
+            tokens=[],
+            seen={name: 0 for name in _DELTAS},
+            started=time.perf_counter(),
+        )
+        self._inputs = self._batch_inputs()
+        bucket = prompt_bucket(len(request.prompt))
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, : len(request.prompt)] = request.prompt
+        row = self._row_inputs(b, padded, len(request.prompt), request.max_new_tokens, request_id)
+        self._state = self._run(
+            "admit", bucket, self._params, self._proposer_params, row, self._state, jnp.int32(b)
+        )
+
+    def _free(self, b: int) -> None:
+        self._slots[b] = None
+        self._samplings[b] = Sampling()
+
+    def _report(self, b, slot: _Running, window, length, done, nonfinite, counters) -> Update:
+        new = window[: length - slot.reported].tolist()
+        slot.reported = int(length)
+        slot.tokens += new
+        now = {name: np.asarray(getattr(counters, name)[b]) for name in _DELTAS}
+        delta = {name: now[name] - slot.seen[name] for name in _DELTAS}
+        slot.seen = now
+        reason = None
+        if done:
+            reason = "error" if nonfinite >= 0 else self._finish_reason(slot)
+        update = Update(
+            request_id=slot.request_id,
+            tokens=new,
+            finished=bool(done),
+            finish_reason=reason,
+            num_drafts=int(delta["drafting_steps"]),
+            num_draft_tokens=int(delta["drafted"]),
+            num_accepted_tokens=int(delta["accepted"]),
+            accepted_per_pos=np.asarray(delta["accepted_at"]).astype(int).tolist(),
+        )
+        if done:
+            row = jax.tree.map(lambda x: np.asarray(x)[b : b + 1], counters)
+            elapsed = time.perf_counter() - slot.started
+            update.metrics = SpecMetrics.from_counters(row, k=self.k, compile_time_s=0.0, run_time_s=elapsed)
+            self._free(b)
+        return update
+
+    def _finish_reason(self, slot: _Running) -> str:
+        """ "stop" when the row ended at a stop token id or a stop string (even on its last allowed
+        token), "length" when it ran out of new tokens."""
+        if slot.tokens and slot.tokens[-1] in slot.stop_ids:
+            return "stop"
+        stops = slot.request.sampling.stop
+        if stops and self.model.tokenizer is not None:
+            text = self.model.tokenizer.decode(slot.tokens, skip_special_tokens=True)
+            if cut_text(text, stops) != text:
+                return "stop"
+        return "length"
+
+    def _final(self, request_id, tokens, reason, metrics) -> Update:
+        return Update(request_id, tokens, True, reason, 0, 0, 0, [0] * self.k, metrics)
+
+    # ----- options and stop strings ------------------------------------------------------------
+
+    def _check_warp(self, sampling: Sampling) -> None:
+        """A request may use only the sampling code paths the engine was compiled with."""
+        need, have = WarpSpec.of(sampling), self.spec.warp
+        missing = [
+            name
+            for name in ("top_k", "top_p", "min_p", "penalties", "logit_bias")
+            if getattr(need, name) and not getattr(have, name)
+        ]
+        if not need.greedy and have.greedy:
+            missing.insert(0, "temperature > 0")
+        if missing:
+            raise ValueError(
+                f"sampling: this engine was built without {', '.join(missing)} (its warp is {have}); "
+                "build it with warp=None (every option) to serve such requests"
+            )
+
+    def _tables(self, stop_strings: StopStringSet):
+        if stop_strings.num_states > self._max_stop_states:
+            raise ValueError(
+                f"sampling.stop: the stop strings of the running requests and this one need "
+                f"{stop_strings.num_states} automaton states, more than the engine's max_stop_states="
+                f"{self._max_stop_states}; use fewer or shorter stop strings, or a larger max_stop_states"
+            )
+        per_row = [s.stop for s in self._samplings]
+        return stop_strings.device_tables(
+            self.model.tokenizer, self.model.config.vocab_size, per_row, self._max_stop_states
+        )
+
+    def _grow_stop_strings(self, b: int, stops) -> None:
+        """A new automaton over the running requests' stop strings and these (the finished
+        requests' dropped), with the running rows moved to it."""
+        others = [i for i, slot in enumerate(self._slots) if slot is not None and i != b]
+        running = {s for i in others for s in self._samplings[i].stop}
+        patterns = sorted(running | set(stops))
+        if len(patterns) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"sampling.stop: the running requests and this one have {len(patterns)} distinct stop "
+                f"strings, at most {MAX_STOP_STRINGS} at once"
+            )
+        new = StopStringSet(patterns)
+        tables = self._tables(new)  # (raises before anything changes)
+        states = new.move_states(np.asarray(jax.device_get(self._state.stop_states)), self._stop_strings)
+        self._stop_strings, self._stop_tables = new, tables
+        self._state = self._state.replace(stop_states=jnp.asarray(states))
+
+    # ----- inputs and state --------------------------------------------------------------------
+
+    def _batch_inputs(self) -> GenerationInputs:
+        """The loop's per-slot inputs: each slot's options (neutral for a free slot)."""
+        B = self.max_batch
+        stop_strings = None
+        if self._stop_tables is not None:
+            masks = [self._stop_strings.mask(s.stop) for s in self._samplings]
+            stop_strings = self._stop_tables.replace(row_mask=jnp.asarray(masks, jnp.int32))
+        return GenerationInputs(
+            prompt_tokens=jnp.zeros((B, 1), jnp.int32),  # (the prefill's; the loop reads none)
+            prompt_lengths=jnp.ones((B,), jnp.int32),
+            max_new_tokens=jnp.zeros((B,), jnp.int32),
+            sampling=self._sampling_params(self._samplings),
+            key=self._key,
+            seeds=jnp.zeros((B,), jnp.uint32),
+            seeded=jnp.zeros((B,), bool),
+            stop_token_ids=jnp.asarray(self._stop_ids_table(self._slots)),
+            stop_strings=stop_strings,
+            speculate=jnp.asarray([s is None or s.request.speculate for s in self._slots]),
+        )
+
+    def _row_inputs(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int):
+        """One request's inputs for its prefill (batch 1)."""
+        sampling = self._samplings[b]
+        stop_strings = None
+        if self._stop_tables is not None:
+            mask = self._stop_strings.mask(sampling.stop)
+            stop_strings = self._stop_tables.replace(row_mask=jnp.asarray([mask], jnp.int32))
+        return GenerationInputs(
+            prompt_tokens=jnp.asarray(prompt),
+            prompt_lengths=jnp.asarray([prompt_length], jnp.int32),
+            max_new_tokens=jnp.asarray([max_new_tokens], jnp.int32),
+            sampling=self._sampling_params([sampling]),
+            key=jax.random.fold_in(self._key, request_id),
+            seeds=jnp.asarray([sampling.seed or 0], jnp.uint32),
+            seeded=jnp.asarray([sampling.seed is not None]),
+            stop_token_ids=jnp.asarray(self._stop_ids_table([self._slots[b]])),
+            stop_strings=stop_strings,
+            speculate=jnp.asarray([self._slots[b].request.speculate]),
+        )
+
+    def _sampling_params(self, rows: list[Sampling]) -> SamplingParams:
+        params = SamplingParams.of(rows, len(rows), self.model.config.vocab_size)
+        if self.spec.warp.logit_bias and params.logit_bias is None:  # the program reads one
+            params = params.replace(logit_bias=jnp.zeros((len(rows), self.model.config.vocab_size)))
+        return params
+
+    def _stop_ids_table(self, slots) -> np.ndarray:
+        table = np.full((len(slots), MAX_STOP_TOKEN_IDS), -1, np.int32)
+        for i, slot in enumerate(slots):
+            if slot is not None:
+                ids = sorted(slot.stop_ids)
+                table[i, : len(ids)] = ids
+        return table
+
+    def _empty_state(self) -> DecodeState:
+        """The batch with every slot free: a one-token request with nothing to generate, prefilled
+        once and repeated over the slots (so every slot holds a valid, finished row)."""
+        row = self._row_inputs_free()
+        one = self._run("prefill", MIN_BUCKET, self._params, self._proposer_params, row)
+        return jax.jit(functools.partial(_repeat_rows, self._batch_axes(), self.max_batch))(one)
+
+    def _row_inputs_free(self, batch: int = 1) -> GenerationInputs:
+        """Inputs of `batch` one-token prompts with nothing to generate."""
+        stop_strings = None
+        if self._stop_tables is not None:
+            stop_strings = self._stop_tables.replace(row_mask=jnp.zeros((batch,), jnp.int32))
+        return GenerationInputs(
+            prompt_tokens=jnp.zeros((batch, MIN_BUCKET), jnp.int32),
+            prompt_lengths=jnp.ones((batch,), jnp.int32),
+            max_new_tokens=jnp.zeros((batch,), jnp.int32),
+            sampling=self._sampling_params([Sampling()] * batch),
+            key=self._key,
+            seeds=jnp.zeros((batch,), jnp.uint32),
+            seeded=jnp.zeros((batch,), bool),
+            stop_token_ids=jnp.full((batch, MAX_STOP_TOKEN_IDS), -1, jnp.int32),
+            stop_strings=stop_strings,
+            speculate=jnp.ones((batch,), bool),
+        )
+
+    # ----- programs ----------------------------------------------------------------------------
+
+    def _batch_axes(self):
+        """Per leaf of a DecodeState, the axis that holds its rows (SHARED by all rows: the step
+        counter), found by comparing the state's shapes at batch sizes 1 and 2."""
+        if getattr(self, "_axes", None) is None:
+            one, two = (self._state_shapes(n) for n in (1, 2))
+            self._axes = jax.tree.map(_differing_axis, one, two)
+        return self._axes
+
+    def _state_shapes(self, batch: int):
+        spec = dataclasses.replace(self.spec, batch_size=batch)
+        inputs = self._row_inputs_free(batch)
+
+        def traced(params, proposer_params, inputs):
+            with spec.backend.tracing():
+                return prefill(spec, params, proposer_params, inputs)
+
+        return jax.eval_shape(traced, self._params, self._proposer_params, inputs)
+
+    def _run(self, kind: str, bucket: int, *args):
+        """Call a program, compiled ahead of time on its first call: a later call whose shapes
+        differ is an error, never a silent recompilation (`num_compiles` counts them all)."""
+        key = (kind, bucket)
+        if key not in self._programs:
+            self._programs[key] = self._make_program(kind, bucket).lower(*args).compile()
+            self.num_compiles += 1
+        return self._programs[key](*args)
+
+    def _make_program(self, kind: str, bucket: int):
+        spec = self.spec
+        on = spec.backend
+        if kind == "resume":
+            window = self._window
+
+            def resume(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
+                return resume_program(
+                    spec, params, proposer_params, state, inputs, max_steps, stop_when_freed, reported, window
+                )
+
+            return jax.jit(resume, donate_argnums=2)
+        row_spec = dataclasses.replace(spec, batch_size=1, prompt_bucket=bucket)
+        if kind == "prefill":
+
+            def prefill_row(params, proposer_params, inputs):
+                with on.tracing():
+                    return prefill(row_spec, params, proposer_params, inputs)
+
+            return jax.jit(prefill_row)
+        axes = self._batch_axes()
+
+        def admit(params, proposer_params, inputs, state, slot):
+            with on.tracing():
+                row = prefill(row_spec, params, proposer_params, inputs)
+            row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))  # its steps count from here
+            return _write_row(axes, state, row, slot)
+
+        return jax.jit(admit, donate_argnums=3)
+
+
+def _check_int(name: str, value, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
+
+
+SHARED = -1  # the batch axis of a leaf that all rows share
+
+
+def _differing_axis(one, two) -> int:
+    """The axis along which a leaf grows with the batch (SHARED when it does not)."""
+    axes = [i for i, (a, b) in enumerate(zip(one.shape, two.shape, strict=True)) if a != b]
+    assert len(axes) <= 1 and all(two.shape[i] == 2 * one.shape[i] for i in axes), (one, two)
+    return axes[0] if axes else SHARED
+
+
+def _write_row(axes, state, row, slot):
+    """`state` with slot `slot` replaced by `row` (a batch of one) in every per-row leaf."""
+
+    def write(axis, big, small):
+        if axis == SHARED:
+            return big
+        return jax.lax.dynamic_update_slice_in_dim(big, small, slot * small.shape[axis], axis)
+
+    return jax.tree.map(write, axes, state, row)
+
+
+def _repeat_rows(axes, batch: int, row):
+    """A batch of `batch` copies of `row` (a batch of one)."""
+
+    def repeat(axis, x):
+        return x if axis == SHARED else jnp.concatenate([x] * batch, axis)
+
+    return jax.tree.map(repeat, axes, row)

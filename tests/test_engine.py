@@ -1,0 +1,239 @@
+"""Continuous batching (specjax/serve/engine.py): requests that join a running batch at random
+steps get what `generate` gives each of them alone.
+
+The drafters accept part of the time by construction (tests/drafters.py), so accepted drafts,
+rejections and the rollbacks of every proposer's state all happen while other rows join and
+leave beside them."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from drafters import first_layer_eagle, layered_target, noisy_copy
+from tiny import tiny_model, tiny_tokenizer
+
+import specjax
+from specjax.serve import Engine, Request
+from specjax.speculate.sampling import WarpSpec
+
+TARGET = layered_target(seed=11, late_scale=0.3)
+NOISY_DRAFT = noisy_copy(TARGET, noise=0.05, seed=0)
+VOCAB = TARGET.config.vocab_size
+
+
+def _prompts(seed: int, count: int, repetitive: bool = True) -> list[list[int]]:
+    """Prompts of varied lengths (several buckets); half repeat a phrase, so prompt lookup drafts."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in range(count):
+        length = (5, 20, 37, 9, 33, 14, 26, 3)[(i + seed) % 8]  # buckets 16, 32 and 64
+        if repetitive and i % 2:
+            phrase = rng.integers(0, VOCAB, 5).tolist()
+            prompts.append((phrase * 8)[:length])
+        else:
+            prompts.append(rng.integers(0, VOCAB, length).tolist())
+    return prompts
+
+
+def drive(engine: Engine, requests: list[Request], seed: int) -> tuple[dict, dict]:
+    """Add the requests at random moments (0 to 2 before each engine step) and step until every
+    one finished. Returns (tokens, finishing Update) by position in `requests`."""
+    rng = np.random.default_rng(seed)
+    pending = list(enumerate(requests))
+    ids, tokens, final = {}, {}, {}
+    while pending or engine.has_work:
+        for _ in range(int(rng.integers(0, 3)) if engine.has_work else 1):
+            if pending:
+                position, request = pending.pop(0)
+                ids[engine.add(request)] = position
+        for update in engine.step():
+            position = ids[update.request_id]
+            tokens.setdefault(position, []).extend(update.tokens)
+            if update.finished:
+                final[position] = update
+    return tokens, final
+
+
+def alone(model, request: Request, proposer=None) -> list[int]:
+    return specjax.generate(
+        model, [request.prompt], proposer, request.sampling, request.max_new_tokens
+    ).tokens[0]
+
+
+def accepted_and_drafted(finals) -> tuple[int, int]:
+    accepted = sum(int(u.metrics.accepted.sum()) for u in finals.values())
+    drafted = sum(int(u.metrics.drafted.sum()) for u in finals.values())
+    return accepted, drafted
+
+
+PROPOSERS = {
+    "plain": lambda: None,
+    "draft": lambda: specjax.DraftModel(NOISY_DRAFT, k=3),
+    "self": lambda: specjax.SelfDraft(layers=1, k=3),
+    "ngram": lambda: specjax.NGram(k=3),
+    "eagle-tree": lambda: specjax.Eagle(
+        first_layer_eagle(TARGET), k=3, tree=specjax.TokenTree.top_k((2, 2, 1))
+    ),
+    "hybrid": lambda: specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle(first_layer_eagle(TARGET), k=2)),
+    "dynamic": lambda: specjax.Dynamic(specjax.DraftModel(NOISY_DRAFT, k=3)),
+}
+FAST = ("plain", "eagle-tree")  # the others run in make test-all (20 to 60 s each here)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in PROPOSERS]
+)
+def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
+    proposer = PROPOSERS[name]()
+    limits = (24, 9, 31, 16, 1, 20, 12)
+    requests = [Request(p, max_new_tokens=n) for p, n in zip(_prompts(1, 7), limits, strict=True)]
+    engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=3)
+    tokens, finals = drive(engine, requests, seed=2)
+    for i, request in enumerate(requests):
+        assert tokens[i] == alone(TARGET, request, proposer), i
+        assert finals[i].finish_reason == "length"
+        assert len(tokens[i]) == request.max_new_tokens
+    if proposer is not None:  # drafts were accepted in part while rows came and went
+        accepted, drafted = accepted_and_drafted(finals)
+        assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
+    # One prefill for the empty batch, one resume program, one admit program per prompt bucket:
+    # new prompts and arrivals never compile again (a call whose shapes differ would fail).
+    buckets = {specjax.api.prompt_bucket(len(r.prompt)) for r in requests}
+    assert len(buckets) >= 2 and engine.num_compiles == 2 + len(buckets)
+
+
+def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it():
+    """A seeded request draws the same tokens alone, in a crowd, and joining late; requests
+    without a seed draw from the engine's key folded with their id."""
+    proposer = specjax.DraftModel(NOISY_DRAFT, k=3)
+    sampling = specjax.Sampling(temperature=0.9, top_p=0.95, seed=1234)
+    probe = Request(_prompts(3, 1)[0], sampling=sampling, max_new_tokens=24)
+    crowd = [
+        Request(p, specjax.Sampling(temperature=1.0, top_k=20), max_new_tokens=15) for p in _prompts(4, 5)
+    ]
+
+    lone = Engine(TARGET, proposer, max_batch=1, max_model_len=96, chunk_steps=4)
+    by_itself, _ = drive(lone, [probe], seed=0)
+    engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=2)
+    first, _ = drive(engine, [probe, *crowd], seed=5)
+    late, _ = drive(engine, [*crowd[:3], probe, *crowd[3:]], seed=6)  # joins at a later step
+    assert first[0] == by_itself[0] == late[3]
+    assert len(set(map(tuple, (first[1], first[2], first[3])))) == 3  # unseeded rows differ
+
+    # With the request's own options compiled in (as `specjax.stream` does), it is generate's.
+    own = Engine(TARGET, proposer, max_batch=2, max_model_len=96, chunk_steps=4, warp=WarpSpec.of(sampling))
+    tokens, _ = drive(
+        own, [probe, dataclasses.replace(probe, sampling=dataclasses.replace(sampling, seed=7))], 1
+    )
+    assert tokens[0] == alone(TARGET, probe, proposer)
+
+
+WORDY = specjax.Model(TARGET.config, TARGET.params, tiny_tokenizer(), name="tiny-wordy")
+
+
+def test_stop_strings_of_requests_that_come_and_go():
+    """Each request stops at its own strings and token ids, while the automaton over the running
+    requests' strings is rebuilt as they come and go; finish reasons say why each ended."""
+    prompts = _prompts(7, 6, repetitive=False)
+    options = [
+        specjax.Sampling(stop=["e"]),
+        specjax.Sampling(stop=["ab", "zz"]),
+        specjax.Sampling(),
+        specjax.Sampling(stop=["Q", "e"]),
+        specjax.Sampling(stop_token_ids=[5, 17, 40]),
+        specjax.Sampling(stop=["@"]),
+    ]
+    requests = [Request(p, s, max_new_tokens=40) for p, s in zip(prompts, options, strict=True)]
+    engine = Engine(WORDY, specjax.DraftModel(WORDY, k=4), max_batch=2, max_model_len=96, chunk_steps=3)
+    tokens, finals = drive(engine, requests, seed=3)
+    reasons = []
+    for i, request in enumerate(requests):
+        expected = alone(WORDY, request, specjax.DraftModel(WORDY, k=4))
+        assert tokens[i] == expected, i
+        stopped = len(expected) < 40 or expected[-1] in request.sampling.stop_token_ids
+        text = WORDY.tokenizer.decode(expected)
+        stopped |= any(s in text for s in request.sampling.stop)
+        assert finals[i].finish_reason == ("stop" if stopped else "length"), i
+        reasons.append(finals[i].finish_reason)
+    assert "stop" in reasons and "length" in reasons
+
+
+def test_opted_out_request_decodes_plainly_in_a_speculating_batch():
+    proposer = specjax.DraftModel(NOISY_DRAFT, k=3)
+    prompts = _prompts(8, 4)
+    requests = [Request(p, max_new_tokens=20, speculate=i != 1) for i, p in enumerate(prompts)]
+    engine = Engine(TARGET, proposer, max_batch=4, max_model_len=96, chunk_steps=4)
+    tokens, finals = drive(engine, requests, seed=4)
+    for i, request in enumerate(requests):
+        assert tokens[i] == alone(TARGET, request), i
+    assert int(finals[1].metrics.drafted.sum()) == 0
+    assert int(finals[1].metrics.steps.sum()) == 19  # one token per step after the prefill's
+    assert all(int(finals[i].metrics.accepted.sum()) > 0 for i in (0, 2, 3))
+
+
+def test_abort_and_counters():
+    engine = Engine(TARGET, specjax.DraftModel(TARGET, k=2), max_batch=2, max_model_len=64, chunk_steps=2)
+    first = engine.add(Request([1, 2, 3], max_new_tokens=30))
+    waiting = [engine.add(Request([4, 5, 6], max_new_tokens=30)) for _ in range(2)]
+    updates = engine.step()
+    assert {u.request_id for u in updates} == {first, waiting[0]}
+    # The target as its own draft accepts everything: counters are exact.
+    u = updates[0]
+    assert u.num_drafts == 2 and u.num_draft_tokens == 4 and u.num_accepted_tokens == 4
+    assert u.accepted_per_pos == [2, 2] and len(u.tokens) == 1 + 2 * 3
+    assert engine.num_waiting == 1 and engine.num_running == 2
+    assert [(u.finished, u.finish_reason) for u in engine.abort(waiting[1])] == [(True, "abort")]
+    assert engine.abort(first)[0].finish_reason == "abort"
+    assert engine.abort(first) == []
+    assert engine.num_running == 1 and engine.num_waiting == 0
+    rest = []
+    while engine.has_work:
+        rest += engine.step()
+    assert rest[-1].finished and rest[-1].finish_reason == "length"
+    assert sum(len(u.tokens) for u in updates[1:] + rest) == 30
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(prompt=[]), "prompt must be a non-empty list"),
+        (dict(prompt=[1, VOCAB]), f"token ids must be integers in \\[0, {VOCAB}\\)"),
+        (dict(max_new_tokens=0), "max_new_tokens must be an integer >= 1"),
+        (dict(max_new_tokens=60), "exceeds the engine's max_model_len of 64"),
+        (dict(sampling=specjax.Sampling(logit_bias={VOCAB: 1.0})), "logit_bias has token id"),
+        (dict(speculate=None), "speculate must be True or False"),
+    ],
+)
+def test_bad_requests_are_refused_naming_the_field(change, message):
+    engine = _small_engine()
+    with pytest.raises(ValueError, match=message):
+        engine.add(dataclasses.replace(Request([1, 2, 3, 4, 5], max_new_tokens=8), **change))
+    assert engine.num_waiting == 0
+
+
+def test_engine_refuses_what_it_was_not_built_for():
+    greedy_only = Engine(TARGET, max_batch=1, max_model_len=64, warp=WarpSpec())
+    with pytest.raises(ValueError, match="built without temperature > 0"):
+        greedy_only.add(Request([1, 2], specjax.Sampling(temperature=1.0, seed=1), max_new_tokens=8))
+    with pytest.raises(ValueError, match="max_model_len=600 exceeds the model's context of 512"):
+        Engine(TARGET, max_model_len=600)
+    with pytest.raises(ValueError, match="max_batch must be an integer >= 1, got 0"):
+        Engine(TARGET, max_batch=0)
+
+
+_ENGINE = {}
+
+
+def _small_engine() -> Engine:
+    if "engine" not in _ENGINE:
+        _ENGINE["engine"] = Engine(tiny_model(0), max_batch=1, max_model_len=64)
+    return _ENGINE["engine"]
+
+
+def test_engine_keeps_jax_arrays_on_device_between_steps():
+    """The batch's state stays a device pytree between chunks: nothing of it is a numpy copy."""
+    engine = Engine(TARGET, max_batch=2, max_model_len=64, chunk_steps=2)
+    engine.add(Request([3, 1, 4, 1, 5], max_new_tokens=10))
+    engine.step()
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(engine._state))
