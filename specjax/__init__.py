@@ -36,9 +36,10 @@ from specjax.speculate import (
 
 
 def __getattr__(name: str):
-    # specjax.train (optax, orbax) and specjax.plots (matplotlib) load on first use: generation
-    # alone needs neither.
-    if name in ("train", "plots"):
+    # specjax.train (optax, orbax), specjax.plots (matplotlib) and specjax.serve (the engine, and
+    # the server's FastAPI app on first use of its own) load on first use: generation alone needs
+    # none of them.
+    if name in ("train", "plots", "serve"):
         import importlib
 
         return importlib.import_module(f"specjax.{name}")
@@ -83,5 +84,6 @@ __all__ = [
     "sharding",
     "speculate",
     "plots",
+    "serve",
     "train",
 ]

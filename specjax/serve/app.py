@@ -113,7 +113,7 @@ class _Routes:
         self.engine, self.scheduler, self.name = engine, scheduler, name
         self.tokenizer = engine.model.tokenizer
         self.vocab_size = engine.model.config.vocab_size
-        self.max_model_len = engine.max_model_len or engine.model.config.max_position_embeddings
+        self.max_model_len = engine.max_model_len
         self.speculative = engine.proposer is not None
         self.started = int(time.time())
 
