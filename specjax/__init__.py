@@ -16,6 +16,7 @@ from specjax.costs import measure_step_costs
 from specjax.export import export_arguments, export_generate
 from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load_head
+from specjax.serve.stream import StreamDelta, stream
 from specjax.speculate import (
     DFlash,
     DraftModel,
@@ -33,6 +34,7 @@ from specjax.speculate import (
     SpecMetrics,
     TokenTree,
 )
+from specjax.text import TextDeltas, chat_prompt_ids
 
 
 def __getattr__(name: str):
@@ -48,6 +50,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "__version__",
+    "stream",
+    "StreamDelta",
     "DraftModel",
     "Dynamic",
     "ForcedAcceptance",
@@ -65,9 +69,11 @@ __all__ = [
     "Sampling",
     "SelfDraft",
     "SpecMetrics",
+    "TextDeltas",
     "TokenTree",
     "ProgramCacheInfo",
     "ablate",
+    "chat_prompt_ids",
     "clear_compiled_programs",
     "estimate_memory",
     "export_arguments",

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import gc
 import os
+import reprlib
 import sys
 import time
 import weakref
@@ -33,7 +34,8 @@ from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program,
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
-from specjax.speculate.stops import build_stop_strings, cut_text
+from specjax.speculate.stops import build_stop_strings, cut_text, token_texts
+from specjax.text import Message, chat_prompt_ids, is_conversation
 
 MIN_BUCKET = 16  # shortest prompt bucket; buckets double from here up to BUCKET_STEP
 BUCKET_STEP = 64  # longer prompts round up to a multiple of this
@@ -46,6 +48,9 @@ class GenerateResult:
     texts: list[str] | None  # decoded new tokens, cut before a stop string (None without a tokenizer)
     metrics: SpecMetrics
     prompt_tokens: list[list[int]]  # the token ids each row was fed
+    # Why each row ended: "stop" (EOS, a stop token id or a stop string) or "length" (it reached
+    # max_new_tokens). A row whose last allowed token is a stop ends with "stop".
+    finish_reasons: list[str]
 
 
 def prompt_bucket(length: int) -> int:
@@ -364,43 +369,59 @@ def _compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs)
 
 
 def _tokenize(model: Model, prompts, chat: bool) -> list[list[int]]:
-    if isinstance(prompts, str):
-        prompts = [prompts]
+    """Token ids per row. `prompts` is one prompt (a str, or with chat=True a conversation: a list
+    of message dicts) or a list of prompts (strs, token-id lists, conversations)."""
+    if isinstance(prompts, str) or is_conversation(prompts):
+        return [_prompt_ids(model, prompts, "prompts", chat)]
     if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
         raise ValueError(
-            f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}"
+            "prompts must be a str, a list of str, a list of token-id lists or, with chat=True, a list "
+            f"of messages or a list of such lists, got {type(prompts).__name__}"
         )
     if len(prompts) == 0:
         raise ValueError("prompts must not be empty: got an empty list")
-    rows = []
-    for i, prompt in enumerate(prompts):
-        if isinstance(prompt, str):
-            if model.tokenizer is None:
-                raise ValueError(f"prompts[{i}] is a string but the model has no tokenizer; pass token ids")
-            if chat:
-                messages = [{"role": "user", "content": prompt}]
-                prompt = model.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=False
-                )
-                ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            else:
-                ids = model.tokenizer(prompt)["input_ids"]
-        elif isinstance(prompt, Sequence | np.ndarray) and all(
-            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
-        ):
-            ids = [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
-            if bad:
-                vocab = model.config.vocab_size
-                raise ValueError(f"prompts[{i}] holds token id {bad[0]} outside the vocabulary [0, {vocab})")
-        else:
+    return [_prompt_ids(model, prompt, f"prompts[{i}]", chat) for i, prompt in enumerate(prompts)]
+
+
+def _prompt_ids(model: Model, prompt, name: str, chat: bool) -> list[int]:
+    """One prompt's token ids; `name` is how errors call it ("prompts" or "prompts[i]")."""
+    tokenizer = model.tokenizer
+    if isinstance(prompt, str) or is_conversation(prompt):
+        what = "a string" if isinstance(prompt, str) else "a list of messages"
+        if tokenizer is None:
+            raise ValueError(f"{name} is {what} but the model has no tokenizer; pass token ids")
+        if not chat and not isinstance(prompt, str):
             raise ValueError(
-                f"prompts[{i}] must be a str or a list of int token ids, got {type(prompt).__name__}"
+                f"{name} is a list of messages: pass chat=True to render it with the tokenizer's chat "
+                "template, or give the prompt as a str or token ids"
             )
-        if len(ids) == 0:
-            raise ValueError(f"prompts[{i}] is empty: every prompt needs at least one token")
-        rows.append(ids)
-    return rows
+        if chat and not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"chat=True but the tokenizer of model {model.name!r} has no chat template; pass "
+                "chat=False and give prompts as text formatted by hand or as token ids"
+            )
+        if not chat:
+            ids = tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, str):  # one user message
+            ids = chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt}], name)
+        else:
+            ids = chat_prompt_ids(tokenizer, prompt, name)
+    elif isinstance(prompt, Sequence | np.ndarray) and all(
+        isinstance(t, int | np.integer) and not isinstance(t, bool) for t in prompt
+    ):
+        ids = [int(t) for t in prompt]
+        bad = [t for t in ids if not 0 <= t < model.config.vocab_size]
+        if bad:
+            vocab = model.config.vocab_size
+            raise ValueError(f"{name} holds token id {bad[0]} outside the vocabulary [0, {vocab})")
+    else:
+        raise ValueError(
+            f"{name} must be a str, a list of int token ids or, with chat=True, a list of messages "
+            f'{{"role": str, "content": str}}, got {type(prompt).__name__} {reprlib.repr(prompt)}'
+        )
+    if len(ids) == 0:
+        raise ValueError(f"{name} is empty: every prompt needs at least one token")
+    return ids
 
 
 def _eos_ids(model: Model) -> tuple[int, ...]:
@@ -542,7 +563,7 @@ def load(source, dtype: Any = "float32", cache_dir=None, mesh=None) -> Model:
 
 def generate(
     model: Model,
-    prompts: str | Sequence[str] | Sequence[Sequence[int]],
+    prompts: str | Sequence[str] | Sequence[Sequence[int]] | Sequence[Message] | Sequence[Sequence[Message]],
     proposer=None,
     sampling: Sampling | Sequence[Sampling] | None = None,
     max_new_tokens: int = 128,
@@ -556,6 +577,14 @@ def generate(
     scan_layers: bool | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
+
+    `prompts` is one prompt or a list of them. A prompt is a str, a list of token ids, or, with
+    `chat=True`, a conversation: a list of messages `{"role": "system" | "user" | "assistant",
+    "content": str}` rendered by the tokenizer's chat template with the assistant's turn opened
+    (`specjax.chat_prompt_ids`). With `chat=True` a str is one user message; token ids are fed as
+    they are. So a list of dicts is one conversation, a list of lists of dicts a batch of them.
+    `result.finish_reasons[b]` is "stop" where row b ended at EOS, a stop token id or a stop
+    string, "length" where it reached `max_new_tokens`.
 
     Which proposer to try first: `NGram(k=8)`, or `Dynamic(NGram(k=8))` to let each row lower k
     where drafts fail, for input-grounded work (edits, summaries, RAG, code): drafting is free
@@ -796,8 +825,8 @@ def _run(model: Model, prepared: Prepared) -> GenerateResult:
     fetch = jax.device_get if mesh is None else sharding.fetch  # the latter spans hosts too
     own_counters = getattr(spec.proposer, "counters", None)  # a proposer's own counts (Hybrid)
     own = None if own_counters is None else own_counters(state.proposer_state)
-    tokens, lengths, nonfinite_step, counters, own = fetch(
-        (state.tokens, state.lengths, state.nonfinite_step, state.metrics, own)
+    tokens, lengths, max_lengths, nonfinite_step, counters, own = fetch(
+        (state.tokens, state.lengths, state.max_lengths, state.nonfinite_step, state.metrics, own)
     )
     run_time = time.perf_counter() - start
     # Drop the padding rows: every per-row array, the metrics' counters included.
@@ -813,13 +842,50 @@ def _run(model: Model, prepared: Prepared) -> GenerateResult:
             f"(model {model.name!r})"
         )
     new_tokens = [tokens[b, len(row) : lengths[b]].tolist() for b, row in enumerate(rows)]
-    texts = None
+    texts, cut = None, [False] * num_rows
     if model.tokenizer is not None:
-        texts = [
-            cut_text(model.tokenizer.decode(t, skip_special_tokens=True), s.stop)
-            for t, s in zip(new_tokens, samplings, strict=True)
-        ]
+        whole = [model.tokenizer.decode(t, skip_special_tokens=True) for t in new_tokens]
+        texts = [cut_text(text, s.stop) for text, s in zip(whole, samplings, strict=True)]
+        cut = [len(a) < len(b) for a, b in zip(texts, whole, strict=True)]
+    at_limit = (lengths >= max_lengths)[:num_rows].tolist()
     metrics = SpecMetrics.from_counters(
         counters, k=k, compile_time_s=compile_time, run_time_s=run_time, proposer=own
     )
-    return GenerateResult(tokens=new_tokens, texts=texts, metrics=metrics, prompt_tokens=rows)
+    return GenerateResult(
+        tokens=new_tokens,
+        texts=texts,
+        metrics=metrics,
+        prompt_tokens=rows,
+        finish_reasons=_finish_reasons(model, new_tokens, samplings, at_limit, cut),
+    )
+
+
+def _finish_reasons(
+    model: Model,
+    new_tokens: list[list[int]],
+    samplings: list[Sampling],
+    at_limit: list[bool],
+    cut: list[bool],
+) -> list[str]:
+    """Why each row ended: "stop" or "length" (see GenerateResult.finish_reasons).
+
+    at_limit[b]: the row holds max_new_tokens new tokens; cut[b]: its text was cut at a stop string.
+
+    The loop marks a row done at its first stop or at its limit and keeps no record of which. A row
+    that ended short of its limit stopped. One that reached it stopped too when its last token is a
+    stop: EOS, a stop token id, or the token that completes a stop string in the token texts that
+    the loop's automaton reads (`token_texts`, from the first new token on; the loop would have
+    ended the row at any earlier occurrence). These texts can differ from the decoded text: a
+    SentencePiece tokenizer drops the first token's leading space. A row whose text was cut at a
+    stop string counts as stopped as well: the loop can miss a string holding a character split
+    across tokens (stops.py), `cut_text` cannot."""
+    eos = set(_eos_ids(model))
+    reasons = []
+    for tokens, sampling, full, was_cut in zip(new_tokens, samplings, at_limit, cut, strict=True):
+        stopped = not full or was_cut or tokens[-1] in eos | set(sampling.stop_token_ids)
+        if not stopped and sampling.stop:
+            texts = token_texts(model.tokenizer, model.config.vocab_size)  # cached per tokenizer
+            read = "".join(texts[t] for t in tokens)
+            stopped = any(s in read for s in sampling.stop)
+        reasons.append("stop" if stopped else "length")
+    return reasons

@@ -150,3 +150,17 @@ def test_bad_dflash_arguments():
         specjax.generate(
             tiny_model(seed=3, hidden_size=32), [[1, 2]], proposer=specjax.DFlash(HEAD), max_new_tokens=2
         )
+
+
+@pytest.mark.slow
+def test_dflash_on_a_mesh_equals_one_device(plain_greedy):
+    """The captured streams and the head's own cache on a (data, model) mesh: the same tokens and
+    the same drafts accepted as on one device, accepted part of the time."""
+    head = first_layer_dflash(TARGET, block_size=5, aux_layer_ids=(0, 3))
+    proposer = specjax.DFlash(head, block=2)
+    one_device = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=NEW_TOKENS)
+    mesh = specjax.sharding.make_mesh(model=2, data=2, devices=jax.devices()[:4])
+    result = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=NEW_TOKENS, mesh=mesh)
+    assert result.tokens == plain_greedy
+    assert result.metrics.accepted.tolist() == one_device.metrics.accepted.tolist()
+    check_acceptance(result.metrics, 0.2, 0.9)

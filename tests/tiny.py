@@ -41,3 +41,31 @@ def tiny_tokenizer():
     tokenizer.decoder = decoders.Fuse()
     tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
+
+
+# Pieces of the SentencePiece-style tokenizer below, besides its 256 byte tokens.
+SENTENCEPIECE_WORDS = ["▁", "▁the", "▁cat", "▁sat", "▁on", "▁mat", "ing", "▁a", ".", ","] + [
+    chr(c) for c in range(ord("a"), ord("z") + 1)
+]
+
+
+def tiny_sentencepiece_tokenizer():
+    """A Llama-2-style tokenizer (SentencePiece unigram, byte fallback): "<unk>", "<s>", "</s>",
+    the 256 byte tokens "<0x00>".."<0xFF>" (ids 3..258), then SENTENCEPIECE_WORDS. Words carry
+    their leading space as "▁"; decoding drops the space of the first token, so the decode of a
+    suffix of ids loses a space the whole sequence has, and characters outside the words are
+    spelled in UTF-8 bytes, split over several tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    # Longer pieces score higher, so "▁the" wins over "▁" + "t" + "h" + "e".
+    vocab = [(p, 0.0) for p in special] + [(w, len(w) - 10.0) for w in SENTENCEPIECE_WORDS]
+    tokenizer = Tokenizer(models.Unigram(vocab, unk_id=0, byte_fallback=True))
+    tokenizer.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )

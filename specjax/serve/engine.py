@@ -42,6 +42,7 @@ from specjax.api import (
     MIN_BUCKET,
     _check_token_options,
     _eos_ids,
+    _finish_reasons,
     available_memory_bytes,
     kernel_weights,
     prompt_bucket,
@@ -88,6 +89,9 @@ class Request:
     # False: the request's drafts are never verified (it decodes one token per step, plainly)
     # while the batch around it speculates; its output is the same either way.
     speculate: bool = True
+    # The PRNG key a sampled request without a seed draws from (as `generate`'s key for a batch
+    # of this one request); None: the engine's key folded with the request's id.
+    key: jax.Array | None = None
 
 
 @dataclasses.dataclass
@@ -197,7 +201,7 @@ class Engine:
         self._params, self._proposer_params = params, proposer_params
         self.k = self.spec.k
         self._window = chunk_steps * (self.k + 1) + 1
-        self._key = jax.random.key(0) if key is None else key
+        self._key = jax.random.key(0) if key is None else _check_key(key)
         self._eos = frozenset(_eos_ids(model))
         self._max_stop_states = max_stop_states
         self._programs: dict[Any, Any] = {}
@@ -269,6 +273,8 @@ class Engine:
             )
         if not isinstance(request.speculate, bool):
             raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
+        if request.key is not None:
+            request = dataclasses.replace(request, key=_check_key(request.key))
         request = dataclasses.replace(request, prompt=[int(t) for t in prompt])
         request_id = next(self._ids)
         self._waiting.append((request_id, request))
@@ -348,7 +354,9 @@ class Engine:
         bucket = prompt_bucket(len(request.prompt))
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : len(request.prompt)] = request.prompt
-        row = self._row_inputs(b, padded, len(request.prompt), request.max_new_tokens, request_id)
+        row = self._row_inputs(
+            b, padded, len(request.prompt), request.max_new_tokens, request_id, request.key
+        )
         self._state = self._run(
             "admit", bucket, self._params, self._proposer_params, row, self._state, jnp.int32(b)
         )
@@ -385,16 +393,14 @@ class Engine:
         return update
 
     def _finish_reason(self, slot: _Running) -> str:
-        """ "stop" when the row ended at a stop token id or a stop string (even on its last allowed
-        token), "length" when it ran out of new tokens."""
-        if slot.tokens and slot.tokens[-1] in slot.stop_ids:
-            return "stop"
-        stops = slot.request.sampling.stop
-        if stops and self.model.tokenizer is not None:
-            text = self.model.tokenizer.decode(slot.tokens, skip_special_tokens=True)
-            if cut_text(text, stops) != text:
-                return "stop"
-        return "length"
+        """As `generate`'s finish_reasons: "stop" at EOS, a stop token id or a stop string (even
+        on the row's last allowed token), "length" when it ran out of new tokens."""
+        request, tokens, cut = slot.request, slot.tokens, False
+        if request.sampling.stop and self.model.tokenizer is not None:
+            text = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = cut_text(text, request.sampling.stop) != text
+        at_limit = len(tokens) == request.max_new_tokens
+        return _finish_reasons(self.model, [tokens], [request.sampling], [at_limit], [cut])[0]
 
     def _final(self, request_id, tokens, reason, metrics) -> Update:
         return Update(request_id, tokens, True, reason, 0, 0, 0, [0] * self.k, metrics)
@@ -468,7 +474,7 @@ class Engine:
             speculate=jnp.asarray([s is None or s.request.speculate for s in self._slots]),
         )
 
-    def _row_inputs(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int):
+    def _row_inputs(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int, key):
         """One request's inputs for its prefill (batch 1)."""
         sampling = self._samplings[b]
         stop_strings = None
@@ -480,7 +486,7 @@ class Engine:
             prompt_lengths=jnp.asarray([prompt_length], jnp.int32),
             max_new_tokens=jnp.asarray([max_new_tokens], jnp.int32),
             sampling=self._sampling_params([sampling]),
-            key=jax.random.fold_in(self._key, request_id),
+            key=jax.random.fold_in(self._key, request_id) if key is None else key,
             seeds=jnp.asarray([sampling.seed or 0], jnp.uint32),
             seeded=jnp.asarray([sampling.seed is not None]),
             stop_token_ids=jnp.asarray(self._stop_ids_table([self._slots[b]])),
@@ -585,6 +591,19 @@ class Engine:
             return _write_row(axes, state, row, slot)
 
         return jax.jit(admit, donate_argnums=3)
+
+
+def _check_key(key) -> jax.Array:
+    """One jax PRNG key (a typed key, or the raw uint32 pair of jax.random.PRNGKey)."""
+    if (
+        isinstance(key, jax.Array)
+        and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+        and key.shape == ()
+    ):
+        return key
+    if isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == (2,):
+        return jax.random.wrap_key_data(key)
+    raise ValueError(f"key must be one jax PRNG key (jax.random.key(seed)), got {key!r}")
 
 
 def _check_int(name: str, value, least: int) -> None:
