@@ -38,10 +38,9 @@ from specjax.text import TextDeltas, chat_prompt_ids
 
 
 def __getattr__(name: str):
-    # specjax.train (optax, orbax), specjax.plots (matplotlib) and specjax.serve (the engine, and
-    # the server's FastAPI app on first use of its own) load on first use: generation alone needs
-    # none of them.
-    if name in ("train", "plots", "serve"):
+    # specjax.train (optax, orbax) and specjax.plots (matplotlib) load on first use: generation
+    # alone needs neither.
+    if name in ("train", "plots"):
         import importlib
 
         return importlib.import_module(f"specjax.{name}")
@@ -90,6 +89,5 @@ __all__ = [
     "sharding",
     "speculate",
     "plots",
-    "serve",
     "train",
 ]

@@ -1,15 +1,12 @@
 """The server's pieces that need no engine: OpenAI request bodies into engine requests
-(specjax/serve/protocol.py), streamed text deltas, and the Prometheus metrics."""
+(specjax/serve/protocol.py) and the Prometheus metrics (specjax/serve/metrics.py)."""
 
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from tiny import tiny_tokenizer
 
 import specjax
-from specjax.serve._text import TextDeltas
 from specjax.serve.metrics import ServerMetrics
 from specjax.serve.protocol import (
     CHAT,
@@ -19,7 +16,6 @@ from specjax.serve.protocol import (
     parse_request,
     speculate_metrics,
 )
-from specjax.speculate.stops import cut_text
 
 TOKENIZER = tiny_tokenizer()
 V = 97
@@ -205,38 +201,6 @@ def test_speculate_metrics_are_json_numbers():
     assert math.isnan(plain.summary()["acceptance_rate"])
     assert speculate_metrics(plain)["acceptance_rate"] is None  # JSON has no NaN
     assert speculate_metrics(None) is None
-
-
-# ---------------------------------------------------------------------------------------------
-# streamed text
-
-
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(st.integers(0, V - 1), max_size=30),
-    st.lists(st.integers(1, 5), min_size=1, max_size=30),
-    st.lists(st.text("abcxy ", min_size=1, max_size=3), max_size=2),
-)
-def test_text_deltas_join_to_the_whole_text(tokens, splits, stop):
-    """However the tokens arrive, the deltas join to generate's text (decoded, cut at the first
-    stop string), and a delta is never taken back."""
-    deltas, pieces, start = TextDeltas(TOKENIZER, stop), [], 0
-    for size in splits:
-        pieces.append(deltas.push(tokens[start : start + size]))
-        start += size
-    pieces.append(deltas.push(tokens[start:]))
-    pieces.append(deltas.finish())
-    assert "".join(pieces) == cut_text(TOKENIZER.decode(tokens, skip_special_tokens=True), stop)
-
-
-def test_text_deltas_hold_back_what_may_start_a_stop_string():
-    ids = TOKENIZER("xa", add_special_tokens=False)["input_ids"]
-    deltas = TextDeltas(TOKENIZER, stop=["ab"])
-    assert deltas.push(ids) == "x"  # "a" may begin "ab"
-    assert deltas.push(TOKENIZER("b", add_special_tokens=False)["input_ids"]) == ""
-    assert deltas.stopped and deltas.finish() == ""
-    deltas = TextDeltas(TOKENIZER, stop=["ab"])
-    assert deltas.push(ids) == "x" and deltas.push(TOKENIZER("c")["input_ids"]) == "ac"
 
 
 # ---------------------------------------------------------------------------------------------

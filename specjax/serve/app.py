@@ -24,7 +24,6 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specjax.serve._text import TextDeltas
 from specjax.serve.metrics import ServerMetrics
 from specjax.serve.protocol import (
     CHAT,
@@ -39,6 +38,7 @@ from specjax.serve.protocol import (
 )
 from specjax.serve.scheduler import EngineError, RequestStream, Scheduler
 from specjax.speculate.stops import cut_text
+from specjax.text import TextDeltas
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is there
 

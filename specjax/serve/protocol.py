@@ -32,6 +32,7 @@ import uuid
 from typing import Any
 
 from specjax.speculate.sampling import MAX_SEED, Sampling
+from specjax.text import chat_prompt_ids
 
 CHAT, COMPLETION = "chat", "completion"
 # OpenAI's default token budget of a completion; a chat completion may fill the context.
@@ -252,41 +253,38 @@ def _max_tokens(body: dict, kind: str, prompt_len: int, max_model_len: int) -> i
     return value
 
 
-def _message_text(message: dict, i: int) -> str | None:
-    """A message's content as text: a string, or OpenAI's list of text parts joined by newlines."""
-    content = message.get("content")
-    if content is None or isinstance(content, str):
+def _message_text(message, i: int):
+    """A message's content, OpenAI's list of text parts joined by newlines (what vLLM does); a
+    string, None or anything else stays as it is, for chat_prompt_ids to check."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
         return content
-    if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
-            return "\n".join(texts)
+    texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+    if len(texts) == len(content) and all(isinstance(t, str) for t in texts):
+        return "\n".join(texts)
     raise RequestError(
         f"messages[{i}].content must be a string or a list of text parts, got {content!r}",
         param=f"messages[{i}].content",
     )
 
 
-def chat_prompt_ids(tokenizer, messages) -> list[int]:
-    """The chat template over the messages, with the generation prompt, as token ids (what
-    `generate(..., chat=True)` feeds for one user message)."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("messages must be a non-empty list of messages", param="messages")
-    checked = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(
-                f"messages[{i}] must be an object with a role and a content, got {message!r}",
-                param=f"messages[{i}]",
-            )
-        checked.append({**message, "content": _message_text(message, i)})
+def chat_prompt(tokenizer, messages) -> list[int]:
+    """The prompt token ids of a chat request: the chat template over the messages with the
+    assistant's turn opened (`specjax.chat_prompt_ids`, which `generate` uses too)."""
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("the served model's tokenizer has no chat template: use /v1/completions")
+    if isinstance(messages, list):
+        messages = [
+            {**m, "content": _message_text(m, i)} if isinstance(m, dict) else m
+            for i, m in enumerate(messages)
+        ]
     try:
-        text = tokenizer.apply_chat_template(checked, add_generation_prompt=True, tokenize=False)
+        return chat_prompt_ids(tokenizer, messages)
+    except ValueError as error:  # 'messages[1]["content"] must be a str ...': it names the message
+        name = re.match(r"messages(\[\d+\])?", str(error))
+        raise RequestError(str(error), param=name.group(0) if name else "messages") from None
     except Exception as error:  # the template's own checks (jinja2's TemplateError: roles, order)
         raise RequestError(f"messages: the chat template refused them: {error}", param="messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
@@ -316,7 +314,7 @@ def parse_request(body: Any, kind: str, tokenizer, vocab_size: int, max_model_le
         raise RequestError("the request body must be a JSON object")
     _check_fields(body, kind)
     if kind == CHAT:
-        prompt = chat_prompt_ids(tokenizer, body.get("messages"))
+        prompt = chat_prompt(tokenizer, body.get("messages"))
     else:
         if "prompt" not in body:
             raise RequestError("prompt is required", param="prompt")
