@@ -21,9 +21,14 @@ import contextlib
 import json
 import time
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specjax.models import Model, load
+from specjax.serve.config import speculative_config_to_proposer
+from specjax.serve.engine import Engine
+from specjax.serve.engine import Request as EngineRequest
 from specjax.serve.metrics import ServerMetrics
 from specjax.serve.protocol import (
     CHAT,
@@ -140,8 +145,6 @@ class _Routes:
     async def _admit(self, parsed: GenerationRequest) -> RequestStream:
         """Hand the request to the scheduler and wait for the engine to take it (a ValueError
         from engine.add is the client's mistake: HTTP 400)."""
-        from specjax.serve.engine import Request as EngineRequest
-
         request = EngineRequest(
             prompt=parsed.prompt,
             sampling=parsed.sampling,
@@ -167,7 +170,9 @@ class _Routes:
             return None
         return speculate_metrics(update.metrics)
 
-    async def _whole(self, http_request: Request, stream: RequestStream, parsed, responder) -> dict:
+    async def _whole(
+        self, http_request: Request, stream: RequestStream, parsed: GenerationRequest, responder: Responder
+    ) -> dict:
         """Wait for every token, aborting the request if its client disconnects meanwhile."""
         watcher = asyncio.create_task(_watch_disconnect(http_request, stream))
         tokens, finished = [], None
@@ -268,17 +273,11 @@ def serve(
         the most loop steps between two looks at the queue (specjax.serve.engine.Engine).
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
     """
-    import uvicorn
-
-    import specjax
-    from specjax.serve.config import speculative_config_to_proposer
-    from specjax.serve.engine import Engine
-
     if proposer is not None and speculative_config is not None:
         raise ValueError("serve: give a proposer or a speculative_config, not both")
-    if not isinstance(model, specjax.Model):
+    if not isinstance(model, Model):
         served_model_name = served_model_name or str(model)
-        model = specjax.load(model, dtype=dtype)
+        model = load(model, dtype=dtype)
     if proposer is None:
         proposer = speculative_config_to_proposer(speculative_config, model)
     engine = Engine(
