@@ -1,0 +1,226 @@
+"""Serving under load: throughput and latency of `specjax serve` against the number of clients.
+
+    .venv/bin/python benchmarks/serving.py [--clients 1 2 4 8 16] [--modes plain ngram dynamic]
+        [--per-category 2] [--max-new-tokens 128] [--max-batch 16] [--chunk-steps 16]
+        [--llama-cpp-url http://127.0.0.1:8080/v1]
+
+The built-in model is served in this process (the FastAPI app of specjax/serve on uvicorn, on a
+free localhost port) with max_batch slots; for each level of offered load, N clients (the
+official `openai` async client) each take the next Spec-Bench prompt from one shared list and send
+it as a streamed chat completion (greedy, max_new_tokens, the prompt's first turn), then the
+next, until the list is done: a closed loop of N requests in flight. Per level: output tokens per
+second of wall time (all requests), time to first token and inter-token latency (the gaps between
+a request's streamed chunks over the tokens they carried), p50 and p99, and the drafts accepted.
+
+Modes: plain decoding; NGram(k=5, n_min=3) (prompt lookup); Dynamic(NGram(k=5, n_min=3)) with a
+GoodputSchedule whose costs were measured on this machine at batch 1 (see the goodput note in
+docs/benchmarks.md). One warm-up pass over a few prompts at each batch size compiles the programs
+(admission per prompt bucket, the loop) before the timed levels.
+
+`--llama-cpp-url` points the same clients at a llama.cpp server (`python -m llama_cpp.server
+--model F32.gguf --n_threads 2 --n_ctx 2048` in its own venv, see ../shared/CPU_PERFORMANCE.md
+for building llama-cpp-python) for a side-by-side row; it applies its own chat template.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import threading
+import time
+
+import numpy as np
+from common import data_dir
+
+import specjax
+from specjax.bench import machine, markdown_table, spec_bench_prompts
+
+MODES = ("plain", "ngram", "dynamic")
+
+
+def proposer_for(mode: str, model, prompts):
+    if mode == "plain":
+        return None
+    ngram = specjax.NGram(k=5, n_min=3)
+    if mode == "ngram":
+        return ngram
+    schedule = specjax.GoodputSchedule.measure(model, ngram, prompts[:4], max_new_tokens=64)
+    print(f"  goodput schedule: draft_cost {schedule.draft_cost:.3f}, verify_cost {schedule.verify_cost:.3f}")
+    return specjax.Dynamic(ngram, schedule)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """The app on uvicorn in a background thread, for the duration of a `with`."""
+
+    def __init__(self, engine):
+        import uvicorn
+
+        from specjax.serve import make_app
+
+        self.port = free_port()
+        config = uvicorn.Config(make_app(engine), host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join()
+
+
+async def one_request(client, model_name: str, prompt: str, max_new_tokens: int) -> dict:
+    """A streamed chat completion: its chunk arrival times and token counts."""
+    start = time.perf_counter()
+    stream = await client.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_new_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    arrivals, tokens = [], 0
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return {"start": start, "arrivals": arrivals, "tokens": tokens, "end": time.perf_counter()}
+
+
+async def offered_load(url: str, model_name: str, prompts: list[str], clients: int, max_new_tokens: int):
+    """N clients in a closed loop over the prompts; returns the per-request records and wall time."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url, api_key="unused", timeout=3600, max_retries=0)
+    queue = list(prompts)
+    records = []
+
+    async def worker():
+        while queue:
+            prompt = queue.pop(0)
+            records.append(await one_request(client, model_name, prompt, max_new_tokens))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    wall = time.perf_counter() - start
+    await client.close()
+    return records, wall
+
+
+def summarize(records: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    ttft = [r["arrivals"][0] - r["start"] for r in records if r["arrivals"]]
+    # Inter-token latency: each gap between two streamed chunks, spread over the tokens the later
+    # chunk carried (a chunk of the loop carries several tokens), weighted by them.
+    itl = []
+    for r in records:
+        if len(r["arrivals"]) > 1 and r["tokens"] > 1:
+            per_token = (r["arrivals"][-1] - r["arrivals"][0]) / (r["tokens"] - 1)
+            itl.append(per_token)
+    return {
+        "tokens/s": tokens / wall,
+        "ttft p50": _percentile(ttft, 50),
+        "ttft p99": _percentile(ttft, 99),
+        "itl p50 (ms)": 1000 * _percentile(itl, 50),
+        "itl p99 (ms)": 1000 * _percentile(itl, 99),
+        "requests": len(records),
+        "tokens": tokens,
+    }
+
+
+def _percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA)")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--llama-cpp-url", help="a llama.cpp server's /v1 URL, for a side-by-side row")
+    args = parser.parse_args()
+
+    prompts = [p for _, p in spec_bench_prompts(data_dir(args.data), args.per_category)]
+    model = specjax.load("smollm2-135m")
+    print(
+        f"machine: {machine()}\n{len(prompts)} Spec-Bench prompts, {args.max_new_tokens} new tokens, greedy"
+    )
+    header = [
+        "server",
+        "mode",
+        "clients",
+        "tokens/s",
+        "ttft p50 (s)",
+        "ttft p99 (s)",
+        "itl p50 (ms)",
+        "itl p99 (ms)",
+    ]
+    rows = []
+    for mode in args.modes:
+        from specjax.serve import Engine
+
+        chat_ids = [
+            specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts
+        ]
+        engine = Engine(
+            model,
+            proposer_for(mode, model, chat_ids),
+            max_batch=args.max_batch,
+            max_model_len=args.max_model_len,
+            chunk_steps=args.chunk_steps,
+        )
+        with Server(engine) as server:
+            # Warm-up: every prompt bucket's admission and the loop, compiled before timing.
+            asyncio.run(offered_load(server.url, model.name, prompts, args.max_batch, 8))
+            for clients in args.clients:
+                records, wall = asyncio.run(
+                    offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
+                )
+                s = summarize(records, wall)
+                row = ["specjax", mode, clients, s["tokens/s"], s["ttft p50"], s["ttft p99"]]
+                rows.append(row + [s["itl p50 (ms)"], s["itl p99 (ms)"]])
+                print(markdown_table(header, [rows[-1]]).splitlines()[-1], flush=True)
+    if args.llama_cpp_url:
+        for clients in args.clients:
+            records, wall = asyncio.run(
+                offered_load(args.llama_cpp_url, "model", prompts, clients, args.max_new_tokens)
+            )
+            s = summarize(records, wall)
+            row = ["llama.cpp", "plain", clients, s["tokens/s"], s["ttft p50"], s["ttft p99"]]
+            rows.append(row + [s["itl p50 (ms)"], s["itl p99 (ms)"]])
+            print(markdown_table(header, [rows[-1]]).splitlines()[-1], flush=True)
+    print()
+    print(markdown_table(header, rows))
+    by = {(r[0], r[1], r[2]): r[3] for r in rows}
+    for (server, mode, clients), rate in by.items():
+        alone = by.get((server, mode, 1))
+        if clients > 1 and alone:
+            print(f"{server} {mode}: {clients} clients at {rate / alone:.2f}x the throughput of one")
+
+
+if __name__ == "__main__":
+    main()
