@@ -3,6 +3,7 @@
     specjax generate "prompt" [...] [--model smollm2-135m] [--proposer ngram --k 4] [--json]
     specjax bench [--methods plain,ngram,eagle] [--categories qa] [--format markdown|csv] [--out FILE]
     specjax ablate SPEC.yaml --out DIR
+    specjax serve MODEL [--host H] [--port P] [--speculative-config JSON] [options]
     specjax train-medusa [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-eagle3 [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
@@ -566,6 +567,87 @@ def add_ablate_command(commands) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# specjax serve
+
+SERVE_HELP = """An OpenAI-compatible HTTP server (FastAPI and uvicorn) over specjax's engine, which
+batches requests continuously over the compiled loop.
+
+    specjax serve smollm2-135m --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
+    specjax serve ./my-model --host 0.0.0.0 --port 8001 --max-batch 16 --served-model-name mine
+
+Routes: /v1/chat/completions and /v1/completions (stream=true: server-sent events), /v1/models,
+/health and /metrics (Prometheus, vLLM's names under the prefix specjax:). --speculative-config
+takes vLLM's and FastDeploy's keys: "method" (ngram, draft_model, eagle, eagle3, medusa, dflash;
+specjax's self_draft and specjax), "num_speculative_tokens", "model" (a draft model, or a head's
+folder), "prompt_lookup_max", "prompt_lookup_min" (see specjax/serve/config.py). A request may
+send "speculative": false to be decoded without the proposer.
+"""
+
+
+def serve_command(args: argparse.Namespace) -> None:
+    try:
+        from specjax.serve import serve
+    except ModuleNotFoundError as error:
+        if error.name not in ("fastapi", "starlette", "uvicorn", "prometheus_client"):
+            raise
+        raise ValueError(
+            f"the server needs FastAPI, uvicorn and prometheus-client ({error.name} is missing): "
+            "pip install 'specjax[serve]'"
+        ) from None
+    serve(
+        args.model,
+        args.speculative_config,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        max_batch=args.max_batch,
+        max_model_len=args.max_model_len,
+        chunk_steps=args.chunk_steps,
+        served_model_name=args.served_model_name,
+        metrics_prefix=args.metrics_prefix,
+    )
+
+
+def add_serve_command(commands) -> None:
+    command = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat and completions, streamed; Prometheus metrics)",
+        description=SERVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("model", metavar="MODEL", help="built-in name, HF folder or .gguf file")
+    command.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    command.add_argument("--port", type=positive_int, default=8000, help="default 8000")
+    command.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default float32"
+    )
+    command.add_argument(
+        "--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)"
+    )
+    command.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        help="the longest prompt plus answer, in tokens (default: the engine's, from the model's context)",
+    )
+    command.add_argument(
+        "--chunk-steps",
+        type=positive_int,
+        default=16,
+        help="loop steps between two looks at the queue (default 16)",
+    )
+    command.add_argument(
+        "--speculative-config", type=json_value, help='vLLM\'s JSON object, e.g. \'{"method": "ngram"}\''
+    )
+    command.add_argument("--served-model-name", help="the model's id in the API (default: MODEL as given)")
+    command.add_argument(
+        "--metrics-prefix",
+        default="specjax:",
+        help="prefix of the Prometheus names (default specjax:; vllm: gives vLLM's exact names)",
+    )
+    command.set_defaults(run=serve_command)
+
+
+# ---------------------------------------------------------------------------------------------
 # specjax train-medusa, train-eagle
 
 
@@ -643,6 +725,7 @@ def parser() -> argparse.ArgumentParser:
     add_generate_command(commands)
     add_bench_command(commands)
     add_ablate_command(commands)
+    add_serve_command(commands)
     medusa = commands.add_parser(
         "train-medusa", help="train Medusa heads for a model by self-distillation", description=TRAIN_HELP
     )

@@ -67,7 +67,7 @@ def data_folder(tmp_path):
 # --help and errors
 
 
-@pytest.mark.parametrize("command", ["generate", "bench", "ablate", *COMMANDS])
+@pytest.mark.parametrize("command", ["generate", "bench", "ablate", "serve", *COMMANDS])
 def test_help_of_every_command(command, capsys):
     assert cli.main([command, "--help"]) == 0
     out = capsys.readouterr().out
@@ -112,6 +112,10 @@ BAD_ARGUMENTS = [
     (["bench", "--repeats", "0"], "argument --repeats: must be an integer >= 1"),
     (["ablate", "{tmp}/sweep.yaml", "--out", "{tmp}/out"], "no such file '{tmp}/sweep.yaml'"),
     (["ablate", "{tmp}/sweep.yaml"], "the following arguments are required: --out"),
+    (["serve"], "the following arguments are required: MODEL"),
+    (["serve", "m", "--port", "0"], "specjax serve: error: argument --port: must be an integer >= 1"),
+    (["serve", "m", "--speculative-config", "{"], "argument --speculative-config: not valid JSON"),
+    (["serve", "{tmp}/no-model"], "no-model"),
 ]
 
 
@@ -120,7 +124,7 @@ def test_bad_arguments_are_one_line(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    command = argv[0] if argv[0] in ("generate", "bench", "ablate") else None
+    command = argv[0] if argv[0] in ("generate", "bench", "ablate", "serve") else None
     assert err.count("\n") == 1, err
     assert err.startswith(f"specjax {command}: error: " if command else "specjax: error: ")
     assert message.replace("{tmp}", str(tmp_path)) in err

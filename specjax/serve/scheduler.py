@@ -1,0 +1,206 @@
+"""The one thread that drives the engine, and the channel from it to each HTTP request.
+
+The engine is not thread-safe and its `step()` blocks while the device runs a chunk of the
+compiled loop, so it lives on a thread of its own. HTTP handlers (on the asyncio event loop)
+never touch it: they put requests and aborts in the scheduler's inbox, a thread-safe queue, and
+read their request's Updates from an asyncio queue that the scheduler fills through
+`loop.call_soon_threadsafe`. The scheduler loop:
+
+    take everything in the inbox: engine.add each new request (its id or its ValueError goes
+        back to the handler), engine.abort each request whose client went away
+    engine.step() while the engine has work (else wait for the inbox)
+    hand each Update to its request's queue, and count it in the metrics
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+
+from specjax.serve.metrics import ServerMetrics
+
+log = logging.getLogger("specjax.serve")
+
+IDLE_WAIT_S = 0.1  # how often an idle scheduler looks up from its inbox (to notice stop())
+
+
+class EngineError(RuntimeError):
+    """The engine failed, or the server stopped, while a request was open."""
+
+
+class RequestStream:
+    """One request on its way through the scheduler: made by the HTTP handler (on the event
+    loop), then filled by the scheduler thread."""
+
+    def __init__(self, request, loop: asyncio.AbstractEventLoop):
+        self.request = request  # an engine Request
+        self.loop = loop
+        self.admitted: asyncio.Future = loop.create_future()  # the engine's request id, or its error
+        self.updates: asyncio.Queue = asyncio.Queue()  # Updates, then possibly an exception
+        self.arrival = time.monotonic()
+        # The scheduler thread's own bookkeeping.
+        self.request_id: int | None = None
+        self.last_tokens_at: float | None = None
+
+    # Called on the scheduler thread: each hands a value over to the event loop.
+
+    def _hand_over(self, callback, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop has closed (the server stopped): no one is listening
+            pass
+
+    def admit(self, request_id: int) -> None:
+        self.request_id = request_id
+        self._hand_over(_settle, self.admitted, request_id, None)
+
+    def reject(self, error: Exception) -> None:
+        self._hand_over(_settle, self.admitted, None, error)
+
+    def put(self, update) -> None:
+        self._hand_over(self.updates.put_nowait, update)
+
+    def fail(self, error: EngineError) -> None:
+        """End the request with an error (admitted or not)."""
+        self.reject(error)
+        self._hand_over(self.updates.put_nowait, error)
+
+    # Called on the event loop.
+
+    async def next_update(self):
+        """The next Update; raises the error the scheduler ended the request with."""
+        item = await self.updates.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def _settle(future: asyncio.Future, result, error) -> None:
+    if future.done():  # cancelled: the handler stopped waiting
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class Scheduler:
+    """Owns the engine on a background thread; `submit` and `abort` may be called from anywhere."""
+
+    def __init__(self, engine, metrics: ServerMetrics):
+        self.engine = engine
+        self.metrics = metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", RequestStream) or None
+        self._streams: dict[int, RequestStream] = {}  # by engine request id, until finished
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # what stopped the thread, if it died
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="specjax-scheduler", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish the chunk in progress, end every open request with an error, and join."""
+        self._stopping.set()
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(self, stream: RequestStream) -> None:
+        self._inbox.put(("add", stream))
+
+    def abort(self, stream: RequestStream) -> None:
+        self._inbox.put(("abort", stream))
+
+    # ---- on the scheduler thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping.is_set():
+                self._take_inbox(wait=not self.engine.has_work)
+                if self.engine.has_work:
+                    self._step()
+                self.metrics.set_queue(self.engine.num_running, self.engine.num_waiting)
+            self._end_all(EngineError("the server is shutting down"))
+        except BaseException as error:  # a bug here: fail the open requests, /health reports it
+            self.error = error
+            log.exception("the scheduler thread stopped")
+            self._end_all(EngineError(f"the server's scheduler stopped: {error!r}"))
+            raise
+
+    def _take_inbox(self, wait: bool) -> None:
+        """Handle every message in the inbox; when `wait`, wait a little for the first."""
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if wait else self._inbox.get_nowait()
+            while item is not None:  # None: stop() was called
+                self._handle(*item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _handle(self, kind: str, stream: RequestStream) -> None:
+        if kind == "abort":
+            if stream.request_id in self._streams:  # else: refused, finished or never admitted
+                for update in self.engine.abort(stream.request_id):  # its final Update
+                    self._dispatch(update)
+            return
+        try:
+            request_id = self.engine.add(stream.request)
+        except ValueError as error:  # a bad request: the handler answers 400
+            stream.reject(error)
+            return
+        self._streams[request_id] = stream
+        stream.admit(request_id)
+        self.metrics.admitted(len(stream.request.prompt))
+
+    def _step(self) -> None:
+        try:
+            updates = self.engine.step()
+        except Exception as error:  # the device work failed (e.g. non-finite logits): fail its requests
+            log.exception("engine.step() failed")
+            self._end_all(EngineError(f"the engine failed: {error!r}"))
+            return
+        for update in updates:
+            self._dispatch(update)
+
+    def _dispatch(self, update) -> None:
+        stream = self._streams.get(update.request_id)
+        if stream is None:
+            return
+        now = time.monotonic()
+        since_last = None if stream.last_tokens_at is None else now - stream.last_tokens_at
+        self.metrics.observe_tokens(len(update.tokens), now - stream.arrival, since_last)
+        if update.tokens:
+            stream.last_tokens_at = now
+        self.metrics.speculated(
+            update.num_drafts, update.num_draft_tokens, update.num_accepted_tokens, update.accepted_per_pos
+        )
+        if update.finished:
+            del self._streams[update.request_id]
+            self.metrics.finished(update.finish_reason, now - stream.arrival)
+        stream.put(update)
+
+    def _end_all(self, error: EngineError) -> None:
+        """End every open request with `error`, dropping it from the engine."""
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine may be past helping; the request ends here either way
+                pass
+            stream.fail(error)
+        self._streams.clear()
+        while True:  # requests not yet admitted
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None and item[0] == "add":
+                item[1].fail(error)

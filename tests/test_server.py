@@ -1,0 +1,362 @@
+"""The OpenAI-compatible server (specjax/serve/app.py) over the real engine, queried with the
+openai client: a request's text, tokens and finish reason are what `generate` gives its prompt
+alone (greedy), streamed or not, one request at a time or several at once.
+
+Two servers run on local ports for the whole module: a completions server over a tiny random
+model with the character tokenizer of tests/tiny.py, speculating with a DraftModel that is the
+target itself (every draft is accepted, so the acceptance counters are known exactly), and a
+chat server, plain decoding, over a tiny random model with SmolLM2's vocabulary and chat
+template."""
+
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+from hf_export import save_hf_folder
+from prometheus_client.parser import text_string_to_metric_families
+from tiny import tiny_model, tiny_tokenizer
+
+import specjax
+from specjax.serve import make_app
+from specjax.serve.engine import Engine
+
+TEXT_MODEL = dataclasses.replace(tiny_model(seed=3), tokenizer=tiny_tokenizer(), name="tiny")
+PROMPTS = ["Hello, world", "To be or not", "abcabcabc", "x"]
+
+
+def fetch(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+    """(status, body) of a plain HTTP request (the standard library's client)."""
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+class Running:
+    """A uvicorn server for `app` on a free local port, on a background thread."""
+
+    def __init__(self, app):
+        listening = socket.socket()
+        listening.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{listening.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listening]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.02)
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=300)
+
+    def metrics(self) -> dict:
+        """/metrics as {(sample name, sorted labels but model_name): value}."""
+        text = fetch("GET", f"{self.url}/metrics")[1].decode()
+        return {
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def close(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def text_server():
+    # chunk_steps=2: a request's tokens come back over several Updates (several streamed deltas)
+    engine = Engine(
+        TEXT_MODEL, specjax.DraftModel(TEXT_MODEL, k=3), max_batch=2, max_model_len=96, chunk_steps=2
+    )
+    server = Running(make_app(engine))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def chat_model(smollm2):
+    return dataclasses.replace(
+        tiny_model(seed=5, vocab_size=smollm2.config.vocab_size, hidden_size=32, intermediate_size=48),
+        tokenizer=smollm2.tokenizer,
+        name="tiny-chat",
+    )
+
+
+@pytest.fixture(scope="module")
+def chat_server(chat_model):
+    engine = Engine(chat_model, None, max_batch=2, max_model_len=320, chunk_steps=2)
+    server = Running(make_app(engine, served_model_name="chat"))
+    yield server
+    server.close()
+
+
+def generated(model, prompt, max_new_tokens, chat=False, **sampling):
+    """(text, tokens, finish reason) of `generate` on the prompt alone, greedy."""
+    result = specjax.generate(
+        model, [prompt], sampling=specjax.Sampling(**sampling), max_new_tokens=max_new_tokens, chat=chat
+    )
+    tokens = result.tokens[0]
+    stopped = len(tokens) < max_new_tokens or tokens[-1] in specjax.api._eos_ids(model)
+    return result.texts[0], tokens, "stop" if stopped else "length"
+
+
+def completion(server, prompt, max_tokens, stream=False, **options):
+    """(text, finish reason, usage, speculate_metrics, chunks with text) of a completions request,
+    streamed or not."""
+    create = server.client.completions.create
+    if not stream:
+        response = create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0, **options)
+        choice = response.choices[0]
+        return choice.text, choice.finish_reason, response.usage, choice.speculate_metrics, 1
+    chunks = list(
+        create(
+            model="tiny",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            **options,
+        )
+    )
+    assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+    last = chunks[-2].choices[0]
+    assert last.finish_reason is not None and all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    texts = [c.choices[0].text for c in chunks[:-1]]
+    return "".join(texts), last.finish_reason, chunks[-1].usage, last.speculate_metrics, sum(map(bool, texts))
+
+
+# ---------------------------------------------------------------------------------------------
+# completions
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_generate(text_server, stream):
+    for prompt in PROMPTS[:2]:
+        text, tokens, reason = generated(TEXT_MODEL, prompt, 24)
+        got, finish_reason, usage, spec, pieces = completion(text_server, prompt, 24, stream=stream)
+        assert (got, finish_reason) == (text, reason)
+        assert pieces >= (2 if stream else 1)  # streamed, the text comes in several deltas
+        prompt_tokens = len(TEXT_MODEL.tokenizer(prompt)["input_ids"])
+        assert (usage.prompt_tokens, usage.completion_tokens) == (prompt_tokens, len(tokens))
+        assert usage.total_tokens == prompt_tokens + len(tokens)
+        # the target drafting for itself: every draft accepted
+        assert spec["acceptance_rate"] == 1.0 and spec["num_drafts"] > 0
+        assert spec["num_accepted_tokens"] == spec["num_draft_tokens"] == 3 * spec["num_drafts"]
+
+
+def test_finish_reasons_stop_and_length(text_server):
+    text, plain_tokens, reason = generated(TEXT_MODEL, PROMPTS[0], 24)
+    assert reason == "length" and len(text) >= 12
+    stop = text[8:10]  # ends the answer at its first occurrence, at the latest after 10 characters
+    expected, tokens, _ = generated(TEXT_MODEL, PROMPTS[0], 24, stop=[stop])
+    assert len(expected) <= 8
+    for stream in (False, True):
+        got, finish_reason, usage, _, _ = completion(text_server, PROMPTS[0], 24, stream=stream, stop=stop)
+        assert (got, finish_reason, usage.completion_tokens) == (expected, "stop", len(tokens))
+    # a stop token id ends it too, the token counted
+    stop_id = plain_tokens[4]
+    _, tokens, _ = generated(TEXT_MODEL, PROMPTS[0], 24, stop_token_ids=[stop_id])
+    response = text_server.client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"stop_token_ids": [stop_id]},
+    )
+    assert response.choices[0].finish_reason == "stop" and response.usage.completion_tokens == len(tokens)
+
+
+def test_concurrent_requests_each_equal_generate_alone(text_server):
+    """Five requests at once on two slots: they wait, join and leave the batch in any order."""
+    jobs = [(prompt, 8 + 5 * i, i % 2 == 1) for i, prompt in enumerate(PROMPTS + ["Once upon a time"])]
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: completion(text_server, job[0], job[1], job[2])[:2], jobs))
+    for (prompt, max_tokens, _), answer in zip(jobs, answers, strict=True):
+        text, _, reason = generated(TEXT_MODEL, prompt, max_tokens)
+        assert answer == (text, reason)
+
+
+def test_spec_decode_counters_rise_and_the_opt_out_keeps_them(text_server):
+    before = text_server.metrics()
+    _, _, usage, spec, _ = completion(text_server, PROMPTS[1], 20)
+    after = text_server.metrics()
+
+    def rise(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert rise("specjax:spec_decode_num_drafts_total") == spec["num_drafts"] > 0
+    assert rise("specjax:spec_decode_num_draft_tokens_total") == spec["num_draft_tokens"]
+    assert rise("specjax:spec_decode_num_accepted_tokens_total") == spec["num_accepted_tokens"]
+    for position in range(3):  # every draft accepted: each position once per drafting step
+        assert (
+            rise("specjax:spec_decode_num_accepted_tokens_per_pos_total", position=str(position))
+            == (spec["num_drafts"])
+        )
+    assert rise("specjax:request_success_total", finished_reason="length") == 1
+    assert rise("specjax:prompt_tokens_total") == usage.prompt_tokens
+    assert rise("specjax:generation_tokens_total") == usage.completion_tokens
+    assert rise("specjax:time_to_first_token_seconds_count") == 1
+    assert rise("specjax:inter_token_latency_seconds_count") == usage.completion_tokens - 1
+    assert rise("specjax:e2e_request_latency_seconds_count") == 1
+    assert after[("specjax:num_requests_running", ())] == 0
+
+    # "speculative": false decodes the request plainly: same text, no drafts, no figures
+    text, _, _ = generated(TEXT_MODEL, PROMPTS[1], 20)
+    response = text_server.client.completions.create(
+        model="tiny", prompt=PROMPTS[1], max_tokens=20, temperature=0, extra_body={"speculative": False}
+    )
+    assert response.choices[0].text == text and response.choices[0].speculate_metrics is None
+    again = text_server.metrics()
+    assert (
+        again[("specjax:spec_decode_num_drafts_total", ())]
+        == after[("specjax:spec_decode_num_drafts_total", ())]
+    )
+
+
+@pytest.mark.parametrize(
+    "options, param, match",
+    [
+        ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
+        ({"n": 2}, "n", "n must be 1"),
+        ({"max_tokens": 500}, "max_tokens", "exceeds the server's max_model_len of 96"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
+        ({"extra_body": {"speculative": "no"}}, "speculative", "speculative must be true or false"),
+        ({"extra_body": {"min_tokens": 3}}, "min_tokens", "unknown field 'min_tokens'"),
+        # refused by the engine's own checks (engine.add's ValueError), the message its own
+        ({"extra_body": {"stop_token_ids": list(range(20))}}, None, "at most 16 per request"),
+    ],
+)
+def test_bad_requests_are_400_naming_the_field(text_server, options, param, match):
+    options = {"max_tokens": 4} | options
+    with pytest.raises(openai.BadRequestError, match=match) as error:
+        text_server.client.completions.create(model="tiny", prompt="x", **options)
+    assert error.value.status_code == 400
+    assert error.value.body["param"] == param and error.value.body["type"] == "invalid_request_error"
+
+
+def test_other_errors_and_routes(text_server):
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist"):
+        text_server.client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    status, body = fetch("POST", f"{text_server.url}/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    with pytest.raises(openai.BadRequestError, match="the served model's tokenizer has no chat template"):
+        text_server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+    assert [m.id for m in text_server.client.models.list().data] == ["tiny"]
+    assert fetch("GET", f"{text_server.url}/health") == (200, b"")
+
+
+# ---------------------------------------------------------------------------------------------
+# chat
+
+
+def chat(server, content, max_tokens, stream=False):
+    messages = [{"role": "user", "content": content}]
+    create = server.client.chat.completions.create
+    if not stream:
+        response = create(model="chat", messages=messages, max_tokens=max_tokens, temperature=0)
+        choice = response.choices[0]
+        assert choice.message.role == "assistant"
+        return choice.message.content, choice.finish_reason, response.usage, choice.speculate_metrics
+    chunks = list(create(model="chat", messages=messages, max_tokens=max_tokens, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # without stream_options.include_usage, as OpenAI
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    return text, chunks[-1].choices[0].finish_reason, None, chunks[-1].choices[0].speculate_metrics
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_equal_generate(chat_model, chat_server, stream):
+    for content in ["What is the capital of France?", "Write a haiku."]:
+        text, tokens, reason = generated(chat_model, content, 16, chat=True)
+        got, finish_reason, usage, spec = chat(chat_server, content, 16, stream=stream)
+        assert (got, finish_reason, spec) == (text, reason, None)  # plain decoding: no figures
+        if usage is not None:
+            prompt = specjax.api._tokenize(chat_model, [content], chat=True)[0]
+            assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(tokens))
+
+
+def test_a_disconnected_stream_is_aborted(chat_server):
+    body = {
+        "model": "chat",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 280,
+        "temperature": 0,
+        "stream": True,
+    }
+    aborted = ("specjax:request_success_total", (("finished_reason", "abort"),))
+    before = chat_server.metrics().get(aborted, 0)
+    connection = http.client.HTTPConnection(*chat_server.url.removeprefix("http://").split(":"))
+    connection.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = connection.getresponse()
+    first = response.readline()  # the first event: the role
+    assert json.loads(first.removeprefix(b"data: "))["choices"][0]["delta"]["role"] == "assistant"
+    connection.close()
+    deadline = time.monotonic() + 30  # the client is gone: the engine drops its request
+    while chat_server.metrics().get(aborted, 0) == before:
+        assert time.monotonic() < deadline, "the request was not aborted"
+        time.sleep(0.05)
+    assert chat_server.metrics()[("specjax:num_requests_running", ())] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# the command
+
+
+def test_serve_command_errors_are_one_line(tmp_path, capsys):
+    from specjax.cli import main
+
+    save_hf_folder(TEXT_MODEL, tmp_path / "model")
+    TEXT_MODEL.tokenizer.save_pretrained(tmp_path / "model")
+    assert main(["serve", str(tmp_path / "model"), "--speculative-config", "{no"]) == 2
+    assert "--speculative-config: not valid JSON" in capsys.readouterr().err
+    config = json.dumps({"method": "suffix"})
+    assert main(["serve", str(tmp_path / "model"), "--speculative-config", config]) == 2
+    assert "unknown method 'suffix'; allowed: ngram" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_specjax_serve_command(tmp_path):
+    """`specjax serve FOLDER --speculative-config ...` in its own process answers like generate."""
+    save_hf_folder(TEXT_MODEL, tmp_path / "model")
+    TEXT_MODEL.tokenizer.save_pretrained(tmp_path / "model")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    command = [sys.executable, "-m", "specjax.cli", "serve", str(tmp_path / "model"), "--port", str(port)]
+    command += ["--speculative-config", config, "--served-model-name", "tiny", "--max-model-len", "64"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            assert time.monotonic() < deadline, "the server did not start"
+            try:
+                if fetch("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except OSError:  # not listening yet
+                time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        response = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=16, temperature=0)
+        assert response.choices[0].text == generated(TEXT_MODEL, PROMPTS[2], 16)[0]
+        assert response.choices[0].speculate_metrics["num_drafts"] > 0
+    finally:
+        process.terminate()
+        process.wait(30)
