@@ -113,6 +113,9 @@ def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it():
         Request(p, specjax.Sampling(temperature=1.0, top_k=20), max_new_tokens=15) for p in _prompts(4, 5)
     ]
 
+    greedy = Request(_prompts(9, 1)[0], max_new_tokens=40)  # outlives the sampled: lean chunks follow
+    crowd.append(greedy)
+
     lone = Engine(TARGET, proposer, max_batch=1, max_model_len=96, chunk_steps=4)
     by_itself, _ = drive(lone, [probe], seed=0)
     engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=2)
@@ -120,6 +123,8 @@ def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it():
     late, _ = drive(engine, [*crowd[:3], probe, *crowd[3:]], seed=6)  # joins at a later step
     assert first[0] == by_itself[0] == late[3]
     assert len(set(map(tuple, (first[1], first[2], first[3])))) == 3  # unseeded rows differ
+    assert first[6] == late[6] == alone(TARGET, greedy, proposer)
+    assert {"resume", "lean"} <= {kind for kind, _ in engine._programs}  # both programs ran
 
     # With the request's own options compiled in (as `specjax.stream` does), it is generate's.
     own = Engine(TARGET, proposer, max_batch=2, max_model_len=96, chunk_steps=4, warp=WarpSpec.of(sampling))
@@ -157,6 +162,26 @@ def test_stop_strings_of_requests_that_come_and_go():
         assert finals[i].finish_reason == ("stop" if stopped else "length"), i
         reasons.append(finals[i].finish_reason)
     assert "stop" in reasons and "length" in reasons
+
+
+def test_a_request_whose_stop_strings_do_not_fit_beside_the_running_ones_waits():
+    """The automaton holds max_stop_states states: a request whose strings would overflow it
+    beside the running requests' waits for them to finish; one that could never fit is refused."""
+    engine = Engine(WORDY, max_batch=2, max_model_len=64, chunk_steps=2, max_stop_states=8)
+    first = Request([10, 20, 30], specjax.Sampling(stop=["xyz12"]), max_new_tokens=12)
+    second = Request([11, 21, 31], specjax.Sampling(stop=["QRS7"]), max_new_tokens=12)
+    ids = [engine.add(first), engine.add(second)]
+    updates = engine.step()
+    assert [u.request_id for u in updates] == ids[:1] and engine.num_waiting == 1
+    tokens = {i: [] for i in ids}
+    for u in updates:
+        tokens[u.request_id] += u.tokens
+    while engine.has_work:
+        for u in engine.step():
+            tokens[u.request_id] += u.tokens
+    assert [tokens[i] for i in ids] == [alone(WORDY, r) for r in (first, second)]
+    with pytest.raises(ValueError, match="max_stop_states=8"):
+        engine.add(Request([1], specjax.Sampling(stop=["abcdefghij"]), max_new_tokens=4))
 
 
 def test_opted_out_request_decodes_plainly_in_a_speculating_batch():

@@ -178,6 +178,7 @@ class Engine:
         precision = backends.default_precision(dtype, matmul_precision)
         backend = backends.for_devices(jax.devices()[:1], kernels, precision, False, scan_layers)
         proposer_spec, proposer_params = resolve(proposer, model, warp, None)
+        resolved_params = proposer_params
         width = num_drafted(proposer_spec)
         capacity = -(-(max_model_len + width + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
         self.spec = LoopSpec(
@@ -199,6 +200,15 @@ class Engine:
                     self.spec, params, proposer_params
                 )
         self._params, self._proposer_params = params, proposer_params
+        # The same loop for chunks whose requests are all greedy, without penalties or logit bias
+        # (the common case), compiled without the sampling paths: the full program's filters
+        # and draws cost every row's logits a sort and a softmax per step. Its state is the full
+        # program's (penalty counts kept up to date, unread).
+        self._lean = None
+        if warp != WarpSpec():
+            lean_proposer, lean_params = resolve(proposer, model, WarpSpec(), None)
+            if jax.tree.structure(lean_params) == jax.tree.structure(resolved_params):
+                self._lean = dataclasses.replace(self.spec, warp=WarpSpec(), proposer=lean_proposer)
         self.k = self.spec.k
         self._window = chunk_steps * (self.k + 1) + 1
         self._key = jax.random.key(0) if key is None else _check_key(key)
@@ -271,6 +281,14 @@ class Engine:
                 f"sampling.stop_token_ids: {len(stop_ids)} stop token ids with EOS, at most "
                 f"{MAX_STOP_TOKEN_IDS} per request"
             )
+        if self._stop_strings is not None and request.sampling.stop:
+            own = StopStringSet(sorted(set(request.sampling.stop)))
+            if len(own.patterns) > MAX_STOP_STRINGS or own.num_states > self._max_stop_states:
+                raise ValueError(
+                    f"sampling.stop: {len(own.patterns)} stop strings needing {own.num_states} automaton "
+                    f"states; the engine holds at most {MAX_STOP_STRINGS} strings in "
+                    f"max_stop_states={self._max_stop_states} states; use fewer or shorter stop strings"
+                )
         if not isinstance(request.speculate, bool):
             raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
         if request.key is not None:
@@ -297,13 +315,21 @@ class Engine:
     def step(self) -> list[Update]:
         """Admit waiting requests into free slots, run the loop for one chunk, report."""
         while self._waiting and None in self._slots:
-            request_id, request = self._waiting.popleft()
-            self._admit(self._slots.index(None), request_id, request)
+            request_id, request = self._waiting[0]
+            b = self._slots.index(None)
+            if not self._stop_strings_fit(b, request.sampling.stop):
+                break  # it waits (first in line) until running requests with other strings finish
+            self._waiting.popleft()
+            self._admit(b, request_id, request)
         if self.num_running == 0:
             return []
         reported = np.asarray([0 if s is None else s.reported for s in self._slots], np.int32)
+        # A chunk whose requests are all greedy without penalties or bias runs the lean program.
+        lean = self._lean is not None and all(
+            s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
+        )
         self._state, window = self._run(
-            "resume",
+            "lean" if lean else "resume",
             MIN_BUCKET,
             self._params,
             self._proposer_params,
@@ -435,12 +461,25 @@ class Engine:
             self.model.tokenizer, self.model.config.vocab_size, per_row, self._max_stop_states
         )
 
+    def _stop_strings_fit(self, b: int, stops) -> bool:
+        """Whether the running requests' stop strings and these fit one automaton of the engine's
+        size (with slot b about to take the new request)."""
+        if self._stop_strings is None or set(stops) <= set(self._stop_strings.patterns):
+            return True
+        patterns = sorted(self._running_stop_strings(b) | set(stops))
+        return (
+            len(patterns) <= MAX_STOP_STRINGS and StopStringSet(patterns).num_states <= self._max_stop_states
+        )
+
+    def _running_stop_strings(self, b: int) -> set[str]:
+        """The stop strings of the requests running in slots other than b."""
+        others = [i for i, slot in enumerate(self._slots) if slot is not None and i != b]
+        return {s for i in others for s in self._samplings[i].stop}
+
     def _grow_stop_strings(self, b: int, stops) -> None:
         """A new automaton over the running requests' stop strings and these (the finished
         requests' dropped), with the running rows moved to it."""
-        others = [i for i, slot in enumerate(self._slots) if slot is not None and i != b]
-        running = {s for i in others for s in self._samplings[i].stop}
-        patterns = sorted(running | set(stops))
+        patterns = sorted(self._running_stop_strings(b) | set(stops))
         if len(patterns) > MAX_STOP_STRINGS:
             raise ValueError(
                 f"sampling.stop: the running requests and this one have {len(patterns)} distinct stop "
@@ -563,9 +602,9 @@ class Engine:
         return self._programs[key](*args)
 
     def _make_program(self, kind: str, bucket: int):
-        spec = self.spec
+        spec = self._lean if kind == "lean" else self.spec
         on = spec.backend
-        if kind == "resume":
+        if kind in ("resume", "lean"):
             window = self._window
 
             def resume(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
