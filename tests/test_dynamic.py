@@ -197,3 +197,44 @@ def test_bad_arguments(make, match):
         return
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_goodput_verify_cost_by_rows_interpolates_the_running_count():
+    table = ((1, 0.05), (4, 0.2), (16, 1.0))
+    schedule = GoodputSchedule(verify_cost=0.05, verify_cost_by_rows=table)
+    rows, costs = np.array([r for r, _ in table], float), np.array([c for _, c in table], float)
+    for running in (1, 2, 3, 4, 9, 16):
+        mask = jnp.arange(16) < running
+        expected = np.interp(running, rows, costs)
+        assert float(schedule.verify_cost_at(mask)) == pytest.approx(expected, rel=1e-6)
+    assert float(schedule.verify_cost_at(jnp.zeros(16, bool))) == pytest.approx(0.05)  # below: the first
+    assert schedule.verify_cost_at(None) == 0.05
+    with pytest.raises(ValueError, match="verify_cost_by_rows must be None or"):
+        GoodputSchedule(verify_cost_by_rows=((4, 0.1), (2, 0.2)))
+    with pytest.raises(ValueError, match="verify_cost_by_rows must be None or"):
+        GoodputSchedule(verify_cost_by_rows=((1, -0.1),))
+
+
+def test_goodput_drafts_less_as_more_rows_run(plain_greedy):
+    """A verify cost that grows with the rows running: one row alone drafts at k = 4 (cheap to
+    verify), four rows together stop drafting (probes aside), and both stay lossless."""
+    schedule = GoodputSchedule(draft_cost=0.0, verify_cost=0.0, verify_cost_by_rows=((1, 0.0), (4, 5.0)))
+    proposer = specjax.Dynamic(specjax.NGram(k=4, n_max=2), schedule)
+    together = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=32)
+    assert together.tokens == plain_greedy
+    alone = specjax.generate(TARGET, PROMPTS[:1], proposer=proposer, max_new_tokens=32)
+    assert alone.tokens == plain_greedy[:1]
+    per_step = lambda m, b: m.drafted[b] / m.steps[b]  # noqa: E731
+    assert per_step(alone.metrics, 0) > 4 * per_step(together.metrics, 0) + 0.5
+
+
+def test_measure_times_each_batch_size(monkeypatch):
+    from specjax.speculate.proposers import dynamic
+
+    def meter(model, proposer, prompts, max_new_tokens):
+        return {"draft_cost": 0.01, "verify_cost": 0.1 * len(prompts), "plain_step_s": 0.01, "k": 3}
+
+    monkeypatch.setattr(dynamic, "_cost_meter", meter)
+    schedule = GoodputSchedule.measure("model", specjax.NGram(k=3), ["a", "b"], batch_sizes=[4, 1])
+    assert schedule.verify_cost == pytest.approx(0.1) and schedule.draft_cost == 0.01
+    assert schedule.verify_cost_by_rows == ((1, pytest.approx(0.1)), (4, pytest.approx(0.4)))

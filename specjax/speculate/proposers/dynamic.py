@@ -211,17 +211,37 @@ class GoodputSchedule:
         return state.replace(k=jnp.where(probe, smallest, k))
 
     @classmethod
-    def measure(cls, model, proposer, prompts, max_new_tokens: int = 64, **options) -> GoodputSchedule:
+    def measure(
+        cls, model, proposer, prompts, max_new_tokens: int = 64, batch_sizes=None, **options
+    ) -> GoodputSchedule:
         """A GoodputSchedule with draft_cost and verify_cost timed on this machine by
-        `specjax.measure_step_costs` (specjax/costs.py); `options` are the schedule's other fields."""
+        `specjax.measure_step_costs` (specjax/costs.py) over `prompts` as one batch; with
+        `batch_sizes` (e.g. (1, 4, 8, 16), for a continuous batch), verify_cost_by_rows timed at
+        each size too (the prompts repeated to fill it), verify_cost and draft_cost at the
+        first. `options` are the schedule's other fields."""
         if _cost_meter is None:
             raise RuntimeError(
                 "GoodputSchedule.measure times generate calls, a host-side tool that this layer does "
                 "not import: import specjax (specjax/costs.py installs it), or build the schedule "
                 "from numbers, GoodputSchedule(draft_cost=..., verify_cost=...)"
             )
-        costs = _cost_meter(model, proposer, prompts, max_new_tokens=max_new_tokens)
-        return cls(draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"], **options)
+        if batch_sizes is None:
+            costs = _cost_meter(model, proposer, prompts, max_new_tokens=max_new_tokens)
+            return cls(draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"], **options)
+        sizes = sorted(set(batch_sizes)) if isinstance(batch_sizes, tuple | list) else []
+        if not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
+            raise ValueError(f"batch_sizes must be None or a list of integers >= 1, got {batch_sizes!r}")
+        by_size = {}
+        for b in sizes:
+            batch = [prompts[i % len(prompts)] for i in range(b)]
+            by_size[b] = _cost_meter(model, proposer, batch, max_new_tokens=max_new_tokens)
+        first = by_size[sizes[0]]
+        return cls(
+            draft_cost=first["draft_cost"],
+            verify_cost=first["verify_cost"],
+            verify_cost_by_rows=tuple((b, by_size[b]["verify_cost"]) for b in sizes),
+            **options,
+        )
 
 
 # What GoodputSchedule.measure times costs with. Timing runs `generate`, above this layer, so the
