@@ -364,9 +364,9 @@ class Engine:
     def _admit(self, b: int, request_id: int, request: Request) -> None:
         """Prefill the request into slot b (one compiled program per prompt bucket)."""
         sampling = request.sampling
-        self._samplings[b] = sampling
         if self._stop_strings is not None and not set(sampling.stop) <= set(self._stop_strings.patterns):
-            self._grow_stop_strings(b, sampling.stop)
+            self._grow_stop_strings(b, sampling.stop)  # (before the slot changes: it may refuse)
+        self._samplings[b] = sampling
         self._slots[b] = _Running(
             request_id,
             request,
@@ -456,9 +456,9 @@ class Engine:
                 f"{stop_strings.num_states} automaton states, more than the engine's max_stop_states="
                 f"{self._max_stop_states}; use fewer or shorter stop strings, or a larger max_stop_states"
             )
-        per_row = [s.stop for s in self._samplings]
+        no_rows = [()] * self.max_batch  # (each row's strings: `_batch_inputs`, per admission)
         return stop_strings.device_tables(
-            self.model.tokenizer, self.model.config.vocab_size, per_row, self._max_stop_states
+            self.model.tokenizer, self.model.config.vocab_size, no_rows, self._max_stop_states
         )
 
     def _stop_strings_fit(self, b: int, stops) -> bool:
