@@ -6,7 +6,9 @@ Two servers run on local ports for the whole module: a completions server over a
 model with the character tokenizer of tests/tiny.py, speculating with a DraftModel that is the
 target itself (every draft is accepted, so the acceptance counters are known exactly), and a
 chat server, plain decoding, over a tiny random model with SmolLM2's vocabulary and chat
-template."""
+template; and a server over an engine the tests hold in their hand (`Controlled`: its steps wait
+for a gate, and a marked request makes a step fail), for the overload bound and the recovery
+from a failed step."""
 
 import concurrent.futures
 import dataclasses
@@ -51,6 +53,7 @@ class Running:
     """A uvicorn server for `app` on a free local port, on a background thread."""
 
     def __init__(self, app):
+        self.app = app
         listening = socket.socket()
         listening.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listening.getsockname()[1]}"
@@ -62,6 +65,10 @@ class Running:
             assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=300)
+
+    @property
+    def scheduler(self):
+        return self.app.state.scheduler
 
     def metrics(self) -> dict:
         """/metrics as {(sample name, sorted labels but model_name): value}."""
@@ -313,6 +320,160 @@ def test_a_disconnected_stream_is_aborted(chat_server):
         assert time.monotonic() < deadline, "the request was not aborted"
         time.sleep(0.05)
     assert chat_server.metrics()[("specjax:num_requests_running", ())] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# overload and failures, over an engine held in the test's hand
+
+POISON = "poison"  # the prompt of a request that makes the Controlled engine's next step fail
+
+
+class Controlled:
+    """An Engine that the scheduler drives through Engine's interface as usual, but whose
+    `step` waits for the test's permission (`hold`, `allow`, `release`), and fails when a request
+    with the prompt POISON is in the engine, taking that request with it, as a step fails whose
+    admission of a request fails (e.g. the engine refusing its stop strings)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.poison = engine.model.tokenizer(POISON)["input_ids"]
+        self.poisoned: list[int] = []
+        self.changed = threading.Condition()
+        self.allowed: int | None = None  # steps that may start; None: any number
+        self.steps_done = 0
+
+    def __getattr__(self, name):  # max_batch, model, has_work, num_running, ...: the engine's
+        return getattr(self.engine, name)
+
+    def hold(self) -> None:
+        with self.changed:
+            self.allowed = 0
+
+    def allow(self, steps: int) -> None:
+        with self.changed:
+            self.allowed += steps
+            self.changed.notify_all()
+
+    def release(self) -> None:
+        with self.changed:
+            self.allowed = None
+            self.changed.notify_all()
+
+    def add(self, request) -> int:
+        request_id = self.engine.add(request)
+        if list(request.prompt) == self.poison:
+            self.poisoned.append(request_id)
+        return request_id
+
+    def step(self):
+        with self.changed:
+            self.changed.wait_for(lambda: self.allowed is None or self.allowed > 0)
+            if self.allowed is not None:
+                self.allowed -= 1
+        try:
+            while self.poisoned:
+                if self.engine.abort(self.poisoned.pop()):  # it was in the engine: the step took it
+                    raise RuntimeError("the poisoned request broke the step")
+            return self.engine.step()
+        finally:
+            with self.changed:
+                self.steps_done += 1
+                self.changed.notify_all()
+
+    def step_once(self) -> None:
+        """Let one step run, and wait until it has."""
+        with self.changed:
+            done = self.steps_done
+        self.allow(1)
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.steps_done > done, timeout=60), "no step ran"
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def held_server():
+    """Two slots, at most two requests waiting for one."""
+    engine = Controlled(Engine(TEXT_MODEL, None, max_batch=2, max_model_len=96, chunk_steps=2))
+    server = Running(make_app(engine, max_waiting=2))
+    yield server
+    engine.release()
+    server.close()
+
+
+def test_past_max_waiting_requests_get_503_and_the_others_are_served(held_server):
+    """With the engine held, six requests come at once: two take the slots, two wait, two are
+    refused at once with 503 in OpenAI's error shape (a streamed one too); /health answers
+    meanwhile, and once the engine goes on the four are served as generate serves them."""
+    engine, scheduler = held_server.app.state.engine, held_server.scheduler
+    jobs = [(prompt, 10 + 3 * i) for i, prompt in enumerate(PROMPTS + ["Once upon", "zzz"])]
+    before = held_server.metrics()
+    engine.hold()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(completion, held_server, *job) for job in jobs]
+            wait_until(lambda: sum(f.done() for f in futures) == 2, "two requests are refused")
+            assert scheduler.num_open == 4
+            with pytest.raises(openai.InternalServerError, match="max_waiting=2") as refused:
+                completion(held_server, PROMPTS[0], 4, stream=True)
+            assert fetch("GET", f"{held_server.url}/health") == (200, b"")
+            engine.release()
+            outcomes = [f.exception() or f.result() for f in futures]
+    finally:
+        engine.release()
+    error = refused.value
+    assert error.status_code == 503 and error.response.headers["retry-after"] == "1"
+    assert error.body["type"] == "server_error" and error.body["code"] == "server_overloaded"
+    assert "retry later" in error.body["message"] and "--max-waiting" in error.body["message"]
+    served = 0
+    for (prompt, max_tokens), outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            assert isinstance(outcome, openai.InternalServerError) and outcome.status_code == 503
+            assert outcome.body["code"] == "server_overloaded"
+        else:
+            text, _, reason = generated(TEXT_MODEL, prompt, max_tokens)
+            assert outcome[:2] == (text, reason)
+            served += 1
+    assert served == 4
+    after = held_server.metrics()
+    key = ("specjax:request_overloaded_total", ())
+    assert after[key] - before.get(key, 0) == 3
+    # the server goes on as before
+    assert completion(held_server, PROMPTS[2], 12)[:2] == generated(TEXT_MODEL, PROMPTS[2], 12)[::2]
+    assert fetch("GET", f"{held_server.url}/health") == (200, b"") and scheduler.num_open == 0
+
+
+def test_a_failed_step_ends_its_request_alone(held_server):
+    """Two streams in the slots, one request waiting, then a request whose admission makes the
+    step fail: it alone gets an error (500); the streams go on, the waiting request is queued
+    again and served, and the server answers the next request."""
+    engine, scheduler = held_server.app.state.engine, held_server.scheduler
+    streamed = [(PROMPTS[0], 40), (PROMPTS[1], 36)]
+    engine.hold()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(completion, held_server, p, m, True) for p, m in streamed]
+            wait_until(lambda: scheduler.num_open == 2, "both streams are submitted")
+            while engine.num_running < 2:  # step until both are in a slot and have sent tokens
+                engine.step_once()
+            waiting = pool.submit(completion, held_server, PROMPTS[2], 20)
+            poisoned = pool.submit(completion, held_server, POISON, 8)
+            wait_until(lambda: scheduler.num_open == 4, "the waiting and the poisoned request are in")
+            engine.release()
+            with pytest.raises(openai.InternalServerError, match="the poisoned request broke the step"):
+                poisoned.result()
+            for (prompt, max_tokens), stream in zip(streamed, streams, strict=True):
+                assert stream.result()[:2] == generated(TEXT_MODEL, prompt, max_tokens)[::2]
+            assert waiting.result()[:2] == generated(TEXT_MODEL, PROMPTS[2], 20)[::2]
+    finally:
+        engine.release()
+    assert completion(held_server, PROMPTS[3], 12)[:2] == generated(TEXT_MODEL, PROMPTS[3], 12)[::2]
+    assert fetch("GET", f"{held_server.url}/health") == (200, b"") and scheduler.num_open == 0
 
 
 # ---------------------------------------------------------------------------------------------

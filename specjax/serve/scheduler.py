@@ -15,6 +15,11 @@ Overload: at most `max_batch + max_waiting` requests are open at once (in a slot
 one, or on their way to the engine), so at most `max_waiting` wait once the slots are full.
 `submit` refuses the next one at once with `Overloaded` (HTTP 503), on the caller's thread: a
 request is never queued without bound, and a refusal does not wait for the engine's chunk.
+
+Failures stay with the requests they concern where the engine's interface lets us tell: a
+request that engine.add refuses or fails on ends alone, and a failed engine.step() is recovered
+from as `_recover` describes; the thread itself stops only on a bug of its own (then /health
+answers 503 and new requests are refused).
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class RequestStream:
         # The scheduler thread's own bookkeeping.
         self.request_id: int | None = None
         self.last_tokens_at: float | None = None
+        self.reported = False  # an Update came: the request is (or was) in a slot
+        self.failed_steps = 0  # failed engine steps in a row it was in (see Scheduler._recover)
         self.closed = False  # finished, refused or failed: no longer counted as open
 
     # Called on the scheduler thread: each hands a value over to the event loop.
@@ -204,7 +211,13 @@ class Scheduler:
     def _handle(self, kind: str, stream: RequestStream) -> None:
         if kind == "abort":
             if stream.request_id in self._streams:  # else: refused, finished or never admitted
-                for update in self.engine.abort(stream.request_id):  # its final Update
+                try:
+                    updates = self.engine.abort(stream.request_id)  # its final Update
+                except Exception as error:
+                    log.exception("engine.abort() failed")
+                    self._fail(stream, EngineError(f"the engine failed to abort the request: {error!r}"))
+                    return
+                for update in updates:
                     self._dispatch(update)
             return
         try:
@@ -213,6 +226,11 @@ class Scheduler:
             self._close(stream)
             stream.reject(error)
             return
+        except Exception as error:  # the engine's fault, this request's alone
+            log.exception("engine.add() failed")
+            self._close(stream)
+            stream.reject(EngineError(f"the engine failed to take the request: {error!r}"))
+            return
         self._streams[request_id] = stream
         stream.admit(request_id)
         self.metrics.admitted(len(stream.request.prompt))
@@ -220,12 +238,42 @@ class Scheduler:
     def _step(self) -> None:
         try:
             updates = self.engine.step()
-        except Exception as error:  # the device work failed (e.g. non-finite logits): fail its requests
+        except Exception as error:
             log.exception("engine.step() failed")
-            self._end_all(EngineError(f"the engine failed: {error!r}"))
+            self._recover(EngineError(f"the engine failed: {error!r}"))
             return
         for update in updates:
             self._dispatch(update)
+
+    def _recover(self, error: EngineError) -> None:
+        """After engine.step() raised. A step admits waiting requests into free slots (a prefill
+        each), then runs the batch, and which request broke it is not known; so each open request
+        gets one more chance, and a second failed step in a row ends it with the error:
+
+        - a request with Updates (in a slot) stays: if an admission failed, the batch's state is
+          as it was; if the batch itself failed, the next step fails too and ends it;
+        - a request without Updates (waiting, or admitted by the failed step) is taken back
+          (engine.abort) and queued again, at the back, from its start (it has sent nothing yet).
+          If the engine no longer has it, the failed step took it from the queue: it is the
+          request whose admission failed, and ends."""
+        for request_id, stream in list(self._streams.items()):
+            stream.failed_steps += 1
+            if stream.reported and stream.failed_steps == 1:
+                continue
+            try:
+                taken_back = self.engine.abort(request_id)
+            except Exception:  # the engine is past aborting it; it ends here either way
+                taken_back = []
+            del self._streams[request_id]
+            if stream.reported or stream.failed_steps > 1 or not taken_back:
+                self._fail(stream, error)
+                continue
+            try:
+                stream.request_id = self.engine.add(stream.request)
+            except Exception:
+                self._fail(stream, error)
+                continue
+            self._streams[stream.request_id] = stream
 
     def _dispatch(self, update) -> None:
         stream = self._streams.get(update.request_id)
@@ -239,6 +287,7 @@ class Scheduler:
         self.metrics.speculated(
             update.num_drafts, update.num_draft_tokens, update.num_accepted_tokens, update.accepted_per_pos
         )
+        stream.reported, stream.failed_steps = True, 0  # (a step went through: the count starts again)
         if update.finished:
             del self._streams[update.request_id]
             self._close(stream)
