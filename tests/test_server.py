@@ -1,17 +1,20 @@
 """The OpenAI-compatible server (specjax/serve/app.py) over the real engine, queried with the
 openai client: a request's text, tokens and finish reason are what `generate` gives its prompt
-alone (greedy), streamed or not, one request at a time or several at once.
+alone (greedy), streamed or not, one request at a time or several at once, and under load.
 
-Two servers run on local ports for the whole module: a completions server over a tiny random
+Servers run on local ports for the whole module: a completions server over a tiny random
 model with the character tokenizer of tests/tiny.py, speculating with a DraftModel that is the
-target itself (every draft is accepted, so the acceptance counters are known exactly), and a
-chat server, plain decoding, over a tiny random model with SmolLM2's vocabulary and chat
-template; and a server over an engine the tests hold in their hand (`Controlled`: its steps wait
-for a gate, and a marked request makes a step fail), for the overload bound and the recovery
-from a failed step."""
+target itself (every draft is accepted, so the acceptance counters are known exactly); a chat
+server, plain decoding, over a tiny random model with SmolLM2's vocabulary and chat template; a
+load server with fewer slots than the requests sent at once, speculating with a SelfDraft that is
+accepted part of the time (tests/drafters.py); and a server over an engine the tests hold in
+their hand (`Controlled`: its steps wait for a gate, and a marked request makes a step fail), for
+the overload bound and the recovery from a failed step."""
 
+import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import http.client
 import json
 import socket
@@ -25,6 +28,7 @@ import urllib.request
 import openai
 import pytest
 import uvicorn
+from drafters import layered_target
 from hf_export import save_hf_folder
 from prometheus_client.parser import text_string_to_metric_families
 from tiny import tiny_model, tiny_tokenizer
@@ -35,6 +39,16 @@ from specjax.serve.engine import Engine
 
 TEXT_MODEL = dataclasses.replace(tiny_model(seed=3), tokenizer=tiny_tokenizer(), name="tiny")
 PROMPTS = ["Hello, world", "To be or not", "abcabcabc", "x"]
+# The load server's target: its first layer with the head drafts its next token part of the time.
+LOAD_MODEL = dataclasses.replace(
+    layered_target(seed=11, late_scale=0.3), tokenizer=tiny_tokenizer(), name="tiny"
+)
+# Sixteen requests of 1 to 30 characters (prompt buckets 16 and 32: two admission programs) and
+# 3 to 39 new tokens, every third one streamed.
+LOAD_JOBS = [
+    ("The quick brown fox jumps over the lazy dog."[: 1 + (13 * i) % 31], 3 + (7 * i) % 37, i % 3 == 0)
+    for i in range(16)
+]
 
 
 def fetch(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
@@ -242,7 +256,9 @@ def test_spec_decode_counters_rise_and_the_opt_out_keeps_them(text_server):
     [
         ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
         ({"n": 2}, "n", "n must be 1"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
         ({"max_tokens": 500}, "max_tokens", "exceeds the server's max_model_len of 96"),
+        ({"prompt": "x" * 100}, "prompt", "the prompt has 100 tokens, the server's max_model_len is 96"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
         ({"extra_body": {"speculative": "no"}}, "speculative", "speculative must be true or false"),
         ({"extra_body": {"min_tokens": 3}}, "min_tokens", "unknown field 'min_tokens'"),
@@ -251,22 +267,27 @@ def test_spec_decode_counters_rise_and_the_opt_out_keeps_them(text_server):
     ],
 )
 def test_bad_requests_are_400_naming_the_field(text_server, options, param, match):
-    options = {"max_tokens": 4} | options
+    options = {"prompt": "x", "max_tokens": 4} | options
     with pytest.raises(openai.BadRequestError, match=match) as error:
-        text_server.client.completions.create(model="tiny", prompt="x", **options)
+        text_server.client.completions.create(model="tiny", **options)
     assert error.value.status_code == 400
     assert error.value.body["param"] == param and error.value.body["type"] == "invalid_request_error"
 
 
 def test_other_errors_and_routes(text_server):
-    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist"):
+    # an unknown model is a 404, as OpenAI and vLLM answer it
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist") as error:
         text_server.client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
     status, body = fetch("POST", f"{text_server.url}/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="the served model's tokenizer has no chat template"):
         text_server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert [m.id for m in text_server.client.models.list().data] == ["tiny"]
     assert fetch("GET", f"{text_server.url}/health") == (200, b"")
+    # after the refused requests (these and test_bad_requests'), the server answers as before
+    assert completion(text_server, PROMPTS[3], 8)[:2] == generated(TEXT_MODEL, PROMPTS[3], 8)[::2]
+    assert text_server.scheduler.num_open == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +320,9 @@ def test_chat_completions_equal_generate(chat_model, chat_server, stream):
             assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(tokens))
 
 
-def test_a_disconnected_stream_is_aborted(chat_server):
+def test_a_disconnected_stream_is_aborted_and_disturbs_nothing(chat_model, chat_server):
+    """A client that goes away mid-stream: its request is aborted and its slot freed, while a
+    request beside it in the other slot runs on to generate's answer."""
     body = {
         "model": "chat",
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -314,12 +337,89 @@ def test_a_disconnected_stream_is_aborted(chat_server):
     response = connection.getresponse()
     first = response.readline()  # the first event: the role
     assert json.loads(first.removeprefix(b"data: "))["choices"][0]["delta"]["role"] == "assistant"
-    connection.close()
-    deadline = time.monotonic() + 30  # the client is gone: the engine drops its request
-    while chat_server.metrics().get(aborted, 0) == before:
-        assert time.monotonic() < deadline, "the request was not aborted"
-        time.sleep(0.05)
-    assert chat_server.metrics()[("specjax:num_requests_running", ())] == 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(chat, chat_server, "Write a haiku.", 48)
+        engine = chat_server.app.state.engine  # (a haiku may be done before a look sees it there)
+        wait_until(lambda: engine.num_running == 2 or beside.done(), "both requests run")
+        connection.close()
+        deadline = time.monotonic() + 30  # the client is gone: the engine drops its request
+        while chat_server.metrics().get(aborted, 0) == before:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        text, _, reason = generated(chat_model, "Write a haiku.", 48, chat=True)
+        assert beside.result()[:2] == (text, reason)
+    wait_until(lambda: chat_server.scheduler.num_open == 0, "the requests are closed")
+    assert engine.num_running == 0 and chat_server.metrics()[("specjax:num_requests_running", ())] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# under load: more requests than slots, a proposer accepted part of the time
+
+
+@pytest.fixture(scope="module")
+def load_server():
+    # 4 slots for 16 requests at once; chunk_steps=3: rows join and leave between short chunks
+    proposer = specjax.SelfDraft(layers=1, k=3)
+    engine = Engine(LOAD_MODEL, proposer, max_batch=4, max_model_len=96, chunk_steps=3)
+    server = Running(make_app(engine))
+    yield server
+    server.close()
+
+
+@functools.cache
+def load_reference(prompt: str, max_tokens: int) -> tuple[str, str, int]:
+    """(text, finish reason, number of tokens) of `generate` on the prompt alone."""
+    text, tokens, reason = generated(LOAD_MODEL, prompt, max_tokens)
+    return text, reason, len(tokens)
+
+
+def check_load(server, answers, before: dict) -> None:
+    """Each answer (text, finish reason, usage) is generate's for its prompt alone, and the
+    drafts were accepted part of the time (so rejections and rollbacks happened under load)."""
+    for (prompt, max_tokens, stream), (text, reason, usage) in zip(LOAD_JOBS, answers, strict=True):
+        expected = load_reference(prompt, max_tokens)
+        assert (text, reason, usage.completion_tokens) == expected, (prompt, max_tokens, stream)
+    after = server.metrics()
+
+    def rise(name):
+        return after[(name, ())] - before[(name, ())]
+
+    drafted = rise("specjax:spec_decode_num_draft_tokens_total")
+    assert 0 < rise("specjax:spec_decode_num_accepted_tokens_total") < drafted
+    assert after[("specjax:num_requests_running", ())] == 0 and server.scheduler.num_open == 0
+
+
+def test_sixteen_threads_on_four_slots_each_equal_generate_alone(load_server):
+    """The sync client from 16 threads at once: 12 requests wait, and each joins the batch as
+    a slot frees, beside rows at other positions; a third of them streamed."""
+    before = load_server.metrics()
+    with concurrent.futures.ThreadPoolExecutor(len(LOAD_JOBS)) as pool:
+        answers = list(pool.map(lambda job: completion(load_server, *job)[:3], LOAD_JOBS))
+    check_load(load_server, answers, before)
+
+
+async def async_completion(client, prompt: str, max_tokens: int, stream: bool):
+    """(text, finish reason, usage) of a completions request with the async client."""
+    options = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        response = await client.completions.create(**options)
+        return response.choices[0].text, response.choices[0].finish_reason, response.usage
+    chunks = await client.completions.create(**options, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in chunks]
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    return text, chunks[-2].choices[0].finish_reason, chunks[-1].usage
+
+
+def test_sixteen_async_requests_each_equal_generate_alone(load_server):
+    """The same 16 requests from one event loop (openai.AsyncOpenAI and asyncio.gather)."""
+
+    async def all_at_once():
+        url = f"{load_server.url}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(async_completion(client, *job) for job in LOAD_JOBS))
+
+    before = load_server.metrics()
+    check_load(load_server, asyncio.run(all_at_once()), before)
 
 
 # ---------------------------------------------------------------------------------------------
