@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
@@ -392,6 +393,7 @@ def check_load(server, answers, before: dict) -> None:
 def test_sixteen_threads_on_four_slots_each_equal_generate_alone(load_server):
     """The sync client from 16 threads at once: 12 requests wait, and each joins the batch as
     a slot frees, beside rows at other positions; a third of them streamed."""
+    assert load_server.scheduler.max_waiting == 16  # the default, 4 x max_batch: none is refused
     before = load_server.metrics()
     with concurrent.futures.ThreadPoolExecutor(len(LOAD_JOBS)) as pool:
         answers = list(pool.map(lambda job: completion(load_server, *job)[:3], LOAD_JOBS))
@@ -578,6 +580,20 @@ def test_a_failed_step_ends_its_request_alone(held_server):
 
 # ---------------------------------------------------------------------------------------------
 # the command
+
+
+def test_serve_command_passes_max_waiting_on(monkeypatch):
+    from specjax.cli import main
+
+    with pytest.raises(ValueError, match="serve: max_waiting must be an integer >= 0, got -1"):
+        specjax.serve.serve("no-such-model", max_waiting=-1)  # refused before the model loads
+    with pytest.raises(ValueError, match="make_app: max_waiting must be an integer >= 0, got 1.5"):
+        make_app(types.SimpleNamespace(model=TEXT_MODEL, max_batch=1), max_waiting=1.5)
+    calls = []
+    monkeypatch.setattr(specjax.serve.app, "serve", lambda model, config, **options: calls.append(options))
+    assert main(["serve", "m", "--max-batch", "3", "--max-waiting", "0"]) == 0
+    assert main(["serve", "m"]) == 0
+    assert [(c["max_batch"], c["max_waiting"]) for c in calls] == [(3, 0), (8, None)]  # None: 4 x max_batch
 
 
 def test_serve_command_errors_are_one_line(tmp_path, capsys):
