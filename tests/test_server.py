@@ -578,6 +578,39 @@ def test_a_failed_step_ends_its_request_alone(held_server):
     assert fetch("GET", f"{held_server.url}/health") == (200, b"") and scheduler.num_open == 0
 
 
+@pytest.mark.xfail(
+    raises=openai.InternalServerError,
+    strict=True,
+    reason="engine.py: Engine.add takes a request whose stop strings alone overflow the automaton "
+    "(max_stop_states); Engine.step's admission then raises after _admit has set the free slot's "
+    "sampling, and every later admission into another slot fails on that sampling "
+    "(StopStringSet.mask), so the server fails each request until one lands in that slot",
+)
+def test_stop_strings_past_the_automaton_fail_their_request_alone():
+    """A real admission failure (not Controlled's poison): the request alone fails, the one
+    beside it runs on, and the server serves the next request."""
+    engine = Controlled(Engine(TEXT_MODEL, None, max_batch=2, max_model_len=64, chunk_steps=2))
+    server = Running(make_app(engine))
+    stops = [f"{i:02d}qwertyuiop" for i in range(20)]  # ~220 automaton states, max_stop_states=64
+    try:
+        engine.hold()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            beside = pool.submit(completion, server, PROMPTS[0], 40, True)
+            wait_until(lambda: server.scheduler.num_open == 1, "the first request is submitted")
+            engine.step_once()  # it is in slot 0 and has sent tokens
+            refused = pool.submit(completion, server, "x", 8, stop=stops)
+            wait_until(lambda: server.scheduler.num_open == 2, "the second request is submitted")
+            engine.release()
+            with pytest.raises((openai.BadRequestError, openai.InternalServerError), match="sampling.stop"):
+                refused.result()
+            assert beside.result()[:2] == generated(TEXT_MODEL, PROMPTS[0], 40)[::2]
+        # slot 0 is free again, slot 1 was the refused request's
+        assert completion(server, PROMPTS[1], 8)[:2] == generated(TEXT_MODEL, PROMPTS[1], 8)[::2]
+    finally:
+        engine.release()
+        server.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # the command
 
