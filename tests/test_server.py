@@ -652,6 +652,7 @@ def test_specjax_serve_command(tmp_path):
     config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     command = [sys.executable, "-m", "specjax.cli", "serve", str(tmp_path / "model"), "--port", str(port)]
     command += ["--speculative-config", config, "--served-model-name", "tiny", "--max-model-len", "64"]
+    command += ["--max-waiting", "2"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
