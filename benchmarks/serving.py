@@ -57,15 +57,17 @@ def free_port() -> int:
 
 
 class Server:
-    """The app on uvicorn in a background thread, for the duration of a `with`."""
+    """The app on uvicorn in a background thread, for the duration of a `with`. `max_clients`:
+    the most requests in flight, all let wait (a closed loop offers no more than that)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, max_clients: int):
         import uvicorn
 
         from specjax.serve import make_app
 
         self.port = free_port()
-        config = uvicorn.Config(make_app(engine), host="127.0.0.1", port=self.port, log_level="warning")
+        app = make_app(engine, max_waiting=max_clients)
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -193,7 +195,7 @@ def main() -> None:
             max_model_len=args.max_model_len,
             chunk_steps=args.chunk_steps,
         )
-        with Server(engine) as server:
+        with Server(engine, max(args.clients)) as server:
             # Warm-up: every prompt bucket's admission and the loop, compiled before timing.
             asyncio.run(offered_load(server.url, model.name, prompts, args.max_batch, 8))
             for clients in args.clients:

@@ -580,7 +580,8 @@ Routes: /v1/chat/completions and /v1/completions (stream=true: server-sent event
 takes vLLM's and FastDeploy's keys: "method" (ngram, draft_model, eagle, eagle3, medusa, dflash;
 specjax's self_draft and specjax), "num_speculative_tokens", "model" (a draft model, or a head's
 folder), "prompt_lookup_max", "prompt_lookup_min" (see specjax/serve/config.py). A request may
-send "speculative": false to be decoded without the proposer.
+send "speculative": false to be decoded without the proposer. At most --max-waiting requests
+wait for a slot; past them a request is answered at once with HTTP 503 (retry later).
 """
 
 
@@ -603,6 +604,7 @@ def serve_command(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
         chunk_steps=args.chunk_steps,
+        max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
     )
@@ -634,6 +636,11 @@ def add_serve_command(commands) -> None:
         type=positive_int,
         default=16,
         help="loop steps between two looks at the queue (default 16)",
+    )
+    command.add_argument(
+        "--max-waiting",
+        type=non_negative_int,
+        help="requests that may wait for a slot; past them a request gets HTTP 503 (default 4 x --max-batch)",
     )
     command.add_argument(
         "--speculative-config", type=json_value, help='vLLM\'s JSON object, e.g. \'{"method": "ngram"}\''

@@ -115,6 +115,7 @@ BAD_ARGUMENTS = [
     (["serve"], "the following arguments are required: MODEL"),
     (["serve", "m", "--port", "0"], "specjax serve: error: argument --port: must be an integer >= 1"),
     (["serve", "m", "--speculative-config", "{"], "argument --speculative-config: not valid JSON"),
+    (["serve", "m", "--max-waiting", "-1"], "argument --max-waiting: must be an integer >= 0"),
     (["serve", "{tmp}/no-model"], "no-model"),
 ]
 

@@ -215,6 +215,7 @@ def test_metrics_are_named_like_vllms_in_a_registry_of_their_own():
     first.speculated(2, 6, 4, [2, 1, 1])
     first.finished("stop", 1.0)
     first.set_queue(running=1, waiting=2)
+    first.rejected()
     text = first.exposition()[0].decode()
     for line in [
         'specjax:prompt_tokens_total{model_name="m"} 5.0',
@@ -227,6 +228,7 @@ def test_metrics_are_named_like_vllms_in_a_registry_of_their_own():
         'specjax:request_success_total{finished_reason="stop",model_name="m"} 1.0',
         'specjax:num_requests_running{model_name="m"} 1.0',
         'specjax:num_requests_waiting{model_name="m"} 2.0',
+        'specjax:request_overloaded_total{model_name="m"} 1.0',
         'specjax:time_to_first_token_seconds_count{model_name="m"} 1.0',
         'specjax:time_to_first_token_seconds_sum{model_name="m"} 0.5',
         # 4 gaps: 2 after the first token of the first Update (0.5 s / 3 each), 2 at 0.4 s / 2

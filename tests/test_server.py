@@ -1,15 +1,20 @@
 """The OpenAI-compatible server (specjax/serve/app.py) over the real engine, queried with the
 openai client: a request's text, tokens and finish reason are what `generate` gives its prompt
-alone (greedy), streamed or not, one request at a time or several at once.
+alone (greedy), streamed or not, one request at a time or several at once, and under load.
 
-Two servers run on local ports for the whole module: a completions server over a tiny random
+Servers run on local ports for the whole module: a completions server over a tiny random
 model with the character tokenizer of tests/tiny.py, speculating with a DraftModel that is the
-target itself (every draft is accepted, so the acceptance counters are known exactly), and a
-chat server, plain decoding, over a tiny random model with SmolLM2's vocabulary and chat
-template."""
+target itself (every draft is accepted, so the acceptance counters are known exactly); a chat
+server, plain decoding, over a tiny random model with SmolLM2's vocabulary and chat template; a
+load server with fewer slots than the requests sent at once, speculating with a SelfDraft that is
+accepted part of the time (tests/drafters.py); and a server over an engine the tests hold in
+their hand (`Controlled`: its steps wait for a gate, and a marked request makes a step fail), for
+the overload bound and the recovery from a failed step."""
 
+import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import http.client
 import json
 import socket
@@ -17,12 +22,14 @@ import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 
 import openai
 import pytest
 import uvicorn
+from drafters import layered_target
 from hf_export import save_hf_folder
 from prometheus_client.parser import text_string_to_metric_families
 from tiny import tiny_model, tiny_tokenizer
@@ -33,6 +40,16 @@ from specjax.serve.engine import Engine
 
 TEXT_MODEL = dataclasses.replace(tiny_model(seed=3), tokenizer=tiny_tokenizer(), name="tiny")
 PROMPTS = ["Hello, world", "To be or not", "abcabcabc", "x"]
+# The load server's target: its first layer with the head drafts its next token part of the time.
+LOAD_MODEL = dataclasses.replace(
+    layered_target(seed=11, late_scale=0.3), tokenizer=tiny_tokenizer(), name="tiny"
+)
+# Sixteen requests of 1 to 30 characters (prompt buckets 16 and 32: two admission programs) and
+# 3 to 39 new tokens, every third one streamed.
+LOAD_JOBS = [
+    ("The quick brown fox jumps over the lazy dog."[: 1 + (13 * i) % 31], 3 + (7 * i) % 37, i % 3 == 0)
+    for i in range(16)
+]
 
 
 def fetch(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
@@ -51,6 +68,7 @@ class Running:
     """A uvicorn server for `app` on a free local port, on a background thread."""
 
     def __init__(self, app):
+        self.app = app
         listening = socket.socket()
         listening.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{listening.getsockname()[1]}"
@@ -62,6 +80,10 @@ class Running:
             assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
             time.sleep(0.02)
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=300)
+
+    @property
+    def scheduler(self):
+        return self.app.state.scheduler
 
     def metrics(self) -> dict:
         """/metrics as {(sample name, sorted labels but model_name): value}."""
@@ -235,7 +257,9 @@ def test_spec_decode_counters_rise_and_the_opt_out_keeps_them(text_server):
     [
         ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
         ({"n": 2}, "n", "n must be 1"),
+        ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
         ({"max_tokens": 500}, "max_tokens", "exceeds the server's max_model_len of 96"),
+        ({"prompt": "x" * 100}, "prompt", "the prompt has 100 tokens, the server's max_model_len is 96"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
         ({"extra_body": {"speculative": "no"}}, "speculative", "speculative must be true or false"),
         ({"extra_body": {"min_tokens": 3}}, "min_tokens", "unknown field 'min_tokens'"),
@@ -244,22 +268,27 @@ def test_spec_decode_counters_rise_and_the_opt_out_keeps_them(text_server):
     ],
 )
 def test_bad_requests_are_400_naming_the_field(text_server, options, param, match):
-    options = {"max_tokens": 4} | options
+    options = {"prompt": "x", "max_tokens": 4} | options
     with pytest.raises(openai.BadRequestError, match=match) as error:
-        text_server.client.completions.create(model="tiny", prompt="x", **options)
+        text_server.client.completions.create(model="tiny", **options)
     assert error.value.status_code == 400
     assert error.value.body["param"] == param and error.value.body["type"] == "invalid_request_error"
 
 
 def test_other_errors_and_routes(text_server):
-    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist"):
+    # an unknown model is a 404, as OpenAI and vLLM answer it
+    with pytest.raises(openai.NotFoundError, match="the model 'gpt-4' does not exist") as error:
         text_server.client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
+    assert error.value.body["param"] == "model" and error.value.body["code"] == "model_not_found"
     status, body = fetch("POST", f"{text_server.url}/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="the served model's tokenizer has no chat template"):
         text_server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
     assert [m.id for m in text_server.client.models.list().data] == ["tiny"]
     assert fetch("GET", f"{text_server.url}/health") == (200, b"")
+    # after the refused requests (these and test_bad_requests'), the server answers as before
+    assert completion(text_server, PROMPTS[3], 8)[:2] == generated(TEXT_MODEL, PROMPTS[3], 8)[::2]
+    assert text_server.scheduler.num_open == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +321,9 @@ def test_chat_completions_equal_generate(chat_model, chat_server, stream):
             assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(tokens))
 
 
-def test_a_disconnected_stream_is_aborted(chat_server):
+def test_a_disconnected_stream_is_aborted_and_disturbs_nothing(chat_model, chat_server):
+    """A client that goes away mid-stream: its request is aborted and its slot freed, while a
+    request beside it in the other slot runs on to generate's answer."""
     body = {
         "model": "chat",
         "messages": [{"role": "user", "content": "Tell me a long story."}],
@@ -307,16 +338,295 @@ def test_a_disconnected_stream_is_aborted(chat_server):
     response = connection.getresponse()
     first = response.readline()  # the first event: the role
     assert json.loads(first.removeprefix(b"data: "))["choices"][0]["delta"]["role"] == "assistant"
-    connection.close()
-    deadline = time.monotonic() + 30  # the client is gone: the engine drops its request
-    while chat_server.metrics().get(aborted, 0) == before:
-        assert time.monotonic() < deadline, "the request was not aborted"
-        time.sleep(0.05)
-    assert chat_server.metrics()[("specjax:num_requests_running", ())] == 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beside = pool.submit(chat, chat_server, "Write a haiku.", 48)
+        engine = chat_server.app.state.engine  # (a haiku may be done before a look sees it there)
+        wait_until(lambda: engine.num_running == 2 or beside.done(), "both requests run")
+        connection.close()
+        deadline = time.monotonic() + 30  # the client is gone: the engine drops its request
+        while chat_server.metrics().get(aborted, 0) == before:
+            assert time.monotonic() < deadline, "the request was not aborted"
+            time.sleep(0.05)
+        text, _, reason = generated(chat_model, "Write a haiku.", 48, chat=True)
+        assert beside.result()[:2] == (text, reason)
+    wait_until(lambda: chat_server.scheduler.num_open == 0, "the requests are closed")
+    assert engine.num_running == 0 and chat_server.metrics()[("specjax:num_requests_running", ())] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# under load: more requests than slots, a proposer accepted part of the time
+
+
+@pytest.fixture(scope="module")
+def load_server():
+    # 4 slots for 16 requests at once; chunk_steps=3: rows join and leave between short chunks
+    proposer = specjax.SelfDraft(layers=1, k=3)
+    engine = Engine(LOAD_MODEL, proposer, max_batch=4, max_model_len=96, chunk_steps=3)
+    server = Running(make_app(engine))
+    yield server
+    server.close()
+
+
+@functools.cache
+def load_reference(prompt: str, max_tokens: int) -> tuple[str, str, int]:
+    """(text, finish reason, number of tokens) of `generate` on the prompt alone."""
+    text, tokens, reason = generated(LOAD_MODEL, prompt, max_tokens)
+    return text, reason, len(tokens)
+
+
+def check_load(server, answers, before: dict) -> None:
+    """Each answer (text, finish reason, usage) is generate's for its prompt alone, and the
+    drafts were accepted part of the time (so rejections and rollbacks happened under load)."""
+    for (prompt, max_tokens, stream), (text, reason, usage) in zip(LOAD_JOBS, answers, strict=True):
+        expected = load_reference(prompt, max_tokens)
+        assert (text, reason, usage.completion_tokens) == expected, (prompt, max_tokens, stream)
+    after = server.metrics()
+
+    def rise(name):
+        return after[(name, ())] - before[(name, ())]
+
+    drafted = rise("specjax:spec_decode_num_draft_tokens_total")
+    assert 0 < rise("specjax:spec_decode_num_accepted_tokens_total") < drafted
+    assert after[("specjax:num_requests_running", ())] == 0 and server.scheduler.num_open == 0
+
+
+def test_sixteen_threads_on_four_slots_each_equal_generate_alone(load_server):
+    """The sync client from 16 threads at once: 12 requests wait, and each joins the batch as
+    a slot frees, beside rows at other positions; a third of them streamed."""
+    assert load_server.scheduler.max_waiting == 16  # the default, 4 x max_batch: none is refused
+    before = load_server.metrics()
+    with concurrent.futures.ThreadPoolExecutor(len(LOAD_JOBS)) as pool:
+        answers = list(pool.map(lambda job: completion(load_server, *job)[:3], LOAD_JOBS))
+    check_load(load_server, answers, before)
+
+
+async def async_completion(client, prompt: str, max_tokens: int, stream: bool):
+    """(text, finish reason, usage) of a completions request with the async client."""
+    options = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+    if not stream:
+        response = await client.completions.create(**options)
+        return response.choices[0].text, response.choices[0].finish_reason, response.usage
+    chunks = await client.completions.create(**options, stream=True, stream_options={"include_usage": True})
+    chunks = [chunk async for chunk in chunks]
+    text = "".join(c.choices[0].text for c in chunks[:-1])
+    return text, chunks[-2].choices[0].finish_reason, chunks[-1].usage
+
+
+def test_sixteen_async_requests_each_equal_generate_alone(load_server):
+    """The same 16 requests from one event loop (openai.AsyncOpenAI and asyncio.gather)."""
+
+    async def all_at_once():
+        url = f"{load_server.url}/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=300) as client:
+            return await asyncio.gather(*(async_completion(client, *job) for job in LOAD_JOBS))
+
+    before = load_server.metrics()
+    check_load(load_server, asyncio.run(all_at_once()), before)
+
+
+# ---------------------------------------------------------------------------------------------
+# overload and failures, over an engine held in the test's hand
+
+POISON = "poison"  # the prompt of a request that makes the Controlled engine's next step fail
+
+
+class Controlled:
+    """An Engine that the scheduler drives through Engine's interface as usual, but whose
+    `step` waits for the test's permission (`hold`, `allow`, `release`), and fails when a request
+    with the prompt POISON is in the engine, taking that request with it, as a step fails whose
+    admission of a request fails (e.g. the engine refusing its stop strings)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.poison = engine.model.tokenizer(POISON)["input_ids"]
+        self.poisoned: list[int] = []
+        self.changed = threading.Condition()
+        self.allowed: int | None = None  # steps that may start; None: any number
+        self.steps_done = 0
+
+    def __getattr__(self, name):  # max_batch, model, has_work, num_running, ...: the engine's
+        return getattr(self.engine, name)
+
+    def hold(self) -> None:
+        with self.changed:
+            self.allowed = 0
+
+    def allow(self, steps: int) -> None:
+        with self.changed:
+            self.allowed += steps
+            self.changed.notify_all()
+
+    def release(self) -> None:
+        with self.changed:
+            self.allowed = None
+            self.changed.notify_all()
+
+    def add(self, request) -> int:
+        request_id = self.engine.add(request)
+        if list(request.prompt) == self.poison:
+            self.poisoned.append(request_id)
+        return request_id
+
+    def step(self):
+        with self.changed:
+            self.changed.wait_for(lambda: self.allowed is None or self.allowed > 0)
+            if self.allowed is not None:
+                self.allowed -= 1
+        try:
+            while self.poisoned:
+                if self.engine.abort(self.poisoned.pop()):  # it was in the engine: the step took it
+                    raise RuntimeError("the poisoned request broke the step")
+            return self.engine.step()
+        finally:
+            with self.changed:
+                self.steps_done += 1
+                self.changed.notify_all()
+
+    def step_once(self) -> None:
+        """Let one step run, and wait until it has."""
+        with self.changed:
+            done = self.steps_done
+        self.allow(1)
+        with self.changed:
+            assert self.changed.wait_for(lambda: self.steps_done > done, timeout=60), "no step ran"
+
+
+def wait_until(condition, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def held_server():
+    """Two slots, at most two requests waiting for one."""
+    engine = Controlled(Engine(TEXT_MODEL, None, max_batch=2, max_model_len=96, chunk_steps=2))
+    server = Running(make_app(engine, max_waiting=2))
+    yield server
+    engine.release()
+    server.close()
+
+
+def test_past_max_waiting_requests_get_503_and_the_others_are_served(held_server):
+    """With the engine held, six requests come at once: two take the slots, two wait, two are
+    refused at once with 503 in OpenAI's error shape (a streamed one too); /health answers
+    meanwhile, and once the engine goes on the four are served as generate serves them."""
+    engine, scheduler = held_server.app.state.engine, held_server.scheduler
+    jobs = [(prompt, 10 + 3 * i) for i, prompt in enumerate(PROMPTS + ["Once upon", "zzz"])]
+    before = held_server.metrics()
+    engine.hold()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+            futures = [pool.submit(completion, held_server, *job) for job in jobs]
+            wait_until(lambda: sum(f.done() for f in futures) == 2, "two requests are refused")
+            assert scheduler.num_open == 4
+            with pytest.raises(openai.InternalServerError, match="max_waiting=2") as refused:
+                completion(held_server, PROMPTS[0], 4, stream=True)
+            assert fetch("GET", f"{held_server.url}/health") == (200, b"")
+            engine.release()
+            outcomes = [f.exception() or f.result() for f in futures]
+    finally:
+        engine.release()
+    error = refused.value
+    assert error.status_code == 503 and error.response.headers["retry-after"] == "1"
+    assert error.body["type"] == "server_error" and error.body["code"] == "server_overloaded"
+    assert "retry later" in error.body["message"] and "--max-waiting" in error.body["message"]
+    served = 0
+    for (prompt, max_tokens), outcome in zip(jobs, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            assert isinstance(outcome, openai.InternalServerError) and outcome.status_code == 503
+            assert outcome.body["code"] == "server_overloaded"
+        else:
+            text, _, reason = generated(TEXT_MODEL, prompt, max_tokens)
+            assert outcome[:2] == (text, reason)
+            served += 1
+    assert served == 4
+    after = held_server.metrics()
+    key = ("specjax:request_overloaded_total", ())
+    assert after[key] - before.get(key, 0) == 3
+    # the server goes on as before
+    assert completion(held_server, PROMPTS[2], 12)[:2] == generated(TEXT_MODEL, PROMPTS[2], 12)[::2]
+    assert fetch("GET", f"{held_server.url}/health") == (200, b"") and scheduler.num_open == 0
+
+
+def test_a_failed_step_ends_its_request_alone(held_server):
+    """Two streams in the slots, one request waiting, then a request whose admission makes the
+    step fail: it alone gets an error (500); the streams go on, the waiting request is queued
+    again and served, and the server answers the next request."""
+    engine, scheduler = held_server.app.state.engine, held_server.scheduler
+    streamed = [(PROMPTS[0], 40), (PROMPTS[1], 36)]
+    engine.hold()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(completion, held_server, p, m, True) for p, m in streamed]
+            wait_until(lambda: scheduler.num_open == 2, "both streams are submitted")
+            while engine.num_running < 2:  # step until both are in a slot and have sent tokens
+                engine.step_once()
+            waiting = pool.submit(completion, held_server, PROMPTS[2], 20)
+            poisoned = pool.submit(completion, held_server, POISON, 8)
+            wait_until(lambda: scheduler.num_open == 4, "the waiting and the poisoned request are in")
+            engine.release()
+            with pytest.raises(openai.InternalServerError, match="the poisoned request broke the step"):
+                poisoned.result()
+            for (prompt, max_tokens), stream in zip(streamed, streams, strict=True):
+                assert stream.result()[:2] == generated(TEXT_MODEL, prompt, max_tokens)[::2]
+            assert waiting.result()[:2] == generated(TEXT_MODEL, PROMPTS[2], 20)[::2]
+    finally:
+        engine.release()
+    assert completion(held_server, PROMPTS[3], 12)[:2] == generated(TEXT_MODEL, PROMPTS[3], 12)[::2]
+    assert fetch("GET", f"{held_server.url}/health") == (200, b"") and scheduler.num_open == 0
+
+
+@pytest.mark.xfail(
+    raises=openai.InternalServerError,
+    strict=True,
+    reason="engine.py: Engine.add takes a request whose stop strings alone overflow the automaton "
+    "(max_stop_states); Engine.step's admission then raises after _admit has set the free slot's "
+    "sampling, and every later admission into another slot fails on that sampling "
+    "(StopStringSet.mask), so the server fails each request until one lands in that slot",
+)
+def test_stop_strings_past_the_automaton_fail_their_request_alone():
+    """A real admission failure (not Controlled's poison): the request alone fails, the one
+    beside it runs on, and the server serves the next request."""
+    engine = Controlled(Engine(TEXT_MODEL, None, max_batch=2, max_model_len=64, chunk_steps=2))
+    server = Running(make_app(engine))
+    stops = [f"{i:02d}qwertyuiop" for i in range(20)]  # ~220 automaton states, max_stop_states=64
+    try:
+        engine.hold()
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            beside = pool.submit(completion, server, PROMPTS[0], 40, True)
+            wait_until(lambda: server.scheduler.num_open == 1, "the first request is submitted")
+            engine.step_once()  # it is in slot 0 and has sent tokens
+            refused = pool.submit(completion, server, "x", 8, stop=stops)
+            wait_until(lambda: server.scheduler.num_open == 2, "the second request is submitted")
+            engine.release()
+            with pytest.raises((openai.BadRequestError, openai.InternalServerError), match="sampling.stop"):
+                refused.result()
+            assert beside.result()[:2] == generated(TEXT_MODEL, PROMPTS[0], 40)[::2]
+        # slot 0 is free again, slot 1 was the refused request's
+        assert completion(server, PROMPTS[1], 8)[:2] == generated(TEXT_MODEL, PROMPTS[1], 8)[::2]
+    finally:
+        engine.release()
+        server.close()
 
 
 # ---------------------------------------------------------------------------------------------
 # the command
+
+
+def test_serve_command_passes_max_waiting_on(monkeypatch):
+    from specjax.cli import main
+
+    with pytest.raises(ValueError, match="serve: max_waiting must be an integer >= 0, got -1"):
+        specjax.serve.serve("no-such-model", max_waiting=-1)  # refused before the model loads
+    with pytest.raises(ValueError, match="make_app: max_waiting must be an integer >= 0, got 1.5"):
+        make_app(types.SimpleNamespace(model=TEXT_MODEL, max_batch=1), max_waiting=1.5)
+    calls = []
+    monkeypatch.setattr(specjax.serve.app, "serve", lambda model, config, **options: calls.append(options))
+    assert main(["serve", "m", "--max-batch", "3", "--max-waiting", "0"]) == 0
+    assert main(["serve", "m"]) == 0
+    assert [(c["max_batch"], c["max_waiting"]) for c in calls] == [(3, 0), (8, None)]  # None: 4 x max_batch
 
 
 def test_serve_command_errors_are_one_line(tmp_path, capsys):
@@ -342,6 +652,7 @@ def test_specjax_serve_command(tmp_path):
     config = json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
     command = [sys.executable, "-m", "specjax.cli", "serve", str(tmp_path / "model"), "--port", str(port)]
     command += ["--speculative-config", config, "--served-model-name", "tiny", "--max-model-len", "64"]
+    command += ["--max-waiting", "2"]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

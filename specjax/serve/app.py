@@ -12,6 +12,10 @@ The app only translates: protocol.py turns a request body into an engine Request
 runs the engine on its own thread, and the tokens that come back become the text that
 `generate` would return for them (decoded, special tokens skipped, cut at a stop string). A
 request whose client disconnects is aborted in the engine.
+
+Under load, requests wait for one of the engine's slots in a bounded queue: past `max_waiting`
+waiting requests, a new one is answered at once with HTTP 503 in OpenAI's error shape (code
+"server_overloaded", a Retry-After header; the openai client retries such answers by itself).
 """
 
 from __future__ import annotations
@@ -41,28 +45,50 @@ from specjax.serve.protocol import (
     speculate_metrics,
     usage,
 )
-from specjax.serve.scheduler import EngineError, RequestStream, Scheduler
+from specjax.serve.scheduler import (
+    EngineError,
+    Overloaded,
+    RequestStream,
+    Scheduler,
+    Unavailable,
+    check_max_waiting,
+)
 from specjax.speculate.stops import cut_text
 from specjax.text import TextDeltas
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is there
+WAITING_PER_SLOT = 4  # the default max_waiting: this many requests queued per slot of the engine
+RETRY_AFTER_S = 1  # the Retry-After of a 503
 
 
 class ClientGone(Exception):
     """The client of a non-streamed request disconnected."""
 
 
-def make_app(engine, *, served_model_name: str | None = None, metrics_prefix: str = "specjax:") -> FastAPI:
+def make_app(
+    engine,
+    *,
+    served_model_name: str | None = None,
+    metrics_prefix: str = "specjax:",
+    max_waiting: int | None = None,
+) -> FastAPI:
     """The FastAPI app serving `engine` (a specjax.serve.engine.Engine, whose model has a
     tokenizer). The engine is driven by a scheduler thread that starts and stops with the app
     (its lifespan: uvicorn runs it). `served_model_name` (default: the model's name) is the id
-    /v1/models lists and requests name; `metrics_prefix` prefixes the Prometheus names."""
+    /v1/models lists and requests name; `metrics_prefix` prefixes the Prometheus names;
+    `max_waiting` (default 4 x the engine's max_batch) bounds the requests waiting for a slot:
+    past it a request gets HTTP 503."""
     model = engine.model
     if model.tokenizer is None:
         raise ValueError("make_app: the engine's model has no tokenizer; the server needs one for text")
     name = served_model_name or model.name
     metrics = ServerMetrics(name, metrics_prefix)
-    scheduler = Scheduler(engine, metrics)
+    if max_waiting is None:
+        max_waiting = WAITING_PER_SLOT * engine.max_batch
+    try:
+        scheduler = Scheduler(engine, metrics, max_waiting)
+    except ValueError as error:
+        raise ValueError(f"make_app: {error}") from None
     server = _Routes(engine, scheduler, name)
 
     @contextlib.asynccontextmanager
@@ -78,7 +104,8 @@ def make_app(engine, *, served_model_name: str | None = None, metrics_prefix: st
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.get("/health")
     async def health() -> Response:
@@ -143,8 +170,9 @@ class _Routes:
             return Response(status_code=499)  # nginx's "client closed request": no one reads it
 
     async def _admit(self, parsed: GenerationRequest) -> RequestStream:
-        """Hand the request to the scheduler and wait for the engine to take it (a ValueError
-        from engine.add is the client's mistake: HTTP 400)."""
+        """Hand the request to the scheduler and wait for the engine to take it: HTTP 503 when
+        max_waiting requests wait already, or the scheduler is stopping or has died; 400 for a
+        ValueError from engine.add (the client's mistake), 500 for another error of the engine's."""
         request = EngineRequest(
             prompt=parsed.prompt,
             sampling=parsed.sampling,
@@ -152,13 +180,17 @@ class _Routes:
             speculate=parsed.speculate,
         )
         stream = RequestStream(request, asyncio.get_running_loop())
-        self.scheduler.submit(stream)
         try:
+            self.scheduler.submit(stream)
             await stream.admitted
         except ValueError as error:
             raise RequestError(str(error)) from None
-        except EngineError as error:  # the scheduler is stopping or has died
+        except Overloaded as error:
+            raise RequestError(str(error), status=503, code="server_overloaded") from None
+        except Unavailable as error:
             raise RequestError(str(error), status=503) from None
+        except EngineError as error:
+            raise RequestError(str(error), status=500) from None
         except asyncio.CancelledError:
             self.scheduler.abort(stream)
             raise
@@ -259,6 +291,7 @@ def serve(
     max_batch: int = 8,
     max_model_len: int | None = None,
     chunk_steps: int = 16,
+    max_waiting: int | None = None,
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
     log_level: str = "info",
@@ -271,10 +304,16 @@ def serve(
         specjax/serve/config.py), or `proposer`: any specjax proposer; neither for plain decoding.
     max_batch, max_model_len, chunk_steps: the engine's slots, the longest prompt + answer, and
         the most loop steps between two looks at the queue (specjax.serve.engine.Engine).
+    max_waiting: the most requests waiting for a slot (default 4 x max_batch); past it, 503.
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
     """
     if proposer is not None and speculative_config is not None:
         raise ValueError("serve: give a proposer or a speculative_config, not both")
+    if max_waiting is not None:  # before the model loads
+        try:
+            check_max_waiting(max_waiting)
+        except ValueError as error:
+            raise ValueError(f"serve: {error}") from None
     if not isinstance(model, Model):
         served_model_name = served_model_name or str(model)
         model = load(model, dtype=dtype)
@@ -283,5 +322,7 @@ def serve(
     engine = Engine(
         model, proposer, max_batch=max_batch, max_model_len=max_model_len, chunk_steps=chunk_steps
     )
-    app = make_app(engine, served_model_name=served_model_name, metrics_prefix=metrics_prefix)
+    app = make_app(
+        engine, served_model_name=served_model_name, metrics_prefix=metrics_prefix, max_waiting=max_waiting
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

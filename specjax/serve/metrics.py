@@ -12,6 +12,8 @@ process, as in the tests, do not clash.
 
     num_requests_running, num_requests_waiting     gauges: the engine's slots in use, its queue
     request_success{finished_reason}               counter: finished requests (stop, length, abort)
+    request_overloaded                             counter: requests refused with 503, max_waiting
+                                                   waiting already (specjax's own; vLLM has none)
     prompt_tokens, generation_tokens               counters: prompt tokens admitted, tokens generated
     time_to_first_token_seconds                    histogram: arrival to the first token
     inter_token_latency_seconds                    histogram: between two tokens (see observe_tokens)
@@ -51,6 +53,9 @@ class ServerMetrics:
         self.success = metric(
             Counter, "request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
+        self.overloaded = metric(
+            Counter, "request_overloaded", "Requests refused (HTTP 503) as max_waiting requests waited."
+        )
         self.prompt_tokens = metric(Counter, "prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = metric(Counter, "generation_tokens", "Tokens generated.")
         self.ttft = metric(
@@ -73,7 +78,7 @@ class ServerMetrics:
         )
         for gauge in (self.running, self.waiting):
             gauge.labels(model_name).set(0)
-        for counter in (self.prompt_tokens, self.generation_tokens, self.num_drafts):
+        for counter in (self.overloaded, self.prompt_tokens, self.generation_tokens, self.num_drafts):
             counter.labels(model_name)  # listed from the start, at 0
         self.num_draft_tokens.labels(model_name)
         self.num_accepted_tokens.labels(model_name)
@@ -81,6 +86,10 @@ class ServerMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
+
+    def rejected(self) -> None:
+        """A request refused because the waiting queue was full."""
+        self.overloaded.labels(self.model_name).inc()
 
     def admitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
