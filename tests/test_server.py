@@ -578,14 +578,6 @@ def test_a_failed_step_ends_its_request_alone(held_server):
     assert fetch("GET", f"{held_server.url}/health") == (200, b"") and scheduler.num_open == 0
 
 
-@pytest.mark.xfail(
-    raises=openai.InternalServerError,
-    strict=True,
-    reason="engine.py: Engine.add takes a request whose stop strings alone overflow the automaton "
-    "(max_stop_states); Engine.step's admission then raises after _admit has set the free slot's "
-    "sampling, and every later admission into another slot fails on that sampling "
-    "(StopStringSet.mask), so the server fails each request until one lands in that slot",
-)
 def test_stop_strings_past_the_automaton_fail_their_request_alone():
     """A real admission failure (not Controlled's poison): the request alone fails, the one
     beside it runs on, and the server serves the next request."""
