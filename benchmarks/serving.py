@@ -34,7 +34,7 @@ import numpy as np
 from common import data_dir
 
 import specjax
-from specjax.bench import machine, markdown_table, spec_bench_prompts
+from specjax.bench import SPEC_BENCH_CATEGORIES, machine, markdown_table, spec_bench_prompts
 
 MODES = ("plain", "ngram", "dynamic")
 
@@ -163,10 +163,13 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--chunk-steps", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
+    parser.add_argument("--kernels", default="auto", help="the engine's kernels: auto or xla (generate's)")
     parser.add_argument("--llama-cpp-url", help="a llama.cpp server's /v1 URL, for a side-by-side row")
     args = parser.parse_args()
 
-    prompts = [p for _, p in spec_bench_prompts(data_dir(args.data), args.per_category)]
+    categories = SPEC_BENCH_CATEGORIES if args.categories is None else args.categories.split(",")
+    prompts = [p for _, p in spec_bench_prompts(data_dir(args.data), args.per_category, categories)]
     model = specjax.load("smollm2-135m")
     print(
         f"machine: {machine()}\n{len(prompts)} Spec-Bench prompts, {args.max_new_tokens} new tokens, greedy"
@@ -194,6 +197,7 @@ def main() -> None:
             max_batch=args.max_batch,
             max_model_len=args.max_model_len,
             chunk_steps=args.chunk_steps,
+            kernels=args.kernels,
         )
         with Server(engine, max(args.clients)) as server:
             # Warm-up: every prompt bucket's admission and the loop, compiled before timing.

@@ -97,10 +97,18 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     if proposer is not None:  # drafts were accepted in part while rows came and went
         accepted, drafted = accepted_and_drafted(finals)
         assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
-    # One prefill for the empty batch, one resume program, one admit program per prompt bucket:
-    # new prompts and arrivals never compile again (a call whose shapes differ would fail).
+    # One prefill for the empty batch, one admission program per prompt bucket, the loop at the
+    # widths the occupied slots needed; new prompts and arrivals never compile again (and a call
+    # whose shapes differ would fail: programs are compiled ahead of time).
     buckets = {specjax.api.prompt_bucket(len(r.prompt)) for r in requests}
-    assert len(buckets) >= 2 and engine.num_compiles == 2 + len(buckets)
+    kinds = [kind for kind, _ in engine._programs]
+    assert len(buckets) >= 2 and kinds.count("admit") == len(buckets) and kinds.count("prefill") == 1
+    assert {width for kind, width in engine._programs if kind == "lean"} == {1, 2, 3}
+    compiled = engine.num_compiles
+    again = [dataclasses.replace(r, prompt=r.prompt[::-1]) for r in requests]  # same buckets
+    tokens, _ = drive(engine, again, seed=3)
+    assert engine.num_compiles == compiled
+    assert tokens[2] == alone(TARGET, again[2], proposer)
 
 
 def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it():

@@ -139,6 +139,11 @@ class Engine:
         requests to come makes a leaner program, and requests needing more are refused).
     kernels, matmul_precision, cache_dtype, scan_layers: as for `generate`.
     key: the PRNG key that requests without a seed draw from (request i uses it folded with i).
+    max_stop_states: the size of the stop-string automaton shared by the running requests (a
+        request whose strings do not fit beside theirs waits; one that never fits is refused).
+
+    `num_compiles` counts the programs compiled: the empty batch's prefill, one admission per
+    prompt bucket, and the loop (a lean one for all-greedy chunks, the full one for the rest).
     """
 
     def __init__(
@@ -165,6 +170,8 @@ class Engine:
         _check_int("chunk_steps", chunk_steps, 1)
         _check_int("max_stop_states", max_stop_states, 1)
         _check_int("max_model_len", max_model_len, 2)
+        if warp is not None and not isinstance(warp, WarpSpec):
+            raise ValueError(f"warp must be None (every option) or a WarpSpec, got {warp!r}")
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
         self.model, self.max_batch, self.max_model_len = model, max_batch, max_model_len
@@ -209,6 +216,7 @@ class Engine:
             lean_proposer, lean_params = resolve(proposer, model, WarpSpec(), None)
             if jax.tree.structure(lean_params) == jax.tree.structure(resolved_params):
                 self._lean = dataclasses.replace(self.spec, warp=WarpSpec(), proposer=lean_proposer)
+        self._widths = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length())} | {max_batch})
         self.k = self.spec.k
         self._window = chunk_steps * (self.k + 1) + 1
         self._key = jax.random.key(0) if key is None else _check_key(key)
@@ -223,7 +231,7 @@ class Engine:
         self._samplings: list[Sampling] = [Sampling()] * max_batch
         self._stop_strings = StopStringSet(()) if model.tokenizer is not None else None
         self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
-        self._inputs = self._batch_inputs()
+        self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
         self._state = self._empty_state()
 
     def _check_memory(self) -> None:
@@ -323,18 +331,24 @@ class Engine:
             self._admit(b, request_id, request)
         if self.num_running == 0:
             return []
-        reported = np.asarray([0 if s is None else s.reported for s in self._slots], np.int32)
+        # The chunk runs over the first `width` slots only: the smallest program width holding
+        # every occupied slot (admission fills the lowest free slot, so the running rows stay
+        # near the front). Free slots past it cost nothing: a lightly loaded engine steps at the
+        # cost of its few rows, not of max_batch.
+        occupied = 1 + max(b for b, slot in enumerate(self._slots) if slot is not None)
+        width = min(w for w in self._widths if w >= occupied)
+        reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
         # A chunk whose requests are all greedy without penalties or bias runs the lean program.
         lean = self._lean is not None and all(
             s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
         )
         self._state, window = self._run(
             "lean" if lean else "resume",
-            MIN_BUCKET,
+            width,
             self._params,
             self._proposer_params,
             self._state,
-            self._inputs,
+            self._inputs_at(width),
             jnp.int32(self.chunk_steps),
             jnp.asarray(bool(self._waiting)),
             jnp.asarray(reported),
@@ -376,7 +390,7 @@ class Engine:
             seen={name: 0 for name in _DELTAS},
             started=time.perf_counter(),
         )
-        self._inputs = self._batch_inputs()
+        self._inputs = {}  # the slots' options changed
         bucket = prompt_bucket(len(request.prompt))
         padded = np.zeros((1, bucket), np.int32)
         padded[0, : len(request.prompt)] = request.prompt
@@ -456,7 +470,7 @@ class Engine:
                 f"{stop_strings.num_states} automaton states, more than the engine's max_stop_states="
                 f"{self._max_stop_states}; use fewer or shorter stop strings, or a larger max_stop_states"
             )
-        no_rows = [()] * self.max_batch  # (each row's strings: `_batch_inputs`, per admission)
+        no_rows = [()] * self.max_batch  # (each row's strings: `_inputs_at`, per admission)
         return stop_strings.device_tables(
             self.model.tokenizer, self.model.config.vocab_size, no_rows, self._max_stop_states
         )
@@ -493,24 +507,30 @@ class Engine:
 
     # ----- inputs and state --------------------------------------------------------------------
 
-    def _batch_inputs(self) -> GenerationInputs:
-        """The loop's per-slot inputs: each slot's options (neutral for a free slot)."""
-        B = self.max_batch
+    def _inputs_at(self, width: int) -> GenerationInputs:
+        """The loop's inputs at a program width: the first `width` slots' options (neutral for a
+        free slot), made once per admission."""
+        if width not in self._inputs:
+            self._inputs[width] = self._slot_inputs(width)
+        return self._inputs[width]
+
+    def _slot_inputs(self, width: int) -> GenerationInputs:
+        samplings, slots = self._samplings[:width], self._slots[:width]
         stop_strings = None
         if self._stop_tables is not None:
-            masks = [self._stop_strings.mask(s.stop) for s in self._samplings]
+            masks = [self._stop_strings.mask(s.stop) for s in samplings]
             stop_strings = self._stop_tables.replace(row_mask=jnp.asarray(masks, jnp.int32))
         return GenerationInputs(
-            prompt_tokens=jnp.zeros((B, 1), jnp.int32),  # (the prefill's; the loop reads none)
-            prompt_lengths=jnp.ones((B,), jnp.int32),
-            max_new_tokens=jnp.zeros((B,), jnp.int32),
-            sampling=self._sampling_params(self._samplings),
+            prompt_tokens=jnp.zeros((width, 1), jnp.int32),  # (the prefill's; the loop reads none)
+            prompt_lengths=jnp.ones((width,), jnp.int32),
+            max_new_tokens=jnp.zeros((width,), jnp.int32),
+            sampling=self._sampling_params(samplings),
             key=self._key,
-            seeds=jnp.zeros((B,), jnp.uint32),
-            seeded=jnp.zeros((B,), bool),
-            stop_token_ids=jnp.asarray(self._stop_ids_table(self._slots)),
+            seeds=jnp.zeros((width,), jnp.uint32),
+            seeded=jnp.zeros((width,), bool),
+            stop_token_ids=jnp.asarray(self._stop_ids_table(slots)),
             stop_strings=stop_strings,
-            speculate=jnp.asarray([s is None or s.request.speculate for s in self._slots]),
+            speculate=jnp.asarray([s is None or s.request.speculate for s in slots]),
         )
 
     def _row_inputs(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int, key):
@@ -605,12 +625,31 @@ class Engine:
         spec = self._lean if kind == "lean" else self.spec
         on = spec.backend
         if kind in ("resume", "lean"):
-            window = self._window
+            window, width, B, axes = self._window, bucket, self.max_batch, self._batch_axes()
+            narrow = dataclasses.replace(spec, batch_size=width)
+
+            def front(axis, x):  # the first `width` slots' part of a leaf
+                return (
+                    x if axis == SHARED else jax.lax.slice_in_dim(x, 0, x.shape[axis] // B * width, axis=axis)
+                )
+
+            def back(axis, whole, part):  # the leaf with those slots' part written back
+                return part if axis == SHARED else jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis)
 
             def resume(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
-                return resume_program(
-                    spec, params, proposer_params, state, inputs, max_steps, stop_when_freed, reported, window
+                part = state if width == B else jax.tree.map(front, axes, state)
+                part, tokens = resume_program(
+                    narrow,
+                    params,
+                    proposer_params,
+                    part,
+                    inputs,
+                    max_steps,
+                    stop_when_freed,
+                    reported,
+                    window,
                 )
+                return (part if width == B else jax.tree.map(back, axes, state, part)), tokens
 
             return jax.jit(resume, donate_argnums=2)
         row_spec = dataclasses.replace(spec, batch_size=1, prompt_bucket=bucket)
