@@ -13,9 +13,10 @@ second of wall time (all requests), time to first token and inter-token latency 
 a request's streamed chunks over the tokens they carried), p50 and p99, and the drafts accepted.
 
 Modes: plain decoding; NGram(k=5, n_min=3) (prompt lookup); Dynamic(NGram(k=5, n_min=3)) with a
-GoodputSchedule whose costs were measured on this machine at batch 1 (see the goodput note in
-docs/benchmarks.md). One warm-up pass over a few prompts at each batch size compiles the programs
-(admission per prompt bucket, the loop) before the timed levels.
+GoodputSchedule whose verify costs were measured on this machine at 1 row, half the slots and all
+of them (`verify_cost_by_rows`: it drafts less as rows join). One warm-up pass over the prompts at
+max_batch clients compiles the programs (admission per prompt bucket, the loop at each width)
+before the timed levels.
 
 `--llama-cpp-url` points the same clients at a llama.cpp server (`python -m llama_cpp.server
 --model F32.gguf --n_threads 2 --n_ctx 2048` in its own venv, see ../shared/CPU_PERFORMANCE.md
@@ -39,14 +40,19 @@ from specjax.bench import SPEC_BENCH_CATEGORIES, machine, markdown_table, spec_b
 MODES = ("plain", "ngram", "dynamic")
 
 
-def proposer_for(mode: str, model, prompts):
+def proposer_for(mode: str, model, prompts, max_batch: int, kernels: str):
     if mode == "plain":
         return None
     ngram = specjax.NGram(k=5, n_min=3)
     if mode == "ngram":
         return ngram
-    schedule = specjax.GoodputSchedule.measure(model, ngram, prompts[:4], max_new_tokens=64)
-    print(f"  goodput schedule: draft_cost {schedule.draft_cost:.3f}, verify_cost {schedule.verify_cost:.3f}")
+    # The verify cost at 1 row up to a full batch: the schedule turns drafting down as rows join.
+    sizes = sorted({1, max(1, max_batch // 2), max_batch})
+    schedule = specjax.GoodputSchedule.measure(
+        model, ngram, prompts[:4], max_new_tokens=32, batch_sizes=sizes, generate_options={"kernels": kernels}
+    )
+    costs = schedule.verify_cost_by_rows
+    print(f"  goodput schedule: draft_cost {schedule.draft_cost:.3f}, verify costs by rows {costs}")
     return specjax.Dynamic(ngram, schedule)
 
 
@@ -193,7 +199,7 @@ def main() -> None:
         ]
         engine = Engine(
             model,
-            proposer_for(mode, model, chat_ids),
+            proposer_for(mode, model, chat_ids, args.max_batch, args.kernels),
             max_batch=args.max_batch,
             max_model_len=args.max_model_len,
             chunk_steps=args.chunk_steps,

@@ -29,10 +29,13 @@ from specjax.speculate.sampling import Sampling
 _clock = time.perf_counter  # the tests put a clock of their own here
 
 
-def measure_step_costs(model, proposer, prompts, max_new_tokens: int = 64, rounds: int = 5) -> dict:
+def measure_step_costs(
+    model, proposer, prompts, max_new_tokens: int = 64, rounds: int = 5, **generate_options
+) -> dict:
     """{"plain_step_s", "verify_cost", "draft_cost", "k"}: the costs of one more verified token and
     one more drafted token, each as a fraction of a plain decoding step (never below 0), the
-    medians over `rounds` rounds (module doc)."""
+    medians over `rounds` rounds (module doc). `generate_options` (kernels, ...) go to every timed
+    `generate` call: time what will run."""
     k = _draft_positions(proposer)
     if k is None:
         raise ValueError(f"proposer must be a proposer with a k (NGram, DraftModel, ...), got {proposer!r}")
@@ -46,7 +49,7 @@ def measure_step_costs(model, proposer, prompts, max_new_tokens: int = 64, round
     lengths = (max(1, max_new_tokens // 4), max_new_tokens)
 
     def call(proposer, n):
-        return generate(model, prompts, proposer, sampling, max_new_tokens=n)
+        return generate(model, prompts, proposer, sampling, max_new_tokens=n, **generate_options)
 
     for run in runs.values():  # compile, warm up
         for n in lengths:

@@ -509,6 +509,7 @@ def test_one_data_file_trains_both_heads(tmp_path, tiny_target, capsys):
     assert "reading the distillation set" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # make test-all: the default suite keeps within its 20 minutes
 def test_train_eagle3_and_dflash_commands_share_the_set(tmp_path, tiny_target):
     """Both train on one distillation set and save speculators folders that load_head reads."""
     data_file = tmp_path / "set.npz"

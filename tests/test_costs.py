@@ -71,3 +71,18 @@ def test_measure_step_costs_refuses_runs_too_short_to_time(monkeypatch):
         specjax.measure_step_costs(
             tiny_model(seed=1), specjax.NGram(k=2), [[1, 2, 3]], max_new_tokens=4, rounds=1
         )
+
+
+def test_measure_passes_generate_options_to_the_timed_calls(monkeypatch):
+    calls = []
+
+    def meter(model, proposer, prompts, max_new_tokens, **options):
+        calls.append((len(prompts), max_new_tokens, options))
+        return {"draft_cost": 0.0, "verify_cost": 0.2, "plain_step_s": 0.01, "k": 3}
+
+    monkeypatch.setattr(dynamic, "_cost_meter", meter)
+    schedule = specjax.GoodputSchedule.measure(
+        "model", specjax.NGram(k=3), ["a"], 8, batch_sizes=(2,), generate_options={"kernels": "xla"}
+    )
+    assert calls == [(2, 8, {"kernels": "xla"})]
+    assert schedule.verify_cost_by_rows == ((2, 0.2),)

@@ -278,7 +278,7 @@ def test_a_threshold_keeps_the_drafts_whose_path_probability_reaches_it():
     assert seen == {1, 2}  # both lengths of confident prefix occurred
 
 
-@pytest.mark.parametrize("threshold", [0.0075, 0.1])
+@pytest.mark.parametrize("threshold", [pytest.param(0.0075, marks=pytest.mark.slow), 0.1])
 def test_a_thresholded_chain_equals_plain(plain_greedy, threshold):
     """Greedy output is plain decoding's at batch 4 and 1; a step drafts only its confident prefix,
     so fewer drafts are verified than k per step (at 0.1 some steps draft nothing and make a

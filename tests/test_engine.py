@@ -78,7 +78,7 @@ PROPOSERS = {
     "hybrid": lambda: specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle(first_layer_eagle(TARGET), k=2)),
     "dynamic": lambda: specjax.Dynamic(specjax.DraftModel(NOISY_DRAFT, k=3)),
 }
-FAST = ("plain", "eagle-tree")  # the others run in make test-all (20 to 60 s each here)
+FAST = ("plain",)  # the others run in make test-all (20 to 60 s each here)
 
 
 @pytest.mark.parametrize(
@@ -111,10 +111,11 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     assert tokens[2] == alone(TARGET, again[2], proposer)
 
 
-def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it():
+@pytest.mark.parametrize("name", ["plain", pytest.param("draft", marks=pytest.mark.slow)])
+def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it(name):
     """A seeded request draws the same tokens alone, in a crowd, and joining late; requests
     without a seed draw from the engine's key folded with their id."""
-    proposer = specjax.DraftModel(NOISY_DRAFT, k=3)
+    proposer = PROPOSERS[name]()
     sampling = specjax.Sampling(temperature=0.9, top_p=0.95, seed=1234)
     probe = Request(_prompts(3, 1)[0], sampling=sampling, max_new_tokens=24)
     crowd = [
@@ -158,11 +159,11 @@ def test_stop_strings_of_requests_that_come_and_go():
         specjax.Sampling(stop=["@"]),
     ]
     requests = [Request(p, s, max_new_tokens=40) for p, s in zip(prompts, options, strict=True)]
-    engine = Engine(WORDY, specjax.DraftModel(WORDY, k=4), max_batch=2, max_model_len=96, chunk_steps=3)
+    engine = Engine(WORDY, max_batch=2, max_model_len=96, chunk_steps=3)
     tokens, finals = drive(engine, requests, seed=3)
     reasons = []
     for i, request in enumerate(requests):
-        expected = alone(WORDY, request, specjax.DraftModel(WORDY, k=4))
+        expected = alone(WORDY, request)
         assert tokens[i] == expected, i
         stopped = len(expected) < 40 or expected[-1] in request.sampling.stop_token_ids
         text = WORDY.tokenizer.decode(expected)
@@ -192,6 +193,7 @@ def test_a_request_whose_stop_strings_do_not_fit_beside_the_running_ones_waits()
         engine.add(Request([1], specjax.Sampling(stop=["abcdefghij"]), max_new_tokens=4))
 
 
+@pytest.mark.slow  # 20 s; the server's test of the opt-out runs by default
 def test_opted_out_request_decodes_plainly_in_a_speculating_batch():
     proposer = specjax.DraftModel(NOISY_DRAFT, k=3)
     prompts = _prompts(8, 4)

@@ -395,6 +395,7 @@ def test_heads_with_panel_weights_draft_what_plain_heads_draft(kind):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # make test-all: the default suite keeps within its 20 minutes
 def test_generate_packs_a_heads_weights_once(monkeypatch):
     """On the CPU, generate drafts with a head's panel copy, made once for the proposer object and
     model (the same params object each call), and gives the tokens the plain head gives."""

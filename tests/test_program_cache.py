@@ -108,6 +108,7 @@ def test_set_program_cache_refuses_bad_bounds(arguments, message, default_limits
         specjax.set_program_cache(**arguments)
 
 
+@pytest.mark.slow  # make test-all: the default suite keeps within its 20 minutes
 def test_ablate_retires_the_programs_of_finished_groups(monkeypatch):
     specjax.clear_compiled_programs()
     retired = []  # (cells run so far, whether each retired program is greedy)

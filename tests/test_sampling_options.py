@@ -213,7 +213,7 @@ def tree_proposers(num_rows):
         "none",
         "ngram",
         "draft",
-        "self",
+        pytest.param("self", marks=pytest.mark.slow),  # a model draft's law: "draft" (20 s each)
         pytest.param("medusa_tree", marks=pytest.mark.slow),
         pytest.param("oracle_tree", marks=pytest.mark.slow),
         pytest.param("eagle_tree", marks=pytest.mark.slow),

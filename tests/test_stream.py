@@ -23,10 +23,10 @@ def joined(deltas):
 
 @pytest.mark.parametrize(
     "sampling",
-    [
-        specjax.Sampling(),
+    [  # the stops by default; plain greedy and seeded sampling in make test-all (10 to 13 s each)
+        pytest.param(specjax.Sampling(), marks=pytest.mark.slow),
         specjax.Sampling(stop=["e", "ab"], stop_token_ids=[7]),
-        specjax.Sampling(temperature=0.8, top_k=30, seed=3),
+        pytest.param(specjax.Sampling(temperature=0.8, top_k=30, seed=3), marks=pytest.mark.slow),
     ],
 )
 def test_stream_joins_to_generate(sampling):

@@ -120,6 +120,7 @@ def test_unrolled_eagle3_loss_scores_what_drafting_does(data):
     assert 0 < np.mean(agree[3]) < 1 and np.isfinite(loss)
 
 
+@pytest.mark.slow  # make test-all: the default suite keeps within its 20 minutes
 def test_dflash_loss_scores_what_drafting_does(data):
     """Each block's slot accuracies equal the agreement of `dflash_block` over a cache holding the
     context before its anchor (the drafting path) with the target's next tokens."""

@@ -61,7 +61,9 @@ def plain_greedy():
 
 
 @pytest.mark.parametrize(
-    "tree, subset", [(name, False) for name in TREES] + [("top_k", True)], ids=[*TREES, "top_k-subset"]
+    "tree, subset",
+    [(name, False) for name in TREES] + [pytest.param("top_k", True, marks=pytest.mark.slow)],
+    ids=[*TREES, "top_k-subset"],
 )
 def test_medusa_greedy_equals_plain(plain_greedy, tree, subset):
     proposer = specjax.Medusa(trained_heads(subset), tree=TREES[tree])

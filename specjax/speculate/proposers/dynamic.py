@@ -212,21 +212,30 @@ class GoodputSchedule:
 
     @classmethod
     def measure(
-        cls, model, proposer, prompts, max_new_tokens: int = 64, batch_sizes=None, **options
+        cls,
+        model,
+        proposer,
+        prompts,
+        max_new_tokens: int = 64,
+        batch_sizes=None,
+        generate_options: dict | None = None,
+        **options,
     ) -> GoodputSchedule:
         """A GoodputSchedule with draft_cost and verify_cost timed on this machine by
         `specjax.measure_step_costs` (specjax/costs.py) over `prompts` as one batch; with
         `batch_sizes` (e.g. (1, 4, 8, 16), for a continuous batch), verify_cost_by_rows timed at
         each size too (the prompts repeated to fill it), verify_cost and draft_cost at the
-        first. `options` are the schedule's other fields."""
+        first. `generate_options` (e.g. {"kernels": "xla"}) go to the timed generate calls;
+        `options` are the schedule's other fields."""
         if _cost_meter is None:
             raise RuntimeError(
                 "GoodputSchedule.measure times generate calls, a host-side tool that this layer does "
                 "not import: import specjax (specjax/costs.py installs it), or build the schedule "
                 "from numbers, GoodputSchedule(draft_cost=..., verify_cost=...)"
             )
+        timing = dict(max_new_tokens=max_new_tokens, **(generate_options or {}))
         if batch_sizes is None:
-            costs = _cost_meter(model, proposer, prompts, max_new_tokens=max_new_tokens)
+            costs = _cost_meter(model, proposer, prompts, **timing)
             return cls(draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"], **options)
         sizes = sorted(set(batch_sizes)) if isinstance(batch_sizes, tuple | list) else []
         if not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
@@ -234,7 +243,7 @@ class GoodputSchedule:
         by_size = {}
         for b in sizes:
             batch = [prompts[i % len(prompts)] for i in range(b)]
-            by_size[b] = _cost_meter(model, proposer, batch, max_new_tokens=max_new_tokens)
+            by_size[b] = _cost_meter(model, proposer, batch, **timing)
         first = by_size[sizes[0]]
         return cls(
             draft_cost=first["draft_cost"],
