@@ -1,14 +1,16 @@
 """Continuous batching over the compiled loop: requests join and leave a running batch.
 
 The engine keeps `max_batch` slots on the device: one `DecodeState` of that many rows, with a
-cache of `max_model_len` tokens (and a verify pass's room) per row. Three compiled programs move
-it (each compiled once per shape: a prompt bucket for the first, once for the others):
+cache of `max_model_len` tokens (and a verify pass's room) per row. Compiled programs move it,
+each compiled ahead of time on first use (docs/serving.md):
 
-- admit: prefill one request (the target's cache, its proposer's state, its first token) and
-  write that row into a free slot of the batch, the other slots untouched;
-- resume (`loop.resume_program`): the decoding loop, from the batch's state, for at most
+- admit (one per prompt bucket): prefill one request (the target's cache, its proposer's state,
+  its first token) and write that row into a free slot of the batch, the other slots untouched;
+- resume (`loop.resume_program`, one per width): the decoding loop over the first `width` slots
+  (the smallest of 1, 2, 4, ..., max_batch holding every occupied slot), for at most
   `chunk_steps` steps, or until a row finishes while requests wait for a slot; only each row's
-  new tokens and the metric counters come back to the host;
+  new tokens and the metric counters come back to the host. A lean variant serves the chunks
+  whose requests are all greedy without penalties or bias;
 - the state stays on the device between calls (donated: updated in place).
 
 Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
