@@ -117,7 +117,9 @@ def reference_drafts(head, tree, aux, sequence, length):
 @pytest.mark.parametrize(
     "head, shape, observed",
     [
-        (HEAD, "tree", ()),
+        pytest.param(
+            HEAD, "tree", (), marks=pytest.mark.slow
+        ),  # (26 s) the subset head's cases run by default
         (SUBSET_HEAD, "chain3", ()),
         (SUBSET_HEAD, "chain3", (1, 2)),
         (HEAD, "chain1-accepting3", ()),
@@ -224,6 +226,7 @@ def test_a_thresholded_eagle3_chain_and_its_hybrid_equal_plain(plain_greedy):
     check_part_acceptance(result.metrics, "then", 0.1, 0.9)
 
 
+@pytest.mark.slow  # make test-all: the default suite keeps within its 20 minutes
 def test_eagle3_on_gemma3_and_sampled(tmp_path):
     """A Gemma 3 target (local and global layers, its embedding scale): greedy EAGLE-3 equals plain
     decoding; seeded sampling gives plain decoding's distribution only in law, so here it must just

@@ -71,7 +71,7 @@ DEAR = specjax.GoodputSchedule(draft_cost=1.0, verify_cost=1.0, probe_every=8)  
 @pytest.mark.parametrize(
     "first, then",
     [
-        (specjax.NGram(k=3, n_min=2), specjax.Eagle3(HEAD, k=4)),
+        pytest.param(specjax.NGram(k=3, n_min=2), specjax.Eagle3(HEAD, k=4), marks=pytest.mark.slow),
         (specjax.NGram(k=4), specjax.DFlash(FLASH)),
     ],
     ids=["ngram+eagle3", "ngram+dflash"],
@@ -137,7 +137,7 @@ def test_gate_choices_weigh_all_drafts_or_none():
 @pytest.mark.parametrize(
     "then, gate",
     [
-        pytest.param(specjax.Eagle3(HEAD, k=1), None, id="ungated-ngram5+eagle3_k1"),
+        pytest.param(specjax.Eagle3(HEAD, k=1), None, id="ungated-ngram5+eagle3_k1", marks=pytest.mark.slow),
         pytest.param(specjax.DFlash(FLASH, block=3), FREE, id="gated-ngram5+dflash_block3"),
         pytest.param(specjax.Eagle3(HEAD, k=1), FREE, id="gated-ngram5+eagle3_k1", marks=pytest.mark.slow),
         pytest.param(
