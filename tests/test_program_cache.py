@@ -41,6 +41,7 @@ def _call(batch: int):
     specjax.generate(TARGET, [[1, 2, 3]] * batch, max_new_tokens=8)
 
 
+@pytest.mark.slow  # make test-all: the default suite keeps within its 20 minutes
 def test_the_budget_drops_least_recently_used_programs(default_limits):
     specjax.clear_compiled_programs()
     for batch in (1, 2, 4):
