@@ -482,6 +482,12 @@ def _key(key, rows: list[Sampling]) -> jax.Array:
                 "seed: pass key=jax.random.key(seed), or a seed in each Sampling"
             )
         return jax.random.key(0)
+    return as_key(key)
+
+
+def as_key(key) -> jax.Array:
+    """One jax PRNG key: a typed key as it is, the raw uint32 pair of jax.random.PRNGKey wrapped;
+    anything else a ValueError naming `key`."""
     if (
         isinstance(key, jax.Array)
         and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)

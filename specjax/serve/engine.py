@@ -45,6 +45,7 @@ from specjax.api import (
     _check_token_options,
     _eos_ids,
     _finish_reasons,
+    as_key,
     available_memory_bytes,
     kernel_weights,
     prompt_bucket,
@@ -221,7 +222,7 @@ class Engine:
         self._widths = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length())} | {max_batch})
         self.k = self.spec.k
         self._window = chunk_steps * (self.k + 1) + 1
-        self._key = jax.random.key(0) if key is None else _check_key(key)
+        self._key = jax.random.key(0) if key is None else as_key(key)
         self._eos = frozenset(_eos_ids(model))
         self._max_stop_states = max_stop_states
         self._programs: dict[Any, Any] = {}
@@ -302,7 +303,7 @@ class Engine:
         if not isinstance(request.speculate, bool):
             raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
         if request.key is not None:
-            request = dataclasses.replace(request, key=_check_key(request.key))
+            request = dataclasses.replace(request, key=as_key(request.key))
         request = dataclasses.replace(request, prompt=[int(t) for t in prompt])
         request_id = next(self._ids)
         self._waiting.append((request_id, request))
@@ -671,19 +672,6 @@ class Engine:
             return _write_row(axes, state, row, slot)
 
         return jax.jit(admit, donate_argnums=3)
-
-
-def _check_key(key) -> jax.Array:
-    """One jax PRNG key (a typed key, or the raw uint32 pair of jax.random.PRNGKey)."""
-    if (
-        isinstance(key, jax.Array)
-        and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-        and key.shape == ()
-    ):
-        return key
-    if isinstance(key, jax.Array) and key.dtype == jnp.uint32 and key.shape == (2,):
-        return jax.random.wrap_key_data(key)
-    raise ValueError(f"key must be one jax PRNG key (jax.random.key(seed)), got {key!r}")
 
 
 def _check_int(name: str, value, least: int) -> None:
