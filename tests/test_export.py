@@ -166,3 +166,45 @@ def test_bfloat16_keeps_the_platforms_default_precision():
     model = specjax.Model(TARGET.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), TARGET.params))
     exported = specjax.export_generate(model, PROMPTS, max_new_tokens=4, platforms=("cuda",))
     assert not any("HIGHEST" in d for d in re.findall(r"stablehlo\.dot_general.*", exported.mlir_module()))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_the_engines_chunk_lowers_for_gpu_and_tpu(scan_layers):
+    """The continuous batch's chunk (`resume_program`, specjax/serve/engine.py) exports for CUDA
+    and TPU like `generate`'s program: Pallas attention, no CPU kernel, layers scanned or not."""
+    from specjax.kernels.backend import Backend
+    from specjax.speculate.loop import GenerationInputs, LoopSpec, prefill, program_params, resume_program
+    from specjax.speculate.proposers import resolve
+    from specjax.speculate.sampling import SamplingParams, WarpSpec
+
+    warp = WarpSpec()
+    proposer, proposer_params = resolve(specjax.Dynamic(specjax.NGram(k=3)), TARGET, warp, None)
+    backend = Backend(("cuda", "tpu"), "auto", "highest", portable=True, scan_layers=scan_layers)
+    spec = LoopSpec(TARGET.config, 2, 16, 128, warp, proposer, backend=backend)
+    inputs = GenerationInputs.simple(
+        prompt_tokens=jnp.zeros((2, 16), jnp.int32),
+        prompt_lengths=jnp.asarray([7, 3], jnp.int32),
+        max_new_tokens=jnp.asarray([20, 20], jnp.int32),
+        sampling=SamplingParams.of(specjax.Sampling(), 2, TARGET.config.vocab_size),
+        key=jax.random.key(0),
+    )
+
+    def first_state(params, proposer_params, inputs):
+        with backend.tracing():
+            params, proposer_params = program_params(spec, params, proposer_params)
+            return params, proposer_params, prefill(spec, params, proposer_params, inputs)
+
+    params, proposer_params, state = jax.eval_shape(first_state, TARGET.params, proposer_params, inputs)
+
+    def chunk(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
+        return resume_program(
+            spec, params, proposer_params, state, inputs, max_steps, stop_when_freed, reported, 9
+        )
+
+    scalars = (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), bool))
+    reported = jax.ShapeDtypeStruct((2,), jnp.int32)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # as export_generate
+    exported = jax.export.export(jax.jit(chunk), platforms=("cuda", "tpu"), disabled_checks=[triton])(
+        params, proposer_params, state, inputs, *scalars, reported
+    )
+    assert_accelerator_program(exported)
