@@ -39,10 +39,17 @@ import jax
 import jax.numpy as jnp
 
 PANEL = 16  # columns per panel: one 64-byte vector of float32 (kPanel in the source)
-SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("cache_attention.cc"))
-HEADER = Path(__file__).with_name("kernels.h")  # what both sources include
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("panel_matmul.cc", "quant_matmul.cc", "cache_attention.cc")
+)
+HEADER = Path(__file__).with_name("kernels.h")  # what the sources include
 TARGETS = {
     "specjax_panel_matmul": "PanelMatmul",
+    # quantized weights in panels (specjax.kernels.quantized), with and without offsets
+    "specjax_quant_matmul_int8": "QuantMatmulInt8",
+    "specjax_quant_matmul_int8_offsets": "QuantMatmulInt8Offsets",
+    "specjax_quant_matmul_int4": "QuantMatmulInt4",
+    "specjax_quant_matmul_int4_offsets": "QuantMatmulInt4Offsets",
     "specjax_cache_attention": "CacheAttention",
     "specjax_cache_attention_window": "CacheAttentionWindow",  # with starts [N, R]
 }
