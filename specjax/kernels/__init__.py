@@ -6,6 +6,8 @@ libraries it can call, ran SmolLM2's products at 10-20 GB/s for one row and at h
 16 rows, because they repack the weight for each product with several rows. `panel_matmul.cc`
 reads a weight stored as column panels (`PanelWeight`) once, front to back, and multiplies every
 value it reads into all the rows (measured here: 31-46 GB/s at one row and 30-32 GB/s at six).
+`quant_matmul.cc` does the same for int8 and 4-bit weights (specjax.kernels.quantized), which are a
+quarter and an eighth of the bytes.
 XLA:CPU also computes a decoding step's attention over every slot of the static cache, committed
 or not, at a fraction of the bandwidth; `cache_attention.cc` reads each row's committed slots only
 (`cache_attention`; with a sliding window, only those inside it), and the model merges in the pass's
