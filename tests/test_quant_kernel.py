@@ -55,8 +55,8 @@ def check_product(x: np.ndarray, w: QuantizedWeight, got: np.ndarray) -> None:
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("group, d_in, d_out", [(16, 256, 40), (32, 256, 200), (128, 256, 33), (96, 96, 16)])
 def test_the_kernel_equals_the_float64_product(bits, offsets, group, d_in, d_out):
-    """Every row count of a decoding step and its chunks (1 to 9: one row, two, chunks of up to 6,
-    9 as 5 + 4) and a prefill's 64; groups of 16, 32, 128 and the whole input (one group, a scale
+    """Every row count of a decoding step and its chunks (1 to 9: one row, two, chunks of up to 4,
+    9 as 3 + 3 + 3) and a prefill's 64; groups of 16, 32, 128 and the whole input (one group, a scale
     per output channel); widths that are not whole panels (40, 33, 200) or one panel (16)."""
     rng = np.random.default_rng([bits, group, d_in, d_out, offsets])
     w = random_weight(rng, d_in, d_out, bits, group, offsets)

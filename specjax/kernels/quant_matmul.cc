@@ -19,7 +19,8 @@
 // and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
 // otherwise bound the loop); for two rows, one panel with even/odd sums; from three rows on, one
 // panel with one sum per row, in chunks of at most kChunk rows (a prefill's later chunks find the
-// panel in cache).
+// panel in cache). Chunks of 4 rather than 6: with 6 rows' sums (12 registers) beside the widened
+// values and the broadcast inputs, GCC kept sums on the stack, and 6 rows ran as slowly as 8.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -39,7 +40,7 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kHalf = 8;  // columns per vector: a panel row is two halves
-constexpr int64_t kChunk = 6;
+constexpr int64_t kChunk = 4;
 // Parts of a few panel pairs each, handed out as threads ask: a quantized product is short (tens of
 // microseconds), and 2 parts per thread left one thread a quarter more work than the other.
 constexpr int64_t kPartsPerThread = 8;
@@ -97,6 +98,19 @@ inline void pair(const uint8_t* v, int64_t k, int h, Vec8& even, Vec8& odd) {
   }
 }
 
+// Input row 2k + S of half h of the panel whose values start at `v`: a pair's values widened again
+// for each of its rows, which leaves more registers for the sums of several rows.
+template <int BITS, int S>
+inline Vec8 row(const uint8_t* v, int64_t k, int h) {
+  if constexpr (BITS == 8) {
+    return widen_int8(v + (2 * k + S) * kPanel + h * kHalf);
+  } else {
+    Vec8 even, odd;
+    widen_int4(v + k * kPanel + h * kHalf, even, odd);  // (the compiler keeps the one used)
+    return S ? odd : even;
+  }
+}
+
 // Rows [r0, r0 + R) of x times NUM panels from `panel`, with CHAINS (1 or 2) sums per row and
 // half panel (2: even and odd input rows apart), written to y's columns of those panels.
 template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS>
@@ -114,13 +128,26 @@ void chunk(const Operands& a, int64_t panel, int64_t r0) {
       for (int h = 0; h < H; ++h)
         for (int c = 0; c < CHAINS; ++c) acc[r][h][c] = Vec8{};
     const int64_t first = g * a.group;
-    for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
-      for (int h = 0; h < H; ++h) {
-        Vec8 even, odd;
-        pair<BITS>(values + (h / 2) * bytes, k, h % 2, even, odd);
-        for (int r = 0; r < R; ++r) {
-          acc[r][h][0] += x[r * a.d_in + 2 * k] * even;
-          acc[r][h][CHAINS - 1] += x[r * a.d_in + 2 * k + 1] * odd;
+    if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
+      for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+        for (int h = 0; h < H; ++h) {
+          Vec8 even, odd;
+          pair<BITS>(values + (h / 2) * bytes, k, h % 2, even, odd);
+          for (int r = 0; r < R; ++r) {
+            acc[r][h][0] += x[r * a.d_in + 2 * k] * even;
+            acc[r][h][1] += x[r * a.d_in + 2 * k + 1] * odd;
+          }
+        }
+      }
+    } else {  // more rows: one input row at a time
+      for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+        for (int h = 0; h < H; ++h) {
+          const Vec8 w = row<BITS, 0>(values + (h / 2) * bytes, k, h % 2);
+          for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k] * w;
+        }
+        for (int h = 0; h < H; ++h) {
+          const Vec8 w = row<BITS, 1>(values + (h / 2) * bytes, k, h % 2);
+          for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k + 1] * w;
         }
       }
     }
@@ -150,7 +177,7 @@ void chunk(const Operands& a, int64_t panel, int64_t r0) {
 }
 
 // All rows times one panel (two where `two`), one row with both panels at once, more rows panel
-// by panel in chunks of at most kChunk rows of sizes as equal as can be (8 rows go as 4 + 4).
+// by panel in chunks of at most kChunk rows of sizes as equal as can be (7 rows go as 3 + 4).
 template <int BITS, bool OFFSETS>
 void rows_times_panels(const Operands& a, int64_t rows, int64_t panel, bool two) {
   if (rows == 1) {
@@ -167,9 +194,7 @@ void rows_times_panels(const Operands& a, int64_t rows, int64_t panel, bool two)
       switch (size) {
         case 2: chunk<BITS, OFFSETS, 2, 1, 2>(a, p, r0); break;
         case 3: chunk<BITS, OFFSETS, 3, 1, 1>(a, p, r0); break;
-        case 4: chunk<BITS, OFFSETS, 4, 1, 1>(a, p, r0); break;
-        case 5: chunk<BITS, OFFSETS, 5, 1, 1>(a, p, r0); break;
-        default: chunk<BITS, OFFSETS, 6, 1, 1>(a, p, r0); break;
+        default: chunk<BITS, OFFSETS, 4, 1, 1>(a, p, r0); break;
       }
       r0 += size;
     }
