@@ -34,7 +34,7 @@ def kernel_loaded():
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("d_in, d_out", [(64, 32), (48, 40), (7, 16), (96, 200)])
 def test_panel_matmul_equals_the_float64_product(rows, d_in, d_out):
-    """Every row count the kernel's chunking meets (up to 8 rows a chunk, 9 as 5 + 4, 40 as five
+    """Every row count the kernel's chunking meets (up to 3 rows a chunk, 5 as 2 + 3, 40 as 14
     chunks), output widths that are a whole number of panel pairs, an odd panel count (40: a lone
     last panel), and widths padded to a panel (40, 200)."""
     rng = np.random.default_rng(rows * 1000 + d_in + d_out)

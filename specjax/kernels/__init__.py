@@ -6,6 +6,8 @@ libraries it can call, ran SmolLM2's products at 10-20 GB/s for one row and at h
 16 rows, because they repack the weight for each product with several rows. `panel_matmul.cc`
 reads a weight stored as column panels (`PanelWeight`) once, front to back, and multiplies every
 value it reads into all the rows (measured here: 31-46 GB/s at one row and 30-32 GB/s at six).
+`quant_matmul.cc` does the same for int8 and 4-bit weights (specjax.kernels.quantized), which are a
+quarter and an eighth of the bytes.
 XLA:CPU also computes a decoding step's attention over every slot of the static cache, committed
 or not, at a fraction of the bandwidth; `cache_attention.cc` reads each row's committed slots only
 (`cache_attention`; with a sliding window, only those inside it), and the model merges in the pass's
@@ -39,10 +41,17 @@ import jax
 import jax.numpy as jnp
 
 PANEL = 16  # columns per panel: one 64-byte vector of float32 (kPanel in the source)
-SOURCES = (Path(__file__).with_name("panel_matmul.cc"), Path(__file__).with_name("cache_attention.cc"))
-HEADER = Path(__file__).with_name("kernels.h")  # what both sources include
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("panel_matmul.cc", "quant_matmul.cc", "cache_attention.cc")
+)
+HEADER = Path(__file__).with_name("kernels.h")  # what the sources include
 TARGETS = {
     "specjax_panel_matmul": "PanelMatmul",
+    # quantized weights in panels (specjax.kernels.quantized), with and without offsets
+    "specjax_quant_matmul_int8": "QuantMatmulInt8",
+    "specjax_quant_matmul_int8_offsets": "QuantMatmulInt8Offsets",
+    "specjax_quant_matmul_int4": "QuantMatmulInt4",
+    "specjax_quant_matmul_int4_offsets": "QuantMatmulInt4Offsets",
     "specjax_cache_attention": "CacheAttention",
     "specjax_cache_attention_window": "CacheAttentionWindow",  # with starts [N, R]
 }

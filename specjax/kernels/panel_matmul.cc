@@ -8,46 +8,49 @@
 // weight is read once, front to back, and every value read is multiplied into all the rows.
 //
 // The work splits by panel pairs over the calling thread and XLA's own intra-op threads
-// (run_parts, kernels.h); for each pair, rows go in chunks of up to 8, so one chunk keeps 8 x 32
-// sums in registers while later chunks of a pass over many rows (a prefill) find the pair in cache.
+// (run_parts, kernels.h); for each pair, rows go in chunks of up to 3, so one chunk keeps 3 x 32
+// sums in the 16 AVX2 registers while later chunks of a pass over many rows (a prefill) find the
+// pair in cache.
 #include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
 
 namespace ffi = xla::ffi;
-using specjax::load16;
-using specjax::store16;
-using specjax::Vec16;
+using specjax::load8;
+using specjax::store8;
+using specjax::Vec8;
 
 namespace {
 
 constexpr int64_t kPanel = 16;
-constexpr int64_t kChunk = 8;
+constexpr int64_t kHalf = 8;  // columns per vector: a panel row is two
+constexpr int64_t kChunk = 3;
 constexpr int64_t kPartsPerThread = 2;
 
 // Rows [0, R) of x (R <= kChunk, a template constant so the sums stay in registers) times
 // `num` (1 or 2) panels starting at `panel`, written to y's columns from `col`.
 template <int R, int NUM>
 void chunk(const float* x, const float* panel, float* y, int64_t d_in, int64_t d_out, int64_t col) {
-  Vec16 sums[R][NUM];
+  constexpr int H = 2 * NUM;  // half panels of 8 columns
+  Vec8 sums[R][H];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NUM; ++j) sums[r][j] = Vec16{};
+    for (int h = 0; h < H; ++h) sums[r][h] = Vec8{};
   const int64_t panel_size = d_in * kPanel;
   for (int64_t i = 0; i < d_in; ++i) {
-    Vec16 w[NUM];
-    for (int j = 0; j < NUM; ++j) w[j] = load16(panel + j * panel_size + i * kPanel);
+    Vec8 w[H];
+    for (int h = 0; h < H; ++h) w[h] = load8(panel + (h / 2) * panel_size + i * kPanel + (h % 2) * kHalf);
     for (int r = 0; r < R; ++r) {
       const float xi = x[r * d_in + i];
-      for (int j = 0; j < NUM; ++j) sums[r][j] += xi * w[j];
+      for (int h = 0; h < H; ++h) sums[r][h] += xi * w[h];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NUM; ++j) store16(y + r * d_out + col + j * kPanel, sums[r][j]);
+    for (int h = 0; h < H; ++h) store8(y + r * d_out + col + h * kHalf, sums[r][h]);
 }
 
-// All rows times `num` panels, in chunks of at most kChunk rows, of sizes as equal as can be (9 rows
-// go as 5 + 4, not 8 + 1: each chunk costs about the same, whatever its size).
+// All rows times `num` panels, in chunks of at most kChunk rows, of sizes as equal as can be (7 rows
+// go as 3 + 2 + 2, not 3 + 3 + 1: each chunk costs about the same, whatever its size).
 template <int NUM>
 void rows_times_panels(const float* x, const float* panel, float* y, int64_t rows, int64_t d_in,
                        int64_t d_out, int64_t col) {
@@ -59,12 +62,7 @@ void rows_times_panels(const float* x, const float* panel, float* y, int64_t row
     switch (size) {
       case 1: chunk<1, NUM>(xr, panel, yr, d_in, d_out, col); break;
       case 2: chunk<2, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      case 3: chunk<3, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      case 4: chunk<4, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      case 5: chunk<5, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      case 6: chunk<6, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      case 7: chunk<7, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      default: chunk<8, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      default: chunk<3, NUM>(xr, panel, yr, d_in, d_out, col); break;
     }
     r0 += size;
   }

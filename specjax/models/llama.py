@@ -48,8 +48,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import PanelWeight, backend, pack
+from specjax.kernels.quantized import QuantizedPanelWeight, pack_quantized
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
+from specjax.models.quantized import QuantizedWeight
 
 
 @flax.struct.dataclass
@@ -97,9 +99,9 @@ class LlamaParams:
     layers: tuple[LayerParams | LayerStack, ...]
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
-    # The head ([D, V]: lm_head, or embed transposed) as panels for the CPU kernel; set only by
-    # with_panel_weights, for decoding on the CPU.
-    head_panels: PanelWeight | None = None
+    # The head ([D, V]: lm_head, or embed transposed) as panels for the CPU kernel (quantized ones
+    # for a quantized lm_head); set only by with_panel_weights, for decoding on the CPU.
+    head_panels: PanelWeight | QuantizedPanelWeight | None = None
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -820,18 +822,29 @@ def with_panel_weights(params: LlamaParams) -> LlamaParams:
     which `project` multiplies with the CPU decoding kernel, and a panel copy of the LM head for
     `lm_head` (the [V, D] embedding stays for token lookups). For inference on the CPU only: the
     kernel has no gradient and no sharding rule, and it computes in float32 (`generate` packs
-    float32 models only). A mixture of experts' weights stay as they are (see `moe_mlp`)."""
+    float32 models only). A mixture of experts' weights stay as they are (see `moe_mlp`). Quantized
+    weights (QuantizedWeight) become quantized panels, multiplied by the quantized kernel."""
     layers = tuple(panel_layer(layer) for layer in params.layers)
     head = params.embed.T if params.lm_head is None else params.lm_head
-    return params.replace(layers=layers, head_panels=pack(head))
+    return params.replace(layers=layers, head_panels=pack_panels(head))
 
 
 def panel_layer(layer: LayerParams) -> LayerParams:
     """One layer with its projection weights as panels (see `with_panel_weights`); a trained
     head's layers take the same form for drafting on the CPU."""
     return layer.replace(
-        **{name: pack(getattr(layer, name)) for name in PANEL_FIELDS if getattr(layer, name) is not None}
+        **{
+            name: pack_panels(getattr(layer, name))
+            for name in PANEL_FIELDS
+            if getattr(layer, name) is not None
+        }
     )
+
+
+def pack_panels(w) -> PanelWeight | QuantizedPanelWeight:
+    """A weight [D_in, D_out] as the CPU kernels' panels: quantized ones for a QuantizedWeight,
+    float32 ones for an array."""
+    return pack_quantized(w) if isinstance(w, QuantizedWeight) else pack(w)
 
 
 def _identity(x: jax.Array) -> jax.Array:

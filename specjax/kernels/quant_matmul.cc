@@ -1,0 +1,283 @@
+// y [T, P*16] = x [T, D_in] @ W for a quantized weight W [D_in, P*16] stored as column panels:
+// W[i, o] = q[i, o] * scales[i / group, o] + offsets[i / group, o] (specjax/models/quantized.py),
+// where panel p holds columns 16p .. 16p+15 of q, of the scales and of the offsets:
+//
+//   int8:  values int8  [P, D_in, 16]      one 16-byte row of q per input row
+//   4-bit: values uint8 [P, D_in / 2, 16]  one 16-byte row per input pair: row 2i in the low
+//                                          nibble, row 2i+1 in the high one (q 0..15)
+//   scales, offsets: float32 [P, D_in / group, 16]
+//
+// Why: decoding streams every weight once per step, so a weight read as 1 byte (or half of one)
+// instead of 4 is read up to 4 (or 8) times faster. Each value is read once and multiplied into
+// every row: per group and row, acc = sum_i x_i q_io in float32, then y += scale * acc, plus
+// offset * (sum_i x_i) (those row sums computed once per call). The 16 bytes of a panel row widen
+// to 16 int32 lanes (one vpmovsxbd / vpmovzxbd per 8 on AVX2) and convert to float; a 4-bit byte
+// row gives its two input rows with a mask and a shift of the same lanes, so 4-bit costs about
+// what int8 costs per value read.
+//
+// The work splits over panels as in panel_matmul.cc. For one row, two panels at a time with even
+// and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
+// otherwise bound the loop); for two rows, one panel with even/odd sums; from three rows on, one
+// panel with one sum per row, in chunks of at most kChunk rows (a prefill's later chunks find the
+// panel in cache). Chunks of 4 rather than 6: with 6 rows' sums (12 registers) beside the widened
+// values and the broadcast inputs, GCC kept sums on the stack, and 6 rows ran as slowly as 8.
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+#include "kernels.h"
+
+namespace ffi = xla::ffi;
+using specjax::load8;
+using specjax::store8;
+using specjax::Vec8;
+
+namespace {
+
+constexpr int64_t kPanel = 16;
+constexpr int64_t kHalf = 8;  // columns per vector: a panel row is two halves
+constexpr int64_t kChunk = 4;
+// Parts of a few panel pairs each, handed out as threads ask: a quantized product is short (tens of
+// microseconds), and 2 parts per thread left one thread a quarter more work than the other.
+constexpr int64_t kPartsPerThread = 8;
+
+typedef int32_t I32x8 __attribute__((vector_size(32)));
+typedef int8_t I8x8 __attribute__((vector_size(8)));
+typedef uint8_t U8x8 __attribute__((vector_size(8)));
+
+// Eight int8 values as floats.
+inline Vec8 widen_int8(const uint8_t* p) {
+#ifdef __AVX2__
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+#else
+  I8x8 bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(__builtin_convertvector(bytes, I32x8), Vec8);
+#endif
+}
+
+// Eight bytes of two 4-bit values each as floats: the low nibbles (`even`), the high ones (`odd`).
+inline void widen_int4(const uint8_t* p, Vec8& even, Vec8& odd) {
+#ifdef __AVX2__
+  const __m256i lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  even = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(15)));
+  odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 4));
+#else
+  U8x8 bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  const I32x8 lanes = __builtin_convertvector(bytes, I32x8);
+  even = __builtin_convertvector(lanes & 15, Vec8);
+  odd = __builtin_convertvector(lanes >> 4, Vec8);
+#endif
+}
+
+// What one call multiplies: rows of x, one quantized weight in panels, y's columns.
+struct Operands {
+  const float* x;         // [T, D_in]
+  const float* row_sums;  // [T, G]: sum of x over each group (offsets only)
+  const uint8_t* values;  // [P, D_in or D_in / 2, 16]
+  const float* scales;    // [P, G, 16]
+  const float* offsets;   // [P, G, 16] or null
+  float* y;               // [T, P*16]
+  int64_t d_in, group, num_groups, d_out;
+};
+
+// Input rows 2k and 2k+1 of half h (columns 8h .. 8h+7) of the panel whose values start at `v`.
+template <int BITS>
+inline void pair(const uint8_t* v, int64_t k, int h, Vec8& even, Vec8& odd) {
+  if constexpr (BITS == 8) {
+    even = widen_int8(v + 2 * k * kPanel + h * kHalf);
+    odd = widen_int8(v + (2 * k + 1) * kPanel + h * kHalf);
+  } else {
+    widen_int4(v + k * kPanel + h * kHalf, even, odd);
+  }
+}
+
+// Input row 2k + S of half h of the panel whose values start at `v`: a pair's values widened again
+// for each of its rows, which leaves more registers for the sums of several rows.
+template <int BITS, int S>
+inline Vec8 row(const uint8_t* v, int64_t k, int h) {
+  if constexpr (BITS == 8) {
+    return widen_int8(v + (2 * k + S) * kPanel + h * kHalf);
+  } else {
+    Vec8 even, odd;
+    widen_int4(v + k * kPanel + h * kHalf, even, odd);  // (the compiler keeps the one used)
+    return S ? odd : even;
+  }
+}
+
+// Rows [r0, r0 + R) of x times NUM panels from `panel`, with CHAINS (1 or 2) sums per row and
+// half panel (2: even and odd input rows apart), written to y's columns of those panels.
+template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS>
+void chunk(const Operands& a, int64_t panel, int64_t r0) {
+  constexpr int H = 2 * NUM;  // half panels
+  const int64_t bytes = a.d_in * kPanel * BITS / 8;  // one panel's values
+  const uint8_t* values = a.values + panel * bytes;
+  const float* x = a.x + r0 * a.d_in;
+  Vec8 total[R][H];
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) total[r][h] = Vec8{};
+  for (int64_t g = 0; g < a.num_groups; ++g) {
+    Vec8 acc[R][H][CHAINS];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h)
+        for (int c = 0; c < CHAINS; ++c) acc[r][h][c] = Vec8{};
+    const int64_t first = g * a.group;
+    if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
+      for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+        for (int h = 0; h < H; ++h) {
+          Vec8 even, odd;
+          pair<BITS>(values + (h / 2) * bytes, k, h % 2, even, odd);
+          for (int r = 0; r < R; ++r) {
+            acc[r][h][0] += x[r * a.d_in + 2 * k] * even;
+            acc[r][h][1] += x[r * a.d_in + 2 * k + 1] * odd;
+          }
+        }
+      }
+    } else {  // more rows: one input row at a time
+      for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+        for (int h = 0; h < H; ++h) {
+          const Vec8 w = row<BITS, 0>(values + (h / 2) * bytes, k, h % 2);
+          for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k] * w;
+        }
+        for (int h = 0; h < H; ++h) {
+          const Vec8 w = row<BITS, 1>(values + (h / 2) * bytes, k, h % 2);
+          for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k + 1] * w;
+        }
+      }
+    }
+    if (BITS == 8 && a.group % 2) {  // the one group of an odd D_in: its last row
+      const int64_t i = first + a.group - 1;
+      for (int h = 0; h < H; ++h) {
+        const Vec8 w = widen_int8(values + (h / 2) * bytes + i * kPanel + (h % 2) * kHalf);
+        for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + i] * w;
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      const int64_t at = ((panel + h / 2) * a.num_groups + g) * kPanel + (h % 2) * kHalf;
+      const Vec8 scale = load8(a.scales + at);
+      for (int r = 0; r < R; ++r) {
+        Vec8 sum = acc[r][h][0];
+        if (CHAINS == 2) sum += acc[r][h][CHAINS - 1];
+        total[r][h] += scale * sum;
+      }
+      if constexpr (OFFSETS) {
+        const Vec8 offset = load8(a.offsets + at);
+        for (int r = 0; r < R; ++r) total[r][h] += a.row_sums[(r0 + r) * a.num_groups + g] * offset;
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < H; ++h) store8(a.y + (r0 + r) * a.d_out + panel * kPanel + h * kHalf, total[r][h]);
+}
+
+// All rows times one panel (two where `two`), one row with both panels at once, more rows panel
+// by panel in chunks of at most kChunk rows of sizes as equal as can be (7 rows go as 3 + 4).
+template <int BITS, bool OFFSETS>
+void rows_times_panels(const Operands& a, int64_t rows, int64_t panel, bool two) {
+  if (rows == 1) {
+    if (two)
+      chunk<BITS, OFFSETS, 1, 2, 2>(a, panel, 0);
+    else
+      chunk<BITS, OFFSETS, 1, 1, 2>(a, panel, 0);
+    return;
+  }
+  for (int64_t p = panel; p < panel + (two ? 2 : 1); ++p) {
+    const int64_t num_chunks = (rows + kChunk - 1) / kChunk;
+    for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
+      const int64_t size = (rows - r0) / (num_chunks - c);
+      switch (size) {
+        case 2: chunk<BITS, OFFSETS, 2, 1, 2>(a, p, r0); break;
+        case 3: chunk<BITS, OFFSETS, 3, 1, 1>(a, p, r0); break;
+        default: chunk<BITS, OFFSETS, 4, 1, 1>(a, p, r0); break;
+      }
+      r0 += size;
+    }
+  }
+}
+
+// Checks the operands' shapes and runs the product on the calling thread and XLA's intra-op pool.
+template <int BITS, bool OFFSETS>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values,
+               ffi::Buffer<ffi::F32>& scales, const float* offsets, ffi::ResultBuffer<ffi::F32>& y) {
+  const auto xd = x.dimensions();
+  const auto vd = values.dimensions();
+  const auto sd = scales.dimensions();
+  const auto type = BITS == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3 || values.element_type() != type ||
+      vd[2] != kPanel || sd[2] != kPanel || vd[1] * (8 / BITS) != xd[1] || sd[0] != vd[0] ||
+      sd[1] < 1 || xd[1] % sd[1] || (BITS == 4 && (xd[1] / sd[1]) % 2))
+    return ffi::Error::InvalidArgument(
+        "quantized_panel_matmul: expected x [T, D_in] float32, values [P, D_in, 16] int8 or "
+        "[P, D_in / 2, 16] uint8, scales (and offsets) [P, G, 16] float32 with G groups dividing "
+        "D_in (of an even size for 4-bit)");
+  const int64_t rows = xd[0], d_in = xd[1], num_panels = vd[0], num_groups = sd[1];
+  const int64_t group = d_in / num_groups;
+  const float* xs = x.typed_data();
+  std::vector<float> row_sums;
+  if (OFFSETS) {
+    row_sums.assign(rows * num_groups, 0.0f);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d_in; ++i) row_sums[r * num_groups + i / group] += xs[r * d_in + i];
+  }
+  const Operands a{xs,      row_sums.data(), static_cast<const uint8_t*>(values.untyped_data()),
+                   scales.typed_data(), offsets, y->typed_data(), d_in, group, num_groups,
+                   num_panels * kPanel};
+  const int64_t num_pairs = (num_panels + 1) / 2;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
+  const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
+  specjax::run_parts(pool, num_parts, [=](int64_t part) {
+    const int64_t end = std::min(num_panels, (part + 1) * pairs_per_part * 2);
+    for (int64_t p = part * pairs_per_part * 2; p < end; p += 2)
+      rows_times_panels<BITS, OFFSETS>(a, rows, p, p + 1 < num_panels);
+  });
+  return ffi::Error::Success();
+}
+
+template <int BITS>
+ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                 ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+  return Run<BITS, false>(pool, x, values, scales, nullptr, y);
+}
+
+template <int BITS>
+ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
+                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
+                       ffi::ResultBuffer<ffi::F32> y) {
+  const auto sd = scales.dimensions();
+  const auto od = offsets.dimensions();
+  if (od.size() != 3 || sd.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
+    return ffi::Error::InvalidArgument("quantized_panel_matmul: offsets and scales differ in shape");
+  return Run<BITS, true>(pool, x, values, scales, offsets.typed_data(), y);
+}
+
+}  // namespace
+
+#define SPECJAX_PLAIN(name, bits)                                \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Plain<bits>,               \
+                                ffi::Ffi::Bind()                 \
+                                    .Ctx<ffi::ThreadPool>()      \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_WITH_OFFSETS(name, bits)                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, WithOffsets<bits>,         \
+                                ffi::Ffi::Bind()                 \
+                                    .Ctx<ffi::ThreadPool>()      \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+SPECJAX_PLAIN(QuantMatmulInt8, 8)
+SPECJAX_WITH_OFFSETS(QuantMatmulInt8Offsets, 8)
+SPECJAX_PLAIN(QuantMatmulInt4, 4)
+SPECJAX_WITH_OFFSETS(QuantMatmulInt4Offsets, 4)
