@@ -309,7 +309,9 @@ def sentencepiece_family(name: str, arch: str) -> Family:
         head, added_specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"], []
     pieces, scores, kinds = sentencepiece_vocab(head, added_specials, reorder=True)
     vocab = {p: i for i, p in enumerate(pieces)}
-    merges = generate_merges(vocab, {p: s for p, s, k in zip(pieces, scores, kinds) if k == "normal"})
+    merges = generate_merges(
+        vocab, {p: s for p, s, k in zip(pieces, scores, kinds, strict=True) if k == "normal"}
+    )
     reference = LlamaTokenizer(vocab=vocab, merges=merges, add_bos_token=True)
     reference.add_special_tokens({"additional_special_tokens": added(head[3:] + added_specials, True)})
     if name == "phi3":
@@ -339,7 +341,8 @@ def gemma3() -> Family:
     reference.add_special_tokens({"additional_special_tokens": added(head[5:], True)})
     reference.add_tokens(added(["\n\n", "\n\n\n", SPACE * 2, SPACE * 4, "<table>"], False))
     reference.chat_template = GEMMA_CHAT
-    text = "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n<table>  x    y\n\n\n\nz<eos> <end_of"
+    text = "<bos><start_of_turn>user\nhi<end_of_turn>\n<start_of_turn>model\n"
+    text += "<table>  x    y\n\n\n\nz<eos> <end_of"
     return Family(
         "gemma3",
         "gemma3",
