@@ -88,10 +88,29 @@ def hf_config(family: str) -> transformers.PretrainedConfig:
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    if family == "glm4_moe":
+        # 8 experts in 4 groups of 2, the best 2 groups kept, 3 experts chosen among their 4; a
+        # dense first layer; partial rotary over half of each 32-wide head.
+        return transformers.Glm4MoeConfig(
+            **COMMON,
+            head_dim=32,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
     raise ValueError(family)
 
 
-FAMILIES = ("llama3", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe")
+FAMILIES = ("llama3", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe", "glm4_moe")
 
 
 def peaky_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.5) -> None:
@@ -120,6 +139,9 @@ def peaky_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.5) -
                 param.copy_(noise)
             else:  # [out, in]
                 param.copy_(gain * noise / math.sqrt(param.shape[-1]))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routers: moves which experts win
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
 
 
 def torch_model(family: str, seed: int = 0, dtype=torch.float32, gain: float = 1.5) -> torch.nn.Module:

@@ -62,6 +62,21 @@ EXPECTED = {  # what each family's config must turn into (a check on families.co
     "phi3": dict(rotary_dim=8, sliding_window=16),
     "mixtral": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=16),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=(1,)),
+    "glm4_moe": dict(
+        rotary_dim=16,
+        qk_norm=True,
+        qkv_bias=True,
+        num_experts=8,
+        num_experts_per_tok=3,
+        dense_layers=(0,),
+        router_scoring="sigmoid",
+        router_score_bias=True,
+        num_expert_groups=4,
+        topk_expert_groups=2,
+        routed_scaling_factor=2.5,
+        shared_expert_size=64,
+        num_mtp_layers=1,
+    ),
 }
 
 
@@ -205,6 +220,54 @@ def test_moe_equals_float64_and_reads_only_the_routed_experts(built, num_tokens)
 
 
 @pytest.mark.parametrize(
+    "change",
+    [
+        dict(topk_expert_groups=4),  # every group open: the group limit decides experts here
+        dict(routed_scaling_factor=1.0),
+        dict(rotary_dim=32),  # GLM turns the first half of each head only
+        dict(router_score_bias=False),  # the correction bias moves the choice
+    ],
+)
+def test_glm4_moe_routing_pieces_matter(built, change):
+    """Each piece of GLM-4.5's routing and rotary that the match above rests on changes the
+    logits when left out: the comparison does test them."""
+    model, torch_model = built("glm4_moe")
+    config, params = dataclasses.replace(model.config, **change), model.params
+    if "router_score_bias" in change:  # the weights without the bias, as such a config has them
+        params = params.replace(layers=tuple(lp.replace(router_score_bias=None) for lp in params.layers))
+    changed = specjax.Model(config, params)
+    assert compare_with_torch(changed, torch_model, families.prompts(), [[3], [4]]) > 1e-2
+
+
+def test_glm4_moe_skips_its_mtp_layers(built, tmp_path):
+    """A released GLM-4.5 carries num_nextn_predict_layers MTP layers after the decoder's
+    (model.layers.{L + i}); they load without error and change nothing. A layer past them is
+    still refused."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model, _ = built("glm4_moe")
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(built.folders["glm4_moe"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    L, D = model.config.num_layers, model.config.hidden_size
+    mtp = {
+        f"model.layers.{L}.eh_proj.weight": np.ones((D, 2 * D), np.float32),
+        f"model.layers.{L}.enorm.weight": np.ones((D,), np.float32),
+        f"model.layers.{L}.self_attn.q_proj.weight": np.ones((128, D), np.float32),
+    }
+    save_file(tensors | mtp, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = specjax.load(folder)
+    for name, value in flatten(loaded.params).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flatten(model.params)[name]))
+    beyond = {f"model.layers.{L + 1}.enorm.weight": np.ones((D,), np.float32)}
+    save_file(tensors | mtp | beyond, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"model.layers.{L + 1}.enorm.weight"):
+        specjax.load(folder)
+
+
+@pytest.mark.parametrize(
     "config, field",
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral"),
@@ -243,6 +306,7 @@ def test_prefill_logits_do_not_depend_on_the_batch(built):
         pytest.param("gemma3", marks=pytest.mark.slow),
         pytest.param("mixtral", marks=pytest.mark.slow),
         "qwen3_moe",
+        pytest.param("glm4_moe", marks=pytest.mark.slow),
     ],
 )
 def test_on_a_mesh_equals_one_device(built, family):

@@ -1,7 +1,7 @@
 """The static description of a decoder-only transformer of the Llama lineage.
 
 One config class covers every supported family (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral,
-Qwen3-MoE): a family is a setting of the fields below (specjax/models/families.py maps each HF
+Qwen3-MoE, GLM-4.5): a family is a setting of the fields below (specjax/models/families.py maps each HF
 `model_type` onto them), not a model of its own. The forward (models/llama.py) picks each piece
 from the config: the norm's form, query/key norms, rotary variant and bases, full or sliding-window
 attention per layer, a gated MLP or a mixture of experts per layer.
@@ -21,6 +21,9 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # 1 + w (in float32, then cast).
 NORMS = ("rms", "gemma")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# How a router turns its logits into expert scores: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid"
+# (GLM-4.5, DeepSeek-V3: each expert scored on its own, see llama.py `route_sigmoid`).
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,17 @@ class LlamaConfig:
     dense_layers: tuple[
         int, ...
     ] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE's mlp_only_layers)
+    router_scoring: str = "softmax"  # ROUTER_SCORINGS
+    # A learned per-expert bias added to the sigmoid scores to choose the experts, not to weigh
+    # them (DeepSeek-V3's and GLM-4.5's e_score_correction_bias); sigmoid scoring only.
+    router_score_bias: bool = False
+    num_expert_groups: int = 1  # experts split into groups; a token picks among its best groups'
+    topk_expert_groups: int = 1  # ... this many groups (DeepSeek-V3's n_group, topk_group)
+    routed_scaling_factor: float = 1.0  # the routed experts' weights times this, after renormalizing
+    shared_expert_size: int = 0  # ffw size of an MLP every token goes through too in an MoE layer
+    # Multi-token-prediction layers the checkpoint carries after the decoder's (GLM-4.5,
+    # DeepSeek-V3: model.layers.{num_layers + i}); the forward does not run them.
+    num_mtp_layers: int = 0
 
     def __post_init__(self):
         for name in (
@@ -107,6 +121,7 @@ class LlamaConfig:
             )
         self._check_choice("hidden_act", ACTIVATIONS)
         self._check_choice("norm", NORMS)
+        self._check_choice("router_scoring", ROUTER_SCORINGS)
         self._check_layers()
         self._check_experts()
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
@@ -149,6 +164,26 @@ class LlamaConfig:
             raise ValueError(f"LlamaConfig.dense_layers must be layer indices, got {self.dense_layers}")
         if self.moe_intermediate_size is None:
             object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+        self._check_expert_groups()
+
+    def _check_expert_groups(self) -> None:
+        groups, chosen = self.num_expert_groups, self.topk_expert_groups
+        if groups < 1 or self.num_experts % groups or not 1 <= chosen <= groups:
+            raise ValueError(
+                f"LlamaConfig: num_expert_groups ({groups}) must divide num_experts "
+                f"({self.num_experts}) and topk_expert_groups ({chosen}) be in 1..num_expert_groups"
+            )
+        if groups > 1 and self.num_experts // groups < 2:
+            raise ValueError(
+                "LlamaConfig: an expert group is scored by its best two experts; groups need two or more"
+            )
+        if chosen * (self.num_experts // groups) < self.num_experts_per_tok:
+            raise ValueError(
+                f"LlamaConfig: topk_expert_groups ({chosen}) groups hold fewer experts than "
+                f"num_experts_per_tok ({self.num_experts_per_tok})"
+            )
+        if self.router_score_bias and self.router_scoring != "sigmoid":
+            raise ValueError("LlamaConfig.router_score_bias needs router_scoring 'sigmoid'")
 
     @property
     def q_size(self) -> int:

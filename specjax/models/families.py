@@ -14,7 +14,11 @@ What each family's model_type changes from Llama:
 - phi3: fused qkv_proj and gate_up_proj tensors, partial rotary, a sliding window;
 - mixtral: a mixture of experts in every layer (softmax, top-k, renormalized);
 - qwen3_moe: Qwen3's attention with a mixture of experts (norm_topk_prob), dense MLPs in
-  mlp_only_layers.
+  mlp_only_layers;
+- glm4_moe (GLM-4.5, 4.6): partial rotary (the first half of each head, half-split), q/k norms
+  with use_qk_norm, q/k/v biases, dense MLPs in the first first_k_dense_replace layers, then
+  experts routed by sigmoid scores with a correction bias, group-limited top-k and routed scaling,
+  and shared experts. Its MTP layers (model.layers.{num_hidden_layers + i}) are skipped at load.
 
 Anything else, or an option of these that the forward does not compute (an unknown rope type,
 attention logit soft-capping, shared experts, ...), is a ValueError naming the field.
@@ -27,7 +31,17 @@ from typing import Any
 
 from specjax.models.config import LlamaConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "glm4_moe",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -187,6 +201,42 @@ def _qwen3_moe(hf):
     )
 
 
+def _sigmoid_experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture of GLM-4.5 and DeepSeek-V3: sigmoid scores with a correction bias, the top
+    topk_group of n_group expert groups, routed scaling, n_shared_experts shared experts, dense
+    MLPs in the first first_k_dense_replace layers; and the checkpoint's MTP layers."""
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(
+            f"config.json topk_method {hf.get('topk_method')!r} / scoring_func {hf.get('scoring_func')!r} "
+            "is not supported; supported: noaux_tc with sigmoid scores"
+        )
+    first_dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
+    return dict(
+        num_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dense_layers=tuple(range(first_dense)),
+        router_scoring="sigmoid",
+        router_score_bias=True,
+        num_expert_groups=hf.get("n_group") or 1,
+        topk_expert_groups=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_expert_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+        num_mtp_layers=hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0,
+    )
+
+
+def _glm4_moe(hf):
+    factor = float(rope_parameters(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)))
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return dict(
+        rotary_dim=int(head_dim * factor),
+        qk_norm=bool(hf.get("use_qk_norm", False)),
+        **_sigmoid_experts(hf),
+    )
+
+
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": lambda hf: {},
     "mistral": _window_on_every_layer,
@@ -196,6 +246,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi3": _phi3,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "glm4_moe": _glm4_moe,
 }
 
 
@@ -277,3 +328,16 @@ def expert_tensors(config: LlamaConfig) -> tuple[str, dict[str, str]]:
         names = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
     experts = {ours: f"{prefix}.experts.{{j}}.{theirs}.weight" for ours, theirs in names.items()}
     return f"{prefix}.gate.weight", experts
+
+
+def moe_extra_tensors(config: LlamaConfig) -> dict[str, str]:
+    """Our name -> HF's (under model.layers.{i}.) of an MoE layer's weights besides the router
+    and the routed experts: the score correction bias and the shared experts (GLM-4.5,
+    DeepSeek-V3), where the config has them."""
+    names = {}
+    if config.router_score_bias:
+        names["router_score_bias"] = "mlp.gate.e_score_correction_bias"
+    if config.shared_expert_size:
+        for ours in ("gate", "up", "down"):
+            names[f"shared_{ours}"] = f"mlp.shared_experts.{ours}_proj.weight"
+    return names

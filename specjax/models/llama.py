@@ -72,6 +72,10 @@ class LayerParams:
     expert_gate: jax.Array | None = None  # [X, D, F]
     expert_up: jax.Array | None = None  # [X, D, F]
     expert_down: jax.Array | None = None  # [X, F, D]
+    router_score_bias: jax.Array | None = None  # [X]: config.router_score_bias (choice only)
+    shared_gate: jax.Array | None = None  # [D, Fs]: config.shared_expert_size, in an MoE layer
+    shared_up: jax.Array | None = None  # [D, Fs]
+    shared_down: jax.Array | None = None  # [Fs, D]
 
 
 @flax.struct.dataclass
@@ -137,6 +141,10 @@ def checkpoint_layer_shapes(config: LlamaConfig, layer: int = 0) -> dict[str, tu
     if config.is_moe_layer(layer):
         X, Fm = config.num_experts, config.moe_intermediate_size
         shapes.update(router=(D, X), expert_gate=(X, D, Fm), expert_up=(X, D, Fm), expert_down=(X, Fm, D))
+        if config.router_score_bias:
+            shapes["router_score_bias"] = (X,)
+        if Fs := config.shared_expert_size:
+            shapes.update(shared_gate=(D, Fs), shared_up=(D, Fs), shared_down=(Fs, D))
     else:
         shapes.update(gate=(D, F), up=(D, F), down=(F, D))
     if config.sandwich_norms:
@@ -628,15 +636,47 @@ def _dense_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
     return project(_activation(config, project(h, lp.gate)) * project(h, lp.up), lp.down)
 
 
-def route(config: LlamaConfig, x: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(
+    config: LlamaConfig, x: jax.Array, router: jax.Array, score_bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The experts each of N tokens x [N, D] goes to and their weights: softmax of the router's
     logits in float32, the top num_experts_per_tok, renormalized to sum to 1 where the family says
-    so. Returns (weights [N, k] float32, experts [N, k] int32)."""
+    so; or the sigmoid form (`route_sigmoid`, score_bias [X] its correction bias). Returns
+    (weights [N, k] float32, experts [N, k] int32)."""
+    if config.router_scoring == "sigmoid":
+        return route_sigmoid(config, x, router, score_bias)
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [N, X]
     weights, experts = jax.lax.top_k(probs, config.num_experts_per_tok)
     if config.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def route_sigmoid(
+    config: LlamaConfig, x: jax.Array, router: jax.Array, score_bias: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's and GLM-4.5's routing of tokens x [N, D]: each expert's score is the sigmoid
+    of its logit (router [D, X], in float32). The choice ranks scores plus `score_bias` [X] (a
+    correction learned for load balance): the experts fall into num_expert_groups groups, each
+    group ranked by the sum of its two best, and a token picks its top num_experts_per_tok among
+    the experts of its best topk_expert_groups groups. The weights are the chosen experts' scores
+    without the bias, renormalized where norm_topk_prob says, times routed_scaling_factor."""
+    N, X = x.shape[0], router.shape[-1]
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # [N, X]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    groups = config.num_expert_groups
+    if config.topk_expert_groups < groups:
+        by_group = choice.reshape(N, groups, X // groups)
+        group_scores = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [N, groups]
+        _, best = jax.lax.top_k(group_scores, config.topk_expert_groups)  # [N, topk_groups]
+        kept = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None, :], axis=1)  # [N, groups]
+        choice = jnp.where(jnp.repeat(kept, X // groups, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)  # [N, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if config.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
 def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
@@ -651,17 +691,23 @@ def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
       no token was routed to and runs each routed one once over all the tokens
       (`_experts_one_by_one`).
 
-    Under tensor parallelism each device holds every expert's slice of F, routes the same way (the
-    router is replicated) and the caller sums the partial outputs.
+    Where the family has shared experts (config.shared_expert_size), their gated MLP over every
+    token is added. Under tensor parallelism each device holds every expert's slice of F (and the
+    shared experts' slice of theirs), routes the same way (the router is replicated) and the
+    caller sums the partial outputs.
     """
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    weights, experts = route(config, x, lp.router)  # [N, k]
+    weights, experts = route(config, x, lp.router, lp.router_score_bias)  # [N, k]
     if backend.active().experts_one_by_one():
         mixed = _experts_one_by_one(config, x, weights, experts, lp)
     else:
         mixed = _experts_grouped(config, x, weights, experts, lp)
-    return mixed.astype(h.dtype).reshape(B, T, D)
+    out = mixed.astype(h.dtype).reshape(B, T, D)
+    if lp.shared_gate is not None:  # shared experts: one gated MLP every token goes through
+        shared = _activation(config, project(h, lp.shared_gate)) * project(h, lp.shared_up)
+        out = out + project(shared, lp.shared_down)
+    return out
 
 
 def _expert_mlp(config: LlamaConfig, x, gate_w, up_w, down_w):

@@ -98,6 +98,8 @@ def check_model_split(mesh: Mesh, config: LlamaConfig, who: str = "model") -> No
     }
     if config.num_experts:
         dims["moe_intermediate_size"] = config.moe_intermediate_size
+    if config.shared_expert_size:
+        dims["shared_expert_size"] = config.shared_expert_size
     allowed = [d for d in _divisors(config.num_kv_heads) if all(v % d == 0 for v in dims.values())]
     for name, value in dims.items():
         if value % m:

@@ -68,6 +68,10 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "expert_gate": ("experts", "embed", "ffw"),
     "expert_up": ("experts", "embed", "ffw"),
     "expert_down": ("experts", "ffw", "embed"),
+    "router_score_bias": ("experts",),
+    "shared_gate": ("embed", "ffw"),  # shared experts: split as a dense MLP is
+    "shared_up": ("embed", "ffw"),
+    "shared_down": ("ffw", "embed"),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
