@@ -18,7 +18,10 @@ What each family's model_type changes from Llama:
 - glm4_moe (GLM-4.5, 4.6): partial rotary (the first half of each head, half-split), q/k norms
   with use_qk_norm, q/k/v biases, dense MLPs in the first first_k_dense_replace layers, then
   experts routed by sigmoid scores with a correction bias, group-limited top-k and routed scaling,
-  and shared experts. Its MTP layers (model.layers.{num_hidden_layers + i}) are skipped at load.
+  and shared experts. Its MTP layers (model.layers.{num_hidden_layers + i}) are skipped at load;
+- deepseek_v3: multi-head latent attention (q and kv low-rank projections with their norms,
+  decoupled rotary dims, interleaved with rope_interleave, yarn with its mscale on the softmax
+  scale; models/mla.py) and GLM-4.5's mixture of experts. MTP layers skipped likewise.
 
 Anything else, or an option of these that the forward does not compute (an unknown rope type,
 attention logit soft-capping, shared experts, ...), is a ValueError naming the field.
@@ -41,8 +44,11 @@ SUPPORTED_MODEL_TYPES = (
     "mixtral",
     "qwen3_moe",
     "glm4_moe",
+    "deepseek_v3",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Only the latent attention applies yarn's attention factor and mscale (models/mla.py).
+YARN_MODEL_TYPES = ("deepseek_v3",)
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -78,7 +84,7 @@ def _common_fields(hf: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_scaling=rope_scaling_from_hf(rope),
+        rope_scaling=rope_scaling_from_hf(rope, yarn=hf["model_type"] in YARN_MODEL_TYPES),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -237,6 +243,22 @@ def _glm4_moe(hf):
     )
 
 
+def _deepseek_v3(hf):
+    if hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=True is not supported for deepseek_v3")
+    rope, nope = hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
+    return dict(
+        num_kv_heads=1,  # the cache's one entry per token: latent and rotary key (models/mla.py)
+        head_dim=nope + rope,
+        rotary_dim=rope,
+        v_head_dim=hf["v_head_dim"],
+        kv_lora_rank=hf["kv_lora_rank"],
+        q_lora_rank=hf.get("q_lora_rank") or None,
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        **_sigmoid_experts(hf),
+    )
+
+
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": lambda hf: {},
     "mistral": _window_on_every_layer,
@@ -247,6 +269,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
     "glm4_moe": _glm4_moe,
+    "deepseek_v3": _deepseek_v3,
 }
 
 
@@ -261,10 +284,24 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
+def rope_scaling_from_hf(params: dict[str, Any], yarn: bool = False) -> RopeScaling | None:
+    """The config's rope scaling; "yarn" only with `yarn` (a family whose forward applies it)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return None
+    if rope_type == "yarn" and yarn:
+        if params.get("attention_factor") is not None:
+            raise ValueError("config.json rope_parameters attention_factor is not supported; it is derived")
+        return RopeScaling(
+            rope_type="yarn",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            truncate=bool(params.get("truncate", True)),
+        )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(params["factor"]))
     if rope_type == "llama3":
@@ -298,11 +335,34 @@ ATTENTION_TENSORS = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+# A latent-attention layer's (deepseek_v3): see models/mla.py.
+LATENT_ATTENTION_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "q_a": "self_attn.q_a_proj.weight",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b": "self_attn.q_b_proj.weight",
+    "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "kv_b": "self_attn.kv_b_proj.weight",
+    "o": "self_attn.o_proj.weight",
+}
 DENSE_MLP_TENSORS = {
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
 }
+
+
+def attention_tensors(config: LlamaConfig) -> dict[str, str]:
+    """Our attention weights -> HF's names: latent attention's where the config has it (its
+    query projection is q_proj without a q_lora_rank), else the q/k/v projections'."""
+    if not config.kv_lora_rank:
+        return dict(ATTENTION_TENSORS)
+    names = dict(LATENT_ATTENTION_TENSORS)
+    if not config.q_lora_rank:
+        del names["q_a"], names["q_a_norm"]
+        names["q_b"] = "self_attn.q_proj.weight"
+    return names
 
 
 def norm_tensors(config: LlamaConfig) -> dict[str, str]:

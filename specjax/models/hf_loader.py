@@ -120,7 +120,7 @@ def _mtp(config: LlamaConfig, name: str) -> bool:
 def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
     """Layer i's tensors by our names (those present; `params_from_tensors` names what is missing)."""
     prefix = f"model.layers.{i}."
-    names = dict(families.ATTENTION_TENSORS) | families.norm_tensors(config)
+    names = families.attention_tensors(config) | families.norm_tensors(config)
     if not config.is_moe_layer(i):
         names |= families.DENSE_MLP_TENSORS
     out = {}
