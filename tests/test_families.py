@@ -376,6 +376,7 @@ def test_prefill_logits_do_not_depend_on_the_batch(built):
         pytest.param("mixtral", marks=pytest.mark.slow),
         "qwen3_moe",
         pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
     ],
 )
 def test_on_a_mesh_equals_one_device(built, family):

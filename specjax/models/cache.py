@@ -62,6 +62,11 @@ class KVCache:
         return tuple(None if buffer.ndim == 3 else buffer.shape[0] for buffer in self.k)
 
     @property
+    def is_latent(self) -> bool:
+        """A latent-attention cache (models/mla.py): one entry per row, values 0 wide."""
+        return self.v[0].shape[-1] == 0
+
+    @property
     def capacity(self) -> int:
         return self.v[0].shape[-2]
 
