@@ -13,6 +13,7 @@ import families
 import jax
 import numpy as np
 import pytest
+import torch
 from logit_check import compare_with_torch, prefill_and_decode, relative_error
 from oracle import Oracle, references
 
@@ -62,6 +63,39 @@ EXPECTED = {  # what each family's config must turn into (a check on families.co
     "phi3": dict(rotary_dim=8, sliding_window=16),
     "mixtral": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=16),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=(1,)),
+    "glm4_moe": dict(
+        rotary_dim=16,
+        qk_norm=True,
+        qkv_bias=True,
+        num_experts=8,
+        num_experts_per_tok=3,
+        dense_layers=(0,),
+        router_scoring="sigmoid",
+        router_score_bias=True,
+        num_expert_groups=4,
+        topk_expert_groups=2,
+        routed_scaling_factor=2.5,
+        shared_expert_size=64,
+        num_mtp_layers=1,
+    ),
+    "deepseek_v3": dict(
+        num_kv_heads=1,
+        head_dim=24,
+        rotary_dim=8,
+        v_head_dim=24,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        rope_interleave=True,
+        rope_scaling=specjax.models.RopeScaling(
+            "yarn", 4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5
+        ),
+        router_scoring="sigmoid",
+        num_expert_groups=4,
+        topk_expert_groups=2,
+        shared_expert_size=32,
+        dense_layers=(0,),
+        num_mtp_layers=1,
+    ),
 }
 
 
@@ -205,6 +239,104 @@ def test_moe_equals_float64_and_reads_only_the_routed_experts(built, num_tokens)
 
 
 @pytest.mark.parametrize(
+    "change",
+    [
+        dict(topk_expert_groups=4),  # every group open: the group limit decides experts here
+        dict(routed_scaling_factor=1.0),
+        dict(rotary_dim=32),  # GLM turns the first half of each head only
+        dict(router_score_bias=False),  # the correction bias moves the choice
+    ],
+)
+def test_glm4_moe_routing_pieces_matter(built, change):
+    """Each piece of GLM-4.5's routing and rotary that the match above rests on changes the
+    logits when left out: the comparison does test them."""
+    model, torch_model = built("glm4_moe")
+    config, params = dataclasses.replace(model.config, **change), model.params
+    if "router_score_bias" in change:  # the weights without the bias, as such a config has them
+        params = params.replace(layers=tuple(lp.replace(router_score_bias=None) for lp in params.layers))
+    changed = specjax.Model(config, params)
+    assert compare_with_torch(changed, torch_model, families.prompts(), [[3], [4]]) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(rope_interleave=False),
+        dict(rope_scaling=None),  # yarn's frequencies past the original context of 32
+        dict(rope_scaling=specjax.models.RopeScaling("yarn", 4.0, original_max_position_embeddings=32)),
+        dict(
+            rope_scaling=specjax.models.RopeScaling(
+                "yarn", 4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0
+            )
+        ),
+    ],
+)
+def test_deepseek_v3_rotary_pieces_matter(built, change):
+    """Interleaved rotary pairs, yarn's frequencies, its attention factor (mscale against
+    mscale_all_dim: the second yarn case has neither, the third makes the factor 1) and the
+    softmax scale's mscale_all_dim each change the logits when left out."""
+    model, torch_model = built("deepseek_v3")
+    changed = specjax.Model(dataclasses.replace(model.config, **change), model.params)
+    assert compare_with_torch(changed, torch_model, families.prompts(), [[3], [4]]) > 1e-3
+
+
+def test_deepseek_v3_caches_the_latent(built):
+    """The cache holds, per token and layer, the latent (kv_lora_rank) and the rotary key
+    (qk_rope_head_dim) once, not per-head keys and values: 40 numbers here, against
+    2 * 4 * 24 = 192 for a per-head cache of the same heads."""
+    model, _ = built("deepseek_v3")
+    c = model.config
+    cache = specjax.models.init_cache(c, 2, 100)
+    assert [tuple(k.shape) for k in cache.k] == [(2, 32 + 8, 100)] * c.num_layers
+    assert [tuple(v.shape) for v in cache.v] == [(2, 100, 0)] * c.num_layers
+    assert c.cache_token_size == 40
+    assert specjax.models.cache_bytes(c, 2, 100) == c.num_layers * 2 * 100 * 40 * 4
+
+
+def test_deepseek_v3_without_a_query_latent(tmp_path):
+    """q_lora_rank None (DeepSeek-V2-Lite's form): the queries straight from q_proj."""
+    import transformers
+
+    config = families.hf_config("deepseek_v3")
+    config.q_lora_rank = None
+    torch.manual_seed(0)
+    torch_model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    families.peaky_random_weights(torch_model, seed=0)
+    torch_model.eval().save_pretrained(tmp_path)
+    model = specjax.load(tmp_path)
+    assert model.config.q_lora_rank is None and model.params.layers[0].q_a is None
+    assert compare_with_torch(model, torch_model, families.prompts(), [[3, 4], [5, 6]]) < TOL
+
+
+def test_glm4_moe_skips_its_mtp_layers(built, tmp_path):
+    """A released GLM-4.5 carries num_nextn_predict_layers MTP layers after the decoder's
+    (model.layers.{L + i}); they load without error and change nothing. A layer past them is
+    still refused."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model, _ = built("glm4_moe")
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(built.folders["glm4_moe"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    L, D = model.config.num_layers, model.config.hidden_size
+    mtp = {
+        f"model.layers.{L}.eh_proj.weight": np.ones((D, 2 * D), np.float32),
+        f"model.layers.{L}.enorm.weight": np.ones((D,), np.float32),
+        f"model.layers.{L}.self_attn.q_proj.weight": np.ones((128, D), np.float32),
+    }
+    save_file(tensors | mtp, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = specjax.load(folder)
+    for name, value in flatten(loaded.params).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flatten(model.params)[name]))
+    beyond = {f"model.layers.{L + 1}.enorm.weight": np.ones((D,), np.float32)}
+    save_file(tensors | mtp | beyond, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"model.layers.{L + 1}.enorm.weight"):
+        specjax.load(folder)
+
+
+@pytest.mark.parametrize(
     "config, field",
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral"),
@@ -243,6 +375,8 @@ def test_prefill_logits_do_not_depend_on_the_batch(built):
         pytest.param("gemma3", marks=pytest.mark.slow),
         pytest.param("mixtral", marks=pytest.mark.slow),
         "qwen3_moe",
+        pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
     ],
 )
 def test_on_a_mesh_equals_one_device(built, family):

@@ -14,7 +14,14 @@ What each family's model_type changes from Llama:
 - phi3: fused qkv_proj and gate_up_proj tensors, partial rotary, a sliding window;
 - mixtral: a mixture of experts in every layer (softmax, top-k, renormalized);
 - qwen3_moe: Qwen3's attention with a mixture of experts (norm_topk_prob), dense MLPs in
-  mlp_only_layers.
+  mlp_only_layers;
+- glm4_moe (GLM-4.5, 4.6): partial rotary (the first half of each head, half-split), q/k norms
+  with use_qk_norm, q/k/v biases, dense MLPs in the first first_k_dense_replace layers, then
+  experts routed by sigmoid scores with a correction bias, group-limited top-k and routed scaling,
+  and shared experts. Its MTP layers (model.layers.{num_hidden_layers + i}) are skipped at load;
+- deepseek_v3: multi-head latent attention (q and kv low-rank projections with their norms,
+  decoupled rotary dims, interleaved with rope_interleave, yarn with its mscale on the softmax
+  scale; models/mla.py) and GLM-4.5's mixture of experts. MTP layers skipped likewise.
 
 Anything else, or an option of these that the forward does not compute (an unknown rope type,
 attention logit soft-capping, shared experts, ...), is a ValueError naming the field.
@@ -27,8 +34,21 @@ from typing import Any
 
 from specjax.models.config import LlamaConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Only the latent attention applies yarn's attention factor and mscale (models/mla.py).
+YARN_MODEL_TYPES = ("deepseek_v3",)
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -64,7 +84,7 @@ def _common_fields(hf: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_scaling=rope_scaling_from_hf(rope),
+        rope_scaling=rope_scaling_from_hf(rope, yarn=hf["model_type"] in YARN_MODEL_TYPES),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -187,6 +207,58 @@ def _qwen3_moe(hf):
     )
 
 
+def _sigmoid_experts(hf: dict[str, Any]) -> dict[str, Any]:
+    """The mixture of GLM-4.5 and DeepSeek-V3: sigmoid scores with a correction bias, the top
+    topk_group of n_group expert groups, routed scaling, n_shared_experts shared experts, dense
+    MLPs in the first first_k_dense_replace layers; and the checkpoint's MTP layers."""
+    if hf.get("topk_method", "noaux_tc") != "noaux_tc" or hf.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(
+            f"config.json topk_method {hf.get('topk_method')!r} / scoring_func {hf.get('scoring_func')!r} "
+            "is not supported; supported: noaux_tc with sigmoid scores"
+        )
+    first_dense = min(hf.get("first_k_dense_replace", 0), hf["num_hidden_layers"])
+    return dict(
+        num_experts=hf.get("n_routed_experts") or hf["num_local_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        moe_intermediate_size=hf["moe_intermediate_size"],
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        dense_layers=tuple(range(first_dense)),
+        router_scoring="sigmoid",
+        router_score_bias=True,
+        num_expert_groups=hf.get("n_group") or 1,
+        topk_expert_groups=hf.get("topk_group") or 1,
+        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        shared_expert_size=hf["moe_intermediate_size"] * (hf.get("n_shared_experts") or 0),
+        num_mtp_layers=hf.get("num_nextn_predict_layers") or hf.get("num_mtp_layers") or 0,
+    )
+
+
+def _glm4_moe(hf):
+    factor = float(rope_parameters(hf).get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.5)))
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    return dict(
+        rotary_dim=int(head_dim * factor),
+        qk_norm=bool(hf.get("use_qk_norm", False)),
+        **_sigmoid_experts(hf),
+    )
+
+
+def _deepseek_v3(hf):
+    if hf.get("attention_bias"):
+        raise ValueError("config.json attention_bias=True is not supported for deepseek_v3")
+    rope, nope = hf["qk_rope_head_dim"], hf["qk_nope_head_dim"]
+    return dict(
+        num_kv_heads=1,  # the cache's one entry per token: latent and rotary key (models/mla.py)
+        head_dim=nope + rope,
+        rotary_dim=rope,
+        v_head_dim=hf["v_head_dim"],
+        kv_lora_rank=hf["kv_lora_rank"],
+        q_lora_rank=hf.get("q_lora_rank") or None,
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+        **_sigmoid_experts(hf),
+    )
+
+
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": lambda hf: {},
     "mistral": _window_on_every_layer,
@@ -196,6 +268,8 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi3": _phi3,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "glm4_moe": _glm4_moe,
+    "deepseek_v3": _deepseek_v3,
 }
 
 
@@ -210,10 +284,24 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
+def rope_scaling_from_hf(params: dict[str, Any], yarn: bool = False) -> RopeScaling | None:
+    """The config's rope scaling; "yarn" only with `yarn` (a family whose forward applies it)."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return None
+    if rope_type == "yarn" and yarn:
+        if params.get("attention_factor") is not None:
+            raise ValueError("config.json rope_parameters attention_factor is not supported; it is derived")
+        return RopeScaling(
+            rope_type="yarn",
+            factor=float(params["factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=float(params.get("mscale") or 0),
+            mscale_all_dim=float(params.get("mscale_all_dim") or 0),
+            truncate=bool(params.get("truncate", True)),
+        )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(params["factor"]))
     if rope_type == "llama3":
@@ -247,11 +335,34 @@ ATTENTION_TENSORS = {
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
 }
+# A latent-attention layer's (deepseek_v3): see models/mla.py.
+LATENT_ATTENTION_TENSORS = {
+    "attn_norm": "input_layernorm.weight",
+    "q_a": "self_attn.q_a_proj.weight",
+    "q_a_norm": "self_attn.q_a_layernorm.weight",
+    "q_b": "self_attn.q_b_proj.weight",
+    "kv_a": "self_attn.kv_a_proj_with_mqa.weight",
+    "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "kv_b": "self_attn.kv_b_proj.weight",
+    "o": "self_attn.o_proj.weight",
+}
 DENSE_MLP_TENSORS = {
     "gate": "mlp.gate_proj.weight",
     "up": "mlp.up_proj.weight",
     "down": "mlp.down_proj.weight",
 }
+
+
+def attention_tensors(config: LlamaConfig) -> dict[str, str]:
+    """Our attention weights -> HF's names: latent attention's where the config has it (its
+    query projection is q_proj without a q_lora_rank), else the q/k/v projections'."""
+    if not config.kv_lora_rank:
+        return dict(ATTENTION_TENSORS)
+    names = dict(LATENT_ATTENTION_TENSORS)
+    if not config.q_lora_rank:
+        del names["q_a"], names["q_a_norm"]
+        names["q_b"] = "self_attn.q_proj.weight"
+    return names
 
 
 def norm_tensors(config: LlamaConfig) -> dict[str, str]:
@@ -277,3 +388,16 @@ def expert_tensors(config: LlamaConfig) -> tuple[str, dict[str, str]]:
         names = {"expert_gate": "gate_proj", "expert_up": "up_proj", "expert_down": "down_proj"}
     experts = {ours: f"{prefix}.experts.{{j}}.{theirs}.weight" for ours, theirs in names.items()}
     return f"{prefix}.gate.weight", experts
+
+
+def moe_extra_tensors(config: LlamaConfig) -> dict[str, str]:
+    """Our name -> HF's (under model.layers.{i}.) of an MoE layer's weights besides the router
+    and the routed experts: the score correction bias and the shared experts (GLM-4.5,
+    DeepSeek-V3), where the config has them."""
+    names = {}
+    if config.router_score_bias:
+        names["router_score_bias"] = "mlp.gate.e_score_correction_bias"
+    if config.shared_expert_size:
+        for ours in ("gate", "up", "down"):
+            names[f"shared_{ours}"] = f"mlp.shared_experts.{ours}_proj.weight"
+    return names

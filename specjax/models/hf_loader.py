@@ -23,6 +23,7 @@ from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 
 # Buffers some old checkpoints saved; recomputed by the forward.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # Files whose presence means the folder carries a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -86,7 +87,7 @@ def checkpoint_tensors(folder: Path) -> dict[str, LazyTensor]:
 
 def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], list[str]]:
     """(our flat name -> tensor in our layout, the HF names left over). Nothing is read."""
-    hf = {name: tensor for name, tensor in hf.items() if not _IGNORED.fullmatch(name)}
+    hf = {name: t for name, t in hf.items() if not _IGNORED.fullmatch(name) and not _mtp(config, name)}
     used: set[str] = set()
 
     def take(name: str) -> LazyTensor | None:
@@ -108,10 +109,18 @@ def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[st
     return ours, [name for name in hf if name not in used]
 
 
+def _mtp(config: LlamaConfig, name: str) -> bool:
+    """Whether `name` belongs to one of the checkpoint's MTP layers (model.layers.{L + i}, after
+    the decoder's L layers), which the forward does not run: they are skipped at load."""
+    match = _LAYER_INDEX.match(name)
+    L = config.num_layers
+    return match is not None and L <= int(match[1]) < L + config.num_mtp_layers
+
+
 def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
     """Layer i's tensors by our names (those present; `params_from_tensors` names what is missing)."""
     prefix = f"model.layers.{i}."
-    names = dict(families.ATTENTION_TENSORS) | families.norm_tensors(config)
+    names = families.attention_tensors(config) | families.norm_tensors(config)
     if not config.is_moe_layer(i):
         names |= families.DENSE_MLP_TENSORS
     out = {}
@@ -135,6 +144,9 @@ def _expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTen
     checkpoint's one tensor per expert."""
     router_name, per_expert = families.expert_tensors(config)
     out = {}
+    for ours, theirs in families.moe_extra_tensors(config).items():
+        if (tensor := take(prefix + theirs)) is not None:
+            out[ours] = tensor.transposed()
     if (router := take(prefix + router_name)) is not None:
         out["router"] = router.transposed()
     for ours, pattern in per_expert.items():

@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import PanelWeight, backend, pack
+from specjax.models import mla
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
 
@@ -72,6 +73,17 @@ class LayerParams:
     expert_gate: jax.Array | None = None  # [X, D, F]
     expert_up: jax.Array | None = None  # [X, D, F]
     expert_down: jax.Array | None = None  # [X, F, D]
+    router_score_bias: jax.Array | None = None  # [X]: config.router_score_bias (choice only)
+    shared_gate: jax.Array | None = None  # [D, Fs]: config.shared_expert_size, in an MoE layer
+    shared_up: jax.Array | None = None  # [D, Fs]
+    shared_down: jax.Array | None = None  # [Fs, D]
+    # Latent attention (config.kv_lora_rank; qkv is None then): see models/mla.py. C = r + R.
+    q_a: jax.Array | None = None  # [D, Rq]: config.q_lora_rank
+    q_a_norm: jax.Array | None = None  # [Rq]
+    q_b: jax.Array | None = None  # [Rq or D, H*E]: the queries, from q_a's latent or from x
+    kv_a: jax.Array | None = None  # [D, C]: the latent and the shared rotary key
+    kv_a_norm: jax.Array | None = None  # [r]
+    kv_b: jax.Array | None = None  # [r, H*(N+A)]: per head, its nope key and value from the latent
 
 
 @flax.struct.dataclass
@@ -111,6 +123,8 @@ def layer_shapes(config: LlamaConfig, layer: int = 0) -> LayerParams:
     """Layer `layer`'s params with a shape tuple at every leaf: `checkpoint_layer_shapes` with q,
     k and v (and their biases) fused."""
     shapes = checkpoint_layer_shapes(config, layer)
+    if config.kv_lora_rank:  # latent attention: nothing fused
+        return LayerParams(qkv=None, **shapes)
     qkv = shapes.pop("q")[-1] + shapes.pop("k")[-1] + shapes.pop("v")[-1]
     bias = None
     if config.qkv_bias:
@@ -125,18 +139,25 @@ def checkpoint_layer_shapes(config: LlamaConfig, layer: int = 0) -> dict[str, tu
     the weights the config gives the layer are listed."""
     D, F, E = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.q_size, config.kv_size
-    shapes = {"attn_norm": (D,), "q": (D, q), "k": (D, kv), "v": (D, kv)}
-    if config.qkv_bias:
-        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
-    if config.qk_norm:
-        shapes.update(q_norm=(E,), k_norm=(E,))
-    shapes["o"] = (q, D)
+    if config.kv_lora_rank:
+        shapes = mla.checkpoint_attention_shapes(config)
+    else:
+        shapes = {"attn_norm": (D,), "q": (D, q), "k": (D, kv), "v": (D, kv)}
+        if config.qkv_bias:
+            shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+        if config.qk_norm:
+            shapes.update(q_norm=(E,), k_norm=(E,))
+        shapes["o"] = (q, D)
     if config.sandwich_norms:
         shapes["attn_out_norm"] = (D,)
     shapes["mlp_norm"] = (D,)
     if config.is_moe_layer(layer):
         X, Fm = config.num_experts, config.moe_intermediate_size
         shapes.update(router=(D, X), expert_gate=(X, D, Fm), expert_up=(X, D, Fm), expert_down=(X, Fm, D))
+        if config.router_score_bias:
+            shapes["router_score_bias"] = (X,)
+        if Fs := config.shared_expert_size:
+            shapes.update(shared_gate=(D, Fs), shared_up=(D, Fs), shared_down=(Fs, D))
     else:
         shapes.update(gate=(D, F), up=(D, F), down=(F, D))
     if config.sandwich_norms:
@@ -183,6 +204,8 @@ def split_qkv(qkv, num_heads: int, num_kv_heads: int):
 def layer_from_checkpoint(fields: dict[str, Any], config: LlamaConfig) -> LayerParams:
     """A layer's LayerParams from its weights by checkpoint name (q, k, v fused into qkv)."""
     fields = dict(fields)
+    if config.kv_lora_rank:  # latent attention: nothing fused
+        return LayerParams(qkv=None, **fields)
     K = config.num_kv_heads
     qkv = fuse_qkv(fields.pop("q"), fields.pop("k"), fields.pop("v"), K)
     qkv_bias = None
@@ -196,7 +219,9 @@ def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig, index: int = 0)
     into q, k and v (and qkv_bias likewise; absent weights left out)."""
     H, K = config.num_heads, config.num_kv_heads
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerParams)}
-    fields.update(zip(("q", "k", "v"), split_qkv(fields.pop("qkv"), H, K), strict=True))
+    qkv = fields.pop("qkv")
+    if qkv is not None:
+        fields.update(zip(("q", "k", "v"), split_qkv(qkv, H, K), strict=True))
     bias = fields.pop("qkv_bias")
     if bias is not None:
         fields.update(zip(("q_bias", "k_bias", "v_bias"), split_qkv(bias, H, K), strict=True))
@@ -282,6 +307,8 @@ def rope_inverse_frequencies(config: LlamaConfig, layer: int = 0) -> np.ndarray:
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, theta, R, scaling)
     # llama3: leave high frequencies alone, divide low ones by `factor`, blend in between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -293,6 +320,23 @@ def rope_inverse_frequencies(config: LlamaConfig, layer: int = 0) -> np.ndarray:
     out = np.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
     middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return np.where(middle, blended, out)
+
+
+def _yarn_inverse_frequencies(inv_freq: np.ndarray, theta: float, R: int, scaling) -> np.ndarray:
+    """YaRN: the frequencies that turn fewer than beta_fast times over the original context are
+    divided by `factor` (interpolated), those turning more than beta_slow times kept
+    (extrapolated), with a linear ramp between, over the rotary dims' pairs."""
+    original = scaling.original_max_position_embeddings
+
+    def dim_of(turns):  # the rotary dim whose frequency turns `turns` times over the context
+        return R * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(scaling.beta_fast), dim_of(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / ((high - low) or 0.001), 0, 1)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1 - ramp)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
@@ -628,15 +672,47 @@ def _dense_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
     return project(_activation(config, project(h, lp.gate)) * project(h, lp.up), lp.down)
 
 
-def route(config: LlamaConfig, x: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+def route(
+    config: LlamaConfig, x: jax.Array, router: jax.Array, score_bias: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
     """The experts each of N tokens x [N, D] goes to and their weights: softmax of the router's
     logits in float32, the top num_experts_per_tok, renormalized to sum to 1 where the family says
-    so. Returns (weights [N, k] float32, experts [N, k] int32)."""
+    so; or the sigmoid form (`route_sigmoid`, score_bias [X] its correction bias). Returns
+    (weights [N, k] float32, experts [N, k] int32)."""
+    if config.router_scoring == "sigmoid":
+        return route_sigmoid(config, x, router, score_bias)
     probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [N, X]
     weights, experts = jax.lax.top_k(probs, config.num_experts_per_tok)
     if config.norm_topk_prob:
         weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
     return weights, experts.astype(jnp.int32)
+
+
+def route_sigmoid(
+    config: LlamaConfig, x: jax.Array, router: jax.Array, score_bias: jax.Array | None
+) -> tuple[jax.Array, jax.Array]:
+    """DeepSeek-V3's and GLM-4.5's routing of tokens x [N, D]: each expert's score is the sigmoid
+    of its logit (router [D, X], in float32). The choice ranks scores plus `score_bias` [X] (a
+    correction learned for load balance): the experts fall into num_expert_groups groups, each
+    group ranked by the sum of its two best, and a token picks its top num_experts_per_tok among
+    the experts of its best topk_expert_groups groups. The weights are the chosen experts' scores
+    without the bias, renormalized where norm_topk_prob says, times routed_scaling_factor."""
+    N, X = x.shape[0], router.shape[-1]
+    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)  # [N, X]
+    scores = jax.nn.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias.astype(jnp.float32)
+    groups = config.num_expert_groups
+    if config.topk_expert_groups < groups:
+        by_group = choice.reshape(N, groups, X // groups)
+        group_scores = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [N, groups]
+        _, best = jax.lax.top_k(group_scores, config.topk_expert_groups)  # [N, topk_groups]
+        kept = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None, :], axis=1)  # [N, groups]
+        choice = jnp.where(jnp.repeat(kept, X // groups, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)  # [N, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if config.norm_topk_prob:
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
 def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
@@ -651,17 +727,23 @@ def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
       no token was routed to and runs each routed one once over all the tokens
       (`_experts_one_by_one`).
 
-    Under tensor parallelism each device holds every expert's slice of F, routes the same way (the
-    router is replicated) and the caller sums the partial outputs.
+    Where the family has shared experts (config.shared_expert_size), their gated MLP over every
+    token is added. Under tensor parallelism each device holds every expert's slice of F (and the
+    shared experts' slice of theirs), routes the same way (the router is replicated) and the
+    caller sums the partial outputs.
     """
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    weights, experts = route(config, x, lp.router)  # [N, k]
+    weights, experts = route(config, x, lp.router, lp.router_score_bias)  # [N, k]
     if backend.active().experts_one_by_one():
         mixed = _experts_one_by_one(config, x, weights, experts, lp)
     else:
         mixed = _experts_grouped(config, x, weights, experts, lp)
-    return mixed.astype(h.dtype).reshape(B, T, D)
+    out = mixed.astype(h.dtype).reshape(B, T, D)
+    if lp.shared_gate is not None:  # shared experts: one gated MLP every token goes through
+        shared = _activation(config, project(h, lp.shared_gate)) * project(h, lp.shared_up)
+        out = out + project(shared, lp.shared_down)
+    return out
 
 
 def _expert_mlp(config: LlamaConfig, x, gate_w, up_w, down_w):
@@ -742,6 +824,11 @@ def _layer(
         h, residual = _norm(config, x, lp.attn_norm), x
     else:
         h, residual = attention_input(x, lp)
+    if config.kv_lora_rank:  # DeepSeek's latent attention (models/mla.py)
+        out, k_new, v_new = mla.mla_attention(
+            config, masks, inv_freq, positions, cache, fresh_mask, h, lp, k_buf, v_buf, write, layer
+        )
+        return (residual_mlp(config, residual + reduce(out), lp, reduce), k_new, v_new)
     qkv = project(h, lp.qkv)
     if config.qkv_bias:
         qkv = qkv + lp.qkv_bias
@@ -773,10 +860,15 @@ def _layer(
     )
     out = reduce(project(attended, lp.o))
     x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
+    x = residual_mlp(config, x, lp, reduce)
+    return (x, k_buf, v_buf) if write else (x, k, v)
+
+
+def residual_mlp(config: LlamaConfig, x: jax.Array, lp: LayerParams, reduce) -> jax.Array:
+    """x [B, T, D] plus the layer's MLP (dense or experts) of its normed x."""
     h = _norm(config, x, lp.mlp_norm)
     out = reduce(_dense_mlp(config, h, lp) if lp.router is None else moe_mlp(config, h, lp))
-    x = x + (out if lp.mlp_out_norm is None else _norm(config, out, lp.mlp_out_norm))
-    return (x, k_buf, v_buf) if write else (x, k, v)
+    return x + (out if lp.mlp_out_norm is None else _norm(config, out, lp.mlp_out_norm))
 
 
 def attention_keys_values(
@@ -918,7 +1010,12 @@ def decoder_layers(
     # Pallas on an accelerator), decoding passes attend through it; not where `visible` is given
     # (it says what to attend to).
     committed = None
-    if not empty_cache and visible is None and backend.active().cache_attention(config.head_dim, x.dtype):
+    if (
+        not empty_cache
+        and visible is None
+        and not config.kv_lora_rank  # latent attention reads its cache itself (models/mla.py)
+        and backend.active().cache_attention(config.head_dim, x.dtype)
+    ):
         committed = cache.lengths
     if not write:
         if empty_cache or visible is not None:
@@ -1007,12 +1104,12 @@ def _stacked_layers(
     decoding pass that writes (a draft model's own) updates it inside the branches."""
     n = layers_in(k_buf)
     B, T, _ = x.shape
-    K, E = k_buf.shape[1] // B, k_buf.shape[2]
+    K, E, Ev = k_buf.shape[1] // B, k_buf.shape[2], v_buf.shape[3]
     if write:
         k_out, v_out = k_buf, v_buf
     else:  # zeros "like" the buffers: under shard_map, varying over the same mesh axes
         k_out = jnp.zeros_like(k_buf, x.dtype, shape=(n, B, T, K, E))
-        v_out = jnp.zeros_like(v_buf, x.dtype, shape=(n, B, T, K, E))
+        v_out = jnp.zeros_like(v_buf, x.dtype, shape=(n, B, T, K, Ev))
 
     prefill = runs[0][1].visible is None  # (the masks of every kind agree on that)
     cache = runs[0][4]
