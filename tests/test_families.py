@@ -62,6 +62,20 @@ EXPECTED = {  # what each family's config must turn into (a check on families.co
     "phi3": dict(rotary_dim=8, sliding_window=16),
     "mixtral": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=16),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=(1,)),
+    "gpt_oss": dict(
+        attention_sinks=True,
+        qkv_bias=True,
+        o_bias=True,
+        moe_bias=True,
+        norm="rms_float32",
+        hidden_act="clamped_swiglu",
+        swiglu_limit=2.0,
+        sliding_window=16,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        rope_scaling=specjax.models.RopeScaling(
+            "yarn", 4.0, original_max_position_embeddings=128, truncate=False
+        ),
+    ),
 }
 
 

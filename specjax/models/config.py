@@ -1,7 +1,7 @@
 """The static description of a decoder-only transformer of the Llama lineage.
 
 One config class covers every supported family (Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral,
-Qwen3-MoE): a family is a setting of the fields below (specjax/models/families.py maps each HF
+Qwen3-MoE, gpt-oss): a family is a setting of the fields below (specjax/models/families.py maps each HF
 `model_type` onto them), not a model of its own. The forward (models/llama.py) picks each piece
 from the config: the norm's form, query/key norms, rotary variant and bases, full or sliding-window
 attention per layer, a gated MLP or a mixture of experts per layer.
@@ -15,23 +15,31 @@ from __future__ import annotations
 import dataclasses
 import math
 
-# Activations of the gated MLP: "silu" (SwiGLU, most families) and "gelu_tanh" (GeGLU, Gemma).
-ACTIVATIONS = ("silu", "gelu_tanh")
+# Activations of the gated MLP: "silu" (SwiGLU, most families), "gelu_tanh" (GeGLU, Gemma) and
+# "clamped_swiglu" (gpt-oss: gate clamped above and up on both sides at `swiglu_limit`, then
+# gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
+ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 # Forms of RMSNorm: "rms" scales by w (Llama: normalize in float32, cast, then times w), "gemma" by
-# 1 + w (in float32, then cast).
-NORMS = ("rms", "gemma")
+# 1 + w (in float32, then cast), "rms_float32" by w in float32, then cast (gpt-oss).
+NORMS = ("rms", "gemma", "rms_float32")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rotary frequency scaling, as in HF's `rope_scaling` (types "linear" and "llama3")."""
+    """Rotary frequency scaling, as in HF's `rope_scaling` (types "linear", "llama3" and "yarn")."""
 
     rope_type: str = "llama3"
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # --- yarn only (gpt-oss): the ramp between interpolated and original frequencies, and the
+    # factor both cos and sin are multiplied by (None: 0.1 ln(factor) + 1, YaRN's default) ---
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +80,12 @@ class LlamaConfig:
     dense_layers: tuple[
         int, ...
     ] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE's mlp_only_layers)
+    # --- gpt-oss (defaults: off) ---
+    attention_sinks: bool = False  # a learned logit per query head joins each softmax, with no value
+    o_bias: bool = False  # a bias on the attention's output projection
+    moe_bias: bool = False  # biases on the router's logits and on each expert's gate, up and down
+    swiglu_alpha: float = 1.702  # "clamped_swiglu"'s sigmoid gain
+    swiglu_limit: float = 7.0  # "clamped_swiglu"'s clamp
 
     def __post_init__(self):
         for name in (
@@ -109,6 +123,10 @@ class LlamaConfig:
         self._check_choice("norm", NORMS)
         self._check_layers()
         self._check_experts()
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "yarn" and self.local_rope_theta is not None:
+            # attention_scale holds YaRN's factor for every layer; unscaled local layers would differ
+            raise ValueError("LlamaConfig: yarn rope_scaling with local_rope_theta is not supported")
         object.__setattr__(self, "eos_token_ids", tuple(int(t) for t in self.eos_token_ids))
 
     def _check_choice(self, name: str, allowed: tuple[str, ...]) -> None:
@@ -136,8 +154,10 @@ class LlamaConfig:
 
     def _check_experts(self) -> None:
         if self.num_experts == 0:
-            if self.num_experts_per_tok or self.dense_layers:
-                raise ValueError("LlamaConfig: num_experts_per_tok and dense_layers need num_experts > 0")
+            if self.num_experts_per_tok or self.dense_layers or self.moe_bias:
+                raise ValueError(
+                    "LlamaConfig: num_experts_per_tok, dense_layers and moe_bias need num_experts > 0"
+                )
             return
         if not 1 <= self.num_experts_per_tok <= self.num_experts:
             raise ValueError(
@@ -160,8 +180,10 @@ class LlamaConfig:
 
     @property
     def attention_scale(self) -> float:
-        """What the scores q . k are multiplied by before the softmax."""
-        return 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+        """What the scores q . k are multiplied by before the softmax. YaRN multiplies the rotated
+        queries and keys by its attention factor (HF scales cos and sin by it): its square here."""
+        scale = 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
+        return scale * yarn_attention_factor(self.rope_scaling) ** 2
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None where it attends to every earlier position."""
@@ -184,3 +206,12 @@ class LlamaConfig:
     @property
     def has_window(self) -> bool:
         return any(self.layer_window(i) is not None for i in range(self.num_layers))
+
+
+def yarn_attention_factor(scaling: RopeScaling | None) -> float:
+    """YaRN's factor on the rotated queries and keys (1 for any other scaling)."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+    return 0.1 * math.log(scaling.factor) + 1.0 if scaling.factor > 1 else 1.0

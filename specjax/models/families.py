@@ -14,7 +14,10 @@ What each family's model_type changes from Llama:
 - phi3: fused qkv_proj and gate_up_proj tensors, partial rotary, a sliding window;
 - mixtral: a mixture of experts in every layer (softmax, top-k, renormalized);
 - qwen3_moe: Qwen3's attention with a mixture of experts (norm_topk_prob), dense MLPs in
-  mlp_only_layers.
+  mlp_only_layers;
+- gpt_oss: attention sinks, q/k/v and o biases, sliding and full layers alternating, YaRN rotary,
+  a mixture of experts in every layer with a biased router (softmax over the top k logits) and
+  biased experts whose SwiGLU is clamped (gate * sigmoid(alpha * gate) * (up + 1)).
 
 Anything else, or an option of these that the forward does not compute (an unknown rope type,
 attention logit soft-capping, shared experts, ...), is a ValueError naming the field.
@@ -22,13 +25,24 @@ attention logit soft-capping, shared experts, ...), is a ValueError naming the f
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 from specjax.models.config import LlamaConfig, RopeScaling
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3", "mixtral", "qwen3_moe")
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma3_text",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "gpt_oss",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -187,6 +201,28 @@ def _qwen3_moe(hf):
     )
 
 
+def _gpt_oss(hf):
+    L = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)
+    ]
+    return dict(
+        norm="rms_float32",
+        hidden_act="clamped_swiglu",
+        qkv_bias=bool(hf.get("attention_bias", True)),
+        o_bias=bool(hf.get("attention_bias", True)),
+        attention_sinks=True,
+        sliding_window=hf.get("sliding_window"),
+        layer_types=tuple(types),
+        num_experts=hf["num_local_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        norm_topk_prob=True,  # a softmax over the top k logits: the top k probabilities renormalized
+        moe_bias=True,
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+    )
+
+
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": lambda hf: {},
     "mistral": _window_on_every_layer,
@@ -196,6 +232,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "phi3": _phi3,
     "mixtral": _mixtral,
     "qwen3_moe": _qwen3_moe,
+    "gpt_oss": _gpt_oss,
 }
 
 
@@ -224,9 +261,34 @@ def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
+    if rope_type == "yarn":
+        return _yarn_from_hf(params)
     raise ValueError(
         f"config.json rope_scaling type {rope_type!r} is not supported; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _yarn_from_hf(params: dict[str, Any]) -> RopeScaling:
+    """HF's yarn parameters: its attention factor given, or from mscale and mscale_all_dim where
+    both are set (their ratio of 0.1 m ln(factor) + 1), else YaRN's default (None here)."""
+    factor = float(params["factor"])
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    if attention_factor is None and mscale and mscale_all_dim:
+
+        def scaled(m):
+            return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+        attention_factor = scaled(mscale) / scaled(mscale_all_dim)
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 
@@ -246,6 +308,8 @@ ATTENTION_TENSORS = {
     "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    "sinks": "self_attn.sinks",
+    "o_bias": "self_attn.o_proj.bias",
 }
 DENSE_MLP_TENSORS = {
     "gate": "mlp.gate_proj.weight",
