@@ -272,6 +272,8 @@ def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
 def _yarn_from_hf(params: dict[str, Any]) -> RopeScaling:
     """HF's yarn parameters: its attention factor given, or from mscale and mscale_all_dim where
     both are set (their ratio of 0.1 m ln(factor) + 1), else YaRN's default (None here)."""
+    if params.get("original_max_position_embeddings") is None:
+        raise ValueError("config.json rope_scaling type 'yarn' needs original_max_position_embeddings")
     factor = float(params["factor"])
     attention_factor = params.get("attention_factor")
     mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
