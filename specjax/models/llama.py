@@ -255,6 +255,8 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
             values[name] = 0.1 * noise
         elif "embed" in name:
             values[name] = noise
+        elif name.endswith("sinks"):  # logits beside the scores, of their size
+            values[name] = noise
         else:  # projections [.., in, out]
             values[name] = noise / math.sqrt(shape[-2])
     values = {name: value.astype(dtype) for name, value in values.items()}
