@@ -68,6 +68,14 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "expert_gate": ("experts", "embed", "ffw"),
     "expert_up": ("experts", "embed", "ffw"),
     "expert_down": ("experts", "ffw", "embed"),
+    # gpt-oss: sinks split with their query heads; o's and the down projections' biases whole on
+    # every device, added once after the sum over the model axis (models/llama.py)
+    "sinks": ("heads",),
+    "o_bias": ("embed",),
+    "router_bias": ("experts",),
+    "expert_gate_bias": ("experts", "ffw"),
+    "expert_up_bias": ("experts", "ffw"),
+    "expert_down_bias": ("experts", "embed"),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
