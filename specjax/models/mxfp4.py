@@ -83,4 +83,5 @@ def quantize(values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scaled = groups / np.ldexp(1.0, exponents)[..., None]
     codes = np.argmin(np.abs(scaled[..., None] - FP4_VALUES.astype(np.float64)), axis=-1).astype(np.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return blocks.astype(np.uint8), (exponents + SCALE_BIAS).astype(np.uint8)
+    # (C order: a transposed input's layout would otherwise carry through to the results)
+    return np.ascontiguousarray(blocks, np.uint8), np.ascontiguousarray(exponents + SCALE_BIAS, np.uint8)
