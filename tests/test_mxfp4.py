@@ -28,7 +28,9 @@ def test_dequantize_equals_transformers():
     rng = np.random.default_rng(0)
     blocks = rng.integers(0, 256, (3, 8, 4, 16), dtype=np.uint8)  # [X, out, in / 32, 16]
     scales = rng.integers(120, 134, (3, 8, 4), dtype=np.uint8)
-    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32)
+    theirs = convert_moe_packed_tensors(
+        torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32
+    )
     ours = mxfp4.mxfp4_tensor(of_array(blocks, "b"), of_array(scales, "s"), "w")
     assert ours.shape == tuple(theirs.shape) == (3, 128, 8) and ours.dtype == np.float32
     np.testing.assert_array_equal(ours.read(), theirs.numpy())
@@ -65,7 +67,10 @@ def mxfp4_folder(tmp_path_factory):
     (folder / "model.safetensors").unlink()
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": ["model.layers.*.self_attn"],
+    }
     (folder / "config.json").write_text(json.dumps(config))
     return folder, model
 

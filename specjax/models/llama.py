@@ -1,9 +1,10 @@
 """The decoder transformer of every supported family, as pure functions over a params pytree.
 
-One forward serves Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral and Qwen3-MoE: the config
-(models/config.py) picks each piece, one small function per concern: `rms_norm` (Llama's or
-Gemma's form), q/k norms, `apply_rope` (per-layer bases, partial rotary), `attention` (full or a
-sliding window, through `_layer_masks`), `_dense_mlp` (SwiGLU or GeGLU) or `moe_mlp`. Weights and
+One forward serves Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral, Qwen3-MoE and gpt-oss: the
+config (models/config.py) picks each piece, one small function per concern: `rms_norm` (Llama's,
+Gemma's or gpt-oss's form), q/k norms, `apply_rope` (per-layer bases, partial rotary, YaRN),
+`attention` (full or a sliding window, through `_layer_masks`; attention sinks), `_dense_mlp`
+(SwiGLU, GeGLU) or `moe_mlp` (with gpt-oss's biases and clamped SwiGLU). Weights and
 activations are in the params' dtype; norm statistics, softmax and logits are float32.
 
 Einsum letters, used throughout:
@@ -358,9 +359,7 @@ PREFILL_CHUNKS = 8
 MIN_PREFILL_CHUNK = 64
 
 
-def _fresh_attention(
-    q, k_new, v_new, fresh_mask, window_keep=None, window=None, positions=None, sinks=None
-):
+def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None, positions=None, sinks=None):
     """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone,
     under fresh_mask [T, T] and, for a sliding-window layer (`window`, the tokens at positions
     [B, T]), window_keep [B, T, T]. `sinks` [K, G]: each head's sink logit (`_softmax`).
@@ -620,8 +619,9 @@ def attention(
 ):
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E]. Scores are scaled by
     `scale` (default 1/sqrt(E)). `sinks` [H] (gpt-oss): each head's logit that joins its softmax
-    with no value (compared with the scaled scores), in every form below. With `layer` (an index), k_cache and v_cache are a stack's
-    buffers ([n, B*K, ...], see KVCache) and the layer's attention reads layer `layer` of them.
+    with no value (compared with the scaled scores), in every form below. With `layer` (an
+    index), k_cache and v_cache are a stack's buffers ([n, B*K, ...], see KVCache) and the
+    layer's attention reads layer `layer` of them.
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
     cache k_cache [B*K, E, S], v_cache [B*K, S, E], and the queries attend to the visible slots. Writing

@@ -236,7 +236,19 @@ def gpu_prefill_attention(
 
 
 def _gpu_kernel(
-    kv_block_ref, count_ref, tile_ref, q_ref, k_ref, v_ref, *refs, width, block_q, block_k, masked, window, sinks
+    kv_block_ref,
+    count_ref,
+    tile_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    width,
+    block_q,
+    block_k,
+    masked,
+    window,
+    sinks,
 ):
     refs = list(refs)
     tiles_ref = refs.pop(0) if masked else None
