@@ -137,6 +137,24 @@ def hf_config(family: str) -> transformers.PretrainedConfig:
                 mscale_all_dim=0.5,
             ),
         )
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(
+            **COMMON,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,  # layer_types: sliding, full, sliding (its default alternation)
+            swiglu_limit=2.0,  # low enough that unit-scale activations are clamped often
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,  # times factor: max_position_embeddings
+            },
+        )
     raise ValueError(family)
 
 
@@ -151,6 +169,7 @@ FAMILIES = (
     "qwen3_moe",
     "glm4_moe",
     "deepseek_v3",
+    "gpt_oss",
 )
 
 
@@ -172,6 +191,10 @@ def peaky_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.5) -
                 param.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.5 * noise)
+            elif name.endswith("sinks"):  # gpt-oss: large enough to take a real share of each softmax
+                param.copy_(1.0 + noise)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss: [X, in, out]
+                param.copy_(gain * noise / math.sqrt(param.shape[-2]))
             elif "embed" in name and tied:
                 # Small, so that the layers' outputs outweigh the token's own embedding in the
                 # residual stream: a tied head then predicts something other than the fed token.

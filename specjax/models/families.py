@@ -4,7 +4,7 @@ model of its own.
 
 What each family's model_type changes from Llama:
 
-- llama: nothing (rope types default, linear and llama3);
+- llama: nothing (rope types default, linear, llama3 and yarn);
 - mistral: a sliding window on every layer;
 - qwen2: q/k/v biases; with use_sliding_window, a window on the layers from max_window_layers on;
 - qwen3: an RMSNorm of each query and key head; head_dim apart from hidden / heads;
@@ -20,11 +20,14 @@ What each family's model_type changes from Llama:
   experts routed by sigmoid scores with a correction bias, group-limited top-k and routed scaling,
   and shared experts. Its MTP layers (model.layers.{num_hidden_layers + i}) are skipped at load;
 - deepseek_v3: multi-head latent attention (q and kv low-rank projections with their norms,
-  decoupled rotary dims, interleaved with rope_interleave, yarn with its mscale on the softmax
-  scale; models/mla.py) and GLM-4.5's mixture of experts. MTP layers skipped likewise.
+  decoupled rotary dims, interleaved with rope_interleave, yarn's mscale_all_dim on the
+  softmax scale; models/mla.py) and GLM-4.5's mixture of experts. MTP layers skipped likewise;
+- gpt_oss: attention sinks, q/k/v and o biases, sliding and full layers alternating, yarn rotary,
+  a mixture of experts in every layer with a biased router (softmax over the top k logits) and
+  biased experts whose SwiGLU is clamped (gate * sigmoid(alpha * gate) * (up + 1)).
 
 Anything else, or an option of these that the forward does not compute (an unknown rope type,
-attention logit soft-capping, shared experts, ...), is a ValueError naming the field.
+attention logit soft-capping, Qwen2-MoE's gated shared expert, ...), is a ValueError naming the field.
 """
 
 from __future__ import annotations
@@ -45,10 +48,9 @@ SUPPORTED_MODEL_TYPES = (
     "qwen3_moe",
     "glm4_moe",
     "deepseek_v3",
+    "gpt_oss",
 )
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-# Only the latent attention applies yarn's attention factor and mscale (models/mla.py).
-YARN_MODEL_TYPES = ("deepseek_v3",)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def config_from_hf(hf: dict[str, Any]) -> LlamaConfig:
@@ -84,7 +86,7 @@ def _common_fields(hf: dict[str, Any]) -> dict[str, Any]:
         num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
         head_dim=hf.get("head_dim"),
         rope_theta=float(rope.get("rope_theta", 10000.0)),
-        rope_scaling=rope_scaling_from_hf(rope, yarn=hf["model_type"] in YARN_MODEL_TYPES),
+        rope_scaling=rope_scaling_from_hf(rope),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -259,6 +261,28 @@ def _deepseek_v3(hf):
     )
 
 
+def _gpt_oss(hf):
+    L = hf["num_hidden_layers"]
+    types = hf.get("layer_types") or [
+        "sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(L)
+    ]
+    return dict(
+        norm="rms_float32",
+        hidden_act="clamped_swiglu",
+        qkv_bias=bool(hf.get("attention_bias", True)),
+        o_bias=bool(hf.get("attention_bias", True)),
+        attention_sinks=True,
+        sliding_window=hf.get("sliding_window"),
+        layer_types=tuple(types),
+        num_experts=hf["num_local_experts"],
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        norm_topk_prob=True,  # a softmax over the top k logits: the top k probabilities renormalized
+        moe_bias=True,
+        swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(hf.get("swiglu_limit", 7.0)),
+    )
+
+
 _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "llama": lambda hf: {},
     "mistral": _window_on_every_layer,
@@ -270,6 +294,7 @@ _FAMILY_FIELDS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "qwen3_moe": _qwen3_moe,
     "glm4_moe": _glm4_moe,
     "deepseek_v3": _deepseek_v3,
+    "gpt_oss": _gpt_oss,
 }
 
 
@@ -284,24 +309,11 @@ def rope_parameters(hf: dict[str, Any]) -> dict[str, Any]:
     return params
 
 
-def rope_scaling_from_hf(params: dict[str, Any], yarn: bool = False) -> RopeScaling | None:
-    """The config's rope scaling; "yarn" only with `yarn` (a family whose forward applies it)."""
+def rope_scaling_from_hf(params: dict[str, Any]) -> RopeScaling | None:
+    """The config's rope scaling (`rope_parameters`' flattened entries), None for "default"."""
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type in (None, "default"):
         return None
-    if rope_type == "yarn" and yarn:
-        if params.get("attention_factor") is not None:
-            raise ValueError("config.json rope_parameters attention_factor is not supported; it is derived")
-        return RopeScaling(
-            rope_type="yarn",
-            factor=float(params["factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-            beta_fast=float(params.get("beta_fast") or 32),
-            beta_slow=float(params.get("beta_slow") or 1),
-            mscale=float(params.get("mscale") or 0),
-            mscale_all_dim=float(params.get("mscale_all_dim") or 0),
-            truncate=bool(params.get("truncate", True)),
-        )
     if rope_type == "linear":
         return RopeScaling(rope_type="linear", factor=float(params["factor"]))
     if rope_type == "llama3":
@@ -312,9 +324,30 @@ def rope_scaling_from_hf(params: dict[str, Any], yarn: bool = False) -> RopeScal
             high_freq_factor=float(params["high_freq_factor"]),
             original_max_position_embeddings=int(params["original_max_position_embeddings"]),
         )
+    if rope_type == "yarn":
+        return _yarn_from_hf(params)
     raise ValueError(
         f"config.json rope_scaling type {rope_type!r} is not supported; "
         f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+    )
+
+
+def _yarn_from_hf(params: dict[str, Any]) -> RopeScaling:
+    """HF's yarn parameters as given; what transformers derives from them (the attention factor,
+    from mscale and mscale_all_dim or from factor) is derived where used (RopeScaling)."""
+    if params.get("original_max_position_embeddings") is None:
+        raise ValueError("config.json rope_scaling type 'yarn' needs original_max_position_embeddings")
+    attention_factor = params.get("attention_factor")
+    return RopeScaling(
+        rope_type="yarn",
+        factor=float(params["factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        mscale=float(params.get("mscale") or 0.0),
+        mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 
@@ -334,6 +367,8 @@ ATTENTION_TENSORS = {
     "v_bias": "self_attn.v_proj.bias",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    "sinks": "self_attn.sinks",
+    "o_bias": "self_attn.o_proj.bias",
 }
 # A latent-attention layer's (deepseek_v3): see models/mla.py.
 LATENT_ATTENTION_TENSORS = {

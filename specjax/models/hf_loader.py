@@ -6,6 +6,10 @@ models/families.py), maps every tensor's HF name onto ours and returns them unre
 (models/tensors.py), so that `checkpoint.params_from_tensors` can check the whole checkpoint
 first and then read, convert and place it tensor by tensor. Torch keeps matrices `[out, in]`;
 ours are `[in, out]`, so matrices are transposed as they are read.
+
+gpt-oss keeps each layer's experts in one tensor per weight, already `[X, in, out]`, its gate and
+up columns interleaved (`mlp.experts.gate_up_proj`), or as released in MXFP4 (`*_blocks` and
+`*_scales`), which is dequantized as it is read (models/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from specjax.models import families
 from specjax.models.checkpoint import params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
+from specjax.models.mxfp4 import mxfp4_tensor
 from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 
 # Buffers some old checkpoints saved; recomputed by the forward.
@@ -135,8 +140,41 @@ def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
         F = config.intermediate_size
         out["gate"], out["up"] = fused.rows(0, F).transposed(), fused.rows(F, 2 * F).transposed()
     if config.is_moe_layer(i):
-        out.update(_expert_tensors(config, prefix, take))
+        experts = _gpt_oss_expert_tensors if config.model_type == "gpt_oss" else _expert_tensors
+        out.update(experts(config, prefix, take))
     return out
+
+
+def _gpt_oss_expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTensor]:
+    """gpt-oss's router [D, X] (and its bias), and its experts' weights and biases: gate and up
+    from the interleaved columns of gate_up_proj [X, D, 2F] (float, or MXFP4 blocks and scales)."""
+    out = {}
+    if (router := take(prefix + "mlp.router.weight")) is not None:
+        out["router"] = router.transposed()
+    if (bias := take(prefix + "mlp.router.bias")) is not None:
+        out["router_bias"] = bias
+    experts = prefix + "mlp.experts."
+    for theirs, (first, second) in {
+        "gate_up_proj": ("expert_gate", "expert_up"),
+        "gate_up_proj_bias": ("expert_gate_bias", "expert_up_bias"),
+    }.items():
+        if (fused := _float_or_mxfp4(experts + theirs, take)) is not None:
+            out[first], out[second] = fused.interleaved(0), fused.interleaved(1)
+    for theirs, ours in {"down_proj": "expert_down", "down_proj_bias": "expert_down_bias"}.items():
+        if (tensor := _float_or_mxfp4(experts + theirs, take)) is not None:
+            out[ours] = tensor
+    return out
+
+
+def _float_or_mxfp4(name: str, take) -> LazyTensor | None:
+    """The tensor `name`, or the one its MXFP4 `name_blocks` and `name_scales` hold (dequantized
+    to float32 when read), or None when neither is there."""
+    if (tensor := take(name)) is not None:
+        return tensor
+    blocks, scales = take(name + "_blocks"), take(name + "_scales")
+    if blocks is None or scales is None:
+        return None
+    return mxfp4_tensor(blocks, scales, name + "_{blocks,scales}")
 
 
 def _expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTensor]:

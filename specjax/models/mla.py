@@ -49,12 +49,10 @@ def checkpoint_attention_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...
 def rotate(config: LlamaConfig, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """The rotary part x [B, T, n, R] rotated: DeepSeek's interleaved pairs (x0, x1), (x2, x3), ...
     are first laid out as halves (evens, then odds), which is also the layout it returns, as
-    transformers does; then times YaRN's attention factor, which scales cos and sin."""
+    transformers does; YaRN's attention factor scales cos and sin (`llama.apply_rope`)."""
     if config.rope_interleave:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-    rotated = llama.apply_rope(x, positions, inv_freq)
-    factor = 1.0 if config.rope_scaling is None else config.rope_scaling.attention_factor
-    return rotated if factor == 1.0 else (rotated.astype(jnp.float32) * factor).astype(x.dtype)
+    return llama.apply_rope(x, positions, inv_freq, config.rotary_factor)
 
 
 def latent_entries(config: LlamaConfig, lp, h: jax.Array, positions, inv_freq) -> jax.Array:

@@ -69,10 +69,18 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "expert_gate": ("experts", "embed", "ffw"),
     "expert_up": ("experts", "embed", "ffw"),
     "expert_down": ("experts", "ffw", "embed"),
+    "router_bias": ("experts",),
     "router_score_bias": ("experts",),
+    # The experts' gate and up biases split with their F; the down projections' biases (and o's)
+    # whole on every device, added once after the sum over the model axis (models/llama.py).
+    "expert_gate_bias": ("experts", "ffw"),
+    "expert_up_bias": ("experts", "ffw"),
+    "expert_down_bias": ("experts", "embed"),
     "shared_gate": ("embed", "ffw"),  # shared experts: split as a dense MLP is
     "shared_up": ("embed", "ffw"),
     "shared_down": ("ffw", "embed"),
+    "sinks": ("heads",),  # gpt-oss's sinks split with their query heads
+    "o_bias": ("embed",),
     # Latent attention: the query and kv_b columns and o's rows by head, the latents replicated.
     "q_a": ("embed", "latent"),
     "q_a_norm": ("latent",),
