@@ -543,7 +543,7 @@ def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
         )
 
 
-def load(source, dtype: Any = "float32", cache_dir=None, mesh=None) -> Model:
+def load(source, dtype: Any = "float32", cache_dir=None, mesh=None, tokenizer=None) -> Model:
     """Load a model with its tokenizer (`specjax.models.load`), placed on `mesh` when given one.
 
     source: a built-in name (e.g. "smollm2-135m"), an HF checkpoint folder (`config.json` +
@@ -555,16 +555,19 @@ def load(source, dtype: Any = "float32", cache_dir=None, mesh=None) -> Model:
         each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
         process reads from the checkpoint only the slices its own devices hold. The model's heads
         and ffw size must divide the mesh's model axis.
+    tokenizer: an HF tokenizer to use instead of the source's own: for a GGUF whose tokenizer
+        specjax does not rebuild (a ValueError names it), e.g.
+        `transformers.AutoTokenizer.from_pretrained("the HF repo")`. Its ids must be the model's.
     """
     if mesh is None:
-        return models.load(source, dtype=dtype, cache_dir=cache_dir)
+        return models.load(source, dtype=dtype, cache_dir=cache_dir, tokenizer=tokenizer)
     sharding.check_mesh(mesh)
 
     def placer_for(config):
         sharding.check_model_split(mesh, config)  # before any weight is read
         return sharding.slice_placer(config, mesh)  # this process reads only its devices' slices
 
-    return models.load(source, dtype=dtype, cache_dir=cache_dir, placer_for=placer_for)
+    return models.load(source, dtype=dtype, cache_dir=cache_dir, placer_for=placer_for, tokenizer=tokenizer)
 
 
 def generate(

@@ -72,7 +72,8 @@ def estimate_memory(
             raise ValueError(f"estimate_memory: {name} must be an integer >= 1, got {value!r}")
     degrees = _degrees(mesh)
     data, model = degrees[DATA], degrees[MODEL]
-    if model > 1 and (config.num_kv_heads % model or config.num_heads % model):
+    split_kv = not config.kv_lora_rank  # a latent cache is whole on every device of a model group
+    if model > 1 and ((split_kv and config.num_kv_heads % model) or config.num_heads % model):
         raise ValueError(
             f"estimate_memory: a model degree of {model} does not divide the {config.num_heads} query "
             f"and {config.num_kv_heads} kv heads"
@@ -80,7 +81,8 @@ def estimate_memory(
     shapes, specs = flatten(param_shapes(config)), flatten(sharding.param_specs(config))
     weights = sum(math.prod(shape) // _split(specs[name], degrees) for name, shape in shapes.items())
     rows = -(-batch_size // data)
-    kv_cache = 2 * config.num_layers * rows * (config.kv_size // model) * max_len * cache_size
+    per_token = config.cache_token_size // (model if split_kv else 1)
+    kv_cache = config.num_layers * rows * per_token * max_len * cache_size
     logits = 3 * rows * (num_speculative_tokens + 1) * config.vocab_size * 4
     return MemoryEstimate(weights * itemsize, kv_cache, logits, data, model)
 

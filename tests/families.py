@@ -88,10 +88,89 @@ def hf_config(family: str) -> transformers.PretrainedConfig:
             norm_topk_prob=True,
             mlp_only_layers=[1],
         )
+    if family == "glm4_moe":
+        # 8 experts in 4 groups of 2, the best 2 groups kept, 3 experts chosen among their 4; a
+        # dense first layer; partial rotary over half of each 32-wide head.
+        return transformers.Glm4MoeConfig(
+            **COMMON,
+            head_dim=32,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            use_qk_norm=True,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
+    if family == "deepseek_v3":
+        # Latent attention: queries through a rank-48 latent, keys and values from a rank-32 one,
+        # 16 nope + 8 rotary query dims, values 24 wide; yarn over an original context of 32
+        # (the prompts run past it), mscale apart from mscale_all_dim so that both show. The
+        # mixture as GLM-4.5's.
+        return transformers.DeepseekV3Config(
+            **{**COMMON, "num_key_value_heads": 4},  # (transformers expands the latent to every head)
+            q_lora_rank=48,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=24,
+            n_routed_experts=8,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            rope_interleave=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=32,
+                mscale=1.0,
+                mscale_all_dim=0.5,
+            ),
+        )
+    if family == "gpt_oss":
+        return transformers.GptOssConfig(
+            **COMMON,
+            head_dim=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=WINDOW,  # layer_types: sliding, full, sliding (its default alternation)
+            swiglu_limit=2.0,  # low enough that unit-scale activations are clamped often
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 128,  # times factor: max_position_embeddings
+            },
+        )
     raise ValueError(family)
 
 
-FAMILIES = ("llama3", "qwen2", "mistral", "qwen3", "gemma3", "phi3", "mixtral", "qwen3_moe")
+FAMILIES = (
+    "llama3",
+    "qwen2",
+    "mistral",
+    "qwen3",
+    "gemma3",
+    "phi3",
+    "mixtral",
+    "qwen3_moe",
+    "glm4_moe",
+    "deepseek_v3",
+    "gpt_oss",
+)
 
 
 def peaky_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.5) -> None:
@@ -112,6 +191,10 @@ def peaky_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.5) -
                 param.copy_((0.0 if gemma else 1.0) + 0.2 * noise)
             elif name.endswith("bias"):
                 param.copy_(0.5 * noise)
+            elif name.endswith("sinks"):  # gpt-oss: large enough to take a real share of each softmax
+                param.copy_(1.0 + noise)
+            elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # gpt-oss: [X, in, out]
+                param.copy_(gain * noise / math.sqrt(param.shape[-2]))
             elif "embed" in name and tied:
                 # Small, so that the layers' outputs outweigh the token's own embedding in the
                 # residual stream: a tied head then predicts something other than the fed token.
@@ -120,6 +203,9 @@ def peaky_random_weights(model: torch.nn.Module, seed: int, gain: float = 1.5) -
                 param.copy_(noise)
             else:  # [out, in]
                 param.copy_(gain * noise / math.sqrt(param.shape[-1]))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # sigmoid routers: moves which experts win
+                buffer.copy_(0.3 * torch.randn(buffer.shape, generator=generator))
 
 
 def torch_model(family: str, seed: int = 0, dtype=torch.float32, gain: float = 1.5) -> torch.nn.Module:

@@ -566,3 +566,20 @@ def test_stacked_cache_errors_name_the_argument():
             cache_attention(q, k, v, lengths, implementation="xla", layer=layer)
     with pytest.raises(ValueError, match="layer is 0; allowed: None"):  # the CPU kernel: one layer only
         cpu_kernels.cache_attention(q, k, v, lengths, layer=0)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_prefill_with_sinks_lowers(platform):
+    """gpt-oss's attention sinks ([N, G], one per entry and head) start the Pallas prefill
+    kernels' online softmax, under a sliding window too (their values: tests/test_attention_sinks.py)."""
+    B, K, G, T, E = 2, 2, 4, 300, 64
+    spec = jax.ShapeDtypeStruct
+    args = [spec((B * K, T, G, E), jnp.bfloat16), spec((B * K, T, E), jnp.bfloat16)]
+    args += [spec((B * K, T, E), jnp.bfloat16), spec((B, T), jnp.int32), spec((B * K, G), jnp.float32)]
+
+    def f(q, k, v, positions, sinks):
+        return prefill_attention(
+            q, k, v, positions=positions, window=128, sinks=sinks, implementation=platform
+        )
+
+    assert_kernel_only(export_for(platform, f, *args), platform)

@@ -13,6 +13,7 @@ import families
 import jax
 import numpy as np
 import pytest
+import torch
 from logit_check import compare_with_torch, prefill_and_decode, relative_error
 from oracle import Oracle, references
 
@@ -62,6 +63,53 @@ EXPECTED = {  # what each family's config must turn into (a check on families.co
     "phi3": dict(rotary_dim=8, sliding_window=16),
     "mixtral": dict(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, sliding_window=16),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, dense_layers=(1,)),
+    "glm4_moe": dict(
+        rotary_dim=16,
+        qk_norm=True,
+        qkv_bias=True,
+        num_experts=8,
+        num_experts_per_tok=3,
+        dense_layers=(0,),
+        router_scoring="sigmoid",
+        router_score_bias=True,
+        num_expert_groups=4,
+        topk_expert_groups=2,
+        routed_scaling_factor=2.5,
+        shared_expert_size=64,
+        num_mtp_layers=1,
+    ),
+    "deepseek_v3": dict(
+        num_kv_heads=1,
+        head_dim=24,
+        rotary_dim=8,
+        v_head_dim=24,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        rope_interleave=True,
+        rope_scaling=specjax.models.RopeScaling(
+            "yarn", 4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=0.5
+        ),
+        router_scoring="sigmoid",
+        num_expert_groups=4,
+        topk_expert_groups=2,
+        shared_expert_size=32,
+        dense_layers=(0,),
+        num_mtp_layers=1,
+    ),
+    "gpt_oss": dict(
+        attention_sinks=True,
+        qkv_bias=True,
+        o_bias=True,
+        moe_bias=True,
+        norm="rms_float32",
+        hidden_act="clamped_swiglu",
+        swiglu_limit=2.0,
+        sliding_window=16,
+        layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        rope_scaling=specjax.models.RopeScaling(
+            "yarn", 4.0, original_max_position_embeddings=128, truncate=False
+        ),
+    ),
 }
 
 
@@ -77,7 +125,7 @@ def test_logits_match_transformers(built, family):
     assert error < TOL
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
 def test_the_window_matters(built, family):
     """The same weights with full attention everywhere are far from transformers past the window
     (so the comparison above does test the window), and equal within it."""
@@ -87,6 +135,37 @@ def test_the_window_matters(built, family):
     within = families.prompts(lengths=(15, 9))  # with one more token: 16 positions, the window
     assert compare_with_torch(full, torch_model, within, [[3], [4]]) < TOL
     assert compare_with_torch(full, torch_model, families.prompts(), [[3], [4]]) > 1e-2
+
+
+def test_gpt_oss_pieces_matter(built):
+    """Each of gpt-oss's own pieces changes its logits well past the tolerance when left out (its
+    sinks, the SwiGLU's clamp, YaRN's frequencies and attention factor, the biases of o and of
+    the experts), so the comparison with transformers tests each of them."""
+    model, torch_model = built("gpt_oss")
+    c, layers = model.config, model.params.layers
+    without = {
+        "sinks": (dataclasses.replace(c, attention_sinks=False), [lp.replace(sinks=None) for lp in layers]),
+        "clamp": (dataclasses.replace(c, swiglu_limit=1e9), layers),
+        "yarn": (dataclasses.replace(c, rope_scaling=None), layers),
+        "o_bias": (dataclasses.replace(c, o_bias=False), [lp.replace(o_bias=None) for lp in layers]),
+        "expert_down_bias": (c, [lp.replace(expert_down_bias=lp.expert_down_bias * 0) for lp in layers]),
+    }
+    for name, (config, changed) in without.items():
+        other = specjax.Model(config, model.params.replace(layers=tuple(changed)))
+        error = compare_with_torch(other, torch_model, families.prompts(), [[3], [4]])
+        assert error > 1e-2, name
+
+
+@pytest.mark.parametrize("kernels", ["xla", "pallas:tpu", "pallas:cuda"])
+def test_gpt_oss_greedy_through_every_kernel(built, kernels):
+    """gpt-oss's sinks through the other attention paths of the loop: plain XLA (the write-first
+    decoding pass over the whole cache) and each Pallas kernel in the interpreter (the blocked
+    prefill, the decode kernel merged with the fresh token), against transformers' greedy tokens."""
+    model, torch_model = built("gpt_oss")
+    prompts = families.prompts(lengths=(20, 33), seed=1)
+    ours = specjax.generate(model, prompts, max_new_tokens=24, kernels=kernels).tokens
+    for row, prompt in zip(ours, prompts, strict=True):
+        assert row == families.hf_greedy(torch_model, prompt, 24)[0]
 
 
 @pytest.mark.parametrize("family", families.FAMILIES)
@@ -179,7 +258,7 @@ def test_moe_equals_float64_and_reads_only_the_routed_experts(built, num_tokens)
     h = np.random.default_rng(num_tokens).standard_normal((1, num_tokens, c.hidden_size)).astype(np.float32)
     want = _moe_reference(c, h, layer)[0]
     x = jax.numpy.asarray(h[0])
-    weights, experts = route(c, x, layer.router)
+    weights, experts = route(c, x, layer)
     for form in (_experts_one_by_one, _experts_grouped):
         np.testing.assert_allclose(
             np.asarray(form(c, x, weights, experts, layer)), want, rtol=1e-4, atol=1e-4
@@ -204,11 +283,151 @@ def test_moe_equals_float64_and_reads_only_the_routed_experts(built, num_tokens)
     )
 
 
+def _gpt_oss_moe_reference(config, h: np.ndarray, layer) -> np.ndarray:
+    """gpt-oss's mixture in float64 numpy, token by token: the router's biased logits, a softmax
+    over the top k of them, each expert's biased gate and up, its clamped SwiGLU
+    (gate * sigmoid(alpha * gate) * (up + 1)) and biased down projection, weighted and summed."""
+    w = {name: np.asarray(value, np.float64) for name, value in flatten(layer).items()}
+    limit, alpha = config.swiglu_limit, config.swiglu_alpha
+    out = np.zeros(h.shape)
+    for index in np.ndindex(h.shape[:-1]):
+        x = h[index].astype(np.float64)
+        logits = x @ w["router"] + w["router_bias"]
+        top = np.argsort(-logits)[: config.num_experts_per_tok]
+        weights = np.exp(logits[top] - logits[top].max())
+        for j, weight in zip(top, weights / weights.sum(), strict=True):
+            gate = np.minimum(x @ w["expert_gate"][j] + w["expert_gate_bias"][j], limit)
+            up = np.clip(x @ w["expert_up"][j] + w["expert_up_bias"][j], -limit, limit)
+            hidden = gate / (1 + np.exp(-alpha * gate)) * (up + 1)
+            out[index] += weight * (hidden @ w["expert_down"][j] + w["expert_down_bias"][j])
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 5, 16])
+def test_gpt_oss_experts_equal_float64(built, num_tokens):
+    """Both forms of gpt-oss's experts (the CPU's loop, the accelerators' ragged_dot, whose biases
+    follow the sorted assignments) equal a float64 reference, clamp and biases included."""
+    from specjax.models.llama import _experts_grouped, _experts_one_by_one, moe_mlp, route
+
+    model, _ = built("gpt_oss")
+    c, layer = model.config, model.params.layers[1]
+    rng = np.random.default_rng(num_tokens)
+    h = rng.standard_normal((1, num_tokens, c.hidden_size)).astype(np.float32)
+    want = _gpt_oss_moe_reference(c, h, layer)[0]
+    x = jax.numpy.asarray(h[0])
+    weights, experts = route(c, x, layer)
+    down_bias = np.einsum("nk,nkd->nd", np.asarray(weights), np.asarray(layer.expert_down_bias)[experts])
+    for form in (_experts_one_by_one, _experts_grouped):  # without the down projection's biases
+        got = np.asarray(form(c, x, weights, experts, layer)) + down_bias
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    got = np.asarray(moe_mlp(c, jax.numpy.asarray(h), layer))[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(topk_expert_groups=4),  # every group open: the group limit decides experts here
+        dict(routed_scaling_factor=1.0),
+        dict(rotary_dim=32),  # GLM turns the first half of each head only
+        dict(router_score_bias=False),  # the correction bias moves the choice
+    ],
+)
+def test_glm4_moe_routing_pieces_matter(built, change):
+    """Each piece of GLM-4.5's routing and rotary that the match above rests on changes the
+    logits when left out: the comparison does test them."""
+    model, torch_model = built("glm4_moe")
+    config, params = dataclasses.replace(model.config, **change), model.params
+    if "router_score_bias" in change:  # the weights without the bias, as such a config has them
+        params = params.replace(layers=tuple(lp.replace(router_score_bias=None) for lp in params.layers))
+    changed = specjax.Model(config, params)
+    assert compare_with_torch(changed, torch_model, families.prompts(), [[3], [4]]) > 1e-2
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(rope_interleave=False),
+        dict(rope_scaling=None),  # yarn's frequencies past the original context of 32
+        dict(rope_scaling=specjax.models.RopeScaling("yarn", 4.0, original_max_position_embeddings=32)),
+        dict(
+            rope_scaling=specjax.models.RopeScaling(
+                "yarn", 4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0
+            )
+        ),
+    ],
+)
+def test_deepseek_v3_rotary_pieces_matter(built, change):
+    """Interleaved rotary pairs, yarn's frequencies, its attention factor (mscale against
+    mscale_all_dim: the second yarn case has neither, the third makes the factor 1) and the
+    softmax scale's mscale_all_dim each change the logits when left out."""
+    model, torch_model = built("deepseek_v3")
+    changed = specjax.Model(dataclasses.replace(model.config, **change), model.params)
+    assert compare_with_torch(changed, torch_model, families.prompts(), [[3], [4]]) > 1e-3
+
+
+def test_deepseek_v3_caches_the_latent(built):
+    """The cache holds, per token and layer, the latent (kv_lora_rank) and the rotary key
+    (qk_rope_head_dim) once, not per-head keys and values: 40 numbers here, against
+    2 * 4 * 24 = 192 for a per-head cache of the same heads."""
+    model, _ = built("deepseek_v3")
+    c = model.config
+    cache = specjax.models.init_cache(c, 2, 100)
+    assert [tuple(k.shape) for k in cache.k] == [(2, 32 + 8, 100)] * c.num_layers
+    assert [tuple(v.shape) for v in cache.v] == [(2, 100, 0)] * c.num_layers
+    assert c.cache_token_size == 40
+    assert specjax.models.cache_bytes(c, 2, 100) == c.num_layers * 2 * 100 * 40 * 4
+
+
+def test_deepseek_v3_without_a_query_latent(tmp_path):
+    """q_lora_rank None (DeepSeek-V2-Lite's form): the queries straight from q_proj."""
+    import transformers
+
+    config = families.hf_config("deepseek_v3")
+    config.q_lora_rank = None
+    torch.manual_seed(0)
+    torch_model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    families.peaky_random_weights(torch_model, seed=0)
+    torch_model.eval().save_pretrained(tmp_path)
+    model = specjax.load(tmp_path)
+    assert model.config.q_lora_rank is None and model.params.layers[0].q_a is None
+    assert compare_with_torch(model, torch_model, families.prompts(), [[3, 4], [5, 6]]) < TOL
+
+
+def test_glm4_moe_skips_its_mtp_layers(built, tmp_path):
+    """A released GLM-4.5 carries num_nextn_predict_layers MTP layers after the decoder's
+    (model.layers.{L + i}); they load without error and change nothing. A layer past them is
+    still refused."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    model, _ = built("glm4_moe")
+    folder = tmp_path / "with_mtp"
+    shutil.copytree(built.folders["glm4_moe"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    L, D = model.config.num_layers, model.config.hidden_size
+    mtp = {
+        f"model.layers.{L}.eh_proj.weight": np.ones((D, 2 * D), np.float32),
+        f"model.layers.{L}.enorm.weight": np.ones((D,), np.float32),
+        f"model.layers.{L}.self_attn.q_proj.weight": np.ones((128, D), np.float32),
+    }
+    save_file(tensors | mtp, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = specjax.load(folder)
+    for name, value in flatten(loaded.params).items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(flatten(model.params)[name]))
+    beyond = {f"model.layers.{L + 1}.enorm.weight": np.ones((D,), np.float32)}
+    save_file(tensors | mtp | beyond, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"model.layers.{L + 1}.enorm.weight"):
+        specjax.load(folder)
+
+
 @pytest.mark.parametrize(
     "config, field",
     [
         ({"model_type": "gpt2"}, "model_type 'gpt2' is not supported; supported: llama, mistral"),
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, "rope_scaling type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' needs original_max_position"),
         ({"rope_scaling": {"rope_type": "longrope"}}, "rope_scaling type 'longrope'"),
         ({"hidden_act": "relu"}, "hidden_act 'relu' is not supported"),
         ({"attention_sink": True}, "attention_sink=True is not supported"),
@@ -243,6 +462,9 @@ def test_prefill_logits_do_not_depend_on_the_batch(built):
         pytest.param("gemma3", marks=pytest.mark.slow),
         pytest.param("mixtral", marks=pytest.mark.slow),
         "qwen3_moe",
+        pytest.param("glm4_moe", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", marks=pytest.mark.slow),
+        pytest.param("gpt_oss", marks=pytest.mark.slow),  # 100 s here: sinks split by head, biases once
     ],
 )
 def test_on_a_mesh_equals_one_device(built, family):

@@ -342,27 +342,29 @@ def test_gguf_tokenizer_matches_transformers(tmp_path, add_bos):
     assert ours.eos_token == "<|im_end|>" and ours.bos_token == "<|im_start|>"
 
 
-def test_gguf_unsupported_tokenizer_warns(tmp_path):
+def test_gguf_unsupported_tokenizer_is_an_error_unless_one_is_given(tmp_path):
     torch_model = tiny_model(tiny_config("llama"))
-    path = tmp_path / "spm.gguf"
+    path = tmp_path / "bert.gguf"
     write_gguf(path, torch_model)
-    # Rewrite with a sentencepiece tokenizer declared: weights load, the tokenizer is skipped.
-    writer_path = tmp_path / "spm2.gguf"
+    # Rewrite with a WordPiece tokenizer declared, which specjax does not rebuild.
+    writer_path = tmp_path / "bert2.gguf"
     reader = gguf.GGUFReader(str(path))
     writer = gguf.GGUFWriter(str(writer_path), "llama")
     for field in reader.fields.values():
         if field.name.startswith("llama.") and len(field.types) == 1:
             writer.add_key_value(field.name, field.contents(), field.types[0])
-    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_model("bert")
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.warns(UserWarning, match="tokenizer.ggml.model 'llama'"):
-        model = load(writer_path, cache_dir=tmp_path / "cache")
-    assert model.tokenizer is None
+    with pytest.raises(ValueError, match=r"tokenizer\.ggml\.model 'bert'\) is not supported"):
+        load(writer_path, cache_dir=tmp_path / "cache")
+    given = tiny_tokenizer_folder(tmp_path / "tok")
+    model = load(writer_path, cache_dir=tmp_path / "cache", tokenizer=given)
+    assert model.tokenizer is given
     assert compare_with_torch(model, torch_model, *random_rows(96)) < TOL
 
 

@@ -62,6 +62,11 @@ class KVCache:
         return tuple(None if buffer.ndim == 3 else buffer.shape[0] for buffer in self.k)
 
     @property
+    def is_latent(self) -> bool:
+        """A latent-attention cache (models/mla.py): one entry per row, values 0 wide."""
+        return self.v[0].shape[-1] == 0
+
+    @property
     def capacity(self) -> int:
         return self.v[0].shape[-2]
 
@@ -221,12 +226,12 @@ def init_cache(
     for the first `num_layers` layers; default one buffer per layer."""
     num_layers = config.num_layers if num_layers is None else num_layers
     entries = batch_size * config.num_kv_heads
-    E = config.head_dim
+    E, Ev = config.cache_key_dim, config.cache_value_dim  # Ev 0 under latent attention
     layout = (None,) * num_layers if like is None else cache_layout(like, num_layers)
     lead = [() if n is None else (n,) for n in layout]
     return KVCache(
         k=tuple(jnp.zeros((*n, entries, E, capacity), dtype) for n in lead),
-        v=tuple(jnp.zeros((*n, entries, capacity, E), dtype) for n in lead),
+        v=tuple(jnp.zeros((*n, entries, capacity, Ev), dtype) for n in lead),
         lengths=jnp.zeros((batch_size,), jnp.int32),
     )
 
@@ -257,4 +262,4 @@ def cache_bytes(
 ) -> int:
     """Bytes the k and v arrays of a cache take, to check before allocating."""
     num_layers = config.num_layers if num_layers is None else num_layers
-    return 2 * num_layers * batch_size * capacity * config.kv_size * itemsize
+    return num_layers * batch_size * capacity * config.cache_token_size * itemsize

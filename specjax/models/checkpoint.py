@@ -149,7 +149,8 @@ def params_from_tensors(
     def layer(i):  # read, fused and put, before the next layer is read
         names = checkpoint_layer_shapes(config, i)
         host = layer_from_checkpoint({name: read(f"layers.{i}.{name}") for name in names}, config)
-        return LayerParams(**{name: put(f"layers.{i}.{name}", x) for name, x in flatten(host).items()})
+        placed = {name: put(f"layers.{i}.{name}", x) for name, x in flatten(host).items()}
+        return LayerParams(**({"qkv": None} | placed))  # (qkv None: latent attention's layers)
 
     embed = get("embed")
     layers = tuple(layer(i) for i in range(config.num_layers))
@@ -181,7 +182,7 @@ def _params_from_slices(config: LlamaConfig, tensors: dict[str, LazyTensor], tar
                 fields[name] = place(flat, shape, fused)
             else:
                 fields[name] = place(flat, shape, reader(flat))
-        return LayerParams(**fields)
+        return LayerParams(**({"qkv": None} | fields))
 
     embed = get("embed")
     layers = tuple(layer(i) for i in range(config.num_layers))

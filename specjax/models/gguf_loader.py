@@ -19,9 +19,8 @@ What differs from an HF checkpoint:
   stored as HF's.
 - gemma3: the converter stores every norm weight as 1 + w (llama.cpp's RMSNorm multiplies by the
   stored weight); our "gemma" norm multiplies by 1 + w, so 1 is subtracted here.
-- There is no `tokenizer.json`: the vocabulary, merges and special ids are metadata
-  (`tokenizer.ggml.*`), from which `tokenizer_from_gguf` builds a byte-level BPE tokenizer with the
-  `tokenizers` library. (transformers can read GGUF too, but its code imports torch.)
+- There is no `tokenizer.json`: the vocabulary, merges or scores and special ids are metadata
+  (`tokenizer.ggml.*`), from which models/gguf_tokenizer.py rebuilds the family's tokenizer.
 
 What the format does not say, and what is assumed instead (llama.cpp's own choices):
 
@@ -43,7 +42,6 @@ from __future__ import annotations
 
 import math
 import re
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,6 +50,7 @@ import numpy as np
 
 from specjax.models.checkpoint import check_tensors, expected_shapes, params_from_tensors
 from specjax.models.config import LlamaConfig, RopeScaling
+from specjax.models.gguf_tokenizer import tokenizer_from_gguf
 from specjax.models.llama import LlamaParams
 from specjax.models.tensors import LazyTensor
 
@@ -71,10 +70,6 @@ SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 _PERMUTED_ARCHITECTURES = ("llama",)
 # llama.cpp's default for Gemma 3 files without a sliding_window_pattern: every sixth layer global.
 _DEFAULT_WINDOW_PATTERN = {"gemma3": 6}
-SUPPORTED_TOKENIZERS = ("gpt2",)  # tokenizer.ggml.model: byte-level BPE
-# tokenizer.ggml.pre: how text is split before BPE. (llama.cpp's "default", used when the key is
-# missing, is not GPT-2's split, so it is not claimed here.)
-SUPPORTED_PRE_TOKENIZERS = ("gpt2", "smollm")
 
 # GGUF tensor name -> our checkpoint name: global tensors, and per layer (after "blk.{i}.").
 _GLOBAL_TENSORS = {
@@ -129,9 +124,6 @@ _NEUTRAL_KEYS: dict[str, Callable[[Any], bool]] = {
     "moe_every_n_layers": lambda v: v in (0, 1),
 }
 
-# llama.cpp token types (tokenizer.ggml.token_type).
-_CONTROL, _USER_DEFINED = 3, 4
-
 
 def load_gguf(path: str | Path, dtype: Any = "float32") -> tuple[LlamaConfig, LlamaParams, Any]:
     """(config, params of `dtype`, tokenizer or None) from a `.gguf` file."""
@@ -139,10 +131,14 @@ def load_gguf(path: str | Path, dtype: Any = "float32") -> tuple[LlamaConfig, Ll
     return config, params_from_tensors(config, tensors, str(path), dtype), tokenizer
 
 
-def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
+def read_gguf(
+    path: str | Path, with_tokenizer: bool = True
+) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
     """(config, unread tensors by our flat names, dequantized to float32 when read, tokenizer or
     None) from a `.gguf` file. A tensor the model does not use, or one it needs that the file
-    lacks, is a ValueError naming it."""
+    lacks, is a ValueError naming it; so is a tokenizer gguf_tokenizer.py does not rebuild
+    (`UnsupportedTokenizer`), unless `with_tokenizer` is False (the tokenizer is then not read:
+    None)."""
     import gguf  # deferred: only GGUF sources need it
 
     reader = gguf.GGUFReader(str(path))
@@ -151,7 +147,14 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any
     config = config_from_gguf(metadata, tensors)
     permuted = metadata.require("general.architecture") in _PERMUTED_ARCHITECTURES
     arrays = _convert_tensors(config, tensors, path, permuted)
-    return config, arrays, tokenizer_from_gguf(metadata)
+    return config, arrays, tokenizer_from_gguf(metadata) if with_tokenizer else None
+
+
+def read_tokenizer(path: str | Path):
+    """The tokenizer of a `.gguf` file alone, or None when it has none (see `read_gguf`)."""
+    import gguf
+
+    return tokenizer_from_gguf(_Metadata(gguf.GGUFReader(str(path)), path))
 
 
 class _Metadata:
@@ -448,83 +451,3 @@ def _dequantized(tensor, name: str) -> LazyTensor:
         return np.array(values, np.float32).reshape(shape)  # a copy: F32 data is a view of the mmap
 
     return LazyTensor(shape, np.dtype(np.float32), read, name)
-
-
-# ---------------------------------------------------------------------------------------------
-# Tokenizer
-
-
-def tokenizer_from_gguf(metadata: _Metadata):
-    """A `transformers.PreTrainedTokenizerFast` from the file's `tokenizer.ggml.*` metadata.
-
-    Returns None (with a warning) when the file has no tokenizer or one this builder does not
-    reproduce exactly; the model then works on token ids only.
-    """
-    kind = metadata.get("tokenizer.ggml.model")
-    if kind is None:
-        return None
-    pre = metadata.get("tokenizer.ggml.pre")
-    if kind not in SUPPORTED_TOKENIZERS or pre not in SUPPORTED_PRE_TOKENIZERS:
-        warnings.warn(
-            f"GGUF file {metadata.path}: tokenizer (tokenizer.ggml.model {kind!r}, tokenizer.ggml.pre "
-            f"{pre!r}) is not supported (supported: models {SUPPORTED_TOKENIZERS}, pre-tokenizers "
-            f"{SUPPORTED_PRE_TOKENIZERS}); the model is loaded without a tokenizer",
-            stacklevel=3,
-        )
-        return None
-
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    tokens = metadata.require("tokenizer.ggml.tokens")
-    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(merge.split(" ", 1)) for merge in metadata.require("tokenizer.ggml.merges")]
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre == "smollm":
-        # SmolLM's own tokenizer.json (and llama.cpp's "smollm" split) isolate every digit first.
-        backend.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        backend.pre_tokenizer = byte_level
-    backend.decoder = decoders.ByteLevel()
-    # Control tokens (<|im_start|>, ...) stay whole and count as special; user-defined ones stay
-    # whole too (llama.cpp never splits them) but are plain text.
-    kinds = list(zip(tokens, token_types, strict=True))
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, k in kinds if k == _CONTROL]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, k in kinds if k == _USER_DEFINED]
-    )
-
-    def token(key):
-        index = metadata.get(key)
-        return None if index is None or index >= len(tokens) else tokens[index]
-
-    bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
-    add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
-    if add_bos or add_eos:
-
-        def template(segment, type_id):
-            return (
-                ([f"{bos}:{type_id}"] if add_bos else [])
-                + [f"${segment}:{type_id}"]
-                + ([f"{eos}:{type_id}"] if add_eos else [])
-            )
-
-        specials = [(t, tokens.index(t)) for t, used in ((bos, add_bos), (eos, add_eos)) if used]
-        backend.post_processor = processors.TemplateProcessing(
-            single=template("A", 0), pair=template("A", 0) + template("B", 1), special_tokens=specials
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        bos_token=bos,
-        eos_token=eos,
-        unk_token=token("tokenizer.ggml.unknown_token_id"),
-        pad_token=token("tokenizer.ggml.padding_token_id"),
-        chat_template=metadata.get("tokenizer.chat_template"),
-        clean_up_tokenization_spaces=False,
-    )

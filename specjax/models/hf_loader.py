@@ -6,6 +6,10 @@ models/families.py), maps every tensor's HF name onto ours and returns them unre
 (models/tensors.py), so that `checkpoint.params_from_tensors` can check the whole checkpoint
 first and then read, convert and place it tensor by tensor. Torch keeps matrices `[out, in]`;
 ours are `[in, out]`, so matrices are transposed as they are read.
+
+gpt-oss keeps each layer's experts in one tensor per weight, already `[X, in, out]`, its gate and
+up columns interleaved (`mlp.experts.gate_up_proj`), or as released in MXFP4 (`*_blocks` and
+`*_scales`), which is dequantized as it is read (models/mxfp4.py).
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from specjax.models import families
 from specjax.models.checkpoint import params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
+from specjax.models.mxfp4 import mxfp4_tensor
 from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 
 # Buffers some old checkpoints saved; recomputed by the forward.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # Files whose presence means the folder carries a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -86,7 +92,7 @@ def checkpoint_tensors(folder: Path) -> dict[str, LazyTensor]:
 
 def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], list[str]]:
     """(our flat name -> tensor in our layout, the HF names left over). Nothing is read."""
-    hf = {name: tensor for name, tensor in hf.items() if not _IGNORED.fullmatch(name)}
+    hf = {name: t for name, t in hf.items() if not _IGNORED.fullmatch(name) and not _mtp(config, name)}
     used: set[str] = set()
 
     def take(name: str) -> LazyTensor | None:
@@ -108,10 +114,18 @@ def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[st
     return ours, [name for name in hf if name not in used]
 
 
+def _mtp(config: LlamaConfig, name: str) -> bool:
+    """Whether `name` belongs to one of the checkpoint's MTP layers (model.layers.{L + i}, after
+    the decoder's L layers), which the forward does not run: they are skipped at load."""
+    match = _LAYER_INDEX.match(name)
+    L = config.num_layers
+    return match is not None and L <= int(match[1]) < L + config.num_mtp_layers
+
+
 def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
     """Layer i's tensors by our names (those present; `params_from_tensors` names what is missing)."""
     prefix = f"model.layers.{i}."
-    names = dict(families.ATTENTION_TENSORS) | families.norm_tensors(config)
+    names = families.attention_tensors(config) | families.norm_tensors(config)
     if not config.is_moe_layer(i):
         names |= families.DENSE_MLP_TENSORS
     out = {}
@@ -126,8 +140,41 @@ def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
         F = config.intermediate_size
         out["gate"], out["up"] = fused.rows(0, F).transposed(), fused.rows(F, 2 * F).transposed()
     if config.is_moe_layer(i):
-        out.update(_expert_tensors(config, prefix, take))
+        experts = _gpt_oss_expert_tensors if config.model_type == "gpt_oss" else _expert_tensors
+        out.update(experts(config, prefix, take))
     return out
+
+
+def _gpt_oss_expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTensor]:
+    """gpt-oss's router [D, X] (and its bias), and its experts' weights and biases: gate and up
+    from the interleaved columns of gate_up_proj [X, D, 2F] (float, or MXFP4 blocks and scales)."""
+    out = {}
+    if (router := take(prefix + "mlp.router.weight")) is not None:
+        out["router"] = router.transposed()
+    if (bias := take(prefix + "mlp.router.bias")) is not None:
+        out["router_bias"] = bias
+    experts = prefix + "mlp.experts."
+    for theirs, (first, second) in {
+        "gate_up_proj": ("expert_gate", "expert_up"),
+        "gate_up_proj_bias": ("expert_gate_bias", "expert_up_bias"),
+    }.items():
+        if (fused := _float_or_mxfp4(experts + theirs, take)) is not None:
+            out[first], out[second] = fused.interleaved(0), fused.interleaved(1)
+    for theirs, ours in {"down_proj": "expert_down", "down_proj_bias": "expert_down_bias"}.items():
+        if (tensor := _float_or_mxfp4(experts + theirs, take)) is not None:
+            out[ours] = tensor
+    return out
+
+
+def _float_or_mxfp4(name: str, take) -> LazyTensor | None:
+    """The tensor `name`, or the one its MXFP4 `name_blocks` and `name_scales` hold (dequantized
+    to float32 when read), or None when neither is there."""
+    if (tensor := take(name)) is not None:
+        return tensor
+    blocks, scales = take(name + "_blocks"), take(name + "_scales")
+    if blocks is None or scales is None:
+        return None
+    return mxfp4_tensor(blocks, scales, name + "_{blocks,scales}")
 
 
 def _expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTensor]:
@@ -135,6 +182,9 @@ def _expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTen
     checkpoint's one tensor per expert."""
     router_name, per_expert = families.expert_tensors(config)
     out = {}
+    for ours, theirs in families.moe_extra_tensors(config).items():
+        if (tensor := take(prefix + theirs)) is not None:
+            out[ours] = tensor.transposed()
     if (router := take(prefix + router_name)) is not None:
         out["router"] = router.transposed()
     for ours, pattern in per_expert.items():

@@ -1,10 +1,13 @@
 """The decoder transformer of every supported family, as pure functions over a params pytree.
 
-One forward serves Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral and Qwen3-MoE: the config
-(models/config.py) picks each piece, one small function per concern: `rms_norm` (Llama's or
-Gemma's form), q/k norms, `apply_rope` (per-layer bases, partial rotary), `attention` (full or a
-sliding window, through `_layer_masks`), `_dense_mlp` (SwiGLU or GeGLU) or `moe_mlp`. Weights and
-activations are in the params' dtype; norm statistics, softmax and logits are float32.
+One forward serves Llama, Mistral, Qwen2/3, Gemma 3, Phi-3, Mixtral, Qwen3-MoE, GLM-4.5,
+DeepSeek-V3 and gpt-oss: the config (models/config.py) picks each piece, one small function per
+concern: `rms_norm` (Llama's, Gemma's or gpt-oss's form), q/k norms, `apply_rope` (per-layer
+bases, partial rotary, YaRN), `attention` (full or a sliding window, through `_layer_masks`;
+attention sinks) or DeepSeek's latent attention (models/mla.py), `_gated_mlp` (SwiGLU, GeGLU,
+gpt-oss's clamped SwiGLU) or `moe_mlp` (`route`: softmax or sigmoid scores; shared experts,
+gpt-oss's biases). Weights and activations are in the params' dtype; norm statistics, softmax
+and logits are float32.
 
 Einsum letters, used throughout:
     B batch, T new tokens, S cache slots, D hidden, H query heads, K kv heads,
@@ -49,6 +52,7 @@ import numpy as np
 
 from specjax.kernels import PanelWeight, backend, pack
 from specjax.kernels.quantized import QuantizedPanelWeight, pack_quantized
+from specjax.models import mla
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
 from specjax.models.quantized import QuantizedWeight
@@ -74,6 +78,23 @@ class LayerParams:
     expert_gate: jax.Array | None = None  # [X, D, F]
     expert_up: jax.Array | None = None  # [X, D, F]
     expert_down: jax.Array | None = None  # [X, F, D]
+    router_bias: jax.Array | None = None  # [X]: config.moe_bias, on the router's logits
+    router_score_bias: jax.Array | None = None  # [X]: config.router_score_bias (choice only)
+    expert_gate_bias: jax.Array | None = None  # [X, F]: config.moe_bias
+    expert_up_bias: jax.Array | None = None  # [X, F]
+    expert_down_bias: jax.Array | None = None  # [X, D]
+    shared_gate: jax.Array | None = None  # [D, Fs]: config.shared_expert_size, in an MoE layer
+    shared_up: jax.Array | None = None  # [D, Fs]
+    shared_down: jax.Array | None = None  # [Fs, D]
+    sinks: jax.Array | None = None  # [H]: config.attention_sinks, each head's logit with no value
+    o_bias: jax.Array | None = None  # [D]: config.o_bias
+    # Latent attention (config.kv_lora_rank; qkv is None then): see models/mla.py. C = r + R.
+    q_a: jax.Array | None = None  # [D, Rq]: config.q_lora_rank
+    q_a_norm: jax.Array | None = None  # [Rq]
+    q_b: jax.Array | None = None  # [Rq or D, H*E]: the queries, from q_a's latent or from x
+    kv_a: jax.Array | None = None  # [D, C]: the latent and the shared rotary key
+    kv_a_norm: jax.Array | None = None  # [r]
+    kv_b: jax.Array | None = None  # [r, H*(N+A)]: per head, its nope key and value from the latent
 
 
 @flax.struct.dataclass
@@ -113,6 +134,8 @@ def layer_shapes(config: LlamaConfig, layer: int = 0) -> LayerParams:
     """Layer `layer`'s params with a shape tuple at every leaf: `checkpoint_layer_shapes` with q,
     k and v (and their biases) fused."""
     shapes = checkpoint_layer_shapes(config, layer)
+    if config.kv_lora_rank:  # latent attention: nothing fused
+        return LayerParams(qkv=None, **shapes)
     qkv = shapes.pop("q")[-1] + shapes.pop("k")[-1] + shapes.pop("v")[-1]
     bias = None
     if config.qkv_bias:
@@ -127,18 +150,32 @@ def checkpoint_layer_shapes(config: LlamaConfig, layer: int = 0) -> dict[str, tu
     the weights the config gives the layer are listed."""
     D, F, E = config.hidden_size, config.intermediate_size, config.head_dim
     q, kv = config.q_size, config.kv_size
-    shapes = {"attn_norm": (D,), "q": (D, q), "k": (D, kv), "v": (D, kv)}
-    if config.qkv_bias:
-        shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
-    if config.qk_norm:
-        shapes.update(q_norm=(E,), k_norm=(E,))
-    shapes["o"] = (q, D)
+    if config.kv_lora_rank:
+        shapes = mla.checkpoint_attention_shapes(config)
+    else:
+        shapes = {"attn_norm": (D,), "q": (D, q), "k": (D, kv), "v": (D, kv)}
+        if config.qkv_bias:
+            shapes.update(q_bias=(q,), k_bias=(kv,), v_bias=(kv,))
+        if config.qk_norm:
+            shapes.update(q_norm=(E,), k_norm=(E,))
+        if config.attention_sinks:
+            shapes["sinks"] = (config.num_heads,)
+        shapes["o"] = (q, D)
+        if config.o_bias:
+            shapes["o_bias"] = (D,)
     if config.sandwich_norms:
         shapes["attn_out_norm"] = (D,)
     shapes["mlp_norm"] = (D,)
     if config.is_moe_layer(layer):
         X, Fm = config.num_experts, config.moe_intermediate_size
         shapes.update(router=(D, X), expert_gate=(X, D, Fm), expert_up=(X, D, Fm), expert_down=(X, Fm, D))
+        if config.moe_bias:
+            shapes.update(router_bias=(X,), expert_gate_bias=(X, Fm), expert_up_bias=(X, Fm))
+            shapes["expert_down_bias"] = (X, D)
+        if config.router_score_bias:
+            shapes["router_score_bias"] = (X,)
+        if Fs := config.shared_expert_size:
+            shapes.update(shared_gate=(D, Fs), shared_up=(D, Fs), shared_down=(Fs, D))
     else:
         shapes.update(gate=(D, F), up=(D, F), down=(F, D))
     if config.sandwich_norms:
@@ -185,6 +222,8 @@ def split_qkv(qkv, num_heads: int, num_kv_heads: int):
 def layer_from_checkpoint(fields: dict[str, Any], config: LlamaConfig) -> LayerParams:
     """A layer's LayerParams from its weights by checkpoint name (q, k, v fused into qkv)."""
     fields = dict(fields)
+    if config.kv_lora_rank:  # latent attention: nothing fused
+        return LayerParams(qkv=None, **fields)
     K = config.num_kv_heads
     qkv = fuse_qkv(fields.pop("q"), fields.pop("k"), fields.pop("v"), K)
     qkv_bias = None
@@ -198,7 +237,9 @@ def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig, index: int = 0)
     into q, k and v (and qkv_bias likewise; absent weights left out)."""
     H, K = config.num_heads, config.num_kv_heads
     fields = {f.name: getattr(layer, f.name) for f in dataclasses.fields(LayerParams)}
-    fields.update(zip(("q", "k", "v"), split_qkv(fields.pop("qkv"), H, K), strict=True))
+    qkv = fields.pop("qkv")
+    if qkv is not None:
+        fields.update(zip(("q", "k", "v"), split_qkv(qkv, H, K), strict=True))
     bias = fields.pop("qkv_bias")
     if bias is not None:
         fields.update(zip(("q_bias", "k_bias", "v_bias"), split_qkv(bias, H, K), strict=True))
@@ -243,6 +284,8 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
             values[name] = 0.1 * noise
         elif "embed" in name:
             values[name] = noise
+        elif name.endswith("sinks"):  # logits beside the scores, of their size
+            values[name] = noise
         else:  # projections [.., in, out]
             values[name] = noise / math.sqrt(shape[-2])
     values = {name: value.astype(dtype) for name, value in values.items()}
@@ -267,6 +310,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float, form: str = "rms") -> 
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     if form == "gemma":
         return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    if form == "rms_float32":
+        return (normed * weight.astype(jnp.float32)).astype(x.dtype)
     return (weight * normed.astype(x.dtype)).astype(x.dtype)
 
 
@@ -284,6 +329,8 @@ def rope_inverse_frequencies(config: LlamaConfig, layer: int = 0) -> np.ndarray:
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, theta, R, scaling)
     # llama3: leave high frequencies alone, divide low ones by `factor`, blend in between.
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -297,12 +344,36 @@ def rope_inverse_frequencies(config: LlamaConfig, layer: int = 0) -> np.ndarray:
     return np.where(middle, blended, out)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate x [B, T, N, E] by positions [B, T], in HF's half-split (rotate_half) layout. With
-    fewer frequencies than E/2 (a partial rotary), only the first 2 * len(inv_freq) dims turn."""
+def _yarn_inverse_frequencies(inv_freq: np.ndarray, theta: float, R: int, scaling) -> np.ndarray:
+    """YaRN (arXiv 2309.00071): frequencies that turn fewer than `beta_slow` times over the original
+    context are divided by `factor`, those that turn more than `beta_fast` times are kept, and a
+    linear ramp over the dimension index blends the two in between, as transformers'
+    `_compute_yarn_parameters`. (Its attention factor scales cos and sin: `apply_rope`.)"""
+
+    def dimension(turns):  # the index whose frequency turns `turns` times over the original context
+        original = scaling.original_max_position_embeddings
+        return R * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(scaling.beta_fast), dimension(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, R - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(R // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    return inv_freq / scaling.factor * ramp + inv_freq * (1.0 - ramp)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor: float = 1.0) -> jax.Array:
+    """Rotate x [B, T, N, E] by positions [B, T], in HF's half-split (rotate_half) layout, cos and
+    sin times `factor` (YaRN's attention factor, config.rotary_factor: as transformers does, so
+    that only the rotated dims are scaled). With fewer frequencies than E/2 (a partial rotary),
+    only the first 2 * len(inv_freq) dims turn."""
     R = 2 * len(inv_freq)
     angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)  # [B, T, R/2]
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    if factor != 1.0:
+        cos, sin = cos * factor, sin * factor
     x1, x2 = jnp.split(x[..., :R].astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
     return rotated if R == x.shape[-1] else jnp.concatenate([rotated, x[..., R:]], axis=-1)
@@ -320,10 +391,10 @@ PREFILL_CHUNKS = 8
 MIN_PREFILL_CHUNK = 64
 
 
-def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None, positions=None):
+def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None, positions=None, sinks=None):
     """A prefill into an empty cache: T queries [B, T, K, G, E] attend to the T fresh keys alone,
     under fresh_mask [T, T] and, for a sliding-window layer (`window`, the tokens at positions
-    [B, T]), window_keep [B, T, T].
+    [B, T]), window_keep [B, T, T]. `sinks` [K, G]: each head's sink logit (`_softmax`).
 
     Where the backend has a blocked prefill kernel (accelerators: Pallas flash attention, or the
     blocked XLA form; specjax/kernels/backend.py) and the mask is known while tracing, that runs: working
@@ -346,10 +417,10 @@ def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None,
     T = q.shape[1]
     kernel = backend.active().prefill_attention()
     if kernel is not None and isinstance(fresh_mask, np.ndarray):
-        return _blocked_fresh_attention(kernel, q, k_new, v_new, fresh_mask, window, positions)
+        return _blocked_fresh_attention(kernel, q, k_new, v_new, fresh_mask, window, positions, sinks)
     if not (isinstance(fresh_mask, np.ndarray) and not np.triu(fresh_mask, 1).any()):
         mask = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
-        return _masked_attention(q, k_new, v_new, mask)
+        return _masked_attention(q, k_new, v_new, mask, sinks)
     B, _, K, G, E = q.shape
     queries = q.transpose(0, 2, 1, 3, 4).reshape(B * K, T * G, E)
     keys = k_new.transpose(0, 2, 1, 3).reshape(B * K, T, E)
@@ -358,6 +429,10 @@ def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None,
     outs = []
     for start in range(0, T, chunk):
         end = min(T, start + chunk)
+        row_sinks = None  # [B*K, t*G]: each query row's head's sink, rows laid out as the queries
+        if sinks is not None:
+            row_sinks = jnp.broadcast_to(sinks[None, :, None, :], (B, K, end - start, G))
+            row_sinks = row_sinks.reshape(B * K, (end - start) * G)
         keep = np.repeat(fresh_mask[start:end, :end], G, axis=0)[None]  # rows in (token, head) order
         if window_keep is not None:  # [B, t, u] -> [B*K, t*G, u], as the queries are laid out
             window = jnp.broadcast_to(
@@ -366,7 +441,8 @@ def _fresh_attention(q, k_new, v_new, fresh_mask, window_keep=None, window=None,
             keep = keep & window.reshape(B * K, (end - start) * G, end)
         scores = jnp.einsum("rqe,rse->rqs", queries[:, start * G : end * G], keys[:, :end], **_F32)
         scores = _drop_masked(scores, keep)
-        outs.append(jnp.einsum("rqs,rse->rqe", _softmax(scores, q.dtype), values[:, :end], **_F32))
+        probs = _softmax(scores, q.dtype, row_sinks)
+        outs.append(jnp.einsum("rqs,rse->rqe", probs, values[:, :end], **_F32))
     return jnp.concatenate(outs, axis=1).reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
 
 
@@ -391,22 +467,24 @@ def attention_workspace_bytes(
     return max(prefill, decode)
 
 
-def _blocked_fresh_attention(kernel, q, k_new, v_new, fresh_mask, window, positions):
+def _blocked_fresh_attention(kernel, q, k_new, v_new, fresh_mask, window, positions, sinks=None):
     """`_fresh_attention` through a blocked kernel (contract of
-    specjax.kernels.attention.prefill_attention), operands laid out one entry per row and kv head."""
+    specjax.kernels.attention.prefill_attention), operands laid out one entry per row and kv head;
+    sinks [K, G] as the kernel takes them, [B*K, G]."""
     B, T, K, G, E = q.shape
     queries = q.transpose(0, 2, 1, 3, 4).reshape(B * K, T, G, E)
     keys = k_new.transpose(0, 2, 1, 3).reshape(B * K, T, E)
     values = v_new.transpose(0, 2, 1, 3).reshape(B * K, T, E)
     mask = None if np.array_equal(fresh_mask, causal_mask(T)) else fresh_mask
-    out = kernel(queries, keys, values, mask=mask, positions=positions, window=window)
+    extra = {} if sinks is None else {"sinks": jnp.tile(sinks.astype(jnp.float32), (B, 1))}
+    out = kernel(queries, keys, values, mask=mask, positions=positions, window=window, **extra)
     return out.reshape(B, K, T, G, E).transpose(0, 2, 1, 3, 4)
 
 
-def _masked_attention(q, k, v, mask):
+def _masked_attention(q, k, v, mask, sinks=None):
     """Queries q [B, T, K, G, E] attend to keys and values k, v [B, U, K, E] under mask [T, U] (or
-    [B, T, U])."""
-    probs = _softmax(_masked_scores(q, k, mask), q.dtype)
+    [B, T, U]); sinks [K, G] or None."""
+    probs = _softmax(_masked_scores(q, k, mask), q.dtype, _head_sinks(sinks))
     return jnp.einsum("bkgtu,buke->btkge", probs, v, **_F32)
 
 
@@ -434,8 +512,22 @@ def _drop_masked(scores, keep):
     return jnp.where(keep, scores, jnp.finfo(jnp.float32).min)
 
 
-def _softmax(scores, dtype):
-    return jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(dtype)
+def _softmax(scores, dtype, sinks=None):
+    """The softmax of scores [..., U] over the last axis, in float32, cast to `dtype`. `sinks`
+    (broadcast against scores[..., 0]; gpt-oss): one more logit per row that takes its share of
+    the softmax and adds no value, so the row's weights sum to less than 1."""
+    scores = scores.astype(jnp.float32)
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1).astype(dtype)
+    sinks = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32), scores.shape[:-1])[..., None]
+    peak = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sinks)
+    weights = jnp.exp(scores - peak)
+    return (weights / (jnp.sum(weights, axis=-1, keepdims=True) + jnp.exp(sinks - peak))).astype(dtype)
+
+
+def _head_sinks(sinks):
+    """Sinks [K, G] shaped to broadcast against a row of scores [B, K, G, T] (None stays None)."""
+    return None if sinks is None else sinks[None, :, :, None]
 
 
 def _cache_scores(q, k_cache):
@@ -482,14 +574,14 @@ def in_window(query_positions: jax.Array, key_positions: jax.Array, window: int)
     return query_positions[:, :, None] - key_positions[:, None, :] < window
 
 
-def _cache_attention(q, k_cache, v_cache, visible):
+def _cache_attention(q, k_cache, v_cache, visible, sinks=None):
     """T queries [B, T, K, G, E] attend to the cache (keys [B*K, E, S], values [B*K, S, E])
-    where visible [B, T, S]."""
+    where visible [B, T, S]; sinks [K, G] or None."""
     scores = _drop_masked(_cache_scores(q, k_cache), visible[:, None, None])
-    return _cache_values(_softmax(scores, q.dtype), v_cache)
+    return _cache_values(_softmax(scores, q.dtype, _head_sinks(sinks)), v_cache)
 
 
-def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask):
+def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, sinks=None):
     """T queries [B, T, K, G, E] attend, in one softmax, to the cache's committed slots
     (committed [B, S], or [B, T, S] under a sliding window; the cache is only read) and to the T
     fresh keys and values [B, T, K, E] under fresh_mask [T, T] (or [B, T, T]): what the
@@ -498,12 +590,14 @@ def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed,
     keep = committed[:, None, None, None, :] if committed.ndim == 2 else committed[:, None, None]
     old = _drop_masked(_cache_scores(q, k_cache), keep)
     new = _masked_scores(q, k_new, fresh_mask)
-    probs = _softmax(jnp.concatenate([old, new], axis=-1), q.dtype)
+    probs = _softmax(jnp.concatenate([old, new], axis=-1), q.dtype, _head_sinks(sinks))
     new = jnp.einsum("bkgtu,buke->btkge", probs[..., S:], v_new, **_F32)
     return _cache_values(probs[..., :S], v_cache) + new
 
 
-def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None, layer=None):
+def _kernel_attention(
+    q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None, layer=None, sinks=None
+):
     """T queries [B, T, K, G, E] attend, in one softmax, to each row's committed cache slots
     (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the backend's
     kernel, `backend.active().cache_attention`: the CPU's specjax.kernels.cache_attention or a
@@ -515,7 +609,8 @@ def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, 
     for nine). The kernel reads the committed slots only and returns its part of the softmax
     normalized, with the log-sum-exp of its scores; the fresh part joins by rescaling both to
     their common log-sum-exp. With `layer`, the caches are a stack's ([n, B*K, ...]) and the
-    kernel reads that layer of them in place.
+    kernel reads that layer of them in place. A head's sink (sinks [K, G]) is one more term of
+    that log-sum-exp, with no value: it only scales both parts down.
     """
     B, T, K, G, E = q.shape
     queries = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
@@ -530,6 +625,8 @@ def _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, 
     new_lse = jax.nn.logsumexp(scores, axis=-1)  # finite: a fresh token always sees itself
     new = jnp.einsum("bkgtu,buke->bkgte", jnp.exp(scores - new_lse[..., None]), v_new.astype(jnp.float32))
     lse = jnp.logaddexp(old_lse, new_lse)  # old_lse is -inf for a row with nothing committed
+    if sinks is not None:
+        lse = jnp.logaddexp(lse, _head_sinks(sinks).astype(jnp.float32))
     out = old * jnp.exp(old_lse - lse)[..., None] + new * jnp.exp(new_lse - lse)[..., None]
     return out.transpose(0, 3, 1, 2, 4).astype(q.dtype)  # [B, T, K, G, E]
 
@@ -550,10 +647,13 @@ def attention(
     window=None,
     positions=None,
     layer=None,
+    sinks=None,
 ):
     """Attention of T fresh queries q [B, T, H, E]; returns [B, T, H*E]. Scores are scaled by
-    `scale` (default 1/sqrt(E)). With `layer` (an index), k_cache and v_cache are a stack's
-    buffers ([n, B*K, ...], see KVCache) and the layer's attention reads layer `layer` of them.
+    `scale` (default 1/sqrt(E)). `sinks` [H] (gpt-oss): each head's logit that joins its softmax
+    with no value (compared with the scaled scores), in every form below. With `layer` (an
+    index), k_cache and v_cache are a stack's buffers ([n, B*K, ...], see KVCache) and the
+    layer's attention reads layer `layer` of them.
 
     Decoding (`visible [B, T, S]` given): the fresh keys and values are already written into the
     cache k_cache [B*K, E, S], v_cache [B*K, S, E], and the queries attend to the visible slots. Writing
@@ -575,18 +675,19 @@ def attention(
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     q = q.reshape(B, T, K, H // K, E) * scale
     fresh = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
+    sinks = None if sinks is None else sinks.reshape(K, H // K)  # [K, G]: as the queries' heads
     if committed is not None:
-        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts, layer)
+        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts, layer, sinks)
     elif visible is None:
-        out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep, window, positions)
+        out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep, window, positions, sinks)
     else:
         if layer is not None:  # a stack's buffers: XLA reads the layer's slice in its products
             k_cache = jax.lax.dynamic_index_in_dim(k_cache, layer, keepdims=False)
             v_cache = jax.lax.dynamic_index_in_dim(v_cache, layer, keepdims=False)
         if not write:
-            out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh)
+            out = _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, visible, fresh, sinks)
         else:
-            out = _cache_attention(q, k_cache, v_cache, visible)
+            out = _cache_attention(q, k_cache, v_cache, visible, sinks)
     return out.reshape(B, T, H * E).astype(q.dtype)
 
 
@@ -620,31 +721,67 @@ def _layer_masks(window, positions, cache, fresh_mask, visible, write, committed
     return _LayerMasks(visible & near, None, None)
 
 
-def _activation(config: LlamaConfig, x: jax.Array) -> jax.Array:
+def _gated(config: LlamaConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """The gated MLP's hidden activations from its gate and up projections [..., F]."""
+    if config.hidden_act == "clamped_swiglu":  # gpt-oss
+        limit = config.swiglu_limit
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * jax.nn.sigmoid(config.swiglu_alpha * gate) * (up + 1)
     if config.hidden_act == "gelu_tanh":
-        return jax.nn.gelu(x, approximate=True)
-    return jax.nn.silu(x)
+        return jax.nn.gelu(gate, approximate=True) * up
+    return jax.nn.silu(gate) * up
 
 
-def _dense_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
-    return project(_activation(config, project(h, lp.gate)) * project(h, lp.up), lp.down)
+def _gated_mlp(config: LlamaConfig, h: jax.Array, gate, up, down) -> jax.Array:
+    """A gated MLP over h [..., D]: a layer's dense MLP, or an MoE layer's shared experts."""
+    return project(_gated(config, project(h, gate), project(h, up)), down)
 
 
-def route(config: LlamaConfig, x: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The experts each of N tokens x [N, D] goes to and their weights: softmax of the router's
-    logits in float32, the top num_experts_per_tok, renormalized to sum to 1 where the family says
-    so. Returns (weights [N, k] float32, experts [N, k] int32)."""
-    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [N, X]
-    weights, experts = jax.lax.top_k(probs, config.num_experts_per_tok)
-    if config.norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32)
+def route(config: LlamaConfig, x: jax.Array, lp: LayerParams) -> tuple[jax.Array, jax.Array]:
+    """The experts each of N tokens x [N, D] goes to and their weights, every family's one way:
+    the router's logits (lp.router [D, X], plus lp.router_bias [X], gpt-oss's) are scored by a
+    softmax over the experts (Mixtral, Qwen3-MoE, gpt-oss) or each by its sigmoid (GLM-4.5,
+    DeepSeek-V3), in float32. The choice ranks the scores plus lp.router_score_bias [X] (a
+    correction DeepSeek learns for load balance) where given: the experts fall into
+    num_expert_groups groups, each ranked by the sum of its two best, and a token picks its top
+    num_experts_per_tok among the experts of its best topk_expert_groups groups. The weights are
+    the chosen experts' scores without the correction, renormalized to sum to 1 where
+    norm_topk_prob says (gpt-oss's softmax over the top k logits is that), times
+    routed_scaling_factor. Returns (weights [N, k] float32, experts [N, k] int32)."""
+    N, X = x.shape[0], lp.router.shape[-1]
+    if config.router_scoring == "sigmoid":  # the product in float32, as DeepSeek's and GLM's are
+        logits = x.astype(jnp.float32) @ lp.router.astype(jnp.float32)
+    else:
+        logits = x @ lp.router
+    if lp.router_bias is not None:
+        logits = logits + lp.router_bias
+    logits = logits.astype(jnp.float32)  # [N, X]
+    if config.router_scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores if lp.router_score_bias is None else scores + lp.router_score_bias.astype(jnp.float32)
+    groups = config.num_expert_groups
+    if config.topk_expert_groups < groups:
+        by_group = choice.reshape(N, groups, X // groups)
+        group_scores = jnp.sum(jax.lax.top_k(by_group, 2)[0], axis=-1)  # [N, groups]
+        _, best = jax.lax.top_k(group_scores, config.topk_expert_groups)  # [N, topk_groups]
+        kept = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None, :], axis=1)  # [N, groups]
+        choice = jnp.where(jnp.repeat(kept, X // groups, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, config.num_experts_per_tok)  # [N, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if config.norm_topk_prob:  # (DeepSeek's 1e-20 guards sigmoid scores that all underflow)
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * config.routed_scaling_factor, experts.astype(jnp.int32)
 
 
-def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
+def moe_mlp(
+    config: LlamaConfig, h: jax.Array, lp: LayerParams, reduce: Callable[[jax.Array], jax.Array] | None = None
+) -> jax.Array:
     """A mixture of experts over h [B, T, D]: each token through its num_experts_per_tok experts
-    (gated MLPs with weights expert_gate, expert_up [X, D, F], expert_down [X, F, D]), summed with
-    the router's weights (`route`). Only the routed experts' weights are read:
+    (gated MLPs with weights expert_gate, expert_up [X, D, F], expert_down [X, F, D], and with
+    config.moe_bias their biases), summed with the router's weights (`route`). Only the routed
+    experts' weights are read:
 
     - on GPU and TPU, the (token, expert) assignments are sorted by expert and each expert applied
       to its group by `jax.lax.ragged_dot`, a grouped product over the routed experts only;
@@ -653,21 +790,35 @@ def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
       no token was routed to and runs each routed one once over all the tokens
       (`_experts_one_by_one`).
 
-    Under tensor parallelism each device holds every expert's slice of F, routes the same way (the
-    router is replicated) and the caller sums the partial outputs.
+    Where the family has shared experts (config.shared_expert_size), their gated MLP over every
+    token is added. Under tensor parallelism each device holds every expert's slice of F (and the
+    shared experts' slice of theirs), routes the same way (the router is replicated), and
+    `reduce` (default: none) sums the partial outputs; the down projections' biases, whole on
+    every device, join after that sum, once.
     """
     B, T, D = h.shape
     x = h.reshape(B * T, D)
-    weights, experts = route(config, x, lp.router)  # [N, k]
+    weights, experts = route(config, x, lp)  # [N, k]
     if backend.active().experts_one_by_one():
         mixed = _experts_one_by_one(config, x, weights, experts, lp)
     else:
         mixed = _experts_grouped(config, x, weights, experts, lp)
-    return mixed.astype(h.dtype).reshape(B, T, D)
+    out = mixed.astype(h.dtype)
+    if lp.shared_gate is not None:  # shared experts: one gated MLP every token goes through
+        out = out + _gated_mlp(config, x, lp.shared_gate, lp.shared_up, lp.shared_down)
+    out = (_identity if reduce is None else reduce)(out)
+    if lp.expert_down_bias is not None:  # each token's routed experts' biases, weighted
+        biases = lp.expert_down_bias[experts].astype(jnp.float32)  # [N, k, D]
+        out = out + jnp.einsum("nk,nkd->nd", weights, biases).astype(h.dtype)
+    return out.reshape(B, T, D)
 
 
-def _expert_mlp(config: LlamaConfig, x, gate_w, up_w, down_w):
-    return (_activation(config, x @ gate_w) * (x @ up_w)) @ down_w
+def _expert_mlp(config: LlamaConfig, x, lp: LayerParams, j) -> jax.Array:
+    """Expert j's MLP over x [N, D], without its down projection's bias (see `moe_mlp`)."""
+    gate, up = x @ lp.expert_gate[j], x @ lp.expert_up[j]
+    if lp.expert_gate_bias is not None:
+        gate, up = gate + lp.expert_gate_bias[j], up + lp.expert_up_bias[j]
+    return _gated(config, gate, up) @ lp.expert_down[j]
 
 
 def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParams) -> jax.Array:
@@ -680,7 +831,7 @@ def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParam
         weight = jnp.sum(jnp.where(routed, weights, 0.0), axis=-1)  # [N]
 
         def run(out):
-            y = _expert_mlp(config, x, lp.expert_gate[j], lp.expert_up[j], lp.expert_down[j])
+            y = _expert_mlp(config, x, lp, j)
             return out + y.astype(jnp.float32) * weight[:, None]
 
         return jax.lax.cond(jnp.any(routed), run, lambda out: out, out)
@@ -701,7 +852,9 @@ def _experts_grouped(config: LlamaConfig, x, weights, experts, lp: LayerParams) 
     rows = x[order // k]
     gate = jax.lax.ragged_dot(rows, lp.expert_gate, sizes)
     up = jax.lax.ragged_dot(rows, lp.expert_up, sizes)
-    grouped = jax.lax.ragged_dot(_activation(config, gate) * up, lp.expert_down, sizes)
+    if lp.expert_gate_bias is not None:  # each sorted row's expert's biases
+        gate, up = gate + lp.expert_gate_bias[chosen[order]], up + lp.expert_up_bias[chosen[order]]
+    grouped = jax.lax.ragged_dot(_gated(config, gate, up), lp.expert_down, sizes)
     out = jnp.zeros_like(grouped).at[order].set(grouped)  # back in assignment order
     return jnp.sum(out.reshape(N, k, -1).astype(jnp.float32) * weights[..., None], axis=1)
 
@@ -744,6 +897,11 @@ def _layer(
         h, residual = _norm(config, x, lp.attn_norm), x
     else:
         h, residual = attention_input(x, lp)
+    if config.kv_lora_rank:  # DeepSeek's latent attention (models/mla.py)
+        out, k_new, v_new = mla.mla_attention(
+            config, masks, inv_freq, positions, cache, fresh_mask, h, lp, k_buf, v_buf, write, layer
+        )
+        return (residual_mlp(config, residual + reduce(out), lp, reduce), k_new, v_new)
     qkv = project(h, lp.qkv)
     if config.qkv_bias:
         qkv = qkv + lp.qkv_bias
@@ -752,7 +910,8 @@ def _layer(
     q, k, v = qkv[:, :, :, :G].reshape(B, T, K * G, E), qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if config.qk_norm:
         q, k = _norm(config, q, lp.q_norm), _norm(config, k, lp.k_norm)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    factor = config.rotary_factor
+    q, k = apply_rope(q, positions, inv_freq, factor), apply_rope(k, positions, inv_freq, factor)
     if write:
         fresh = masks.visible is None  # a prefill into an empty cache
         k_buf, v_buf = cache.write_keys(k_buf, k, fresh, layer), cache.write_values(v_buf, v, fresh, layer)
@@ -772,13 +931,24 @@ def _layer(
         window=masks.window,
         positions=masks.positions,
         layer=layer,
+        sinks=lp.sinks,
     )
     out = reduce(project(attended, lp.o))
+    if lp.o_bias is not None:  # whole on every device: after the sum of the slices' products
+        out = out + lp.o_bias
     x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
-    h = _norm(config, x, lp.mlp_norm)
-    out = reduce(_dense_mlp(config, h, lp) if lp.router is None else moe_mlp(config, h, lp))
-    x = x + (out if lp.mlp_out_norm is None else _norm(config, out, lp.mlp_out_norm))
+    x = residual_mlp(config, x, lp, reduce)
     return (x, k_buf, v_buf) if write else (x, k, v)
+
+
+def residual_mlp(config: LlamaConfig, x: jax.Array, lp: LayerParams, reduce) -> jax.Array:
+    """x [B, T, D] plus the layer's MLP (dense or experts) of its normed x."""
+    h = _norm(config, x, lp.mlp_norm)
+    if lp.router is None:
+        out = reduce(_gated_mlp(config, h, lp.gate, lp.up, lp.down))
+    else:
+        out = moe_mlp(config, h, lp, reduce)
+    return x + (out if lp.mlp_out_norm is None else _norm(config, out, lp.mlp_out_norm))
 
 
 def attention_keys_values(
@@ -804,7 +974,7 @@ def attention_keys_values(
     k, v = qkv[:, :, :, G], qkv[:, :, :, G + 1]
     if config.qk_norm:
         k = _norm(config, k, lp.k_norm)
-    return apply_rope(k, positions, rope_inverse_frequencies(config, layer)), v
+    return apply_rope(k, positions, rope_inverse_frequencies(config, layer), config.rotary_factor), v
 
 
 def project(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -931,7 +1101,12 @@ def decoder_layers(
     # Pallas on an accelerator), decoding passes attend through it; not where `visible` is given
     # (it says what to attend to).
     committed = None
-    if not empty_cache and visible is None and backend.active().cache_attention(config.head_dim, x.dtype):
+    if (
+        not empty_cache
+        and visible is None
+        and not config.kv_lora_rank  # latent attention reads its cache itself (models/mla.py)
+        and backend.active().cache_attention(config.head_dim, x.dtype)
+    ):
         committed = cache.lengths
     if not write:
         if empty_cache or visible is not None:
@@ -1020,12 +1195,12 @@ def _stacked_layers(
     decoding pass that writes (a draft model's own) updates it inside the branches."""
     n = layers_in(k_buf)
     B, T, _ = x.shape
-    K, E = k_buf.shape[1] // B, k_buf.shape[2]
+    K, E, Ev = k_buf.shape[1] // B, k_buf.shape[2], v_buf.shape[3]
     if write:
         k_out, v_out = k_buf, v_buf
     else:  # zeros "like" the buffers: under shard_map, varying over the same mesh axes
         k_out = jnp.zeros_like(k_buf, x.dtype, shape=(n, B, T, K, E))
-        v_out = jnp.zeros_like(v_buf, x.dtype, shape=(n, B, T, K, E))
+        v_out = jnp.zeros_like(v_buf, x.dtype, shape=(n, B, T, K, Ev))
 
     prefill = runs[0][1].visible is None  # (the masks of every kind agree on that)
     cache = runs[0][4]

@@ -59,6 +59,7 @@ def load(
     dtype: Any = "float32",
     cache_dir: str | os.PathLike | None = None,
     placer_for: Callable[[LlamaConfig], Callable | None] | None = None,
+    tokenizer: Any = None,
 ) -> Model:
     """Load a model with its tokenizer.
 
@@ -74,19 +75,29 @@ def load(
         (see `checkpoint.params_from_tensors`). `specjax.load(source, mesh=mesh)` passes one that
         checks the mesh against the config and reads only this process's slices: placement
         belongs to the sharding layer above this one.
+    tokenizer: an HF tokenizer to use instead of the source's own, which is then not read: for a
+        GGUF whose tokenizer specjax does not rebuild (models/gguf_tokenizer.py lists those it
+        does; the others are a ValueError naming them). Its ids must be the model's.
     """
+    if tokenizer is not None and not (hasattr(tokenizer, "encode") and hasattr(tokenizer, "decode")):
+        raise ValueError(
+            f"load: tokenizer must be a tokenizer object (e.g. transformers.AutoTokenizer"
+            f".from_pretrained(...)), got {type(tokenizer).__name__}"
+        )
     try:
         dtype = dtype_name(dtype)
     except ValueError as error:
         raise ValueError(f"load: {error}") from None
     path, name = _resolve(source)
     if path.is_dir():
-        config, tensors, tokenizer = hf_loader.open_hf_folder(path)
+        config, tensors, own_tokenizer = hf_loader.open_hf_folder(path)
     else:
-        config, tensors, tokenizer = _read_gguf_cached(path, _cache_root(cache_dir))
+        config, tensors, own_tokenizer = _read_gguf_cached(
+            path, _cache_root(cache_dir), with_tokenizer=tokenizer is None
+        )
     place = None if placer_for is None else placer_for(config)
     params = params_from_tensors(config, tensors, str(path), dtype, place=place)
-    return Model(config, params, tokenizer, name=name)
+    return Model(config, params, own_tokenizer if tokenizer is None else tokenizer, name=name)
 
 
 def builtin_path(name: str) -> Path:
@@ -142,17 +153,27 @@ def cache_path(gguf_path: str | os.PathLike, cache_root: Path) -> Path:
     return cache_root / f"{path.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _read_gguf_cached(path: Path, cache_root: Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
+def _read_gguf_cached(
+    path: Path, cache_root: Path, with_tokenizer: bool = True
+) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
+    """(config, tensors, tokenizer) of a GGUF, from its cache when there is one. Without
+    `with_tokenizer` the file's tokenizer is not read (None)."""
     folder = cache_path(path, cache_root)
     if folder.is_dir():
         try:
-            return _read_cache(folder)
+            config, tensors, tokenizer = _read_cache(folder)
         except Exception as error:  # a damaged cache is rebuilt, never fatal
             warnings.warn(
                 f"ignoring the damaged specjax cache {folder} ({error}); rebuilding it", stacklevel=3
             )
             shutil.rmtree(folder, ignore_errors=True)
-    config, tensors, tokenizer = gguf_loader.read_gguf(path)
+        else:
+            if tokenizer is None and with_tokenizer:
+                # The cache holds none: the file has none, or it was written by a load given its
+                # own tokenizer (or by an older specjax that did not rebuild this one).
+                tokenizer = gguf_loader.read_tokenizer(path)
+            return config, tensors, tokenizer if with_tokenizer else None
+    config, tensors, tokenizer = gguf_loader.read_gguf(path, with_tokenizer=with_tokenizer)
     try:
         _write_cache(folder, config, tensors, tokenizer)
     except OSError as error:

@@ -89,6 +89,26 @@ class LazyTensor:
             ),
         )
 
+    def interleaved(self, part: int, parts: int = 2) -> LazyTensor:
+        """Columns part, part + parts, part + 2 * parts, ... of the last axis (gpt-oss keeps its
+        experts' gate and up columns interleaved in one tensor: gate 0, up 0, gate 1, ...). A
+        slice of them reads the span of columns that holds it."""
+        *lead, columns = self.shape
+        if columns % parts:
+            raise ValueError(f"{self.source}: {columns} columns do not split into {parts} interleaved parts")
+
+        def read_slice(index):
+            *rest, last = index
+            span = self.read_index((*rest, slice(last.start * parts, last.stop * parts)))
+            return np.ascontiguousarray(span[..., part::parts])
+
+        return dataclasses.replace(
+            self,
+            shape=(*lead, columns // parts),
+            read=lambda: np.ascontiguousarray(self.read()[..., part::parts]),
+            read_slice=read_slice,
+        )
+
     def mapped(self, function: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
         """The tensor with `function` applied to its values when read (shape changed to `shape`)."""
         return dataclasses.replace(  # no slice reads: `function` needs the whole tensor

@@ -74,8 +74,9 @@ def mesh_forward_hidden(
     if mesh is None:
         return local(params, tokens, positions, cache)
     params_spec = params_specs_like(params, config, tensor_parallel)
-    cache_spec = cache_specs(cache.layout, tensor_parallel)
-    written_spec = cache_spec if write else fresh_specs(cache.layout, tensor_parallel)
+    split_cache = tensor_parallel and not cache.is_latent
+    cache_spec = cache_specs(cache.layout, split_cache)
+    written_spec = cache_spec if write else fresh_specs(cache.layout, split_cache)
     rows = row_spec()
     sharded = jax.shard_map(
         local,
@@ -96,7 +97,7 @@ def mesh_move_slots(mesh: Mesh | None, cache: KVCache, sources: jax.Array) -> KV
 
 def mesh_write(mesh: Mesh | None, cache: KVCache, fresh: FreshEntries) -> KVCache:
     """`cache.write(fresh)` (a pass's unwritten entries) on `mesh`: see `_per_device`."""
-    return _per_device(mesh, KVCache.write, cache, fresh, fresh_specs(cache.layout))
+    return _per_device(mesh, KVCache.write, cache, fresh, fresh_specs(cache.layout, not cache.is_latent))
 
 
 def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_spec) -> KVCache:
@@ -105,6 +106,6 @@ def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_sp
     shard_map like the forward that wrote them. With mesh None, the plain call."""
     if mesh is None:
         return update(cache, argument)
-    cache_spec = cache_specs(cache.layout)
+    cache_spec = cache_specs(cache.layout, not cache.is_latent)
     sharded = jax.shard_map(update, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
     return sharded(cache, argument)

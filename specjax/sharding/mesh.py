@@ -96,9 +96,14 @@ def check_model_split(mesh: Mesh, config: LlamaConfig, who: str = "model") -> No
         "num_kv_heads": config.num_kv_heads,
         "intermediate_size": config.intermediate_size,
     }
+    if config.kv_lora_rank:  # latent attention splits the query heads; its cache is not split
+        del dims["num_kv_heads"]
     if config.num_experts:
         dims["moe_intermediate_size"] = config.moe_intermediate_size
-    allowed = [d for d in _divisors(config.num_kv_heads) if all(v % d == 0 for v in dims.values())]
+    if config.shared_expert_size:
+        dims["shared_expert_size"] = config.shared_expert_size
+    groups = config.num_heads if config.kv_lora_rank else config.num_kv_heads
+    allowed = [d for d in _divisors(groups) if all(v % d == 0 for v in dims.values())]
     for name, value in dims.items():
         if value % m:
             raise ValueError(

@@ -48,6 +48,7 @@ RULES: dict[str, str | None] = {
     "vocab": None,  # replicated embedding and head (see the module docstring)
     "slots": None,  # cache positions S
     "head_dim": None,  # E
+    "latent": None,  # latent attention's low-rank dims (models/mla.py): every device holds them
 }
 
 # The logical axes of each weight, in the weight's own dimension order.
@@ -68,6 +69,25 @@ LAYER_AXES: dict[str, tuple[str, ...]] = {
     "expert_gate": ("experts", "embed", "ffw"),
     "expert_up": ("experts", "embed", "ffw"),
     "expert_down": ("experts", "ffw", "embed"),
+    "router_bias": ("experts",),
+    "router_score_bias": ("experts",),
+    # The experts' gate and up biases split with their F; the down projections' biases (and o's)
+    # whole on every device, added once after the sum over the model axis (models/llama.py).
+    "expert_gate_bias": ("experts", "ffw"),
+    "expert_up_bias": ("experts", "ffw"),
+    "expert_down_bias": ("experts", "embed"),
+    "shared_gate": ("embed", "ffw"),  # shared experts: split as a dense MLP is
+    "shared_up": ("embed", "ffw"),
+    "shared_down": ("ffw", "embed"),
+    "sinks": ("heads",),  # gpt-oss's sinks split with their query heads
+    "o_bias": ("embed",),
+    # Latent attention: the query and kv_b columns and o's rows by head, the latents replicated.
+    "q_a": ("embed", "latent"),
+    "q_a_norm": ("latent",),
+    "q_b": ("latent", "heads"),
+    "kv_a": ("embed", "latent"),
+    "kv_a_norm": ("latent",),
+    "kv_b": ("latent", "heads"),
 }
 MODEL_AXES: dict[str, tuple[str, ...]] = {
     "embed": ("vocab", "embed"),
@@ -142,7 +162,9 @@ def cache_specs(layout: int | tuple[int | None, ...], tensor_parallel: bool = Tr
     """A KVCache tree of PartitionSpecs: rows on "data", kv heads on "model" (the buffers' merged
     leading axis is split over both: each device holds its rows' entries for its kv heads).
     `layout`: the number of layers (a buffer each), or a cache's `layout` (a stack's buffer has
-    its layers on a leading axis, whole on every device)."""
+    its layers on a leading axis, whole on every device). A latent-attention cache (one entry
+    per row, `KVCache.is_latent`) takes tensor_parallel=False: every device of a model group holds
+    its rows' latents, which all its heads read."""
     keys = logical_to_spec(KEY_CACHE_AXES, tensor_parallel)
     values = logical_to_spec(VALUE_CACHE_AXES, tensor_parallel)
     layout = (None,) * layout if isinstance(layout, int) else layout

@@ -123,6 +123,7 @@ def prefill_attention(
     mask: np.ndarray | None = None,
     positions: jax.Array | None = None,
     window: int | None = None,
+    sinks: jax.Array | None = None,
     implementation: str,
     interpret=False,
     block_q: int | None = None,
@@ -137,6 +138,11 @@ def prefill_attention(
     (t, u) only where positions[b, t] - positions[b, u] < window, b = n // (N // B). The window
     is applied by masking inside the blocks visited (positions are traced values, so which
     blocks it empties is not known when the kernel is built).
+
+    sinks [N, G] float32 (gpt-oss's attention sinks), or None: head g of entry n has one more
+    logit, sinks[n, g], in its softmax, with no value. It starts each query's online softmax (a
+    running max of the sink and a sum of 1), so its weight is taken from the keys' and nothing
+    is added to the output.
 
     Returns out [N, T, G, E] float32; a query that sees no key gets 0. block_q tokens of queries
     and block_k keys per step (capped at T; on TPU block_q a multiple of 8 and block_k of 128,
@@ -168,6 +174,9 @@ def prefill_attention(
                 f"with T = {T} and B dividing N = {N}"
             )
         positions = jnp.asarray(positions).astype(jnp.int32)
+    if sinks is not None:
+        _expect("sinks", sinks, (N, G), "[N, G] (N, G of queries) or None")
+        sinks = jnp.asarray(sinks).astype(jnp.float32)
     block_q, block_k = prefill_blocks(implementation, G, block_q, block_k)
     if implementation != "xla":
         _head_dim(E, implementation, interpret)
@@ -179,7 +188,9 @@ def prefill_attention(
         )
     block_q, block_k = _fit_block(block_q, T, implementation), _fit_block(block_k, T, implementation)
     table = None if mask is None else block_table(mask, block_q, block_k)
-    options = dict(table=table, positions=positions, window=window, block_q=block_q, block_k=block_k)
+    options = dict(
+        table=table, positions=positions, window=window, sinks=sinks, block_q=block_q, block_k=block_k
+    )
     if implementation == "xla":
         return xla.prefill_attention(queries, keys, values, **options)
     run = prefill.tpu_prefill_attention if implementation == "tpu" else prefill.gpu_prefill_attention

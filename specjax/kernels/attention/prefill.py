@@ -8,7 +8,8 @@ Each query block runs an online softmax over the key blocks it needs, listed on 
 (`visits`): under the causal mask, blocks 0 .. the one holding the query block's last token
 (blocks above the diagonal are never read); under a numpy mask, the blocks its BlockTable keeps.
 A sliding window is applied by masking inside the visited blocks: positions are traced values,
-so which blocks the window empties is not known when the kernel is built.
+so which blocks the window empties is not known when the kernel is built. Attention sinks (one
+more logit per head, no value) start each query's online softmax: running max the sink, sum 1.
 
 TPU: one grid step per (entry, query block, visit); the visit list arrives by scalar prefetch
 and picks the key block in the index maps. The step takes the block's tokens for all G heads at
@@ -50,7 +51,9 @@ def visits(table: BlockTable | None, T: int, block_q: int, block_k: int):
 # TPU
 
 
-def tpu_prefill_attention(queries, keys, values, *, table, positions, window, block_q, block_k, interpret):
+def tpu_prefill_attention(
+    queries, keys, values, *, table, positions, window, block_q, block_k, interpret, sinks=None
+):
     """See `specjax.kernels.attention.prefill_attention`."""
     N, T, G, E = queries.shape
     dtype = jnp.result_type(queries, keys, values)
@@ -84,6 +87,9 @@ def tpu_prefill_attention(queries, keys, values, *, table, positions, window, bl
         )
         operands.append(jnp.repeat(positions, G, axis=1)[..., None])  # [B, T*G, 1]: each row's position
         operands.append(positions[:, None, :])  # [B, 1, T]
+    if sinks is not None:  # row r = t*G + g of every query block: head g's sink
+        in_specs.append(pl.BlockSpec((None, rows, 1), lambda n, qi, i, *_: (n, 0, 0)))
+        operands.append(jnp.tile(sinks, (1, block_q))[..., None])  # [N, rows, 1]
     kernel = functools.partial(
         _tpu_kernel,
         G=G,
@@ -92,6 +98,7 @@ def tpu_prefill_attention(queries, keys, values, *, table, positions, window, bl
         block_k=block_k,
         masked=table is not None,
         window=window,
+        sinks=sinks is not None,
     )
     out = pl.pallas_call(
         kernel,
@@ -115,19 +122,24 @@ def tpu_prefill_attention(queries, keys, values, *, table, positions, window, bl
 
 
 def _tpu_kernel(
-    kv_block_ref, count_ref, tile_ref, q_ref, k_ref, v_ref, *refs, G, T, width, block_k, masked, window
+    kv_block_ref, count_ref, tile_ref, q_ref, k_ref, v_ref, *refs, G, T, width, block_k, masked, window, sinks
 ):
     refs = list(refs)
     tile_mask_ref = refs.pop(0) if masked else None
     q_pos_ref, k_pos_ref = (refs.pop(0), refs.pop(0)) if window is not None else (None, None)
+    sinks_ref = refs.pop(0) if sinks else None
     out_ref, m_ref, l_ref, acc_ref = refs
     qi, i = pl.program_id(1), pl.program_id(2)
     rows = q_ref.shape[0]
 
     @pl.when(i == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
-        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        if sinks:  # the sink starts the softmax: a running max of it, a sum of 1
+            m_ref[...] = jnp.broadcast_to(sinks_ref[...], m_ref.shape)
+            l_ref[...] = jnp.ones(l_ref.shape, jnp.float32)
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, NEG, jnp.float32)
+            l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
         acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
     @pl.when(i < count_ref[qi])
@@ -165,7 +177,9 @@ def _tpu_kernel(
 # GPU (Triton)
 
 
-def gpu_prefill_attention(queries, keys, values, *, table, positions, window, block_q, block_k, interpret):
+def gpu_prefill_attention(
+    queries, keys, values, *, table, positions, window, block_q, block_k, interpret, sinks=None
+):
     """See `specjax.kernels.attention.prefill_attention`. Tokens are padded to whole blocks
     (a copy of O(T) elements; the padding keys are zeros and never kept)."""
     N, T, G, E = queries.shape
@@ -196,8 +210,17 @@ def gpu_prefill_attention(queries, keys, values, *, table, positions, window, bl
         padded = jnp.pad(positions, ((0, 0), (0, max(t_q, t_k) - T)))
         in_specs.append(pl.BlockSpec((None, padded.shape[1]), lambda n, g, qi: (lax.div(n, per_row), 0)))
         operands.append(padded)
+    if sinks is not None:  # [N*G, block_q]: head g of entry n's sink at every query of a block
+        in_specs.append(pl.BlockSpec((None, block_q), lambda n, g, qi: (n * G + g, 0)))
+        operands.append(jnp.broadcast_to(sinks.reshape(N * G, 1), (N * G, block_q)))
     kernel = functools.partial(
-        _gpu_kernel, width=width, block_q=block_q, block_k=block_k, masked=table is not None, window=window
+        _gpu_kernel,
+        width=width,
+        block_q=block_q,
+        block_k=block_k,
+        masked=table is not None,
+        window=window,
+        sinks=sinks is not None,
     )
     out = pl.pallas_call(
         kernel,
@@ -213,11 +236,24 @@ def gpu_prefill_attention(queries, keys, values, *, table, positions, window, bl
 
 
 def _gpu_kernel(
-    kv_block_ref, count_ref, tile_ref, q_ref, k_ref, v_ref, *refs, width, block_q, block_k, masked, window
+    kv_block_ref,
+    count_ref,
+    tile_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    *refs,
+    width,
+    block_q,
+    block_k,
+    masked,
+    window,
+    sinks,
 ):
     refs = list(refs)
     tiles_ref = refs.pop(0) if masked else None
     positions_ref = refs.pop(0) if window is not None else None
+    sinks_ref = refs.pop(0) if sinks else None
     (out_ref,) = refs
     qi = pl.program_id(2)
     q = q_ref[...]  # [block_q, E]
@@ -253,5 +289,7 @@ def _gpu_kernel(
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, E), jnp.float32),
     )
+    if sinks:  # the sink starts the softmax: a running max of it, a sum of 1
+        init = (sinks_ref[...], jnp.ones((block_q,), jnp.float32), init[2])
     _, l, acc = lax.fori_loop(0, count_ref[qi], visit, init)
     out_ref[...] = normalized(l, acc)

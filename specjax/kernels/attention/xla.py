@@ -60,7 +60,7 @@ def cache_attention(queries, keys, values, lengths, starts=None, layer=None):
 
 
 def prefill_attention(
-    queries, keys, values, *, table: BlockTable | None, positions, window, block_q, block_k
+    queries, keys, values, *, table: BlockTable | None, positions, window, block_q, block_k, sinks=None
 ):
     """`specjax.kernels.attention.prefill_attention` in plain jnp, blocked as the kernels are:
     a scan over query blocks, and for each an online softmax over the key blocks it needs
@@ -106,6 +106,8 @@ def prefill_attention(
             jnp.zeros((N, G, block_q), jnp.float32),
             jnp.zeros((N, G, block_q, E), jnp.float32),
         )
+        if sinks is not None:  # the sink starts the softmax: a running max of it, a sum of 1
+            init = (jnp.broadcast_to(sinks[:, :, None], (N, G, block_q)), jnp.ones_like(init[1]), init[2])
         if table is None:  # key blocks 0 .. the one holding the block's last token
             count = jnp.minimum(((qi + 1) * block_q + block_k - 1) // block_k, num_k)
         else:
