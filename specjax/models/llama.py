@@ -51,11 +51,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import PanelWeight, backend, pack
-from specjax.kernels.quantized import QuantizedPanelWeight, pack_quantized
+from specjax.kernels.quantized import QuantizedPanelWeight, QuantizedWeight, pack_quantized
 from specjax.models import mla
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
-from specjax.models.quantized import QuantizedWeight
 
 
 @flax.struct.dataclass
