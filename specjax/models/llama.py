@@ -50,6 +50,7 @@ import numpy as np
 from specjax.kernels import PanelWeight, backend, pack
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
+from specjax.models.quantized import QuantizedWeight, as_array
 
 
 @flax.struct.dataclass
@@ -96,7 +97,9 @@ class LlamaParams:
     # One per layer; inside a program that scans layers, runs of them as LayerStacks.
     layers: tuple[LayerParams | LayerStack, ...]
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
+    # [D, V]; None when tied to `embed`, or with a tied head quantized, its quantized copy (the
+    # embedding stays float for token lookups; models/quantized.py)
+    lm_head: jax.Array | QuantizedWeight | None = None
     # The head ([D, V]: lm_head, or embed transposed) as panels for the CPU kernel; set only by
     # with_panel_weights, for decoding on the CPU.
     head_panels: PanelWeight | None = None
@@ -148,10 +151,29 @@ def fuse_qkv(q, k, v, num_kv_heads: int):
     """The fused projection from separate ones: q [..., H*E], k and v [..., K*E] (weights
     [D, .] or biases, numpy or jax) -> [..., K*(G+2)*E], kv head by kv head (see the module
     docstring): the columns of query heads j*G .. j*G+G-1, then of key j, then of value j."""
+    if any(isinstance(w, QuantizedWeight) for w in (q, k, v)):
+        return _fuse_quantized_qkv(q, k, v, num_kv_heads)
     xp = np if isinstance(q, np.ndarray) else jnp
     K, lead = num_kv_heads, q.shape[:-1]
     groups = [x.reshape(*lead, K, -1) for x in (q, k, v)]  # [..., K, G*E], [..., K, E], [..., K, E]
     return xp.concatenate(groups, axis=-1).reshape(*lead, -1)
+
+
+def _fuse_quantized_qkv(q, k, v, num_kv_heads: int):
+    """fuse_qkv of quantized weights: every field's columns fused alike (the columns are each
+    field's last axis). Where the three differ in format (a GGUF Q4_K_M file keeps some layers'
+    v in Q6_K, its q and k in Q4_K), one weight cannot hold them: the fused weight is float32."""
+    parts = (q, k, v)
+    formats = {
+        (w.bits, w.group, w.offsets is None) if isinstance(w, QuantizedWeight) else None for w in parts
+    }
+    if len(formats) > 1 or None in formats:
+        return fuse_qkv(*(np.asarray(as_array(w, jnp.float32)) for w in parts), num_kv_heads)
+    fields = {
+        name: fuse_qkv(*(getattr(w, name) for w in parts), num_kv_heads) for name in ("values", "scales")
+    }
+    offsets = None if q.offsets is None else fuse_qkv(q.offsets, k.offsets, v.offsets, num_kv_heads)
+    return QuantizedWeight(**fields, offsets=offsets, bits=q.bits, group=q.group)
 
 
 def read_fused_qkv(read_q, read_k, read_v, index: tuple[slice, ...], config: LlamaConfig) -> np.ndarray:
@@ -665,7 +687,12 @@ def moe_mlp(config: LlamaConfig, h: jax.Array, lp: LayerParams) -> jax.Array:
 
 
 def _expert_mlp(config: LlamaConfig, x, gate_w, up_w, down_w):
-    return (_activation(config, x @ gate_w) * (x @ up_w)) @ down_w
+    return project(_activation(config, project(x, gate_w)) * project(x, up_w), down_w)
+
+
+def _expert(w, j):
+    """Expert j's weight [D_in, D_out] of a stack of them [X, D_in, D_out] (an array or quantized)."""
+    return jax.tree.map(lambda a: a[j], w)
 
 
 def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParams) -> jax.Array:
@@ -678,14 +705,17 @@ def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParam
         weight = jnp.sum(jnp.where(routed, weights, 0.0), axis=-1)  # [N]
 
         def run(out):
-            y = _expert_mlp(config, x, lp.expert_gate[j], lp.expert_up[j], lp.expert_down[j])
+            weights_j = (_expert(lp.expert_gate, j), _expert(lp.expert_up, j), _expert(lp.expert_down, j))
+            y = _expert_mlp(config, x, *weights_j)
             return out + y.astype(jnp.float32) * weight[:, None]
 
         return jax.lax.cond(jnp.any(routed), run, lambda out: out, out)
 
     # Zeros typed like an expert's output: under shard_map, varying over the same mesh axes as the
     # weights' slices (lax.cond wants both branches, and the loop its carry, of one type).
-    zeros = jnp.zeros_like(x[:, :1] * lp.expert_down[0, :1, :], jnp.float32)  # [N, D]
+    # (A quantized weight's values are split as the weight is, along D_in or D_out.)
+    down = lp.expert_down.values if isinstance(lp.expert_down, QuantizedWeight) else lp.expert_down
+    zeros = jnp.zeros_like(x[:, :1] * down[0, :1, :], jnp.float32)  # [N, D]
     return jax.lax.fori_loop(0, lp.expert_gate.shape[0], add_expert, zeros)
 
 
@@ -697,9 +727,13 @@ def _experts_grouped(config: LlamaConfig, x, weights, experts, lp: LayerParams) 
     order = jnp.argsort(chosen, stable=True)
     sizes = jnp.bincount(chosen, length=lp.expert_gate.shape[0]).astype(jnp.int32)
     rows = x[order // k]
-    gate = jax.lax.ragged_dot(rows, lp.expert_gate, sizes)
-    up = jax.lax.ragged_dot(rows, lp.expert_up, sizes)
-    grouped = jax.lax.ragged_dot(_activation(config, gate) * up, lp.expert_down, sizes)
+    # ragged_dot takes float weights: quantized experts are dequantized here, a float copy of the
+    # layer's expert weights while it runs (the CPU loops over the experts instead, each product
+    # reading its integers).
+    gate_w, up_w, down_w = (as_array(w, x.dtype) for w in (lp.expert_gate, lp.expert_up, lp.expert_down))
+    gate = jax.lax.ragged_dot(rows, gate_w, sizes)
+    up = jax.lax.ragged_dot(rows, up_w, sizes)
+    grouped = jax.lax.ragged_dot(_activation(config, gate) * up, down_w, sizes)
     out = jnp.zeros_like(grouped).at[order].set(grouped)  # back in assignment order
     return jnp.sum(out.reshape(N, k, -1).astype(jnp.float32) * weights[..., None], axis=1)
 
@@ -820,9 +854,12 @@ def with_panel_weights(params: LlamaParams) -> LlamaParams:
     which `project` multiplies with the CPU decoding kernel, and a panel copy of the LM head for
     `lm_head` (the [V, D] embedding stays for token lookups). For inference on the CPU only: the
     kernel has no gradient and no sharding rule, and it computes in float32 (`generate` packs
-    float32 models only). A mixture of experts' weights stay as they are (see `moe_mlp`)."""
+    float32 models only). A mixture of experts' weights stay as they are (see `moe_mlp`), and so do
+    quantized weights (models/quantized.py), which the backend's products read as they are."""
     layers = tuple(panel_layer(layer) for layer in params.layers)
     head = params.embed.T if params.lm_head is None else params.lm_head
+    if isinstance(head, QuantizedWeight):  # its product reads the integers (the backend's matmul)
+        return params.replace(layers=layers)
     return params.replace(layers=layers, head_panels=pack(head))
 
 
@@ -830,7 +867,11 @@ def panel_layer(layer: LayerParams) -> LayerParams:
     """One layer with its projection weights as panels (see `with_panel_weights`); a trained
     head's layers take the same form for drafting on the CPU."""
     return layer.replace(
-        **{name: pack(getattr(layer, name)) for name in PANEL_FIELDS if getattr(layer, name) is not None}
+        **{
+            name: pack(getattr(layer, name))
+            for name in PANEL_FIELDS
+            if getattr(layer, name) is not None and not isinstance(getattr(layer, name), QuantizedWeight)
+        }
     )
 
 
