@@ -537,7 +537,14 @@ def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
         )
 
 
-def load(source, dtype: Any = "float32", cache_dir=None, mesh=None) -> Model:
+def load(
+    source,
+    dtype: Any = "float32",
+    cache_dir=None,
+    mesh=None,
+    quantization: str | None = None,
+    group_size: int | None = None,
+) -> Model:
     """Load a model with its tokenizer (`specjax.models.load`), placed on `mesh` when given one.
 
     source: a built-in name (e.g. "smollm2-135m"), an HF checkpoint folder (`config.json` +
@@ -549,16 +556,29 @@ def load(source, dtype: Any = "float32", cache_dir=None, mesh=None) -> Model:
         each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
         process reads from the checkpoint only the slices its own devices hold. The model's heads
         and ffw size must divide the mesh's model axis.
+    quantization: None (float weights), "gguf" (keep a .gguf file's blocks: Q8_0, Q4_0, Q4_1,
+        Q4_K, Q6_K), "int8" or "int4" (quantize the projections and the LM head at load, from
+        any source); `group_size`: int4's groups, 32 (default) or 128. See docs/models.md,
+        "Quantized weights".
     """
     if mesh is None:
-        return models.load(source, dtype=dtype, cache_dir=cache_dir)
+        return models.load(
+            source, dtype=dtype, cache_dir=cache_dir, quantization=quantization, group_size=group_size
+        )
     sharding.check_mesh(mesh)
 
     def placer_for(config):
         sharding.check_model_split(mesh, config)  # before any weight is read
         return sharding.slice_placer(config, mesh)  # this process reads only its devices' slices
 
-    return models.load(source, dtype=dtype, cache_dir=cache_dir, placer_for=placer_for)
+    return models.load(
+        source,
+        dtype=dtype,
+        cache_dir=cache_dir,
+        placer_for=placer_for,
+        quantization=quantization,
+        group_size=group_size,
+    )
 
 
 def generate(
