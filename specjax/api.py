@@ -522,8 +522,8 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
-    needed, available = memory_bytes(spec), available_memory_bytes()
+def _check_memory(spec: LoopSpec, max_new_tokens: int, params=None) -> None:
+    needed, available = memory_bytes(spec, params), available_memory_bytes()
     if spec.mesh is not None:  # rows and caches split over the data axis; an upper bound per device
         needed //= sharding.data_degree(spec.mesh)
     if available is not None and needed > available:
@@ -768,7 +768,7 @@ def prepare(
         backend=backend,
     )
     if platforms is None:  # (an exported program's device is not this one)
-        _check_memory(spec, max_new_tokens)
+        _check_memory(spec, max_new_tokens, model.params)
     padded = np.zeros((B, bucket), np.int32)
     for b, row in enumerate(rows):
         padded[b, : len(row)] = row

@@ -73,7 +73,7 @@ def mesh_forward_hidden(
 
     if mesh is None:
         return local(params, tokens, positions, cache)
-    params_spec = params_specs_like(params, config, tensor_parallel)
+    params_spec = params_specs_like(params, config, tensor_parallel, mesh)
     cache_spec = cache_specs(cache.layout, tensor_parallel)
     written_spec = cache_spec if write else fresh_specs(cache.layout, tensor_parallel)
     rows = row_spec()
