@@ -298,7 +298,10 @@ def test_scanned_and_unrolled_layers_give_the_same_logits(kind):
         on = backends.Backend(("cpu",), kernels="xla", scan_layers=scan)
         with on.tracing():
             params = specjax.models.llama.stack_layers(model.params, target.config) if scan else model.params
-            got, _, _ = jax.jit(forward, static_argnums=1)(params, target.config, tokens, positions, cache)
+            layered_cache = init_cache(target.config, 2, 16, like=params.layers)
+            got, _, _ = jax.jit(forward, static_argnums=1)(
+                params, target.config, tokens, positions, layered_cache
+            )
         assert_close(got, want, rtol=1e-5)
     generated = specjax.generate(model, PROMPTS, max_new_tokens=8, scan_layers=True, kernels="xla").tokens
     assert generated == specjax.generate(model, PROMPTS, max_new_tokens=8).tokens
@@ -353,7 +356,7 @@ def test_a_quantized_model_on_a_mesh_equals_one_device():
     """Scales split with their weights: columns of qkv, gate and up on the model axis, rows of o
     and down with their groups (int4) or one replicated group (int8)."""
     mesh = specjax.sharding.make_mesh(data=1, model=2)
-    target = LAYERED()
+    target = layered_target(seed=21, num_layers=2, intermediate_size=128)  # down: 4 groups of 32
     for kind in ("int8", "int4"):
         model = quantized(target, kind)
         params = specjax.sharding.shard_params(model.params, model.config, mesh)
@@ -377,7 +380,7 @@ def test_groups_that_do_not_split_evenly_are_refused():
 def test_gguf_blocks_load_onto_a_mesh(tmp_path):
     """A GGUF written with gguf-py (Q8_0 and Q4_0 projections) loaded with its blocks onto a mesh
     equals its load on one device."""
-    path = write_tiny_gguf(tmp_path, tiny_model(seed=7))
+    path = write_tiny_gguf(tmp_path, tiny_model(seed=7, intermediate_size=128))
     mesh = specjax.sharding.make_mesh(data=1, model=2)
     one = specjax.load(path, quantization="gguf")
     split = specjax.load(path, quantization="gguf", mesh=mesh)
@@ -422,7 +425,7 @@ def write_tiny_gguf(tmp_path, model: Model):
             writer.add_tensor(name, w)
         else:
             qtype = gguf.GGMLQuantizationType[kind]
-            writer.add_tensor(name, gguf_quantize(w, qtype), raw_shape=w.shape, raw_dtype=qtype)
+            writer.add_tensor(name, gguf_quantize(w, qtype), raw_dtype=qtype)
 
     add("token_embd.weight", p.embed, "F32")
     add("output_norm.weight", p.final_norm, "F32")
@@ -448,7 +451,7 @@ def write_tiny_gguf(tmp_path, model: Model):
 def test_a_gguf_with_blocks_equals_its_float32_load(tmp_path):
     """The blocks kept (read from the file, no cache) give the float32 load's logits, the GGUF's
     dequantized weights: q and k's columns come back in HF's rotary order."""
-    path = write_tiny_gguf(tmp_path, tiny_model(seed=7))
+    path = write_tiny_gguf(tmp_path, tiny_model(seed=7, intermediate_size=128))
     blocks = specjax.load(path, quantization="gguf", cache_dir=tmp_path / "cache")
     assert not (tmp_path / "cache").exists()
     plain = specjax.load(path, cache_dir=tmp_path / "cache")
@@ -465,7 +468,7 @@ def test_a_gguf_with_blocks_equals_its_float32_load(tmp_path):
 
 
 def test_an_unkept_gguf_type_is_dequantized_with_a_warning(tmp_path, monkeypatch):
-    path = write_tiny_gguf(tmp_path, tiny_model(seed=7))
+    path = write_tiny_gguf(tmp_path, tiny_model(seed=7, intermediate_size=128))
     monkeypatch.setattr(specjax.models.gguf_loader, "GGUF_FORMATS", ("Q8_0",))  # as if Q4_0 were not kept
     with pytest.warns(UserWarning, match="tensor blk.0.attn_q.weight is Q4_0, which specjax does not keep"):
         model = specjax.load(path, quantization="gguf")

@@ -159,7 +159,8 @@ def quantized_spec(spec: P, weight: QuantizedWeight, mesh: Mesh | None) -> Quant
         if groups != 1:
             raise ValueError(
                 f"a quantized weight of shape {weight.shape} has {groups} groups of {weight.group} "
-                f"inputs, which do not split evenly over the {parts} devices its rows are split on"
+                f"inputs, which do not split evenly over the {parts} devices its rows are split on; "
+                "quantize with groups that do (int4's group_size) or use another model degree"
             )
         scales = P(*lead, None, columns)
     offsets = None if weight.offsets is None else scales
