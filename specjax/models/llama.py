@@ -867,12 +867,14 @@ def panel_layer(layer: LayerParams) -> LayerParams:
     """One layer with its projection weights as panels (see `with_panel_weights`); a trained
     head's layers take the same form for drafting on the CPU."""
     return layer.replace(
-        **{
-            name: pack(getattr(layer, name))
-            for name in PANEL_FIELDS
-            if getattr(layer, name) is not None and not isinstance(getattr(layer, name), QuantizedWeight)
-        }
+        **{name: panels_of(getattr(layer, name)) for name in PANEL_FIELDS if getattr(layer, name) is not None}
     )
+
+
+def panels_of(w):
+    """A float weight [D_in, D_out] as panels for the CPU kernel (`pack`); a quantized one as it
+    is, its products reading the integers (the backend's matmul; models/quantized.py)."""
+    return w if isinstance(w, QuantizedWeight) else pack(w)
 
 
 def _identity(x: jax.Array) -> jax.Array:
