@@ -396,9 +396,26 @@ def test_gguf_blocks_load_onto_a_mesh(tmp_path):
     assert tokens == specjax.generate(one, PROMPTS, max_new_tokens=6).tokens
 
 
-def write_tiny_gguf(tmp_path, model: Model):
-    """A llama GGUF of a tiny model: attention projections in Q4_0, the MLP's in Q8_0, norms F32,
-    an untied head in Q8_0 (no tokenizer). q and k rows are permuted as llama.cpp stores them."""
+def test_int4_loads_onto_a_mesh(tmp_path):
+    """An HF folder quantized at load onto a mesh (a tied head's quantized copy replicated) equals
+    its load on one device, placed."""
+    save_hf_folder(tiny_model(seed=2, intermediate_size=128, tie_word_embeddings=True), tmp_path)
+    mesh = specjax.sharding.make_mesh(data=1, model=2)
+    one = specjax.load(tmp_path, quantization="int4")
+    split = specjax.load(tmp_path, quantization="int4", mesh=mesh)
+    for got, want in zip(jax.tree.leaves(split.params), jax.tree.leaves(one.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    down = split.params.layers[0].down  # rows split with their groups: 4 groups of 32 over 2
+    assert down.scales.addressable_shards[0].data.shape == (2, down.shape[1])
+    assert split.params.lm_head.values.addressable_shards[0].data.shape == split.params.lm_head.values.shape
+    tokens = specjax.generate(split, PROMPTS, max_new_tokens=6, mesh=mesh).tokens
+    assert tokens == specjax.generate(one, PROMPTS, max_new_tokens=6).tokens
+
+
+def write_tiny_gguf(tmp_path, model: Model, v_type: str = "Q4_0"):
+    """A llama GGUF of a tiny model: attention projections in Q4_0 (v in `v_type`), the MLP's in
+    Q8_0, norms F32, an untied head in Q8_0 (no tokenizer). q and k rows are permuted as
+    llama.cpp stores them."""
     from specjax.models.gguf_loader import unpermute_rotary_rows
     from specjax.models.llama import split_qkv
 
@@ -437,7 +454,7 @@ def write_tiny_gguf(tmp_path, model: Model):
         add(f"blk.{i}.ffn_norm.weight", layer.mlp_norm, "F32")
         add(f"blk.{i}.attn_q.weight", permute(q, c.num_heads), "Q4_0")
         add(f"blk.{i}.attn_k.weight", permute(k, c.num_kv_heads), "Q4_0")
-        add(f"blk.{i}.attn_v.weight", v, "Q4_0")
+        add(f"blk.{i}.attn_v.weight", v, v_type)
         add(f"blk.{i}.attn_output.weight", np.asarray(layer.o).T, "Q4_0")
         for name, w in (("ffn_gate", layer.gate), ("ffn_up", layer.up), ("ffn_down", layer.down)):
             add(f"blk.{i}.{name}.weight", np.asarray(w).T, "Q8_0")
@@ -523,3 +540,63 @@ def test_the_builtin_model_with_blocks_gives_the_float32_models_tokens():
         specjax.generate(blocks, prompts, max_new_tokens=24).tokens
         == specjax.generate(plain, prompts, max_new_tokens=24).tokens
     )
+
+
+def test_mixed_qkv_types_fuse_to_float32(tmp_path):
+    """A layer whose v is stored in another type than q and k (as Q4_K_M keeps some layers' v in
+    Q6_K) cannot fuse into one quantized weight: its qkv is the float32 of the three, exactly."""
+    path = write_tiny_gguf(tmp_path, tiny_model(seed=7, intermediate_size=128), v_type="Q8_0")
+    blocks = specjax.load(path, quantization="gguf")
+    plain = specjax.load(path, cache_dir=tmp_path / "cache")
+    qkv = blocks.params.layers[0].qkv
+    assert not isinstance(qkv, QuantizedWeight) and qkv.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(qkv), np.asarray(plain.params.layers[0].qkv))
+    assert isinstance(blocks.params.layers[0].o, QuantizedWeight)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen3_moe",
+        pytest.param("gemma3", marks=pytest.mark.slow),
+        pytest.param("mixtral", marks=pytest.mark.slow),
+    ],
+)
+def test_gguf_families_keep_their_blocks(name, tmp_path):
+    """GGUF files of other architectures written as llama.cpp's converter writes them
+    (tests/test_gguf_families.py), their matrices in Q8_0 and Q4_1 (experts [X, out, in] too):
+    loaded with their blocks, the logits equal the float32 load's (the dequantized file)."""
+    import json
+
+    import test_gguf_families as families_gguf
+
+    case = families_gguf.CASES[name]
+    families_gguf.build_folder(case, tmp_path / "hf")
+    hp = json.loads((tmp_path / "hf" / "config.json").read_text())
+    path = tmp_path / f"{name}.gguf"
+    writer = gguf.GGUFWriter(str(path), case.arch)
+    families_gguf._write_metadata(writer, hp, case, "layer_types")
+    for i, (tensor, array) in enumerate(
+        families_gguf._converted_tensors(hp, tmp_path / "hf", case.arch).items()
+    ):
+        if array.ndim >= 2 and array.shape[-1] % 32 == 0 and tensor != "token_embd.weight":
+            kind = gguf.GGMLQuantizationType.Q8_0 if i % 2 else gguf.GGMLQuantizationType.Q4_1
+            writer.add_tensor(tensor, gguf_quantize(array, kind), raw_dtype=kind)
+        else:
+            writer.add_tensor(tensor, array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    blocks = specjax.load(path, quantization="gguf")
+    plain = specjax.load(path, cache_dir=tmp_path / "cache")
+    kept = [w for w in jax.tree.leaves(blocks.params, is_leaf=lambda w: isinstance(w, QuantizedWeight))]
+    assert sum(isinstance(w, QuantizedWeight) for w in kept) >= blocks.config.num_layers
+    if blocks.config.num_experts:
+        assert isinstance(blocks.params.layers[0].expert_down, QuantizedWeight)
+    tokens = jnp.asarray([PROMPTS[0]])
+    cache = init_cache(plain.config, 1, 16)
+    want, _, _ = forward(plain.params, plain.config, tokens, jnp.arange(8)[None], cache)
+    got, _, _ = forward(blocks.params, blocks.config, tokens, jnp.arange(8)[None], cache)
+    assert_close(got, want)
