@@ -600,3 +600,34 @@ def test_gguf_families_keep_their_blocks(name, tmp_path):
     want, _, _ = forward(plain.params, plain.config, tokens, jnp.arange(8)[None], cache)
     got, _, _ = forward(blocks.params, blocks.config, tokens, jnp.arange(8)[None], cache)
     assert_close(got, want)
+
+
+@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32), ("int4", 128)])
+def test_estimate_memory_counts_the_quantized_sizes(kind, group):
+    """estimate_memory's weights are the bytes `load(quantization=...)` places: untied and tied
+    (whose head's quantized copy sits beside the float embedding), on one device and split."""
+    for tied in (False, True):
+        model = tiny_model(seed=1, hidden_size=128, intermediate_size=256, tie_word_embeddings=tied)
+        params = quantize_params(model.params, kind, group)
+        estimate = specjax.estimate_memory(
+            model.config, 1, 64, dtype="float32", quantization=kind, group_size=group
+        )
+        assert estimate.weights == nbytes(params)
+        mesh = specjax.sharding.make_mesh(data=1, model=2)
+        placed = specjax.sharding.shard_params(params, model.config, mesh)
+        per_device = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(placed))
+        split = specjax.estimate_memory(
+            model.config, 1, 64, dtype="float32", mesh=mesh, quantization=kind, group_size=group
+        )
+        assert split.weights == per_device
+
+
+def test_the_memory_check_counts_the_quantized_stacked_copy():
+    from specjax import api
+    from specjax.speculate.loop import memory_bytes
+
+    model = quantized(LAYERED(), "int4")
+    scanned = api.prepare(model, PROMPTS, max_new_tokens=8, scan_layers=True, kernels="xla")
+    unrolled = api.prepare(model, PROMPTS, max_new_tokens=8, scan_layers=False, kernels="xla")
+    stacked = memory_bytes(scanned.spec, model.params) - memory_bytes(unrolled.spec, model.params)
+    assert stacked == nbytes(model.params.layers) < nbytes(LAYERED().params.layers) / 4
