@@ -631,3 +631,15 @@ def test_the_memory_check_counts_the_quantized_stacked_copy():
     unrolled = api.prepare(model, PROMPTS, max_new_tokens=8, scan_layers=False, kernels="xla")
     stacked = memory_bytes(scanned.spec, model.params) - memory_bytes(unrolled.spec, model.params)
     assert stacked == nbytes(model.params.layers) < nbytes(LAYERED().params.layers) / 4
+
+
+def test_a_bfloat16_model_with_int8_weights(tmp_path):
+    """Activations in bfloat16, the integers dequantized to bfloat16 in the products, the head's
+    product accumulated in float32: speculative greedy equals plain."""
+    save_hf_folder(tiny_model(seed=4), tmp_path)
+    model = specjax.load(tmp_path, dtype="bfloat16", quantization="int8")
+    assert model.params.dtype == jnp.bfloat16 and model.params.layers[0].qkv.scales.dtype == jnp.float32
+    plain = specjax.generate(model, PROMPTS, max_new_tokens=8)
+    assert (
+        specjax.generate(model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8).tokens == plain.tokens
+    )

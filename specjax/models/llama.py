@@ -1092,10 +1092,11 @@ def _stacked_layers(
 
 def stack_layers(params: LlamaParams, config: LlamaConfig) -> LlamaParams:
     """`params` with each run of two or more consecutive layers with weights of the same shapes
-    (dense and expert layers apart) as one `LayerStack`, whatever their windows and rotary bases
-    (`decoder_layers` switches on those per layer). For a program that scans layers (the
-    backend's `scans_layers`), called once before its loop: the stacks are a copy of the layers'
-    weights, made once per call, not per step."""
+    and formats (dense and expert layers apart; a quantized weight's bits and group are part of
+    its structure, so a GGUF's Q4_K and Q6_K layers stack apart) as one `LayerStack`, whatever
+    their windows and rotary bases (`decoder_layers` switches on those per layer). For a program
+    that scans layers (the backend's `scans_layers`), called once before its loop: the stacks are
+    a copy of the layers' weights, made once per call, not per step."""
     if any(isinstance(element, LayerStack) for element in params.layers):
         return params
 

@@ -19,6 +19,13 @@ load, exactly in float32 (a float16 times a 6- or 8-bit integer). Activations, n
 sampling stay in float: only the products read the integers (specjax/kernels/backend.py).
 
 A stacked layer (models/llama.py, LayerStack) carries a leading axis on every field.
+
+Here: the layout and `dequantize`; `xla_product`, the product the backend's seam runs for a
+QuantizedWeight (measured against a grouped form); `quantize` ("int8", "int4") and
+`quantize_params` for float weights; `from_gguf`, a GGUF tensor's blocks (Q8_0, Q4_0, Q4_1, Q4_K,
+Q6_K) decoded as the format defines them, without gguf-py. Loading (`specjax.load(quantization=)`)
+is models/checkpoint.py's and models/gguf_loader.py's; sharding splits scales with their weights
+(sharding/specs.py, `quantized_spec`).
 """
 
 from __future__ import annotations
