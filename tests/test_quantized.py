@@ -643,3 +643,11 @@ def test_a_bfloat16_model_with_int8_weights(tmp_path):
     assert (
         specjax.generate(model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8).tokens == plain.tokens
     )
+
+
+def test_int4_groups_that_do_not_divide_a_weight_are_named_before_reading():
+    # SmolLM2's hidden size, 576, is no multiple of 128.
+    with pytest.raises(
+        ValueError, match=r"group_size=128: the groups do not divide the inputs of \['layers.0.q"
+    ):
+        specjax.load("smollm2-135m", quantization="int4", group_size=128)

@@ -151,6 +151,8 @@ def params_from_tensors(
     group = check_quantization(quantization, group_size)
     check_tensors(config, tensors, source)
     target = np.dtype(jnp.dtype(dtype_name(dtype)))
+    if quantization == "int4":
+        _check_groups(config, group, source)
     weights = _HostWeights(
         config, tensors, target, quantization if quantization in ("int8", "int4") else None, group
     )
@@ -173,6 +175,24 @@ def params_from_tensors(
         final_norm=put("final_norm", weights.read("final_norm")),
         lm_head=None if head is None else put("lm_head", head),
     )
+
+
+def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
+    """int4's groups must divide the inputs of every weight quantized: a ValueError naming those
+    they do not, before anything is read."""
+    shapes = expected_shapes(config) | {"lm_head": (config.hidden_size, config.vocab_size)}
+    bad = [
+        f"{name} ({shape[-2]} inputs)"
+        for name, shape in shapes.items()
+        if (name == "lm_head" or name.rsplit(".", 1)[-1] in PROJECTIONS) and shape[-2] % group
+    ]
+    if bad:
+        raise ValueError(
+            f"load: quantization='int4' with group_size={group}: the groups do not divide the inputs of "
+            f"{_first(bad)} in {source}; use group_size=32"
+            if group != 32
+            else f"load: int4 groups of 32 do not divide the inputs of {_first(bad)} in {source}"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
