@@ -187,11 +187,10 @@ def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
         if (name == "lm_head" or name.rsplit(".", 1)[-1] in PROJECTIONS) and shape[-2] % group
     ]
     if bad:
+        hint = "; use group_size=32" if group != 32 else ""
         raise ValueError(
-            f"load: quantization='int4' with group_size={group}: the groups do not divide the inputs of "
-            f"{_first(bad)} in {source}; use group_size=32"
-            if group != 32
-            else f"load: int4 groups of 32 do not divide the inputs of {_first(bad)} in {source}"
+            f"load: quantization='int4' with group_size={group}: the groups do not divide the inputs "
+            f"of {_first(bad)} in {source}{hint}"
         )
 
 

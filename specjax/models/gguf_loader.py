@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models.checkpoint import check_tensors, expected_shapes, params_from_tensors
+from specjax.models.checkpoint import PROJECTIONS, check_tensors, expected_shapes, params_from_tensors
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.llama import LlamaParams
 from specjax.models.quantized import GGUF_FORMATS, from_gguf
@@ -452,19 +452,7 @@ def _in_our_layout(value: LazyTensor, ours: str, config: LlamaConfig, permuted: 
 
 
 # Our names (after the layer prefix) of the weights kept as blocks: the projections and the head.
-_BLOCK_WEIGHTS = (
-    "q",
-    "k",
-    "v",
-    "o",
-    "gate",
-    "up",
-    "down",
-    "expert_gate",
-    "expert_up",
-    "expert_down",
-    "lm_head",
-)
+_BLOCK_WEIGHTS = (*PROJECTIONS, "lm_head")
 _FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
