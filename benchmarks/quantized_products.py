@@ -25,8 +25,7 @@ import numpy as np
 from common import machine, markdown_table, median_time
 
 from specjax import kernels
-from specjax.kernels.quantized import pack_quantized, quantized_panel_matmul
-from specjax.models.quantized import QuantizedWeight, dequantize
+from specjax.kernels.quantized import QuantizedWeight, dequantize, pack_quantized, quantized_panel_matmul
 
 SHAPES = {  # SmolLM2-135M: [D_in, D_out] of each product
     "qkv": (576, 960),

@@ -528,8 +528,8 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
-    needed, available = memory_bytes(spec), available_memory_bytes()
+def _check_memory(spec: LoopSpec, max_new_tokens: int, params=None) -> None:
+    needed, available = memory_bytes(spec, params), available_memory_bytes()
     if spec.mesh is not None:  # rows and caches split over the data axis; an upper bound per device
         needed //= sharding.data_degree(spec.mesh)
     if available is not None and needed > available:
@@ -543,7 +543,15 @@ def _check_memory(spec: LoopSpec, max_new_tokens: int) -> None:
         )
 
 
-def load(source, dtype: Any = "float32", cache_dir=None, mesh=None, tokenizer=None) -> Model:
+def load(
+    source,
+    dtype: Any = "float32",
+    cache_dir=None,
+    mesh=None,
+    quantization: str | None = None,
+    group_size: int | None = None,
+    tokenizer=None,
+) -> Model:
     """Load a model with its tokenizer (`specjax.models.load`), placed on `mesh` when given one.
 
     source: a built-in name (e.g. "smollm2-135m"), an HF checkpoint folder (`config.json` +
@@ -555,19 +563,24 @@ def load(source, dtype: Any = "float32", cache_dir=None, mesh=None, tokenizer=No
         each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
         process reads from the checkpoint only the slices its own devices hold. The model's heads
         and ffw size must divide the mesh's model axis.
+    quantization: None (float weights), "gguf" (keep a .gguf file's blocks: Q8_0, Q4_0, Q4_1,
+        Q4_K, Q6_K), "int8" or "int4" (quantize the projections and the LM head at load, from
+        any source); `group_size`: int4's groups, 32 (default) or 128. See docs/models.md,
+        "Quantized weights".
     tokenizer: an HF tokenizer to use instead of the source's own: for a GGUF whose tokenizer
         specjax does not rebuild (a ValueError names it), e.g.
         `transformers.AutoTokenizer.from_pretrained("the HF repo")`. Its ids must be the model's.
     """
+    options = dict(dtype=dtype, cache_dir=cache_dir, quantization=quantization, group_size=group_size)
     if mesh is None:
-        return models.load(source, dtype=dtype, cache_dir=cache_dir, tokenizer=tokenizer)
+        return models.load(source, **options, tokenizer=tokenizer)
     sharding.check_mesh(mesh)
 
     def placer_for(config):
         sharding.check_model_split(mesh, config)  # before any weight is read
         return sharding.slice_placer(config, mesh)  # this process reads only its devices' slices
 
-    return models.load(source, dtype=dtype, cache_dir=cache_dir, placer_for=placer_for, tokenizer=tokenizer)
+    return models.load(source, **options, placer_for=placer_for, tokenizer=tokenizer)
 
 
 def generate(
@@ -757,7 +770,7 @@ def prepare(
         backend=backend,
     )
     if platforms is None:  # (an exported program's device is not this one)
-        _check_memory(spec, max_new_tokens)
+        _check_memory(spec, max_new_tokens, model.params)
     padded = np.zeros((B, bucket), np.int32)
     for b, row in enumerate(rows):
         padded[b, : len(row)] = row

@@ -4,7 +4,9 @@ needs for an 8B or a 70B model with a given cache, per device of a mesh.
 The figures follow from the same tables the library places and allocates with: every weight's
 shape (`models.llama.param_shapes`) divided over the mesh axes its PartitionSpec splits it on
 (`sharding.param_specs`), and the cache's layout (`models.cache`), split by rows over "data" and
-by kv heads over "model". docs/models.md calls `estimate_memory` for its tables.
+by kv heads over "model". docs/models.md calls `estimate_memory` for its tables. With
+`quantization` ("int8", "int4"), the projections and the LM head count at their quantized size
+(models/quantized.py: the integers, and a float32 scale, and for int4 an offset, per group).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from specjax import sharding
 from specjax.models.checkpoint import dtype_name, flatten
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import param_shapes
+from specjax.models.quantized import PROJECTIONS, check_quantization
 from specjax.sharding.mesh import DATA, MODEL
+from specjax.sharding.specs import MODEL_AXES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +61,8 @@ def estimate_memory(
     mesh: Any = None,
     cache_dtype: Any = None,
     num_speculative_tokens: int = 0,
+    quantization: str | None = None,
+    group_size: int | None = None,
 ) -> MemoryEstimate:
     """Device memory per device for `config` in `dtype` decoding `batch_size` rows of up to
     `max_len` tokens (prompt and output; the cache holds that many slots per row).
@@ -64,8 +70,21 @@ def estimate_memory(
     mesh: None (one device), a jax Mesh from `specjax.sharding.make_mesh`, or the degrees as a
         dict {"data": d, "model": m}, to plan for devices this machine does not have.
     cache_dtype: default `dtype`. num_speculative_tokens: k, for the verify pass's logits.
+    quantization: None, "int8" or "int4" (groups of `group_size`, default 32), as
+        `specjax.load(quantization=...)` makes them: the projections and the LM head quantized
+        (a tied head adds its quantized copy beside the float embedding). A GGUF's own blocks
+        ("gguf") vary by file: load it and count them (`specjax.models.quantized.nbytes`).
     """
     itemsize = jnp.dtype(dtype_name(dtype)).itemsize
+    if quantization == "gguf":
+        raise ValueError(
+            "estimate_memory: quantization='gguf' depends on the file's own types; pass None, 'int8' or "
+            "'int4', or load the file and count its weights (specjax.models.quantized.nbytes)"
+        )
+    try:
+        group = check_quantization(quantization, group_size)
+    except ValueError as error:
+        raise ValueError(f"estimate_memory: {error}") from None
     cache_size = jnp.dtype(dtype_name(cache_dtype or dtype)).itemsize
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -79,12 +98,37 @@ def estimate_memory(
             f"and {config.num_kv_heads} kv heads"
         )
     shapes, specs = flatten(param_shapes(config)), flatten(sharding.param_specs(config))
-    weights = sum(math.prod(shape) // _split(specs[name], degrees) for name, shape in shapes.items())
+    if quantization is not None and config.tie_word_embeddings:  # the head's quantized copy
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+        specs["lm_head"] = sharding.logical_to_spec(MODEL_AXES["lm_head"])
+    weights = 0
+    for name, shape in shapes.items():
+        short = name.rsplit(".", 1)[-1]
+        if quantization is not None and (short in PROJECTIONS or name == "lm_head"):
+            weights += _quantized_bytes(shape, quantization, group, specs[name], degrees)
+        else:
+            weights += math.prod(shape) // _split(specs[name], degrees) * itemsize
     rows = -(-batch_size // data)
     per_token = config.cache_token_size // (model if split_kv else 1)
     kv_cache = config.num_layers * rows * per_token * max_len * cache_size
     logits = 3 * rows * (num_speculative_tokens + 1) * config.vocab_size * 4
-    return MemoryEstimate(weights * itemsize, kv_cache, logits, data, model)
+    return MemoryEstimate(weights, kv_cache, logits, data, model)
+
+
+def _quantized_bytes(shape, kind: str, group: int | None, spec: P, degrees: dict[str, int]) -> int:
+    """Bytes per device of a weight [..., D_in, D_out] quantized `kind`: int8 or 4-bit values split
+    as the weight, float32 scales (and int4's offsets) per group, replicated along D_in where one
+    group spans the rows (int8) split over devices (sharding.specs.quantized_spec)."""
+    *lead, d_in, d_out = shape
+    bits, group = (8, d_in) if kind == "int8" else (4, group)
+    values = math.prod(shape) * bits // 8 // _split(spec, degrees)
+    groups = math.prod(lead) * (d_in // group) * d_out * (1 if kind == "int8" else 2)
+    rows = tuple(spec)[len(lead)] if len(tuple(spec)) > len(lead) else None
+    row_parts = _split(P(rows), degrees) if rows is not None else 1
+    scale_split = (
+        _split(spec, degrees) if d_in // group % row_parts == 0 else _split(spec, degrees) // row_parts
+    )
+    return values + groups * 4 // scale_split
 
 
 def _degrees(mesh) -> dict[str, int]:

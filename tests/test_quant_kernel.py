@@ -13,13 +13,14 @@ from tiny import tiny_model
 from specjax import kernels
 from specjax.kernels.quantized import (
     QuantizedPanelWeight,
+    QuantizedWeight,
+    dequantize,
     pack_quantized,
     quantized_panel_matmul,
     unpack_quantized,
 )
 from specjax.models import forward, init_cache
 from specjax.models.llama import PANEL_FIELDS, lm_head, with_panel_weights
-from specjax.models.quantized import QuantizedWeight, dequantize
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -35,7 +35,12 @@ import jax.interpreters.mlir
 import jax.numpy as jnp
 
 from specjax import kernels as cpu_kernels
-from specjax.kernels.quantized import QuantizedPanelWeight, quantized_panel_matmul
+from specjax.kernels.quantized import (
+    QuantizedPanelWeight,
+    QuantizedWeight,
+    quantized_panel_matmul,
+    xla_product,
+)
 
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")  # names jax.export lowers for
 ACCELERATORS = ("cuda", "tpu")  # the platforms with Pallas kernels here
@@ -129,8 +134,9 @@ class Backend:
     # -- what model code asks ---------------------------------------------------------------
 
     def matmul(self, x: jax.Array, w) -> jax.Array:
-        """x [..., D_in] @ w [D_in, D_out] (`w` an array, or panels for the CPU kernels: float32
-        ones, or quantized ones).
+        """x [..., D_in] @ w [D_in, D_out] (`w` an array, panels for the CPU kernels: float32 ones
+        or quantized ones, or a QuantizedWeight: its integers dequantized inside the product,
+        `quantized.xla_product`).
 
         On the CPU, one or two rows (a batch of one decoding, or a verify pass with k = 1) go as
         two half-products over the two halves of D_in, summed, one row at a time: XLA:CPU runs
@@ -144,6 +150,8 @@ class Backend:
             return cpu_kernels.panel_matmul(x, w)
         if isinstance(w, QuantizedPanelWeight):
             return quantized_panel_matmul(x, w).astype(x.dtype)
+        if isinstance(w, QuantizedWeight):
+            return xla_product(x, w)
         rows = math.prod(x.shape[:-1])
         d_in, d_out = w.shape
         if not self.cpu_only or not 0 < rows <= 2 or d_in % 2 or w.dtype != jnp.float32:
@@ -155,11 +163,14 @@ class Backend:
 
     def product_f32(self, x: jax.Array, w) -> jax.Array:
         """x [N, D_in] @ w [D_in, D_out] accumulated and returned in float32 (an LM head's
-        logits): panels through the CPU kernels, else one plain product."""
+        logits): panels through the CPU kernels, a QuantizedWeight through `xla_product`, else one
+        plain product."""
         if isinstance(w, cpu_kernels.PanelWeight):
             return cpu_kernels.panel_matmul(x, w)
         if isinstance(w, QuantizedPanelWeight):
             return quantized_panel_matmul(x, w)
+        if isinstance(w, QuantizedWeight):
+            return xla_product(x, w, jnp.float32)
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
     def head_product(self, rows: jax.Array, embed: jax.Array) -> jax.Array:

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels.quantized import QuantizedWeight
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.llama import (
     LayerParams,
@@ -33,9 +34,13 @@ from specjax.models.llama import (
     layer_shapes,
     read_fused_qkv,
 )
+from specjax.models.quantized import check_quantization, quantize
 from specjax.models.tensors import WEIGHT_DTYPES, LazyTensor, of_array
 
 SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+# The projections in the checkpoint layout (q, k and v apart): what quantization applies to, with
+# the LM head. Norms, biases, the router and the embedding stay float.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down")
 
 
 def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -81,6 +86,9 @@ def check_tensors(config: LlamaConfig, tensors: Mapping[str, LazyTensor], source
     """ValueError naming `source` and every missing, unexpected, misshapen or wrongly typed
     tensor, before anything is read."""
     expected = expected_shapes(config)
+    head = tensors.get("lm_head")
+    if config.tie_word_embeddings and head is not None and head.quantized:
+        expected["lm_head"] = (config.hidden_size, config.vocab_size)  # a tied head's quantized copy
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     problems = []
@@ -118,6 +126,8 @@ def params_from_tensors(
     dtype: Any = "float32",
     put: Callable[[str, np.ndarray], jax.Array] | None = None,
     place: Callable[[str, tuple[int, ...], Callable], jax.Array] | None = None,
+    quantization: str | None = None,
+    group_size: int | None = None,
 ) -> LlamaParams:
     """Check flat tensors against `config`, then build `LlamaParams` of `dtype` from them.
 
@@ -131,30 +141,121 @@ def params_from_tensors(
     `read_index(index)` returns the weight's values at `index` (one slice per axis), reading only
     those from the checkpoint where its tensors allow (safetensors files do). On a mesh, each
     process then reads just what its own devices hold (`specjax.sharding.slice_placer`).
+
+    Quantized weights (models/quantized.py): tensors that read as a QuantizedWeight (a GGUF's
+    blocks, `LazyTensor.quantized`) are kept so, and `quantization` "int8" or "int4" (groups of
+    `group_size`) quantizes every projection and the LM head as it is read (from float32 values,
+    whatever `dtype`), a tied head into a quantized copy in `lm_head`. Such weights are read whole
+    and then placed (`put` or `place` receive the QuantizedWeight in host memory), even on a mesh.
     """
     tensors = {name: t if isinstance(t, LazyTensor) else of_array(t, name) for name, t in tensors.items()}
+    group = check_quantization(quantization, group_size)
     check_tensors(config, tensors, source)
     target = np.dtype(jnp.dtype(dtype_name(dtype)))
-    if place is not None:
+    if quantization == "int4":
+        _check_groups(config, group, source)
+    weights = _HostWeights(
+        config, tensors, target, quantization if quantization in ("int8", "int4") else None, group
+    )
+    quantized = weights.quantize_to is not None or any(t.quantized for t in tensors.values())
+    if place is not None and not quantized:
         return _params_from_slices(config, tensors, target, place)
+    if place is not None:
+        put = _placing_whole(place)
     put = _put_on_default_device if put is None else put
 
-    def read(name):
-        values = tensors[name].read()
-        return values if values.dtype == target else values.astype(target)
-
-    def get(name):
-        return put(name, read(name)) if name in tensors else None
-
     def layer(i):  # read, fused and put, before the next layer is read
-        names = checkpoint_layer_shapes(config, i)
-        host = layer_from_checkpoint({name: read(f"layers.{i}.{name}") for name in names}, config)
-        placed = {name: put(f"layers.{i}.{name}", x) for name, x in flatten(host).items()}
+        placed = {name: put(f"layers.{i}.{name}", x) for name, x in weights.layer(i).items()}
         return LayerParams(**({"qkv": None} | placed))  # (qkv None: latent attention's layers)
 
-    embed = get("embed")
+    embed = put("embed", weights.read("embed"))
     layers = tuple(layer(i) for i in range(config.num_layers))
-    return LlamaParams(embed=embed, layers=layers, final_norm=get("final_norm"), lm_head=get("lm_head"))
+    head = weights.head()
+    return LlamaParams(
+        embed=embed,
+        layers=layers,
+        final_norm=put("final_norm", weights.read("final_norm")),
+        lm_head=None if head is None else put("lm_head", head),
+    )
+
+
+def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
+    """int4's groups must divide the inputs of every weight quantized: a ValueError naming those
+    they do not, before anything is read."""
+    shapes = expected_shapes(config) | {"lm_head": (config.hidden_size, config.vocab_size)}
+    bad = [
+        f"{name} ({shape[-2]} inputs)"
+        for name, shape in shapes.items()
+        if (name == "lm_head" or name.rsplit(".", 1)[-1] in PROJECTIONS) and shape[-2] % group
+    ]
+    if bad:
+        hint = "; use group_size=32" if group != 32 else ""
+        raise ValueError(
+            f"load: quantization='int4' with group_size={group}: the groups do not divide the inputs "
+            f"of {_first(bad)} in {source}{hint}"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostWeights:
+    """The weights of a checkpoint in host memory as the params hold them: read, converted to
+    `target`, q, k and v fused, projections quantized (`quantize_to` "int8" or "int4", in groups of
+    `group`) or kept quantized as the tensors read."""
+
+    config: LlamaConfig
+    tensors: dict[str, LazyTensor]
+    target: np.dtype
+    quantize_to: str | None
+    group: int | None
+
+    def read(self, name: str, projection: bool = False):
+        values = self.tensors[name].read()
+        if isinstance(values, QuantizedWeight):
+            return values
+        if projection and self.quantize_to:  # quantized from float32 values
+            return values if values.dtype == np.float32 else values.astype(np.float32)
+        return values if values.dtype == self.target else values.astype(self.target)
+
+    def finish(self, host, projection: bool):
+        """A fused weight as the params hold it."""
+        if isinstance(host, QuantizedWeight):
+            return host
+        if projection and self.quantize_to:
+            return quantize(host, self.quantize_to, self.group)
+        return host if host.dtype == self.target else host.astype(self.target)
+
+    def layer(self, i: int) -> dict[str, Any]:
+        """Layer i's weights by LayerParams field (absent ones left out)."""
+        names = checkpoint_layer_shapes(self.config, i)
+        read = {name: self.read(f"layers.{i}.{name}", name in PROJECTIONS) for name in names}
+        fused = layer_from_checkpoint(read, self.config)
+        fields = {f.name: getattr(fused, f.name) for f in dataclasses.fields(LayerParams)}
+        return {
+            name: self.finish(x, name == "qkv" or name in PROJECTIONS)
+            for name, x in fields.items()
+            if x is not None
+        }
+
+    def head(self):
+        """The LM head [D, V] as the params hold it: the checkpoint's (or its quantized copy of a
+        tied head); with quantize_to, a tied head's quantized copy; else None (tied)."""
+        if "lm_head" in self.tensors:
+            return self.finish(self.read("lm_head", True), True)
+        if self.quantize_to:
+            return quantize(self.read("embed", True).T, self.quantize_to, self.group)
+        return None
+
+
+def _placing_whole(place):
+    """A `put(name, host)` from a `place(name, shape, read_index)`: a weight read whole in host
+    memory (a quantized one, or any beside it), each device still receiving only its slice."""
+
+    def put(name, host):
+        if isinstance(host, QuantizedWeight):
+            return place(name, host.shape, host)
+        return place(name, host.shape, lambda index: host[index])
+
+    return put
 
 
 def _params_from_slices(config: LlamaConfig, tensors: dict[str, LazyTensor], target: np.dtype, place):

@@ -17,6 +17,7 @@ import numpy as np
 
 from specjax.kernels import PanelWeight, backend
 from specjax.models.llama import LlamaParams
+from specjax.models.quantized import columns
 
 
 def check_draft_vocab(owner: str, vocab, vocab_size: int, size: int | None = None) -> np.ndarray:
@@ -50,15 +51,16 @@ def frequent_tokens(sequences, vocab_size: int, size: int) -> np.ndarray:
 
 
 def draft_head_matrix(target_params: LlamaParams, vocab: jax.Array) -> jax.Array:
-    """The target's LM head restricted to the draft vocabulary: [D, W]."""
+    """The target's LM head restricted to the draft vocabulary: [D, W] (a quantized head's
+    columns stay quantized)."""
     if target_params.lm_head is None:
         return target_params.embed[vocab].T
-    return target_params.lm_head[:, vocab]
+    return columns(target_params.lm_head, vocab)
 
 
 def draft_logits(head_matrix: jax.Array | PanelWeight, features: jax.Array) -> jax.Array:
     """features [..., D] -> logits over the draft vocabulary [..., W], float32 (one 2-D product:
     see llama.lm_head for why); head_matrix may be panels (`pack`, for drafting on the CPU)."""
     rows = features.reshape(-1, features.shape[-1])
-    logits = backend.active().product_f32(rows, head_matrix)
+    logits = backend.active().product_f32(rows, head_matrix)  # (a QuantizedWeight too)
     return logits.reshape(*features.shape[:-1], head_matrix.shape[-1]).astype(jnp.float32)

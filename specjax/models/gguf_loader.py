@@ -11,7 +11,9 @@ The architectures (`general.architecture`) read are those llama.cpp's converter
 
 What differs from an HF checkpoint:
 
-- Weights may be quantized (Q4_1, Q8_0, ...); `gguf.quants.dequantize` turns each into float32.
+- Weights may be quantized (Q4_1, Q8_0, ...); `gguf.quants.dequantize` turns each into float32,
+  or with `keep_blocks` (`load(..., quantization="gguf")`) the projections and the head in the
+  formats of models/quantized.py (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) stay as their integers and scales.
 - llama only: the converter reorders the rows of the q and k projections within each head, for
   llama.cpp's rotary kernel that rotates adjacent pairs (x[2i], x[2i+1]). Our forward, like HF,
   rotates the halves (x[i], x[i + E/2]), so the reorder is undone here (`unpermute_rotary_rows`).
@@ -42,16 +44,18 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from specjax.models.checkpoint import check_tensors, expected_shapes, params_from_tensors
+from specjax.models.checkpoint import PROJECTIONS, check_tensors, expected_shapes, params_from_tensors
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.gguf_tokenizer import tokenizer_from_gguf
 from specjax.models.llama import LlamaParams
+from specjax.models.quantized import GGUF_FORMATS, from_gguf
 from specjax.models.tensors import LazyTensor
 
 # general.architecture -> (the HF model_type it comes from, the LlamaConfig fields it fixes).
@@ -132,13 +136,19 @@ def load_gguf(path: str | Path, dtype: Any = "float32") -> tuple[LlamaConfig, Ll
 
 
 def read_gguf(
-    path: str | Path, with_tokenizer: bool = True
+    path: str | Path, keep_blocks: bool = False, with_tokenizer: bool = True
 ) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
     """(config, unread tensors by our flat names, dequantized to float32 when read, tokenizer or
     None) from a `.gguf` file. A tensor the model does not use, or one it needs that the file
     lacks, is a ValueError naming it; so is a tokenizer gguf_tokenizer.py does not rebuild
     (`UnsupportedTokenizer`), unless `with_tokenizer` is False (the tokenizer is then not read:
-    None)."""
+    None).
+
+    `keep_blocks`: the projections and the LM head stored in one of GGUF_FORMATS read as their
+    blocks (a QuantizedWeight, `LazyTensor.quantized`); those in another quantized type are
+    dequantized to float32 with a warning naming them; float ones (F32, F16, BF16) stay float. A
+    tied head stored in one of GGUF_FORMATS gets a copy of its blocks as "lm_head", for the
+    head's product, beside the float embedding the lookups read."""
     import gguf  # deferred: only GGUF sources need it
 
     reader = gguf.GGUFReader(str(path))
@@ -146,7 +156,7 @@ def read_gguf(
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = config_from_gguf(metadata, tensors)
     permuted = metadata.require("general.architecture") in _PERMUTED_ARCHITECTURES
-    arrays = _convert_tensors(config, tensors, path, permuted)
+    arrays = _convert_tensors(config, tensors, path, permuted, keep_blocks)
     return config, arrays, tokenizer_from_gguf(metadata) if with_tokenizer else None
 
 
@@ -381,10 +391,11 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _convert_tensors(
-    config: LlamaConfig, tensors: dict[str, Any], path, permuted: bool
+    config: LlamaConfig, tensors: dict[str, Any], path, permuted: bool, keep_blocks: bool = False
 ) -> dict[str, LazyTensor]:
-    """Every tensor under our flat name, in our layout, dequantized to float32 when read. Unknown
-    tensors, and tensors the config needs that the file lacks, are errors naming them."""
+    """Every tensor under our flat name, in our layout, dequantized to float32 when read (with
+    `keep_blocks`, see `read_gguf`). Unknown tensors, and tensors the config needs that the file
+    lacks, are errors naming them."""
     arrays: dict[str, LazyTensor] = {}
     unknown = []
     for name, tensor in tensors.items():
@@ -396,7 +407,12 @@ def _convert_tensors(
         else:
             unknown.append(name)
             continue
-        arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
+        if keep_blocks and _keeps_blocks(tensor, name, ours, path):
+            arrays[ours] = _blocks(tensor, name, ours, config, permuted)
+        else:
+            arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
+        if keep_blocks and ours == "embed" and config.tie_word_embeddings and _is_block_type(tensor):
+            arrays["lm_head"] = _blocks(tensor, name, "lm_head", config, permuted)
     if unknown:
         more = " ..." if len(unknown) > 8 else ""
         raise ValueError(
@@ -437,6 +453,56 @@ def _in_our_layout(value: LazyTensor, ours: str, config: LlamaConfig, permuted: 
         X, n_out, n_in = value.shape
         return value.mapped(lambda w: np.ascontiguousarray(w.swapaxes(1, 2)), (X, n_in, n_out))
     return value.transposed()  # matrices [out, in] -> [in, out] (output.weight: [V, D] -> [D, V])
+
+
+# Our names (after the layer prefix) of the weights kept as blocks: the projections and the head.
+_BLOCK_WEIGHTS = (*PROJECTIONS, "lm_head")
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def _is_block_type(tensor) -> bool:
+    return tensor.tensor_type.name in GGUF_FORMATS
+
+
+def _keeps_blocks(tensor, name: str, ours: str, path) -> bool:
+    """Whether a tensor is read as its blocks (`read_gguf`'s keep_blocks); warns for a quantized
+    projection in a type that is dequantized instead."""
+    if ours.rsplit(".", 1)[-1] not in _BLOCK_WEIGHTS:
+        return False
+    kind = tensor.tensor_type.name
+    if kind in GGUF_FORMATS:
+        return True
+    if kind not in _FLOAT_TYPES:
+        warnings.warn(
+            f"GGUF file {path}: tensor {name} is {kind}, which specjax does not keep as blocks "
+            f"(kept: {', '.join(GGUF_FORMATS)}); it is dequantized to float",
+            stacklevel=4,
+        )
+    return False
+
+
+def _blocks(tensor, name: str, ours: str, config: LlamaConfig, permuted: bool) -> LazyTensor:
+    """A quantized GGUF tensor read as a QuantizedWeight in our layout ([..., in, out]; the
+    token embedding [V, D] as a head [D, V]), q and k's columns put back in HF's rotary order."""
+    stored = tuple(int(n) for n in reversed(tensor.shape))  # HF's layout: [..., out, in]
+    short = ours.rsplit(".", 1)[-1]
+    order = None
+    if permuted and short in ("q", "k"):
+        heads = config.num_heads if short == "q" else config.num_kv_heads
+        order = unpermute_rotary_rows(np.arange(stored[-2]), heads)  # the rows' new order
+
+    def read():
+        weight = from_gguf(tensor.data, tensor.tensor_type.name, stored)
+        if order is None:
+            return weight
+        return weight.replace(
+            values=weight.values[..., order],
+            scales=weight.scales[..., order],
+            offsets=None if weight.offsets is None else weight.offsets[..., order],
+        )
+
+    shape = (*stored[:-2], stored[-1], stored[-2])
+    return LazyTensor(shape, np.dtype(np.float32), read, name, quantized=tensor.tensor_type.name)
 
 
 def _dequantized(tensor, name: str) -> LazyTensor:

@@ -55,6 +55,7 @@ from specjax.kernels.quantized import QuantizedPanelWeight, QuantizedWeight, pac
 from specjax.models import mla
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
+from specjax.models.quantized import as_array
 
 
 @flax.struct.dataclass
@@ -118,9 +119,11 @@ class LlamaParams:
     # One per layer; inside a program that scans layers, runs of them as LayerStacks.
     layers: tuple[LayerParams | LayerStack, ...]
     final_norm: jax.Array  # [D]
-    lm_head: jax.Array | None = None  # [D, V]; None when tied to `embed`
+    # [D, V]; None when tied to `embed`, or with a tied head quantized, its quantized copy (the
+    # embedding stays float for token lookups; models/quantized.py)
+    lm_head: jax.Array | QuantizedWeight | None = None
     # The head ([D, V]: lm_head, or embed transposed) as panels for the CPU kernel (quantized ones
-    # for a quantized lm_head); set only by with_panel_weights, for decoding on the CPU.
+    # for a quantized head); set only by with_panel_weights, for decoding on the CPU.
     head_panels: PanelWeight | QuantizedPanelWeight | None = None
 
     @property
@@ -186,10 +189,29 @@ def fuse_qkv(q, k, v, num_kv_heads: int):
     """The fused projection from separate ones: q [..., H*E], k and v [..., K*E] (weights
     [D, .] or biases, numpy or jax) -> [..., K*(G+2)*E], kv head by kv head (see the module
     docstring): the columns of query heads j*G .. j*G+G-1, then of key j, then of value j."""
+    if any(isinstance(w, QuantizedWeight) for w in (q, k, v)):
+        return _fuse_quantized_qkv(q, k, v, num_kv_heads)
     xp = np if isinstance(q, np.ndarray) else jnp
     K, lead = num_kv_heads, q.shape[:-1]
     groups = [x.reshape(*lead, K, -1) for x in (q, k, v)]  # [..., K, G*E], [..., K, E], [..., K, E]
     return xp.concatenate(groups, axis=-1).reshape(*lead, -1)
+
+
+def _fuse_quantized_qkv(q, k, v, num_kv_heads: int):
+    """fuse_qkv of quantized weights: every field's columns fused alike (the columns are each
+    field's last axis). Where the three differ in format (a GGUF Q4_K_M file keeps some layers'
+    v in Q6_K, its q and k in Q4_K), one weight cannot hold them: the fused weight is float32."""
+    parts = (q, k, v)
+    formats = {
+        (w.bits, w.group, w.offsets is None) if isinstance(w, QuantizedWeight) else None for w in parts
+    }
+    if len(formats) > 1 or None in formats:
+        return fuse_qkv(*(np.asarray(as_array(w, jnp.float32)) for w in parts), num_kv_heads)
+    fields = {
+        name: fuse_qkv(*(getattr(w, name) for w in parts), num_kv_heads) for name in ("values", "scales")
+    }
+    offsets = None if q.offsets is None else fuse_qkv(q.offsets, k.offsets, v.offsets, num_kv_heads)
+    return QuantizedWeight(**fields, offsets=offsets, bits=q.bits, group=q.group)
 
 
 def read_fused_qkv(read_q, read_k, read_v, index: tuple[slice, ...], config: LlamaConfig) -> np.ndarray:
@@ -813,11 +835,17 @@ def moe_mlp(
 
 
 def _expert_mlp(config: LlamaConfig, x, lp: LayerParams, j) -> jax.Array:
-    """Expert j's MLP over x [N, D], without its down projection's bias (see `moe_mlp`)."""
-    gate, up = x @ lp.expert_gate[j], x @ lp.expert_up[j]
+    """Expert j's MLP over x [N, D], without its down projection's bias (see `moe_mlp`); its
+    weights arrays or quantized, each product reading them as the backend does."""
+    gate, up = project(x, _expert(lp.expert_gate, j)), project(x, _expert(lp.expert_up, j))
     if lp.expert_gate_bias is not None:
         gate, up = gate + lp.expert_gate_bias[j], up + lp.expert_up_bias[j]
-    return _gated(config, gate, up) @ lp.expert_down[j]
+    return project(_gated(config, gate, up), _expert(lp.expert_down, j))
+
+
+def _expert(w, j):
+    """Expert j's weight [D_in, D_out] of a stack of them [X, D_in, D_out] (an array or quantized)."""
+    return jax.tree.map(lambda a: a[j], w)
 
 
 def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParams) -> jax.Array:
@@ -837,7 +865,9 @@ def _experts_one_by_one(config: LlamaConfig, x, weights, experts, lp: LayerParam
 
     # Zeros typed like an expert's output: under shard_map, varying over the same mesh axes as the
     # weights' slices (lax.cond wants both branches, and the loop its carry, of one type).
-    zeros = jnp.zeros_like(x[:, :1] * lp.expert_down[0, :1, :], jnp.float32)  # [N, D]
+    # (A quantized weight's values are split as the weight is, along D_in or D_out.)
+    down = lp.expert_down.values if isinstance(lp.expert_down, QuantizedWeight) else lp.expert_down
+    zeros = jnp.zeros_like(x[:, :1] * down[0, :1, :], jnp.float32)  # [N, D]
     return jax.lax.fori_loop(0, lp.expert_gate.shape[0], add_expert, zeros)
 
 
@@ -849,11 +879,15 @@ def _experts_grouped(config: LlamaConfig, x, weights, experts, lp: LayerParams) 
     order = jnp.argsort(chosen, stable=True)
     sizes = jnp.bincount(chosen, length=lp.expert_gate.shape[0]).astype(jnp.int32)
     rows = x[order // k]
-    gate = jax.lax.ragged_dot(rows, lp.expert_gate, sizes)
-    up = jax.lax.ragged_dot(rows, lp.expert_up, sizes)
+    # ragged_dot takes float weights: quantized experts are dequantized here, a float copy of the
+    # layer's expert weights while it runs (the CPU loops over the experts instead, each product
+    # reading its integers).
+    gate_w, up_w, down_w = (as_array(w, x.dtype) for w in (lp.expert_gate, lp.expert_up, lp.expert_down))
+    gate = jax.lax.ragged_dot(rows, gate_w, sizes)
+    up = jax.lax.ragged_dot(rows, up_w, sizes)
     if lp.expert_gate_bias is not None:  # each sorted row's expert's biases
         gate, up = gate + lp.expert_gate_bias[chosen[order]], up + lp.expert_up_bias[chosen[order]]
-    grouped = jax.lax.ragged_dot(_gated(config, gate, up), lp.expert_down, sizes)
+    grouped = jax.lax.ragged_dot(_gated(config, gate, up), down_w, sizes)
     out = jnp.zeros_like(grouped).at[order].set(grouped)  # back in assignment order
     return jnp.sum(out.reshape(N, k, -1).astype(jnp.float32) * weights[..., None], axis=1)
 
@@ -1014,6 +1048,13 @@ def pack_panels(w) -> PanelWeight | QuantizedPanelWeight:
     """A weight [D_in, D_out] as the CPU kernels' panels: quantized ones for a QuantizedWeight,
     float32 ones for an array."""
     return pack_quantized(w) if isinstance(w, QuantizedWeight) else pack(w)
+
+
+def panels_of(w):
+    """A weight [D_in, D_out] as panels for the CPU kernels where it is float (`pack`); a quantized
+    one as it is (a draft vocabulary's columns of a quantized head: the backend's XLA product
+    reads its integers)."""
+    return w if isinstance(w, QuantizedWeight) else pack(w)
 
 
 def _identity(x: jax.Array) -> jax.Array:
@@ -1236,10 +1277,11 @@ def _stacked_layers(
 
 def stack_layers(params: LlamaParams, config: LlamaConfig) -> LlamaParams:
     """`params` with each run of two or more consecutive layers with weights of the same shapes
-    (dense and expert layers apart) as one `LayerStack`, whatever their windows and rotary bases
-    (`decoder_layers` switches on those per layer). For a program that scans layers (the
-    backend's `scans_layers`), called once before its loop: the stacks are a copy of the layers'
-    weights, made once per call, not per step."""
+    and formats (dense and expert layers apart; a quantized weight's bits and group are part of
+    its structure, so a GGUF's Q4_K and Q6_K layers stack apart) as one `LayerStack`, whatever
+    their windows and rotary bases (`decoder_layers` switches on those per layer). For a program
+    that scans layers (the backend's `scans_layers`), called once before its loop: the stacks are
+    a copy of the layers' weights, made once per call, not per step."""
     if any(isinstance(element, LayerStack) for element in params.layers):
         return params
 

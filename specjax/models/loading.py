@@ -9,7 +9,8 @@ Dequantizing a GGUF takes several seconds (plus a few to parse its metadata), so
 result is cached on disk: `$SPECJAX_CACHE` (default `~/.cache/specjax`) holds one folder per file,
 keyed by the file's path, size and modification time, with the flat params as safetensors (written
 tensor by tensor as they are dequantized), the config as JSON and the tokenizer as
-`tokenizer.json`. HF folders are safetensors already and are read directly.
+`tokenizer.json`. HF folders are safetensors already and are read directly. A GGUF loaded with
+quantization="gguf" keeps its blocks and is read from the file itself, without that cache.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from specjax.models import gguf_loader, hf_loader
 from specjax.models.checkpoint import config_from_dict, config_to_dict, dtype_name, params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.model import Model
+from specjax.models.quantized import check_quantization
 from specjax.models.tensors import LazyTensor, open_safetensors, write_safetensors
 
 # Bump when the conversion changes, so stale caches are not reused.
@@ -59,6 +61,8 @@ def load(
     dtype: Any = "float32",
     cache_dir: str | os.PathLike | None = None,
     placer_for: Callable[[LlamaConfig], Callable | None] | None = None,
+    quantization: str | None = None,
+    group_size: int | None = None,
     tokenizer: Any = None,
 ) -> Model:
     """Load a model with its tokenizer.
@@ -75,6 +79,13 @@ def load(
         (see `checkpoint.params_from_tensors`). `specjax.load(source, mesh=mesh)` passes one that
         checks the mesh against the config and reads only this process's slices: placement
         belongs to the sharding layer above this one.
+    quantization: None (float weights), "gguf" (a .gguf source's projections and head kept as the
+        file's blocks where they are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K; read from the file, no disk
+        cache), "int8" (per-output-channel scales) or "int4" (groups of `group_size`, 32 or 128,
+        default 32, with zero points): the projections and the LM head quantized at load, from
+        any source. Norms, biases, the router and the embedding stay float (a tied head: the
+        embedding for lookups, a quantized copy for the head's product). See models/quantized.py.
+    group_size: int4's group size; None for the other quantizations.
     tokenizer: an HF tokenizer to use instead of the source's own, which is then not read: for a
         GGUF whose tokenizer specjax does not rebuild (models/gguf_tokenizer.py lists those it
         does; the others are a ValueError naming them). Its ids must be the model's.
@@ -86,17 +97,29 @@ def load(
         )
     try:
         dtype = dtype_name(dtype)
+        check_quantization(quantization, group_size)
     except ValueError as error:
         raise ValueError(f"load: {error}") from None
     path, name = _resolve(source)
+    if quantization == "gguf" and path.is_dir():
+        raise ValueError(
+            f"load: quantization='gguf' keeps a .gguf file's own blocks, but source {str(source)!r} is "
+            "an HF checkpoint folder; use quantization='int8' or 'int4' to quantize it at load"
+        )
     if path.is_dir():
         config, tensors, own_tokenizer = hf_loader.open_hf_folder(path)
+    elif quantization == "gguf":
+        config, tensors, own_tokenizer = gguf_loader.read_gguf(
+            path, keep_blocks=True, with_tokenizer=tokenizer is None
+        )
     else:
         config, tensors, own_tokenizer = _read_gguf_cached(
             path, _cache_root(cache_dir), with_tokenizer=tokenizer is None
         )
     place = None if placer_for is None else placer_for(config)
-    params = params_from_tensors(config, tensors, str(path), dtype, place=place)
+    params = params_from_tensors(
+        config, tensors, str(path), dtype, place=place, quantization=quantization, group_size=group_size
+    )
     return Model(config, params, own_tokenizer if tokenizer is None else tokenizer, name=name)
 
 

@@ -19,10 +19,229 @@ load, exactly in float32 (a float16 times a 6- or 8-bit integer). Activations, n
 sampling stay in float: only the products read the integers (specjax/kernels/backend.py).
 
 A stacked layer (models/llama.py, LayerStack) carries a leading axis on every field.
+
+Here: the layout and `dequantize`; `xla_product`, the product the backend's seam runs for a
+QuantizedWeight (measured against a grouped form); `quantize` ("int8", "int4") and
+`quantize_params` for float weights; `from_gguf`, a GGUF tensor's blocks (Q8_0, Q4_0, Q4_1, Q4_K,
+Q6_K) decoded as the format defines them, without gguf-py. Loading (`specjax.load(quantization=)`)
+is models/checkpoint.py's and models/gguf_loader.py's; sharding splits scales with their weights
+(sharding/specs.py, `quantized_spec`).
 """
 
 from __future__ import annotations
 
-from specjax.kernels.quantized import BITS, QuantizedWeight, dequantize, unpack_values
+import math
 
-__all__ = ["BITS", "QuantizedWeight", "dequantize", "unpack_values"]
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels.quantized import QuantizedWeight, dequantize
+
+# ---------------------------------------------------------------------------------------------
+# Weights as arrays
+
+
+def columns(w, index) -> QuantizedWeight | jax.Array:
+    """Columns `index` of w [..., D_in, D_out] (an array, or quantized: every field's columns)."""
+    if isinstance(w, QuantizedWeight):
+        return jax.tree.map(lambda a: a[..., index], w)
+    return w[..., index]
+
+
+def as_array(w, dtype=None) -> jax.Array:
+    """w as a float array: dequantized where it is quantized, else as it is (cast to `dtype`)."""
+    if isinstance(w, QuantizedWeight):
+        return dequantize(w, dtype)
+    return w if dtype is None else w.astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantizing float weights ("int8", "int4")
+
+QUANTIZATIONS = ("gguf", "int8", "int4")  # what `specjax.load(quantization=...)` accepts
+INT4_GROUPS = (32, 128)
+
+
+def check_quantization(quantization, group_size) -> int | None:
+    """The group size `quantization` runs with (int4: `group_size`, default 32; None for the
+    others), or ValueError naming the bad argument."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be None or one of {QUANTIZATIONS}, got {quantization!r}")
+    if quantization == "int4":
+        group_size = 32 if group_size is None else group_size
+        if isinstance(group_size, bool) or group_size not in INT4_GROUPS:
+            raise ValueError(f"group_size for int4 must be one of {INT4_GROUPS}, got {group_size!r}")
+        return group_size
+    if group_size is not None:
+        what = "one group per output channel" if quantization == "int8" else "the file's own blocks"
+        raise ValueError(
+            f"group_size is for quantization='int4' only ({quantization!r} has {what}), got {group_size!r}"
+        )
+    return None
+
+
+def quantize(w, kind: str, group: int | None = None) -> QuantizedWeight:
+    """Float weights w [..., D_in, D_out] as a QuantizedWeight of numpy arrays (host memory).
+
+    "int8": symmetric, one group (a scale per output channel: max |w| / 127), q in -127..127.
+    "int4": groups of `group` (32 or 128) consecutive inputs, each with a scale and a zero point:
+    the group's range widened to hold 0, split in 15 steps; q = round(w / scale) + zero in 0..15,
+    stored as offset -zero * scale. Either reconstructs each weight within half a step (scale / 2).
+    """
+    group = check_quantization(kind, group) if kind == "int4" else group
+    if kind not in ("int8", "int4"):
+        raise ValueError(f"quantize: kind must be 'int8' or 'int4', got {kind!r}")
+    if kind == "int8" and group is not None:
+        raise ValueError(f"quantize: int8 has one group per output channel, got group={group!r}")
+    w = np.asarray(w, np.float32)
+    if w.ndim < 2:
+        raise ValueError(f"quantize: a weight [..., D_in, D_out] is needed, got shape {w.shape}")
+    *lead, d_in, d_out = w.shape
+    group = d_in if kind == "int8" else group
+    if d_in % group or (kind == "int4" and d_in % 2):
+        raise ValueError(f"quantize: {kind} groups of {group} do not divide the weight's {d_in} inputs")
+    grouped = w.reshape(*lead, d_in // group, group, d_out)
+    if kind == "int8":
+        scales = np.abs(grouped).max(axis=-2) / np.float32(127)  # [..., 1, O]
+        safe = np.where(scales > 0, scales, np.float32(1))
+        q = np.clip(np.rint(grouped / safe[..., None, :]), -127, 127).astype(np.int8)
+        return QuantizedWeight(q.reshape(w.shape), scales.astype(np.float32), None, bits=8, group=group)
+    low = np.minimum(grouped.min(axis=-2), 0)  # [..., G, O]: the range holds 0 (an exact zero point)
+    high = np.maximum(grouped.max(axis=-2), 0)
+    scales = np.where(high > low, (high - low) / np.float32(15), np.float32(1)).astype(np.float32)
+    zeros = np.clip(np.rint(-low / scales), 0, 15)
+    q = np.clip(np.rint(grouped / scales[..., None, :]) + zeros[..., None, :], 0, 15).astype(np.uint8)
+    return QuantizedWeight(
+        pack_nibbles(q.reshape(w.shape)), scales, (-zeros * scales).astype(np.float32), bits=4, group=group
+    )
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """q [..., D_in, D_out] in 0..15 -> uint8 [..., D_in // 2, D_out]: row 2i low, 2i + 1 high."""
+    q = np.asarray(q, np.uint8)
+    return (q[..., 0::2, :] | (q[..., 1::2, :] << 4)).astype(np.uint8)
+
+
+def quantize_params(params, kind: str, group: int | None = None):
+    """A model's params (LlamaParams) with every decoder layer's projections (qkv, o, gate, up,
+    down, the experts') and the LM head quantized (`quantize`): a tied head gets a quantized copy
+    in `lm_head`, the embedding staying float for token lookups. Norms, biases, the router and the
+    embedding stay float. Weights already quantized are left as they are."""
+
+    def q(w):
+        if w is None or isinstance(w, QuantizedWeight):
+            return w
+        return jax.tree.map(jnp.asarray, quantize(jax.device_get(w), kind, group))
+
+    layers = tuple(
+        layer.replace(**{name: q(getattr(layer, name)) for name in PROJECTIONS}) for layer in params.layers
+    )
+    head = params.embed.T if params.lm_head is None else params.lm_head
+    return params.replace(layers=layers, lm_head=q(head), head_panels=None)
+
+
+# The fields of a decoder layer (models/llama.py, LayerParams) that quantization applies to.
+PROJECTIONS = ("qkv", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down")
+
+
+def is_quantized(tree) -> bool:
+    """Whether any weight of a params tree is quantized."""
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    return any(isinstance(x, QuantizedWeight) for x in leaves)
+
+
+def nbytes(tree) -> int:
+    """Bytes of every array in a params tree, quantized weights at their stored size."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(tree))
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF blocks (llama.cpp's ggml-common.h defines each block; gguf-py's quants.py decodes them)
+
+QK_K = 256  # values per K-quant super-block
+# type name -> (values per block, bytes per block)
+GGUF_BLOCKS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (QK_K, 144), "Q6_K": (QK_K, 210)}
+GGUF_FORMATS = tuple(GGUF_BLOCKS)  # the GGUF types kept as blocks
+
+
+def from_gguf(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> QuantizedWeight:
+    """A GGUF tensor's raw blocks (`GGUFReader` tensor data, bytes) as a QuantizedWeight of numpy
+    arrays in our layout. `shape`: the tensor as HF lays it out, [..., out, in] (ggml's dims
+    reversed), its blocks running along `in`; the result is [..., in, out], as every projection
+    here is applied (x @ W)."""
+    if type_name not in GGUF_BLOCKS:
+        raise ValueError(f"from_gguf: type {type_name!r} is not kept as blocks; kept: {GGUF_FORMATS}")
+    block, size = GGUF_BLOCKS[type_name]
+    *lead, n_out, n_in = shape
+    if n_in % block:
+        raise ValueError(f"from_gguf: {type_name} blocks of {block} do not divide the {n_in} inputs")
+    blocks = np.ascontiguousarray(data).view(np.uint8).reshape(-1, size)
+    if blocks.shape[0] != math.prod(shape) // block:
+        raise ValueError(f"from_gguf: {blocks.shape[0]} {type_name} blocks for a tensor of shape {shape}")
+    q, scales, offsets, bits = _DECODERS[type_name](blocks)  # q [n, block]; scales [n, groups]
+    group = block // scales.shape[1]
+
+    def ours(a, columns):  # [n, ...] in [..., out, in] order -> [..., in', out]
+        return np.ascontiguousarray(np.swapaxes(a.reshape(*lead, n_out, columns), -1, -2))
+
+    values = ours(q, n_in)
+    values = pack_nibbles(values) if bits == 4 else values
+    scales = ours(scales, n_in // group)
+    offsets = None if offsets is None else ours(offsets, n_in // group)
+    return QuantizedWeight(values, scales, offsets, bits=bits, group=group)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The little-endian float16 at bytes start, start + 1 of each block, as float32 [n, 1]."""
+    return blocks[:, start : start + 2].copy().view("<f2").astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """Bytes [n, m] -> [n, 2m]: the low nibbles of the m bytes, then their high nibbles (the
+    order of Q4_0 and Q4_1 blocks, and of each 64 values of a Q4_K block)."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _q8_0(blocks):  # d (f16), then 32 int8 values: w = d * q
+    return blocks[:, 2:].view(np.int8), _f16(blocks, 0), None, 8
+
+
+def _q4_0(blocks):  # d, then 32 4-bit values: w = d * (q - 8)
+    d = _f16(blocks, 0)
+    return _nibbles(blocks[:, 2:]), d, -8 * d, 4
+
+
+def _q4_1(blocks):  # d, m, then 32 4-bit values: w = d * q + m
+    return _nibbles(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2), 4
+
+
+def _q4_k(blocks):
+    """d, dmin (f16), 12 bytes of eight 6-bit scales and mins, 128 bytes of 256 4-bit values in
+    four runs of 64 (32 bytes: low nibbles first); sub-block j (32 values): w = d sc_j q - dmin m_j.
+    Scales and mins 0..3 are the low 6 bits of bytes 0..3 and 4..7; 4..7 take their low 4 bits
+    from bytes 8..11 (scales low nibble, mins high) and their top 2 from the top bits of bytes
+    0..3 (scales) and 4..7 (mins)."""
+    d, dmin, packed = _f16(blocks, 0), _f16(blocks, 2), blocks[:, 4:16]
+    first, second, low = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
+    sc = np.concatenate([first & 63, (low & 0xF) | ((first >> 6) << 4)], axis=-1)
+    m = np.concatenate([second & 63, (low >> 4) | ((second >> 6) << 4)], axis=-1)
+    q = _nibbles(blocks[:, 16:].reshape(-1, 4, 32)).reshape(-1, QK_K)
+    return q, d * sc.astype(np.float32), -dmin * m.astype(np.float32), 4
+
+
+def _q6_k(blocks):
+    """128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (f16); sub-block j (16
+    values): w = d sc_j (q - 32). Each half of 128 values reads 64 low-bit bytes and 32 high-bit
+    bytes: value 32k + l (k 0..3, l 0..31) takes the low (k < 2) or high nibble of low-bit byte
+    l + 32 (k % 2) and bits 2k, 2k + 1 of high-bit byte l."""
+    low = blocks[:, :128].reshape(-1, 2, 1, 2, 32)  # [n, half, ., k % 2, l]
+    high = blocks[:, 128:192].reshape(-1, 2, 1, 32)  # [n, half, ., l]
+    low = np.concatenate([low & 0xF, low >> 4], axis=2).reshape(-1, 2, 4, 32)  # nibble k // 2
+    shifts = np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (low | (((high >> shifts) & 3) << 4)).astype(np.int8) - np.int8(32)
+    d = _f16(blocks, 208)
+    return q.reshape(-1, QK_K), d * blocks[:, 192:208].view(np.int8).astype(np.float32), None, 8
+
+
+_DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}

@@ -53,11 +53,17 @@ class LazyTensor:
     # read_slice(index) -> the values at `index` (one slice(start, stop) per axis), reading no more
     # than it can help; None: `read()` everything, then index it (see `read_index`).
     read_slice: Callable[[tuple[slice, ...]], np.ndarray] | None = None
+    # The format of a tensor kept quantized (a GGUF type, "Q4_K"): `read()` then returns a
+    # models.quantized.QuantizedWeight in our layout, `shape` its logical shape, `dtype` the float
+    # it stands for; None: a plain array.
+    quantized: str | None = None
 
     def read_index(self, index: tuple[slice, ...]) -> np.ndarray:
         """The values at `index` (slices with step 1, one per axis; None bounds allowed): what one
         device of a mesh holds. Safetensors files read only those bytes (`bytes_read` counts them)."""
         index = normalize_index(index, self.shape)
+        if self.quantized:
+            raise ValueError(f"{self.source}: a {self.quantized} tensor is read whole, not by slices")
         if self.read_slice is None:
             return np.ascontiguousarray(self.read()[index])
         return self.read_slice(index)

@@ -240,7 +240,7 @@ class Engine:
     def _check_memory(self) -> None:
         """Refuse a batch whose caches and working memory do not fit (before allocating them)."""
         spec = dataclasses.replace(self.spec, prompt_bucket=prompt_bucket(self.max_model_len))
-        needed, available = memory_bytes(spec), available_memory_bytes()
+        needed, available = memory_bytes(spec, self.model.params), available_memory_bytes()
         if available is not None and needed > available:
             gib = 1 << 30
             raise ValueError(

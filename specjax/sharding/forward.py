@@ -73,7 +73,7 @@ def mesh_forward_hidden(
 
     if mesh is None:
         return local(params, tokens, positions, cache)
-    params_spec = params_specs_like(params, config, tensor_parallel)
+    params_spec = params_specs_like(params, config, tensor_parallel, mesh)
     split_cache = tensor_parallel and not cache.is_latent
     cache_spec = cache_specs(cache.layout, split_cache)
     written_spec = cache_spec if write else fresh_specs(cache.layout, split_cache)

@@ -10,6 +10,12 @@ residual stream, and one all-reduce after o and one after down restore the full 
 columns go kv head by kv head (models/llama.py, `fuse_qkv`), so an even split of them gives each
 device whole groups: its query heads with the keys and values they attend with.
 
+A quantized weight (models/quantized.py) splits as its weight does: its values along the same
+axes, its scales and offsets ([..., D_in / group, D_out]) with them, along D_out for a column
+split, and for a row split along D_in when the groups divide evenly over the devices; one group
+(int8's scale per output channel) is then replicated, each device's rows inside it
+(`quantized_spec`).
+
 The embedding and the LM head are replicated, not split over the vocabulary. A vocab-split head
 gives each device a slice of the logits, but every consumer of the logits needs whole rows:
 top-k and top-p sort over the full vocabulary, rejection sampling normalizes max(p - q, 0) over
@@ -22,6 +28,7 @@ with tied embeddings); docs/scaling.md puts numbers on that trade.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -30,6 +37,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from specjax.kernels.quantized import QuantizedWeight
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.checkpoint import flatten
 from specjax.models.config import LlamaConfig
@@ -139,11 +147,48 @@ def param_specs(config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParam
     )
 
 
-def params_specs_like(params: LlamaParams, config: LlamaConfig, tensor_parallel: bool = True) -> LlamaParams:
+def params_specs_like(
+    params: LlamaParams, config: LlamaConfig, tensor_parallel: bool = True, mesh: Mesh | None = None
+) -> LlamaParams:
     """`param_specs` shaped as `params`, whose layers may be LayerStacks (a program that scans
     layers, models/llama.py): a stack's weights are split as each of its layers is, along their
-    own axes, the stacking axis whole on every device."""
+    own axes, the stacking axis whole on every device. Quantized weights get a spec per field
+    (`quantized_spec`, on `mesh`), a tied head's quantized copy the head's spec."""
     specs = param_specs(config, tensor_parallel)
+    if specs.lm_head is None and params.lm_head is not None:
+        specs = specs.replace(lm_head=logical_to_spec(MODEL_AXES["lm_head"], tensor_parallel))
+    specs = specs.replace(layers=_layer_specs_like(params, specs))
+
+    def leaf(spec, weight):
+        return quantized_spec(spec, weight, mesh) if isinstance(weight, QuantizedWeight) else spec
+
+    return jax.tree.map(leaf, specs, params, is_leaf=lambda x: isinstance(x, P) or x is None)
+
+
+def quantized_spec(spec: P, weight: QuantizedWeight, mesh: Mesh | None) -> QuantizedWeight:
+    """The specs of a quantized weight's fields (a QuantizedWeight of PartitionSpecs) for a
+    weight split by `spec`: values as the weight; scales and offsets with them, but replicated
+    along D_in where a row split has one group. Groups that do not divide evenly over the devices
+    of a row split are a ValueError."""
+    *lead, rows, columns = tuple(spec) + (None,) * (len(weight.shape) - len(tuple(spec)))
+    groups = weight.scales.shape[-2]
+    names = () if rows is None else (rows if isinstance(rows, tuple) else (rows,))
+    parts = 1 if mesh is None else math.prod(mesh.shape[name] for name in names)
+    scales = P(*lead, rows, columns)
+    if parts > 1 and groups % parts:
+        if groups != 1:
+            raise ValueError(
+                f"a quantized weight of shape {weight.shape} has {groups} groups of {weight.group} "
+                f"inputs, which do not split evenly over the {parts} devices its rows are split on; "
+                "quantize with groups that do (int4's group_size) or use another model degree"
+            )
+        scales = P(*lead, None, columns)
+    offsets = None if weight.offsets is None else scales
+    return QuantizedWeight(P(*lead, rows, columns), scales, offsets, bits=weight.bits, group=weight.group)
+
+
+def _layer_specs_like(params: LlamaParams, specs: LlamaParams) -> tuple:
+    """Each layer's specs, shaped as params.layers (LayerStacks: see `params_specs_like`)."""
     layers, first = [], 0
     for element in params.layers:
         if isinstance(element, LayerStack):
@@ -155,7 +200,7 @@ def params_specs_like(params: LlamaParams, config: LlamaConfig, tensor_parallel:
         else:
             layers.append(specs.layers[first])
             first += 1
-    return specs.replace(layers=tuple(layers))
+    return tuple(layers)
 
 
 def cache_specs(layout: int | tuple[int | None, ...], tensor_parallel: bool = True) -> KVCache:
@@ -222,7 +267,7 @@ def shard_params(
     params: LlamaParams, config: LlamaConfig, mesh: Mesh, tensor_parallel: bool = True
 ) -> LlamaParams:
     """Params placed on `mesh` (a no-op for arrays already placed so)."""
-    return jax.tree.map(place, params, _named(mesh, param_specs(config, tensor_parallel)))
+    return jax.tree.map(place, params, _named(mesh, params_specs_like(params, config, tensor_parallel, mesh)))
 
 
 def replicate(tree, mesh: Mesh):
@@ -238,19 +283,35 @@ def param_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, np.ndarray],
     shardings = flatten(_named(mesh, param_specs(config)))
 
     def put(name: str, array: np.ndarray) -> jax.Array:
+        if isinstance(array, QuantizedWeight):
+            return _place_quantized(mesh, name, array)
         return jax.make_array_from_callback(array.shape, shardings[name], lambda index: array[index])
 
     return put
+
+
+def _place_quantized(mesh: Mesh, name: str, weight: QuantizedWeight) -> QuantizedWeight:
+    """A quantized weight (in host memory, whole) placed on `mesh` under its flat name, each
+    device receiving its slices of the fields (`quantized_spec`)."""
+    axes = MODEL_AXES["lm_head"] if name == "lm_head" else LAYER_AXES[name.rsplit(".", 1)[-1]]
+    specs = quantized_spec(logical_to_spec(axes), weight, mesh)
+    return jax.tree.map(place, weight, _named(mesh, specs))
 
 
 def slice_placer(config: LlamaConfig, mesh: Mesh) -> Callable[[str, tuple[int, ...], Callable], jax.Array]:
     """A `place(flat_name, shape, read_index)` for `checkpoint.params_from_tensors`: builds each
     weight with `jax.make_array_from_callback`, asking `read_index` only for the slices this
     process's own devices hold, each distinct slice once (the devices of a data group hold the same
-    slices). With several processes, each reads only its part of every split weight."""
+    slices). With several processes, each reads only its part of every split weight. A quantized
+    weight comes read whole (a QuantizedWeight in host memory in place of `read_index`): its
+    fields are placed from it, each device receiving its slices."""
     shardings = flatten(_named(mesh, param_specs(config)))
 
     def place(name: str, shape: tuple[int, ...], read_index: Callable) -> jax.Array:
+        if isinstance(read_index, QuantizedWeight):
+            return _place_quantized(mesh, name, read_index)
+        if name not in shardings:  # a tied head's copy, read whole (`_placing_whole`)
+            shardings[name] = NamedSharding(mesh, logical_to_spec(MODEL_AXES[name]))
         read = {}
 
         def fill(index):

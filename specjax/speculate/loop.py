@@ -26,6 +26,7 @@ import numpy as np
 
 from specjax.kernels import backend
 from specjax.kernels.backend import Backend
+from specjax.models import quantized
 from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams, attention_workspace_bytes, layers_bytes, lm_head, stack_layers
@@ -87,11 +88,13 @@ def num_drafted(proposer) -> int:
     return proposer.k if tree is None else tree.num_nodes
 
 
-def memory_bytes(spec: LoopSpec) -> int:
+def memory_bytes(spec: LoopSpec, params: LlamaParams | None = None) -> int:
     """Device memory the program allocates beyond the weights, estimated before allocating: the
     KV caches (target and proposer), the token buffer, the penalty counts, and the largest
     temporaries (one verify pass's logits and probabilities, the prefill's activations, and the
-    working memory of one layer's attention on the program's backend)."""
+    working memory of one layer's attention on the program's backend). With the target's
+    `params`, the stacked copy of its layers (a program that scans them) is counted at their
+    stored size (quantized weights' own); without, from the config and dtype."""
     c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.num_drafted
     V, T = c.vocab_size, spec.prompt_bucket
     total = cache_bytes(c, B, S, np.dtype(jnp.dtype(spec.cache_dtype)).itemsize) + B * S * 4
@@ -105,7 +108,8 @@ def memory_bytes(spec: LoopSpec) -> int:
     total += activations * np.dtype(jnp.dtype(spec.dtype)).itemsize
     on = spec.backend or backend.active()
     if on.scans_layers:  # the layers' weights stacked, a copy beside them while the program runs
-        total += layers_bytes(c, np.dtype(jnp.dtype(spec.dtype)).itemsize)
+        itemsize = np.dtype(jnp.dtype(spec.dtype)).itemsize
+        total += layers_bytes(c, itemsize) if params is None else quantized.nbytes(params.layers)
     return total + attention_workspace_bytes(c, B, T, K + 1, S, spec.dtype, on)
 
 

@@ -27,6 +27,7 @@ from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle3 import default_aux_layer_ids
 from specjax.models.llama import decoder_layers, rms_norm
 from specjax.models.model import Model
+from specjax.models.quantized import as_array
 from specjax.models.signature import target_signature
 from specjax.train.common import (
     batch_order,
@@ -193,7 +194,7 @@ def train_dflash(
     teacher = draft_head_matrix(target.params, jnp.asarray(vocab))
     params = init_dflash(config, jax.random.key(seed))
     if config.own_head:  # an LM head of its own over the draft vocabulary, from the target's columns
-        params = params.replace(lm_head=teacher.astype(params.norm.dtype))
+        params = params.replace(lm_head=as_array(teacher, params.norm.dtype))
     order = batch_order(seed, data.num_sequences, steps, batch_size)
     anchor_root = jax.random.fold_in(jax.random.key(seed), 1)
 

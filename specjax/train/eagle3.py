@@ -39,6 +39,7 @@ from specjax.models.eagle3 import (
     init_eagle3,
 )
 from specjax.models.model import Model
+from specjax.models.quantized import as_array
 from specjax.models.signature import target_signature
 from specjax.train.common import (
     batch_order,
@@ -210,7 +211,7 @@ def train_eagle3(
     aux = target_features(target, data, ids, batch_size)
     teacher = draft_head_matrix(target.params, jnp.asarray(vocab))  # [D, W]
     params = init_eagle3(config, jax.random.key(seed))
-    params = params.replace(lm_head=teacher.astype(params.lm_head.dtype))  # the target's columns
+    params = params.replace(lm_head=as_array(teacher, params.lm_head.dtype))  # the target's columns
     order = batch_order(seed, data.num_sequences, steps, batch_size)
 
     def batch(step: int) -> tuple:
