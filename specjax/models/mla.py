@@ -100,7 +100,9 @@ def mla_attention(
         k_buf = cache.write_keys(k_buf, entries, fresh, layer)
         v_buf = cache.write_values(v_buf, no_values, fresh, layer)
     keys = (
-        k_buf if layer is None or masks.visible is None else jax.lax.dynamic_index_in_dim(k_buf, layer, False)
+        k_buf
+        if layer is None or masks.visible is None
+        else jax.lax.dynamic_index_in_dim(k_buf, layer, keepdims=False)
     )
     mixed = _latent_attention(query, entries, keys, masks.visible, fresh_mask, write, r)  # [B, T, H, r]
     out = jnp.einsum("bthr,rha->btha", mixed, kv_b[..., E - R :], **llama._F32).astype(h.dtype)
