@@ -544,7 +544,8 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
 
     seen = []
     real = specjax.api._check_memory
-    monkeypatch.setattr(specjax.api, "_check_memory", lambda spec, n: seen.append(spec) or real(spec, n))
+    check = lambda spec, *rest: seen.append(spec) or real(spec, *rest)  # noqa: E731
+    monkeypatch.setattr(specjax.api, "_check_memory", check)
     specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
     spec = seen[0]
     from specjax.models.cache import cache_bytes
