@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from drafters import (
+    accepted_fraction,
     first_layer_dflash,
     first_layer_eagle,
     first_layer_eagle3,
@@ -269,6 +270,9 @@ def test_greedy_speculative_equals_plain_on_a_quantized_model(name, kind):
     result = specjax.generate(model, PROMPTS, proposer=proposer, max_new_tokens=12)
     assert result.tokens == plain.tokens
     assert int(result.metrics.accepted.sum()) > 0  # drafts were accepted: their path ran
+    # Accepted part of the time, not all: both the accepted and the rejected paths ran (measured
+    # 0.17 (medusa_tree, dflash) to 0.83 (draft, int8)).
+    assert 0.1 <= accepted_fraction(result.metrics) <= 0.9
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
