@@ -1050,13 +1050,6 @@ def pack_panels(w) -> PanelWeight | QuantizedPanelWeight:
     return pack_quantized(w) if isinstance(w, QuantizedWeight) else pack(w)
 
 
-def panels_of(w):
-    """A weight [D_in, D_out] as panels for the CPU kernels where it is float (`pack`); a quantized
-    one as it is (a draft vocabulary's columns of a quantized head: the backend's XLA product
-    reads its integers)."""
-    return w if isinstance(w, QuantizedWeight) else pack(w)
-
-
 def _identity(x: jax.Array) -> jax.Array:
     return x
 

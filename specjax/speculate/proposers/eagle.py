@@ -41,7 +41,7 @@ import numpy as np
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import EagleConfig, EagleHead, eagle_entries, eagle_features, eagle_panel_weights
-from specjax.models.llama import panels_of
+from specjax.models.llama import pack_panels
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k, kept_inputs
 from specjax.speculate.tree import TokenTree
@@ -130,7 +130,7 @@ class EagleSpec:
         head of another dtype keeps XLA's products)."""
         if self.dtype != "float32":
             return params
-        head_matrix = panels_of(params.head_matrix)  # (a quantized target head's columns as they are)
+        head_matrix = pack_panels(params.head_matrix)  # (a quantized target head's: quantized panels)
         return params.replace(head=eagle_panel_weights(params.head), head_matrix=head_matrix)
 
     # The things a kind of head does; Eagle3Spec (proposers/eagle3.py) overrides them.
