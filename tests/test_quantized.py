@@ -197,7 +197,9 @@ def test_bad_quantization_arguments():
         quantize(np.ones((64, 8)), "int4", 128)
     with pytest.raises(ValueError, match="kind must be 'int8', 'int4' or 'fp8', got 'int2'"):
         quantize(np.ones((64, 8)), "int2")
-    with pytest.raises(ValueError, match="estimate_memory: quantization='gguf' depends on the file"):
+    with pytest.raises(
+        ValueError, match="estimate_memory: quantization='gguf' depends on the file's own types, tensor"
+    ):
         specjax.estimate_memory(tiny_model().config, 1, 64, quantization="gguf")
 
 
@@ -629,7 +631,7 @@ def test_gguf_families_keep_their_blocks(name, tmp_path):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32), ("int4", 128), ("fp8", None)])
 def test_estimate_memory_counts_the_quantized_sizes(kind, group):
     """estimate_memory's weights are the bytes `load(quantization=...)` places: untied and tied
     (whose head's quantized copy sits beside the float embedding), on one device and split."""
