@@ -107,8 +107,8 @@ def load(
     if quantization == "gguf" and path.is_dir():
         raise ValueError(
             f"load: quantization='gguf' keeps a .gguf file's own blocks, but source {str(source)!r} is "
-            "an HF checkpoint folder; use quantization='int8', 'int4' or 'fp8' to quantize it at load (an FP8 "
-            "checkpoint's own weights stay FP8 with quantization=None)"
+            "an HF checkpoint folder; use quantization='int8', 'int4' or 'fp8' to quantize it at load "
+            "(an FP8 checkpoint's own weights stay FP8 with quantization=None)"
         )
     if path.is_dir():
         config, tensors, own_tokenizer = hf_loader.open_hf_folder(path)
