@@ -563,10 +563,11 @@ def load(
         each weight, ready for `generate(..., mesh=mesh)`; on a mesh that spans processes, each
         process reads from the checkpoint only the slices its own devices hold. The model's heads
         and ffw size must divide the mesh's model axis.
-    quantization: None (float weights), "gguf" (keep a .gguf file's blocks: Q8_0, Q4_0, Q4_1,
-        Q4_K, Q6_K), "int8" or "int4" (quantize the projections and the LM head at load, from
-        any source); `group_size`: int4's groups, 32 (default) or 128. See docs/models.md,
-        "Quantized weights".
+    quantization: None (the source's own weights: float, or an FP8 checkpoint's FP8 as
+        released), "gguf" (keep a .gguf file's blocks: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K), "int8",
+        "int4" or "fp8" (quantize the projections and the LM head at load, from any source; an
+        FP8 checkpoint's own FP8 weights are kept by "fp8", requantized by the others);
+        `group_size`: int4's groups, 32 (default) or 128. See docs/models.md, "Quantized weights".
     tokenizer: an HF tokenizer to use instead of the source's own: for a GGUF whose tokenizer
         specjax does not rebuild (a ValueError names it), e.g.
         `transformers.AutoTokenizer.from_pretrained("the HF repo")`. Its ids must be the model's.

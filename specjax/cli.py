@@ -272,6 +272,24 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_load_options(command: argparse.ArgumentParser) -> None:
+    """--quantization and --group-size, for the commands that load a model (`load_options`)."""
+    from specjax.models.quantized import QUANTIZATIONS
+
+    command.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        help="gguf: keep a .gguf file's blocks; int8, int4, fp8: quantize the projections and the "
+        "head at load (default: the checkpoint's own weights, an FP8 one's kept FP8)",
+    )
+    command.add_argument("--group-size", type=positive_int, help="int4's groups: 32 (default) or 128")
+
+
+def load_options(args: argparse.Namespace) -> dict:
+    """specjax.load's quantization options from the command line (`add_load_options`)."""
+    return dict(quantization=args.quantization, group_size=args.group_size)
+
+
 def json_value(text: str):
     try:
         return json.loads(text)
@@ -343,7 +361,7 @@ def generate_command(args: argparse.Namespace) -> None:
     sampling = specjax.Sampling(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p
     )
-    model = specjax.load(args.model)
+    model = specjax.load(args.model, **load_options(args))
     chat = not args.no_chat
     if chat and model.tokenizer is not None and not getattr(model.tokenizer, "chat_template", None):
         raise ValueError(f"the tokenizer of {args.model!r} has no chat template: pass --no-chat")
@@ -394,6 +412,7 @@ def add_generate_command(commands) -> None:
     )
     command.add_argument("--limit", type=positive_int, help="the first N prompts of --prompts-file")
     command.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    add_load_options(command)
     command.add_argument(
         "--proposer", help="a name (e.g. ngram) or a JSON description; default: none (plain decoding)"
     )
@@ -450,7 +469,7 @@ def bench_command(args: argparse.Namespace) -> None:
     prompts = bench.spec_bench_prompts(bench.data_dir(args.data), args.per_category, categories)
     if args.out and not Path(args.out).resolve().parent.is_dir():
         raise ValueError(f"--out: no folder {str(Path(args.out).parent)!r} to write {args.out!r} in")
-    model = specjax.load(args.model)
+    model = specjax.load(args.model, **load_options(args))
     methods = bench.make_methods(model, descriptions)
     from tqdm import tqdm
 
@@ -489,6 +508,7 @@ def add_bench_command(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.add_argument("--model", default="smollm2-135m", help="built-in name, HF folder or .gguf file")
+    add_load_options(command)
     command.add_argument("--data", help="folder with spec_bench_question.jsonl")
     command.add_argument(
         "--per-category", type=positive_int, default=2, help="questions per category (default 2)"
@@ -601,6 +621,7 @@ def serve_command(args: argparse.Namespace) -> None:
         host=args.host,
         port=args.port,
         dtype=args.dtype,
+        **load_options(args),
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
         chunk_steps=args.chunk_steps,
@@ -623,6 +644,7 @@ def add_serve_command(commands) -> None:
     command.add_argument(
         "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default float32"
     )
+    add_load_options(command)
     command.add_argument(
         "--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)"
     )

@@ -5,8 +5,9 @@ The figures follow from the same tables the library places and allocates with: e
 shape (`models.llama.param_shapes`) divided over the mesh axes its PartitionSpec splits it on
 (`sharding.param_specs`), and the cache's layout (`models.cache`), split by rows over "data" and
 by kv heads over "model". docs/models.md calls `estimate_memory` for its tables. With
-`quantization` ("int8", "int4"), the projections and the LM head count at their quantized size
-(models/quantized.py: the integers, and a float32 scale, and for int4 an offset, per group).
+`quantization` ("int8", "int4", "fp8"), the projections and the LM head count at their quantized
+size (models/quantized.py: the integers or FP8 values, and a float32 scale, and for int4 an
+offset, per group).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from specjax import sharding
 from specjax.models.checkpoint import dtype_name, flatten
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import param_shapes
-from specjax.models.quantized import PROJECTIONS, check_quantization
+from specjax.models.quantized import FP8_BLOCK, PROJECTIONS, check_quantization
 from specjax.sharding.mesh import DATA, MODEL
 from specjax.sharding.specs import MODEL_AXES
 
@@ -70,16 +71,20 @@ def estimate_memory(
     mesh: None (one device), a jax Mesh from `specjax.sharding.make_mesh`, or the degrees as a
         dict {"data": d, "model": m}, to plan for devices this machine does not have.
     cache_dtype: default `dtype`. num_speculative_tokens: k, for the verify pass's logits.
-    quantization: None, "int8" or "int4" (groups of `group_size`, default 32), as
-        `specjax.load(quantization=...)` makes them: the projections and the LM head quantized
-        (a tied head adds its quantized copy beside the float embedding). A GGUF's own blocks
-        ("gguf") vary by file: load it and count them (`specjax.models.quantized.nbytes`).
+    quantization: None, "int8", "int4" (groups of `group_size`, default 32) or "fp8" (an FP8
+        checkpoint as released, or float weights quantized to its 128 x 128 blocks: 1 byte per
+        weight and a float32 scale per 128 rows of a column), as `specjax.load(quantization=...)`
+        makes them: the projections and the LM head quantized (a tied head adds its quantized copy
+        beside the float embedding). A GGUF's own blocks ("gguf") are refused: a file mixes types
+        per tensor (Q4_K_M keeps some in Q6_K; SmolLM2's Q4_1 file its head in Q8_0), so one named
+        type would misstate it; load the file and count them (`specjax.models.quantized.nbytes`).
     """
     itemsize = jnp.dtype(dtype_name(dtype)).itemsize
     if quantization == "gguf":
         raise ValueError(
-            "estimate_memory: quantization='gguf' depends on the file's own types; pass None, 'int8' or "
-            "'int4', or load the file and count its weights (specjax.models.quantized.nbytes)"
+            "estimate_memory: quantization='gguf' depends on the file's own types, tensor by tensor; pass "
+            "None, 'int8', 'int4' or 'fp8', or load the file and count its weights "
+            "(specjax.models.quantized.nbytes)"
         )
     try:
         group = check_quantization(quantization, group_size)
@@ -116,13 +121,17 @@ def estimate_memory(
 
 
 def _quantized_bytes(shape, kind: str, group: int | None, spec: P, degrees: dict[str, int]) -> int:
-    """Bytes per device of a weight [..., D_in, D_out] quantized `kind`: int8 or 4-bit values split
-    as the weight, float32 scales (and int4's offsets) per group, replicated along D_in where one
-    group spans the rows (int8) split over devices (sharding.specs.quantized_spec)."""
+    """Bytes per device of a weight [..., D_in, D_out] quantized `kind`: int8, FP8 or 4-bit values
+    split as the weight, float32 scales (and int4's offsets) per group, replicated along D_in where
+    one group spans the rows (int8) split over devices (sharding.specs.quantized_spec)."""
     *lead, d_in, d_out = shape
-    bits, group = (8, d_in) if kind == "int8" else (4, group)
+    bits, group, fields = {
+        "int8": (8, d_in, 1),
+        "int4": (4, group, 2),
+        "fp8": (8, math.gcd(d_in, FP8_BLOCK[1]), 1),  # models/quantized.py, `from_fp8`
+    }[kind]
     values = math.prod(shape) * bits // 8 // _split(spec, degrees)
-    groups = math.prod(lead) * (d_in // group) * d_out * (1 if kind == "int8" else 2)
+    groups = math.prod(lead) * (d_in // group) * d_out * fields
     rows = tuple(spec)[len(lead)] if len(tuple(spec)) > len(lead) else None
     row_parts = _split(P(rows), degrees) if rows is not None else 1
     scale_split = (

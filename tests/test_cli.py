@@ -17,6 +17,7 @@ import pytest
 from tiny import tiny_model, tiny_tokenizer
 
 import specjax
+import specjax.serve.app
 from specjax import bench, cli
 from specjax.models import EagleHead, MedusaHead
 from specjax.named import PROPOSER_NAMES
@@ -117,6 +118,12 @@ BAD_ARGUMENTS = [
     (["serve", "m", "--speculative-config", "{"], "argument --speculative-config: not valid JSON"),
     (["serve", "m", "--max-waiting", "-1"], "argument --max-waiting: must be an integer >= 0"),
     (["serve", "{tmp}/no-model"], "no-model"),
+    (["generate", "hi", "--quantization", "int3"], "argument --quantization: invalid choice: 'int3'"),
+    (["serve", "m", "--group-size", "0"], "argument --group-size: must be an integer >= 1, got '0'"),
+    (
+        ["generate", "hi", "--quantization", "int8", "--group-size", "32"],
+        "group_size is for quantization='int4'",
+    ),
 ]
 
 
@@ -129,6 +136,21 @@ def test_bad_arguments_are_one_line(argv, message, tmp_path, capsys):
     assert err.count("\n") == 1, err
     assert err.startswith(f"specjax {command}: error: " if command else "specjax: error: ")
     assert message.replace("{tmp}", str(tmp_path)) in err
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["bench", "--data", "{data}"], ["serve", "m"]])
+def test_the_quantization_options_reach_load(argv, data_folder, monkeypatch, capsys):
+    """--quantization and --group-size go to specjax.load as they are (serve: through
+    specjax.serve.serve)."""
+
+    def load(source, **options):
+        raise ValueError(f"load was given {options}")
+
+    monkeypatch.setattr(specjax, "load", load)
+    monkeypatch.setattr(specjax.serve.app, "load", load)
+    argv = [a.replace("{data}", str(data_folder)) for a in argv]
+    assert cli.main([*argv, "--quantization", "int4", "--group-size", "128"]) == 2
+    assert "'quantization': 'int4', 'group_size': 128" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------

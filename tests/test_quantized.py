@@ -39,7 +39,15 @@ import specjax
 from specjax.kernels import backend as backends
 from specjax.kernels.quantized import QuantizedWeight, dequantize, xla_product
 from specjax.models import Model, forward, init_cache
-from specjax.models.quantized import GGUF_BLOCKS, from_gguf, nbytes, quantize, quantize_params
+from specjax.models.quantized import (
+    FP8_DTYPE,
+    GGUF_BLOCKS,
+    from_fp8,
+    from_gguf,
+    nbytes,
+    quantize,
+    quantize_params,
+)
 from specjax.speculate.tree import TokenTree
 
 RNG = np.random.default_rng(0)
@@ -70,6 +78,16 @@ def gguf_case(type_name: str) -> tuple[QuantizedWeight, np.ndarray]:
     return from_gguf(blocks, type_name, (D_OUT, D_IN)), reference.T.astype(np.float64)
 
 
+def fp8_case() -> tuple[QuantizedWeight, np.ndarray]:
+    """An FP8 checkpoint's weight [D_OUT, D_IN] (float8_e4m3fn values, a float32 scale per block
+    of 128 x 128, the last block of outputs partial) and its float64 dequantization, as
+    transformers' Fp8Dequantize defines it."""
+    values = RNG.uniform(-448, 448, (D_OUT, D_IN)).astype(FP8_DTYPE)
+    scale_inv = RNG.uniform(0.5, 2.0, (1, D_IN // 128)).astype(np.float32) * 1e-3
+    reference = values.astype(np.float64) * np.repeat(scale_inv.astype(np.float64), 128, axis=1)
+    return from_fp8(values, scale_inv, (128, 128)), reference.T
+
+
 def float_case(kind: str, group: int | None) -> tuple[QuantizedWeight, np.ndarray]:
     w = quantize(RNG.standard_normal((D_IN, D_OUT)), kind, group)
     return w, np.asarray(dequantize(w), np.float64)
@@ -78,6 +96,7 @@ def float_case(kind: str, group: int | None) -> tuple[QuantizedWeight, np.ndarra
 CASES = {name: functools.partial(gguf_case, name) for name in GGUF_BLOCKS}
 CASES |= {"int8": functools.partial(float_case, "int8", None)}
 CASES |= {f"int4-g{g}": functools.partial(float_case, "int4", g) for g in (32, 128)}
+CASES |= {"fp8": fp8_case}
 LAYOUT = {  # (bits, group) each format keeps
     "Q8_0": (8, 32),
     "Q4_0": (4, 32),
@@ -87,6 +106,7 @@ LAYOUT = {  # (bits, group) each format keeps
     "int8": (8, D_IN),
     "int4-g32": (4, 32),
     "int4-g128": (4, 128),
+    "fp8": (8, 128),
 }
 
 
@@ -102,12 +122,16 @@ def assert_close(got, want, rtol=1e-5):
 def test_the_layout_and_the_reference_dequantization(name):
     w, reference = CASES[name]()
     assert (w.bits, w.group) == LAYOUT[name] and w.shape == (D_IN, D_OUT)
-    assert w.values.dtype == (np.int8 if w.bits == 8 else np.uint8)
+    assert w.values.dtype == (FP8_DTYPE if name == "fp8" else np.int8 if w.bits == 8 else np.uint8)
     assert w.values.shape == (D_IN // (8 // w.bits), D_OUT)
     assert w.scales.shape == (D_IN // w.group, D_OUT) and w.scales.dtype == np.float32
-    assert (w.offsets is None) == (name in ("Q8_0", "Q6_K", "int8"))
-    # The integers and scales are the file's: dequantized they are gguf-py's float32 values exactly.
-    np.testing.assert_array_equal(np.asarray(dequantize(w), np.float64), reference)
+    assert (w.offsets is None) == (name in ("Q8_0", "Q6_K", "int8", "fp8"))
+    # The integers and scales are the file's: dequantized they are gguf-py's float32 values exactly
+    # (FP8: a float32 product of an e4m3 value and a float32 scale, rounded once).
+    if name == "fp8":
+        np.testing.assert_allclose(np.asarray(dequantize(w), np.float64), reference, rtol=2**-24, atol=0)
+    else:
+        np.testing.assert_array_equal(np.asarray(dequantize(w), np.float64), reference)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 6])
@@ -126,7 +150,7 @@ def test_products_equal_a_float64_product(name, rows):
             assert_close(jax.jit(on.product_f32)(x, w), want)
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "int8", "int4-g32"])
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "int8", "int4-g32", "fp8"])
 def test_stacked_weights_indexed_in_a_loop(name):
     """A scanned program's layer takes its slice of a stack of quantized weights inside a loop."""
     layers = [CASES[name]() for _ in range(3)]
@@ -171,9 +195,11 @@ def test_bad_quantization_arguments():
         specjax.load("smollm2-135m", quantization="int4", group_size=True)
     with pytest.raises(ValueError, match="int4 groups of 128 do not divide the weight's 64 inputs"):
         quantize(np.ones((64, 8)), "int4", 128)
-    with pytest.raises(ValueError, match="kind must be 'int8' or 'int4', got 'int2'"):
+    with pytest.raises(ValueError, match="kind must be 'int8', 'int4' or 'fp8', got 'int2'"):
         quantize(np.ones((64, 8)), "int2")
-    with pytest.raises(ValueError, match="estimate_memory: quantization='gguf' depends on the file"):
+    with pytest.raises(
+        ValueError, match="estimate_memory: quantization='gguf' depends on the file's own types, tensor"
+    ):
         specjax.estimate_memory(tiny_model().config, 1, 64, quantization="gguf")
 
 
@@ -252,11 +278,17 @@ def drafting(name: str):
     raise ValueError(name)
 
 
-FAST = {("ngram", "int8"), ("self_draft", "int4"), ("eagle", "int8"), ("draft", "int4")}
+FAST = {
+    ("ngram", "int8"),
+    ("self_draft", "int4"),
+    ("eagle", "int8"),
+    ("draft", "int4"),
+    ("self_draft", "fp8"),
+}
 GREEDY_CASES = [
     pytest.param(name, kind, marks=() if (name, kind) in FAST else pytest.mark.slow)
     for name in ("ngram", "draft", "self_draft", "eagle", "hybrid", "medusa_tree", "eagle3_tree", "dflash")
-    for kind in ("int8", "int4")
+    for kind in ("int8", "int4", "fp8")
 ]
 
 
@@ -275,7 +307,7 @@ def test_greedy_speculative_equals_plain_on_a_quantized_model(name, kind):
     assert 0.1 <= accepted_fraction(result.metrics) <= 0.9
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_scanned_and_unrolled_layers_give_the_same_logits(kind):
     """The forward over stacked quantized layers (accelerators' form) and over one layer at a time
     equal the float model whose weights are the dequantized ones."""
@@ -489,23 +521,24 @@ def test_an_unkept_gguf_type_is_dequantized_with_a_warning(tmp_path, monkeypatch
     assert isinstance(model.params.layers[0].gate, QuantizedWeight)
 
 
-@pytest.mark.parametrize("kind", ["int4", "gguf"])
+@pytest.mark.parametrize("kind", ["int4", "gguf", "fp8"])
 def test_a_quantized_generation_exports_for_cuda_and_tpu(kind, tmp_path):
     from test_export import assert_accelerator_program
 
     base = tiny_model(seed=3, hidden_size=128, num_heads=2, num_kv_heads=1, num_layers=4)
     model = (
-        quantized(base, "int4")
-        if kind == "int4"
-        else specjax.load(write_tiny_gguf(tmp_path, base), quantization="gguf")
+        specjax.load(write_tiny_gguf(tmp_path, base), quantization="gguf")
+        if kind == "gguf"
+        else quantized(base, kind)
     )
     exported = specjax.export_generate(
         model, PROMPTS[:2], proposer=specjax.NGram(k=3), max_new_tokens=6, scan_layers=True
     )
     assert exported.platforms == ("cuda", "tpu")
     assert_accelerator_program(exported)
-    # The integers travel as integers: the module's inputs hold the packed values.
-    assert "xui8" in exported.mlir_module() or "xi8" in exported.mlir_module()
+    # The integers (FP8: its float8 values) travel as they are: the module's inputs hold them.
+    stored = ("xf8E4M3FN",) if kind == "fp8" else ("xui8", "xi8")
+    assert any(dtype in exported.mlir_module() for dtype in stored)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -598,7 +631,7 @@ def test_gguf_families_keep_their_blocks(name, tmp_path):
     assert_close(got, want)
 
 
-@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("kind, group", [("int8", None), ("int4", 32), ("int4", 128), ("fp8", None)])
 def test_estimate_memory_counts_the_quantized_sizes(kind, group):
     """estimate_memory's weights are the bytes `load(quantization=...)` places: untied and tied
     (whose head's quantized copy sits beside the float embedding), on one device and split."""

@@ -36,7 +36,9 @@ class QuantizedWeight:
     onto it). The layout lives here, beside the kernel that packs it, so that every layer may
     hold one."""
 
-    values: jax.Array  # bits 8: int8 [..., D_in, D_out]; bits 4: uint8 [..., D_in // 2, D_out]
+    # bits 8: int8 [..., D_in, D_out], or float8_e4m3fn (FP8, `is_fp8`); bits 4: uint8
+    # [..., D_in // 2, D_out]
+    values: jax.Array
     scales: jax.Array  # float32 [..., D_in // group, D_out]
     offsets: jax.Array | None  # float32 [..., D_in // group, D_out], or None (bits 8 only)
     bits: int = flax.struct.field(pytree_node=False)
@@ -62,8 +64,13 @@ class QuantizedWeight:
         return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree.leaves(self))
 
 
+def is_fp8(w) -> bool:
+    """Whether w is a QuantizedWeight of FP8 values (float8_e4m3fn, scaled like int8's)."""
+    return isinstance(w, QuantizedWeight) and w.values.dtype == jnp.float8_e4m3fn
+
+
 def unpack_values(w: QuantizedWeight) -> jax.Array:
-    """q [..., D_in, D_out] as int8 (4-bit values unpacked, 0..15)."""
+    """q [..., D_in, D_out] as int8 (4-bit values unpacked, 0..15), or FP8's float8 values."""
     if w.bits == 8:
         return w.values
     low = (w.values & 0xF).astype(jnp.int8)
@@ -159,7 +166,9 @@ class QuantizedPanelWeight:
 
 def pack_quantized(w: QuantizedWeight) -> QuantizedPanelWeight:
     """A QuantizedWeight [D_in, D_out] as panels (a copy; see QuantizedPanelWeight). Scales and
-    offsets become float32."""
+    offsets become float32. FP8 values have no kernel here (models/llama.py, `pack_panels`)."""
+    if is_fp8(w):
+        raise ValueError("pack_quantized: FP8 values have no quantized CPU kernel; pack them dequantized")
     if w.bits not in (8, 4) or len(w.values.shape) != 2:
         raise ValueError(
             f"pack_quantized: a 2-D weight of 8 or 4 bits is needed, got bits {w.bits} and values "

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kernels.quantized import QuantizedWeight
+from specjax.kernels.quantized import QuantizedWeight, dequantize, is_fp8
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.llama import (
     LayerParams,
@@ -143,10 +143,13 @@ def params_from_tensors(
     process then reads just what its own devices hold (`specjax.sharding.slice_placer`).
 
     Quantized weights (models/quantized.py): tensors that read as a QuantizedWeight (a GGUF's
-    blocks, `LazyTensor.quantized`) are kept so, and `quantization` "int8" or "int4" (groups of
-    `group_size`) quantizes every projection and the LM head as it is read (from float32 values,
-    whatever `dtype`), a tied head into a quantized copy in `lm_head`. Such weights are read whole
-    and then placed (`put` or `place` receive the QuantizedWeight in host memory), even on a mesh.
+    blocks, an FP8 checkpoint's weights: `LazyTensor.quantized`) are kept so where they are
+    projections or the head, and `quantization` "int8", "int4" (groups of `group_size`) or "fp8"
+    quantizes every projection and the LM head as it is read (from float32 values, whatever
+    `dtype`; a kept weight in another format from its dequantized values), a tied head into a
+    quantized copy in `lm_head`. Kept weights that are not projections are dequantized. Such
+    weights are read whole and then placed (`put` or `place` receive the QuantizedWeight in host
+    memory), even on a mesh.
     """
     tensors = {name: t if isinstance(t, LazyTensor) else of_array(t, name) for name, t in tensors.items()}
     group = check_quantization(quantization, group_size)
@@ -155,7 +158,7 @@ def params_from_tensors(
     if quantization == "int4":
         _check_groups(config, group, source)
     weights = _HostWeights(
-        config, tensors, target, quantization if quantization in ("int8", "int4") else None, group
+        config, tensors, target, quantization if quantization in ("int8", "int4", "fp8") else None, group
     )
     quantized = weights.quantize_to is not None or any(t.quantized for t in tensors.values())
     if place is not None and not quantized:
@@ -211,7 +214,11 @@ class _HostWeights:
     def read(self, name: str, projection: bool = False):
         values = self.tensors[name].read()
         if isinstance(values, QuantizedWeight):
-            return values
+            if projection and self.quantize_to in (None, _format(values)):
+                return values
+            # Not a projection (an FP8 checkpoint's latent attention, its shared experts), or
+            # asked in another format: the float32 values, converted or quantized as a float's.
+            values = np.asarray(dequantize(values, jnp.float32))
         if projection and self.quantize_to:  # quantized from float32 values
             return values if values.dtype == np.float32 else values.astype(np.float32)
         return values if values.dtype == self.target else values.astype(self.target)
@@ -244,6 +251,12 @@ class _HostWeights:
         if self.quantize_to:
             return quantize(self.read("embed", True).T, self.quantize_to, self.group)
         return None
+
+
+def _format(w: QuantizedWeight) -> str | None:
+    """The `quantization` a kept weight is already in: "fp8" for FP8 values, else None (a GGUF's
+    blocks, kept only by quantization="gguf", which quantizes nothing at load)."""
+    return "fp8" if is_fp8(w) else None
 
 
 def _placing_whole(place):

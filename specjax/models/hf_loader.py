@@ -10,6 +10,10 @@ ours are `[in, out]`, so matrices are transposed as they are read.
 gpt-oss keeps each layer's experts in one tensor per weight, already `[X, in, out]`, its gate and
 up columns interleaved (`mlp.experts.gate_up_proj`), or as released in MXFP4 (`*_blocks` and
 `*_scales`), which is dequantized as it is read (models/mxfp4.py).
+
+FP8 checkpoints (config.json's quantization_config quant_method "fp8": DeepSeek-V3, the Qwen3 FP8
+releases) keep each quantized weight's float8_e4m3fn values with its `weight_scale_inv` block
+scales (`fp8_tensors`; models/quantized.py, `from_fp8`).
 """
 
 from __future__ import annotations
@@ -19,11 +23,14 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from specjax.models import families
 from specjax.models.checkpoint import params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
 from specjax.models.mxfp4 import mxfp4_tensor
+from specjax.models.quantized import FP8_DTYPE, check_fp8_config, from_fp8
 from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 
 # Buffers some old checkpoints saved; recomputed by the forward.
@@ -40,6 +47,10 @@ def load_hf_folder(folder: str | Path, dtype: Any = "float32") -> tuple[LlamaCon
 
 
 def read_config(folder: Path) -> LlamaConfig:
+    return _config_from(folder, _read_json_config(folder))
+
+
+def _read_json_config(folder: Path) -> dict[str, Any]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ValueError(
@@ -47,19 +58,31 @@ def read_config(folder: Path) -> LlamaConfig:
             "(expected config.json and model.safetensors or model.safetensors.index.json)"
         )
     with open(config_path) as f:
-        hf_config = json.load(f)
+        return json.load(f)
+
+
+def _config_from(folder: Path, hf_config: dict[str, Any]) -> LlamaConfig:
     try:
         return families.config_from_hf(hf_config)
     except ValueError as error:
-        raise ValueError(f"{config_path}: {error}") from None
+        raise ValueError(f"{folder / 'config.json'}: {error}") from None
 
 
 def open_hf_folder(folder: str | Path) -> tuple[LlamaConfig, dict[str, LazyTensor], Any]:
     """(config, unread tensors by our flat names, tokenizer or None) from a folder. Tensors the
-    family does not use are a ValueError naming them."""
+    family does not use are a ValueError naming them; so is a quantization_config specjax does not
+    read (it reads FP8 weights, `fp8_tensors`, and gpt-oss's MXFP4 experts)."""
     folder = Path(folder)
-    config = read_config(folder)
-    tensors, unknown = map_tensors(config, checkpoint_tensors(folder))
+    hf_config = _read_json_config(folder)
+    config = _config_from(folder, hf_config)
+    hf = checkpoint_tensors(folder)
+    quantization = hf_config.get("quantization_config")
+    if quantization is not None:
+        try:
+            hf = _quantized_tensors(hf, quantization)
+        except ValueError as error:
+            raise ValueError(f"{folder / 'config.json'}: {error}") from None
+    tensors, unknown = map_tensors(config, hf)
     if unknown:
         more = " ..." if len(unknown) > 8 else ""
         raise ValueError(
@@ -90,6 +113,57 @@ def checkpoint_tensors(folder: Path) -> dict[str, LazyTensor]:
     )
 
 
+QUANT_METHODS = ("fp8", "mxfp4")  # the quantization_config quant_method values read
+
+
+def _quantized_tensors(hf: dict[str, LazyTensor], quantization: dict) -> dict[str, LazyTensor]:
+    """The checkpoint's tensors as its quantization_config says to read them: MXFP4's as they are
+    (`_float_or_mxfp4` pairs them), FP8's `fp8_tensors`; other methods are a ValueError."""
+    method = quantization.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise ValueError(
+            f"quantization_config quant_method={method!r} is not read by specjax; it reads "
+            f"{QUANT_METHODS} (FP8 checkpoints as DeepSeek-V3 and Qwen3 FP8 release them)"
+        )
+    return hf if method == "mxfp4" else fp8_tensors(hf, check_fp8_config(quantization))
+
+
+def fp8_tensors(hf: dict[str, LazyTensor], block: tuple[int, int] | None) -> dict[str, LazyTensor]:
+    """An FP8 checkpoint's tensors: each float8_e4m3fn `X.weight` [..., out, in] with its
+    `X.weight_scale_inv` (`block` [out, in] weights per scale, or one per tensor) as one tensor
+    that reads as a QuantizedWeight already in our layout [..., in, out] (`from_fp8`, "fp8"); the
+    rest (embedding, norms, the head, a router: what the release left unquantized) as they are."""
+    out = {}
+    for name, tensor in hf.items():
+        if name.endswith("_scale_inv"):
+            if name.removesuffix("_scale_inv") not in hf:
+                raise ValueError(
+                    f"{tensor.source} scales no weight: {name.removesuffix('_scale_inv')} is missing"
+                )
+            continue
+        scale = hf.get(name + "_scale_inv")
+        if (tensor.dtype == FP8_DTYPE) != (scale is not None):
+            what = "is float8 without" if scale is None else f"is {tensor.dtype} with"
+            raise ValueError(f"FP8 checkpoint: {tensor.source} {what} a {name}_scale_inv")
+        out[name] = tensor if scale is None else _fp8_tensor(tensor, scale, block)
+    return out
+
+
+def _fp8_tensor(weight: LazyTensor, scale_inv: LazyTensor, block: tuple[int, int] | None) -> LazyTensor:
+    return LazyTensor(
+        (*weight.shape[:-2], weight.shape[-1], weight.shape[-2]),
+        np.dtype(np.float32),
+        lambda: from_fp8(weight.read(), scale_inv.read(), block),
+        weight.source,
+        quantized="fp8",
+    )
+
+
+def _ours(tensor: LazyTensor) -> LazyTensor:
+    """A checkpoint matrix in our layout: HF's [out, in] transposed; an FP8 weight reads in ours."""
+    return tensor if tensor.quantized else tensor.transposed()
+
+
 def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], list[str]]:
     """(our flat name -> tensor in our layout, the HF names left over). Nothing is read."""
     hf = {name: t for name, t in hf.items() if not _IGNORED.fullmatch(name) and not _mtp(config, name)}
@@ -107,7 +181,7 @@ def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[st
             ours[name] = tensor
     head = take("lm_head.weight")  # with tied embeddings HF ignores a saved one, and so do we
     if head is not None and not config.tie_word_embeddings:
-        ours["lm_head"] = head.transposed()  # [V, D] -> [D, V]
+        ours["lm_head"] = _ours(head)  # [V, D] -> [D, V]
     for i in range(config.num_layers):
         for name, tensor in _layer_tensors(config, i, take).items():
             ours[f"layers.{i}.{name}"] = tensor
@@ -131,7 +205,7 @@ def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:
     out = {}
     for ours, theirs in names.items():
         if (tensor := take(prefix + theirs)) is not None:
-            out[ours] = tensor.transposed()  # matrices [out, in] -> [in, out]; vectors as they are
+            out[ours] = _ours(tensor)  # matrices [out, in] -> [in, out]; vectors as they are
     if (fused := take(prefix + "self_attn.qkv_proj.weight")) is not None:  # Phi-3: q, k, v rows
         q, kv = config.q_size, config.kv_size
         for name, (start, stop) in {"q": (0, q), "k": (q, q + kv), "v": (q + kv, q + 2 * kv)}.items():
@@ -184,13 +258,13 @@ def _expert_tensors(config: LlamaConfig, prefix: str, take) -> dict[str, LazyTen
     out = {}
     for ours, theirs in families.moe_extra_tensors(config).items():
         if (tensor := take(prefix + theirs)) is not None:
-            out[ours] = tensor.transposed()
+            out[ours] = _ours(tensor)
     if (router := take(prefix + router_name)) is not None:
-        out["router"] = router.transposed()
+        out["router"] = _ours(router)
     for ours, pattern in per_expert.items():
         parts = [take(prefix + pattern.format(j=j)) for j in range(config.num_experts)]
         if all(part is not None for part in parts):
-            out[ours] = stacked([part.transposed() for part in parts], prefix + pattern.format(j="*"))
+            out[ours] = stacked([_ours(part) for part in parts], prefix + pattern.format(j="*"))
     return out
 
 

@@ -51,7 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import PanelWeight, backend, pack
-from specjax.kernels.quantized import QuantizedPanelWeight, QuantizedWeight, pack_quantized
+from specjax.kernels.quantized import (
+    QuantizedPanelWeight,
+    QuantizedWeight,
+    is_fp8,
+    pack_quantized,
+)
 from specjax.models import mla
 from specjax.models.cache import FreshEntries, KVCache, layers_in
 from specjax.models.config import LlamaConfig
@@ -203,7 +208,8 @@ def _fuse_quantized_qkv(q, k, v, num_kv_heads: int):
     v in Q6_K, its q and k in Q4_K), one weight cannot hold them: the fused weight is float32."""
     parts = (q, k, v)
     formats = {
-        (w.bits, w.group, w.offsets is None) if isinstance(w, QuantizedWeight) else None for w in parts
+        (w.bits, w.group, w.offsets is None, w.values.dtype) if isinstance(w, QuantizedWeight) else None
+        for w in parts
     }
     if len(formats) > 1 or None in formats:
         return fuse_qkv(*(np.asarray(as_array(w, jnp.float32)) for w in parts), num_kv_heads)
@@ -1046,7 +1052,11 @@ def panel_layer(layer: LayerParams) -> LayerParams:
 
 def pack_panels(w) -> PanelWeight | QuantizedPanelWeight:
     """A weight [D_in, D_out] as the CPU kernels' panels: quantized ones for a QuantizedWeight,
-    float32 ones for an array."""
+    float32 ones for an array and for FP8 values, dequantized: FP8 has no CPU kernel, and int8
+    panels would round its values again (see docs/models.md, "Quantized weights", for the
+    measurement)."""
+    if is_fp8(w):
+        return pack(as_array(w, jnp.float32))
     return pack_quantized(w) if isinstance(w, QuantizedWeight) else pack(w)
 
 

@@ -79,12 +79,15 @@ def load(
         (see `checkpoint.params_from_tensors`). `specjax.load(source, mesh=mesh)` passes one that
         checks the mesh against the config and reads only this process's slices: placement
         belongs to the sharding layer above this one.
-    quantization: None (float weights), "gguf" (a .gguf source's projections and head kept as the
-        file's blocks where they are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K; read from the file, no disk
-        cache), "int8" (per-output-channel scales) or "int4" (groups of `group_size`, 32 or 128,
-        default 32, with zero points): the projections and the LM head quantized at load, from
-        any source. Norms, biases, the router and the embedding stay float (a tied head: the
-        embedding for lookups, a quantized copy for the head's product). See models/quantized.py.
+    quantization: None (float weights; an FP8 checkpoint's projections stay FP8, as released:
+        its config.json's quantization_config says so), "gguf" (a .gguf source's projections and
+        head kept as the file's blocks where they are Q8_0, Q4_0, Q4_1, Q4_K or Q6_K; read from
+        the file, no disk cache), "int8" (per-output-channel scales), "int4" (groups of
+        `group_size`, 32 or 128, default 32, with zero points) or "fp8" (blocks of 128 x 128):
+        the projections and the LM head quantized at load, from any source (an FP8 checkpoint's
+        weights from their dequantized values, or kept by "fp8"). Norms, biases, the router and
+        the embedding stay float (a tied head: the embedding for lookups, a quantized copy for the
+        head's product). See models/quantized.py.
     group_size: int4's group size; None for the other quantizations.
     tokenizer: an HF tokenizer to use instead of the source's own, which is then not read: for a
         GGUF whose tokenizer specjax does not rebuild (models/gguf_tokenizer.py lists those it
@@ -104,7 +107,8 @@ def load(
     if quantization == "gguf" and path.is_dir():
         raise ValueError(
             f"load: quantization='gguf' keeps a .gguf file's own blocks, but source {str(source)!r} is "
-            "an HF checkpoint folder; use quantization='int8' or 'int4' to quantize it at load"
+            "an HF checkpoint folder; use quantization='int8', 'int4' or 'fp8' to quantize it at load "
+            "(an FP8 checkpoint's own weights stay FP8 with quantization=None)"
         )
     if path.is_dir():
         config, tensors, own_tokenizer = hf_loader.open_hf_folder(path)

@@ -9,6 +9,12 @@ consecutive input rows, and
 - bits 8: q is int8 [D_in, D_out], signed, no offsets (symmetric). GGUF Q8_0 (groups of 32),
   GGUF Q6_K (q - 32 in -32..31, groups of 16, each group's scale the block's d times its 8-bit
   sub-scale) and "int8" (one group: a scale per output channel).
+- FP8 (bits 8, values float8_e4m3fn [D_in, D_out], no offsets): checkpoints as released with
+  `weight_scale_inv` (DeepSeek-V3, the Qwen3 FP8 releases), and "fp8" made at load. Their scales
+  are 2-D, one per block of 128 x 128 weights; here each block's scale is repeated for its columns
+  (groups of 128 input rows, a scale per output column: 4 bytes per 128 weights, 3% beside the
+  values), so that the columns of a block may be fused (qkv, kv head by kv head), split over a
+  mesh, or sliced like any other quantized weight's.
 - bits 4: q is 0..15, two input rows per byte, `values` uint8 [D_in // 2, D_out]: row 2i in the
   low nibble, row 2i + 1 in the high one; offsets always set. GGUF Q4_0 (scale d, offset -8 d),
   Q4_1 (scale d, offset m), Q4_K (groups of 32, scale d * sc, offset -dmin * m) and "int4" (groups
@@ -21,10 +27,12 @@ sampling stay in float: only the products read the integers (specjax/kernels/bac
 A stacked layer (models/llama.py, LayerStack) carries a leading axis on every field.
 
 Here: the layout and `dequantize`; `xla_product`, the product the backend's seam runs for a
-QuantizedWeight (measured against a grouped form); `quantize` ("int8", "int4") and
-`quantize_params` for float weights; `from_gguf`, a GGUF tensor's blocks (Q8_0, Q4_0, Q4_1, Q4_K,
-Q6_K) decoded as the format defines them, without gguf-py. Loading (`specjax.load(quantization=)`)
-is models/checkpoint.py's and models/gguf_loader.py's; sharding splits scales with their weights
+QuantizedWeight (measured against a grouped form); `quantize` ("int8", "int4", "fp8") and
+`quantize_params` for float weights; `from_fp8`, an FP8 checkpoint's weight and block scales
+(`check_fp8_config` reads its quantization_config); `from_gguf`, a GGUF tensor's blocks (Q8_0,
+Q4_0, Q4_1, Q4_K, Q6_K) decoded as the format defines them, without gguf-py. Loading
+(`specjax.load(quantization=)`) is models/checkpoint.py's, models/hf_loader.py's (FP8) and
+models/gguf_loader.py's; sharding splits scales with their weights
 (sharding/specs.py, `quantized_spec`).
 """
 
@@ -34,6 +42,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from specjax.kernels.quantized import QuantizedWeight, dequantize
@@ -59,7 +68,7 @@ def as_array(w, dtype=None) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # Quantizing float weights ("int8", "int4")
 
-QUANTIZATIONS = ("gguf", "int8", "int4")  # what `specjax.load(quantization=...)` accepts
+QUANTIZATIONS = ("gguf", "int8", "int4", "fp8")  # what `specjax.load(quantization=...)` accepts
 INT4_GROUPS = (32, 128)
 
 
@@ -74,7 +83,9 @@ def check_quantization(quantization, group_size) -> int | None:
             raise ValueError(f"group_size for int4 must be one of {INT4_GROUPS}, got {group_size!r}")
         return group_size
     if group_size is not None:
-        what = "one group per output channel" if quantization == "int8" else "the file's own blocks"
+        what = {"int8": "one group per output channel", "fp8": "blocks of 128 x 128"}.get(
+            quantization, "the file's own blocks"
+        )
         raise ValueError(
             f"group_size is for quantization='int4' only ({quantization!r} has {what}), got {group_size!r}"
         )
@@ -88,10 +99,14 @@ def quantize(w, kind: str, group: int | None = None) -> QuantizedWeight:
     "int4": groups of `group` (32 or 128) consecutive inputs, each with a scale and a zero point:
     the group's range widened to hold 0, split in 15 steps; q = round(w / scale) + zero in 0..15,
     stored as offset -zero * scale. Either reconstructs each weight within half a step (scale / 2).
+    "fp8": blocks of 128 x 128 (`from_fp8`), as FP8 checkpoints are released: each block's scale
+    max |w| / 448, the values w / scale rounded to the nearest float8_e4m3fn.
     """
     group = check_quantization(kind, group) if kind == "int4" else group
-    if kind not in ("int8", "int4"):
-        raise ValueError(f"quantize: kind must be 'int8' or 'int4', got {kind!r}")
+    if kind not in ("int8", "int4", "fp8"):
+        raise ValueError(f"quantize: kind must be 'int8', 'int4' or 'fp8', got {kind!r}")
+    if kind == "fp8":
+        return _quantize_fp8(w, group)
     if kind == "int8" and group is not None:
         raise ValueError(f"quantize: int8 has one group per output channel, got group={group!r}")
     w = np.asarray(w, np.float32)
@@ -245,3 +260,102 @@ def _q6_k(blocks):
 
 
 _DECODERS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+# ---------------------------------------------------------------------------------------------
+# FP8 blocks (transformers' FineGrainedFP8Config: integrations/finegrained_fp8.py dequantizes them)
+
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+FP8_BLOCK = (128, 128)  # [out, in] weights per scale, as DeepSeek-V3 and Qwen3 FP8 ship them
+
+
+def check_fp8_config(quantization_config: dict) -> tuple[int, int] | None:
+    """The weight block [out, in] of an FP8 checkpoint's `quantization_config` (config.json), or
+    None for one scale per tensor; ValueError naming what specjax does not read: FP8 weights other
+    than e4m3, static activation scales, power-of-two (ue8m0) scales, FP4 experts, a quantized
+    embedding."""
+    refusals = {
+        "fmt": ("e4m3", "e4m3 weights (float8_e4m3fn)"),
+        "activation_scheme": ("dynamic", "activations in float (dynamic: no stored activation scales)"),
+        "scale_fmt": ("float", "float32 scales"),
+        "expert_dtype": ("fp8", "FP8 experts"),
+    }
+    for key, (allowed, what) in refusals.items():
+        value = quantization_config.get(key, allowed)
+        if value != allowed:
+            raise ValueError(f"quantization_config {key}={value!r}: specjax reads {what}, {key}={allowed!r}")
+    if quantization_config.get("modules_to_convert"):
+        raise ValueError(
+            f"quantization_config modules_to_convert={quantization_config['modules_to_convert']!r}: "
+            "specjax reads FP8 linear layers only, not FP8 embeddings"
+        )
+    block = quantization_config.get("weight_block_size", FP8_BLOCK)
+    if block is None:
+        return None
+    if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+        raise ValueError(
+            f"quantization_config weight_block_size must be two positive integers, got {block!r}"
+        )
+    return tuple(block)
+
+
+def from_fp8(values: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] | None) -> QuantizedWeight:
+    """An FP8 checkpoint's weight as a QuantizedWeight of numpy arrays in our layout.
+
+    values: float8_e4m3fn [..., out, in] (HF's layout); scale_inv: float32 [..., ceil(out / bo),
+    ceil(in / bi)] for `block` (bo, bi), or one scale (shape () or (1,)) for block None. The
+    weight is values * scale_inv, each scale over its block (transformers' Fp8Dequantize). Ours:
+    values [..., in, out], still float8; scales [..., in / group, out], float32, each block's
+    scale repeated for its columns, in groups of gcd(in, bi) input rows (bi where the blocks divide
+    `in`, as in every release; a smaller group that does where a last block is partial)."""
+    values = np.asarray(values)
+    if values.dtype != FP8_DTYPE or values.ndim < 2:
+        raise ValueError(
+            f"from_fp8: values must be float8_e4m3fn [..., out, in], got {values.dtype} {values.shape}"
+        )
+    *lead, n_out, n_in = values.shape
+    scale_inv = np.asarray(scale_inv, np.float32)
+    if block is None:
+        if scale_inv.size != 1:
+            raise ValueError(
+                f"from_fp8: one scale per tensor is needed (no weight_block_size), got {scale_inv.shape}"
+            )
+        scales = np.full((*lead, 1, n_out), scale_inv.reshape(()), np.float32)
+        return QuantizedWeight(np.swapaxes(values, -1, -2), scales, None, bits=8, group=n_in)
+    bo, bi = block
+    want = (*lead, -(-n_out // bo), -(-n_in // bi))
+    if scale_inv.shape != want:
+        raise ValueError(
+            f"from_fp8: a weight {values.shape} in blocks of {bo} x {bi} has scales {want}, "
+            f"got {scale_inv.shape}"
+        )
+    group = math.gcd(n_in, bi)
+    scales = np.repeat(scale_inv, bi // group, axis=-1)[..., : n_in // group]  # [..., out blocks, in / group]
+    scales = np.repeat(scales, bo, axis=-2)[..., :n_out, :]  # [..., out, in / group]
+    return QuantizedWeight(
+        np.ascontiguousarray(np.swapaxes(values, -1, -2)),
+        np.ascontiguousarray(np.swapaxes(scales, -1, -2)),
+        None,
+        bits=8,
+        group=group,
+    )
+
+
+def _quantize_fp8(w, group) -> QuantizedWeight:
+    """`quantize(w, "fp8")`: w [..., D_in, D_out] in FP8_BLOCK blocks of [out, in] (partial ones at
+    the edges), as a checkpoint would store it, then `from_fp8`."""
+    if group is not None:
+        raise ValueError(f"quantize: fp8 has blocks of {FP8_BLOCK[0]} x {FP8_BLOCK[1]}, got group={group!r}")
+    w = np.swapaxes(np.asarray(w, np.float32), -1, -2)  # [..., out, in]
+    if w.ndim < 2:
+        raise ValueError(f"quantize: a weight [..., D_in, D_out] is needed, got shape {w.shape[::-1]}")
+    *lead, n_out, n_in = w.shape
+    (bo, bi), blocks = FP8_BLOCK, (-(-n_out // FP8_BLOCK[0]), -(-n_in // FP8_BLOCK[1]))
+    padded = np.zeros((*lead, blocks[0] * bo, blocks[1] * bi), np.float32)
+    padded[..., :n_out, :n_in] = w
+    amax = np.abs(padded.reshape(*lead, blocks[0], bo, blocks[1], bi)).max(axis=(-3, -1))
+    scale_inv = np.where(amax > 0, amax / np.float32(FP8_MAX), np.float32(1)).astype(np.float32)
+    full = np.repeat(np.repeat(scale_inv, bo, axis=-2), bi, axis=-1)[..., :n_out, :n_in]
+    values = np.clip(w / full, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+    return from_fp8(values, scale_inv, FP8_BLOCK)

@@ -20,6 +20,7 @@ import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import jax
 import ml_dtypes
 import numpy as np
 
@@ -35,6 +36,7 @@ SAFETENSORS_DTYPES = {
     "I8": np.dtype(np.int8),
     "U8": np.dtype(np.uint8),
     "BOOL": np.dtype(np.bool_),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),  # FP8 checkpoints' weights (models/quantized.py)
 }
 _NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # Dtypes a model weight may be stored in; anything else in a checkpoint is an error naming it.
@@ -53,17 +55,17 @@ class LazyTensor:
     # read_slice(index) -> the values at `index` (one slice(start, stop) per axis), reading no more
     # than it can help; None: `read()` everything, then index it (see `read_index`).
     read_slice: Callable[[tuple[slice, ...]], np.ndarray] | None = None
-    # The format of a tensor kept quantized (a GGUF type, "Q4_K"): `read()` then returns a
-    # models.quantized.QuantizedWeight in our layout, `shape` its logical shape, `dtype` the float
-    # it stands for; None: a plain array.
+    # The format of a tensor kept quantized (a GGUF type, "Q4_K", or "fp8"): `read()` then returns
+    # a models.quantized.QuantizedWeight in our layout, `shape` its logical shape, `dtype` the
+    # float it stands for; None: a plain array. Such a tensor is read whole (and stacked), never
+    # sliced or transposed.
     quantized: str | None = None
 
     def read_index(self, index: tuple[slice, ...]) -> np.ndarray:
         """The values at `index` (slices with step 1, one per axis; None bounds allowed): what one
         device of a mesh holds. Safetensors files read only those bytes (`bytes_read` counts them)."""
         index = normalize_index(index, self.shape)
-        if self.quantized:
-            raise ValueError(f"{self.source}: a {self.quantized} tensor is read whole, not by slices")
+        self._whole("by slices")
         if self.read_slice is None:
             return np.ascontiguousarray(self.read()[index])
         return self.read_slice(index)
@@ -72,10 +74,15 @@ class LazyTensor:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    def _whole(self, what: str) -> None:
+        if self.quantized:
+            raise ValueError(f"{self.source}: a {self.quantized} tensor is read whole, not {what}")
+
     def transposed(self) -> LazyTensor:
         """A 2-D tensor's transpose (HF's [out, in] -> our [in, out]); 1-D tensors as they are."""
         if len(self.shape) < 2:
             return self
+        self._whole("transposed")
         # A view: placing it (jax.device_put) copies once, into the device's layout.
         return dataclasses.replace(
             self,
@@ -86,6 +93,7 @@ class LazyTensor:
 
     def rows(self, start: int, stop: int) -> LazyTensor:
         """Rows start .. stop - 1 of the first axis (one part of a fused checkpoint tensor)."""
+        self._whole("by rows")
         return dataclasses.replace(
             self,
             shape=(stop - start, *self.shape[1:]),
@@ -99,6 +107,7 @@ class LazyTensor:
         """Columns part, part + parts, part + 2 * parts, ... of the last axis (gpt-oss keeps its
         experts' gate and up columns interleaved in one tensor: gate 0, up 0, gate 1, ...). A
         slice of them reads the span of columns that holds it."""
+        self._whole("by interleaved columns")
         *lead, columns = self.shape
         if columns % parts:
             raise ValueError(f"{self.source}: {columns} columns do not split into {parts} interleaved parts")
@@ -117,6 +126,7 @@ class LazyTensor:
 
     def mapped(self, function: Callable[[np.ndarray], np.ndarray], shape: tuple[int, ...] | None = None):
         """The tensor with `function` applied to its values when read (shape changed to `shape`)."""
+        self._whole("mapped")
         return dataclasses.replace(  # no slice reads: `function` needs the whole tensor
             self,
             shape=self.shape if shape is None else tuple(shape),
@@ -154,8 +164,17 @@ def of_array(array: np.ndarray, source: str) -> LazyTensor:
 
 
 def stacked(parts: list[LazyTensor], source: str) -> LazyTensor:
-    """One tensor [N, ...] from N tensors of one shape (a mixture's per-expert weights), read in turn."""
+    """One tensor [N, ...] from N tensors of one shape (a mixture's per-expert weights), read in turn
+    (quantized ones: each field stacked)."""
     first = parts[0]
+    if first.quantized:
+        return dataclasses.replace(
+            first,
+            shape=(len(parts), *first.shape),
+            read=lambda: jax.tree.map(lambda *fields: np.stack(fields), *(part.read() for part in parts)),
+            source=source,
+            read_slice=None,
+        )
 
     def read():
         out = np.empty((len(parts), *first.shape), first.dtype)

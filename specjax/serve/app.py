@@ -288,6 +288,8 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     dtype: str = "float32",
+    quantization: str | None = None,
+    group_size: int | None = None,
     max_batch: int = 8,
     max_model_len: int | None = None,
     chunk_steps: int = 16,
@@ -299,7 +301,7 @@ def serve(
     """Serve a model over HTTP until interrupted (what `specjax serve` runs).
 
     model: a specjax.Model, or anything `specjax.load` takes (a built-in name, an HF folder, a
-        .gguf file), loaded in `dtype`.
+        .gguf file), loaded in `dtype` with `quantization` and `group_size` (as `specjax.load`).
     speculative_config: vLLM's / FastDeploy's --speculative-config object (see
         specjax/serve/config.py), or `proposer`: any specjax proposer; neither for plain decoding.
     max_batch, max_model_len, chunk_steps: the engine's slots, the longest prompt + answer, and
@@ -316,7 +318,7 @@ def serve(
             raise ValueError(f"serve: {error}") from None
     if not isinstance(model, Model):
         served_model_name = served_model_name or str(model)
-        model = load(model, dtype=dtype)
+        model = load(model, dtype=dtype, quantization=quantization, group_size=group_size)
     if proposer is None:
         proposer = speculative_config_to_proposer(speculative_config, model)
     engine = Engine(
