@@ -26,7 +26,6 @@ import specjax
 from specjax.models import MLPSpeculatorHead
 from specjax.models.mlp_speculator import mlp_speculator_logits
 from specjax.models.tensors import of_array, write_safetensors
-from specjax.serve.config import speculative_config_to_proposer
 from specjax.speculate.proposers.base import LastHiddenState
 from specjax.speculate.sampling import SamplingParams, WarpSpec
 from specjax.train import mlp_speculator_loss, save_head
@@ -268,13 +267,3 @@ def test_bad_arguments_and_folders_are_refused(tmp_path):
     save_head(tmp_path / "narrow", MLPSpeculatorHead.init(tiny_model(seed=11, hidden_size=32), n_predict=2))
     with pytest.raises(ValueError, match=r"MLP speculator is for hidden size \(emb_dim\) 32 and vocab 97"):
         specjax.load_head(tmp_path / "narrow", TARGET)
-
-
-def test_serve_config_maps_mlp_speculator(tmp_path):
-    save_head(tmp_path / "head", MLPSpeculatorHead.init(TARGET, n_predict=3, inner_dim=16))
-    config = {"method": "mlp_speculator", "model": str(tmp_path / "head"), "num_speculative_tokens": 2}
-    proposer = speculative_config_to_proposer(config, TARGET)
-    assert isinstance(proposer, specjax.MLPSpeculator) and proposer.k == 2
-    assert speculative_config_to_proposer({**config, "num_speculative_tokens": None}, TARGET).k == 3
-    with pytest.raises(ValueError, match="k=4 exceeds the head's n_predict=3"):
-        speculative_config_to_proposer({**config, "num_speculative_tokens": 4}, TARGET)
