@@ -180,12 +180,12 @@ def test_save_head_writes_the_published_format_back(tmp_path):
 
 @pytest.fixture(scope="module")
 def data():
-    return own_continuations(TARGET)
+    return own_continuations(TARGET, num_prompts=32)  # half trained_medusa's: the default suite's time
 
 
 @pytest.fixture(scope="module")
 def trained(data):
-    return trained_mlp_speculator(TARGET, data, n_predict=N_PREDICT)
+    return trained_mlp_speculator(TARGET, data, steps=300, n_predict=N_PREDICT)
 
 
 @pytest.fixture(scope="module")
@@ -194,17 +194,18 @@ def plain():
 
 
 def test_trained_speculator_decodes_losslessly_and_accepts_part(trained, plain):
-    """Batch 4, ragged: greedy-equal to plain; 48% of the drafts accepted here."""
+    """Batch 4, ragged: greedy-equal to plain; 34% of the drafts accepted here."""
     result = specjax.generate(TARGET, PROMPTS, proposer=specjax.MLPSpeculator(trained), max_new_tokens=24)
     assert result.tokens == plain
-    check_acceptance(result.metrics, 0.25, 0.8)
+    check_acceptance(result.metrics, 0.2, 0.8)
 
 
 def test_training_lowers_the_loss_and_raises_agreement(trained, data):
     fresh = MLPSpeculatorHead.init(TARGET, n_predict=N_PREDICT, key=jax.random.key(0))  # the trainer's start
     batch = (jnp.asarray(data.hidden), jnp.asarray(data.tokens), jnp.asarray(data.mask))
-    before, before_metrics = mlp_speculator_loss(fresh.params, fresh.config, *batch)
-    after, after_metrics = mlp_speculator_loss(trained.params, trained.config, *batch)
+    loss = jax.jit(mlp_speculator_loss, static_argnums=1)
+    before, before_metrics = loss(fresh.params, fresh.config, *batch)
+    after, after_metrics = loss(trained.params, trained.config, *batch)
     assert float(after) < 0.5 * float(before), (float(before), float(after))
     assert (np.asarray(after_metrics["accuracy"]) > np.asarray(before_metrics["accuracy"]) + 0.2).all()
     assert trained.meta["trainer"] == "specjax.train.train_mlp_speculator"
