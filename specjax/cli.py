@@ -597,9 +597,9 @@ batches requests continuously over the compiled loop.
 
 Routes: /v1/chat/completions and /v1/completions (stream=true: server-sent events), /v1/models,
 /health and /metrics (Prometheus, vLLM's names under the prefix specjax:). --speculative-config
-takes vLLM's and FastDeploy's keys: "method" (ngram, draft_model, eagle, eagle3, medusa, dflash;
-specjax's self_draft and specjax), "num_speculative_tokens", "model" (a draft model, or a head's
-folder), "prompt_lookup_max", "prompt_lookup_min" (see specjax/serve/config.py). A request may
+takes vLLM's and FastDeploy's keys: "method" (ngram, draft_model, eagle, eagle3, medusa, dflash,
+mlp_speculator; specjax's self_draft and specjax), "num_speculative_tokens", "model" (a draft model,
+or a head's folder), "prompt_lookup_max", "prompt_lookup_min" (see specjax/serve/config.py). A request may
 send "speculative": false to be decoded without the proposer. At most --max-waiting requests
 wait for a slot; past them a request is answered at once with HTTP 503 (retry later).
 """

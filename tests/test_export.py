@@ -19,7 +19,7 @@ import pytest
 from tiny import tiny_model
 
 import specjax
-from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, init_params
+from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, MLPSpeculatorHead, init_params
 from specjax.models.families import config_from_hf
 from specjax.speculate.tree import TokenTree
 
@@ -56,6 +56,9 @@ def proposers():
         "eagle": specjax.Eagle(EagleHead.init(TARGET, key), k=3),
         "eagle3_tree": specjax.Eagle3(eagle3, tree=TokenTree.top_k((2, 1))),
         "dflash": specjax.DFlash(dflash),
+        "mlp_speculator": specjax.MLPSpeculator(
+            MLPSpeculatorHead.init(TARGET, n_predict=3, inner_dim=64, tie_weights=True, scale_input=True)
+        ),
         "hybrid": specjax.Hybrid(specjax.NGram(k=3, n_min=2), specjax.Eagle3(eagle3, k=3)),
         "dynamic": specjax.Dynamic(specjax.NGram(k=3)),
     }

@@ -15,7 +15,7 @@ from oracle import Oracle, references
 from tiny import tiny_model, tiny_tokenizer
 
 import specjax
-from specjax.models import EagleHead, MedusaHead, forward, init_cache
+from specjax.models import EagleHead, MedusaHead, MLPSpeculatorHead, forward, init_cache
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, warp_logits
 from specjax.speculate.tree import TokenTree
@@ -31,6 +31,7 @@ def proposers(k):
         "ngram": specjax.NGram(k=k, n_max=3, n_min=1),
         "draft": specjax.DraftModel(DRAFT, k=k),
         "self": specjax.SelfDraft(layers=1, k=k),
+        "mlp": specjax.MLPSpeculator(MLPSpeculatorHead.init(TARGET, n_predict=3, inner_dim=48), k=k),
     }
 
 
@@ -214,6 +215,7 @@ def tree_proposers(num_rows):
         "ngram",
         "draft",
         pytest.param("self", marks=pytest.mark.slow),  # a model draft's law: "draft" (20 s each)
+        pytest.param("mlp", marks=pytest.mark.slow),  # sampled drafts from a head, q its warped law
         pytest.param("medusa_tree", marks=pytest.mark.slow),
         pytest.param("oracle_tree", marks=pytest.mark.slow),
         pytest.param("eagle_tree", marks=pytest.mark.slow),

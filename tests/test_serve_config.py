@@ -7,7 +7,7 @@ from hf_export import save_hf_folder
 from tiny import tiny_model
 
 import specjax
-from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead
+from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, MLPSpeculatorHead
 from specjax.models.heads import save_head
 from specjax.serve.config import METHOD_KEYS, speculative_config_to_proposer
 from specjax.speculate.tree import TokenTree
@@ -73,6 +73,16 @@ def test_dflash_drafts_k_tokens_per_block(tmp_path):
     assert isinstance(dflash, specjax.DFlash) and (dflash.k, dflash.block) == (3, 4)
 
 
+def test_mlp_speculator_drafts_up_to_n_predict(tmp_path):
+    save_head(tmp_path / "head", MLPSpeculatorHead.init(TARGET, n_predict=3, inner_dim=16))
+    config = {"method": "mlp_speculator", "model": str(tmp_path / "head")}
+    assert speculative_config_to_proposer(config, TARGET).k == 3  # one draft per stage
+    proposer = speculative_config_to_proposer(config | {"num_speculative_tokens": 2}, TARGET)
+    assert isinstance(proposer, specjax.MLPSpeculator) and proposer.k == 2
+    with pytest.raises(ValueError, match="MLPSpeculator k=4 exceeds the head's n_predict=3"):
+        speculative_config_to_proposer(config | {"num_speculative_tokens": 4}, TARGET)
+
+
 def test_specjax_methods():
     self_draft = {"method": "self_draft", "layers": 1, "num_speculative_tokens": 2}
     assert speculative_config_to_proposer(self_draft, TARGET) == specjax.SelfDraft(layers=1, k=2)
@@ -128,5 +138,6 @@ def test_a_missing_head_folder_is_named(tmp_path):
 def test_every_method_is_covered():
     # the cases above, one per method: a new method must come with its own
     assert set(METHOD_KEYS) == {
-        "ngram", "draft_model", "eagle", "eagle3", "medusa", "dflash", "mtp", "self_draft", "specjax"
+        "ngram", "draft_model", "eagle", "eagle3", "medusa", "dflash", "mlp_speculator", "mtp", "self_draft",
+        "specjax"
     }  # fmt: skip

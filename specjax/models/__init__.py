@@ -10,6 +10,7 @@ from specjax.models.heads import load_head, save_head
 from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
 from specjax.models.loading import BUILTIN_MODELS, load
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
+from specjax.models.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorHead, MLPSpeculatorParams
 from specjax.models.model import Model
 from specjax.models.signature import target_signature
 
@@ -32,6 +33,9 @@ __all__ = [
     "MedusaConfig",
     "MedusaHead",
     "MedusaParams",
+    "MLPSpeculatorConfig",
+    "MLPSpeculatorHead",
+    "MLPSpeculatorParams",
     "Model",
     "RopeScaling",
     "cache_bytes",

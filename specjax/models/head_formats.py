@@ -9,12 +9,18 @@ speculators format, so that heads trained here can be served by vLLM).
   target's embedding, which the head does not need (the target's own is used).
 - EAGLE-3's original release: a Llama-like `config.json` with `draft_vocab_size`, and the same
   tensors with the decoder layer under `midlayer.*`.
+- IBM's MLP speculator (fms-extras, served by vLLM as `mlp_speculator`): `config.json` with
+  model_type "mlp_speculator" (emb_dim, inner_dim, n_predict, tie_weights, scale_input,
+  vocab_size) and per stage `speculator.emb.{i}.weight` [V, I], `speculator.proj.{i}.weight`
+  [I, E or I], `speculator.head.{i}.weight` [V, I], `speculator.ln.{i}.weight` and `.bias` (the
+  `speculator.` prefix optional, as vLLM reads them); see models/mlp_speculator.py.
 
 Tensors are read with specjax's own safetensors reader (models/tensors.py): no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -37,6 +43,7 @@ from specjax.models.eagle3 import (
 from specjax.models.families import rope_parameters, rope_scaling_from_hf
 from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
+from specjax.models.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorHead, MLPSpeculatorParams
 from specjax.models.tensors import LazyTensor, of_array, open_safetensors, write_safetensors
 from specjax.models.torch_checkpoint import load_torch_checkpoint
 
@@ -76,11 +83,13 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def head_format(folder: Path) -> str | None:
-    """ "speculators", "eagle3-release", "eagle1-release", "medusa-release" or None (not a
-    published head this module reads)."""
+    """ "speculators", "eagle3-release", "eagle1-release", "medusa-release", "mlp_speculator" or
+    None (not a published head this module reads)."""
     if not (folder / "config.json").is_file():
         return None
     config = read_config(folder)
+    if config.get("model_type") == "mlp_speculator":
+        return "mlp_speculator"
     if "speculators_model_type" in config:
         return "speculators"
     if "medusa_num_heads" in config:
@@ -597,11 +606,113 @@ def read_published_head(folder: Path, target=None):
         head = read_eagle1_release(folder)
     elif fmt == "medusa-release":
         head = read_medusa_release(folder)
+    elif fmt == "mlp_speculator":
+        head = read_mlp_speculator(folder)
     else:
         raise ValueError(
             f"head {str(folder)!r} is not a head specjax reads: expected a specjax head (head.json), a "
-            "speculators folder, an EAGLE-1 or EAGLE-3 release, or a Medusa release"
+            "speculators folder, an EAGLE-1 or EAGLE-3 release, a Medusa release or an MLP speculator"
         )
     if target is not None:
         head.check_target(target)
     return head
+
+
+def _mlp_tensor_names(config: MLPSpeculatorConfig) -> dict[str, tuple[str, int]]:
+    """Published tensor name (without `speculator.`) -> (our field, stage index) for every stored
+    weight of `config`: stage 0's projection apart, the later stages' stacked."""
+    names = {"proj.0.weight": ("proj_first", 0)}
+    for j in range(1, 2 if config.tie_weights else config.n_predict):
+        names[f"proj.{j}.weight"] = ("proj", j - 1)
+    for s in range(config.stored_stages):
+        names |= {
+            f"emb.{s}.weight": ("emb", s),
+            f"head.{s}.weight": ("head", s),
+            f"ln.{s}.weight": ("ln_weight", s),
+            f"ln.{s}.bias": ("ln_bias", s),
+        }
+    return names
+
+
+def read_mlp_speculator(folder: Path) -> MLPSpeculatorHead:
+    """An MLP speculator as IBM publishes it (config.json with model_type "mlp_speculator",
+    safetensors `speculator.{emb,proj,head,ln}.{i}.*`). A tied one keeps stage 0's emb, head and
+    norm and proj 0 and 1; the copies torch writes under the other stages' names are not read,
+    as vLLM does not read them. top_k_tokens_per_head and n_candidates (candidate trees) are not
+    used: the speculator drafts a chain, as in vLLM."""
+    config = read_config(folder)
+    source = f"head {str(folder)!r}"
+    try:
+        emb_dim = config["emb_dim"]
+        head_config = MLPSpeculatorConfig(
+            emb_dim=emb_dim,
+            inner_dim=config.get("inner_dim") or emb_dim,
+            vocab_size=config["vocab_size"],
+            n_predict=config["n_predict"],
+            tie_weights=bool(config.get("tie_weights", config.get("tie_wts", False))),
+            scale_input=bool(config.get("scale_input", False)),
+        )
+    except KeyError as error:
+        raise ValueError(f"{source}: config.json has no {error.args[0]!r}") from None
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    tensors = {name.removeprefix("speculator."): t for name, t in _tensors(folder).items()}
+    names = _mlp_tensor_names(head_config)
+    aliases = set(_mlp_tensor_names(dataclasses.replace(head_config, tie_weights=False))) - set(names)
+    missing = sorted(set(names) - set(tensors))
+    unexpected = sorted(set(tensors) - set(names) - (aliases if head_config.tie_weights else set()))
+    if missing or unexpected:
+        raise ValueError(
+            f"{source} does not match its config (n_predict={head_config.n_predict}, tie_weights="
+            f"{head_config.tie_weights}): missing {missing[:8]}, unexpected {unexpected[:8]}"
+        )
+    shapes = head_config.param_shapes()
+    parts: dict[str, list] = {field: [None] * shapes[field][0] for field in shapes if field != "proj_first"}
+    arrays = {}
+    for name, (field, index) in names.items():
+        matrix = field in ("proj_first", "proj", "head")  # torch [out, in]; ours [in, out]
+        ours = shapes[field] if field == "proj_first" else shapes[field][1:]
+        theirs = ours[::-1] if matrix else ours
+        if tuple(tensors[name].shape) != theirs:
+            raise ValueError(
+                f"{source}: {name} has shape {tuple(tensors[name].shape)}, the config needs {theirs}"
+            )
+        value = tensors[name].read().T if matrix else tensors[name].read()
+        if field == "proj_first":
+            arrays[field] = np.ascontiguousarray(value)
+        else:
+            parts[field][index] = value
+    for field, values in parts.items():
+        arrays[field] = np.stack(values) if values else np.zeros(shapes[field], arrays["proj_first"].dtype)
+    ours = config.get("specjax") or {}  # a speculator specjax wrote: who it belongs to, how it was made
+    meta = ours.get("meta") or {"source": str(folder), "format": "mlp_speculator"}
+    params = _on_device(MLPSpeculatorParams(**arrays))
+    return MLPSpeculatorHead(head_config, params, target=ours.get("target") or {}, meta=meta)
+
+
+def write_mlp_speculator(folder: Path, head: MLPSpeculatorHead) -> None:
+    """The speculator in its published format (config.json, model.safetensors), which vLLM serves
+    as `mlp_speculator`: matrices in torch's [out, in], one tensor per stored weight."""
+    c = head.config
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (field, index) in _mlp_tensor_names(c).items():
+        value = np.asarray(getattr(head.params, field))
+        value = value if field == "proj_first" else value[index]
+        value = value.T if field in ("proj_first", "proj", "head") else value  # torch's [out, in]
+        tensors[f"speculator.{name}"] = of_array(np.ascontiguousarray(value), name)
+    write_safetensors(folder / "model.safetensors", tensors)
+    config = {
+        "architectures": ["MLPSpeculatorPreTrainedModel"],
+        "model_type": "mlp_speculator",
+        "vocab_size": c.vocab_size,
+        "emb_dim": c.emb_dim,
+        "inner_dim": c.inner_dim,
+        "n_predict": c.n_predict,
+        "top_k_tokens_per_head": [1] * c.n_predict,  # a chain: what specjax and vLLM draft
+        "n_candidates": 1,
+        "tie_weights": c.tie_weights,
+        "scale_input": c.scale_input,
+        "specjax": {"target": head.target, "meta": head.meta},
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=1) + "\n")

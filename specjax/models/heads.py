@@ -35,9 +35,9 @@ CONFIGS = {"medusa": MedusaConfig, "eagle": EagleConfig}  # by head.json's kind
 def load_head(path: str | Path, target: Model | None = None):
     """The head in the directory `path`: one specjax saved (`save_head`: head.json), or a published
     one read as it was released (models/head_formats.py: the speculators format's EAGLE-3 and
-    DFlash heads, EAGLE-1's and EAGLE-3's original releases, Medusa's). With `target`, refuse a
-    head that does not belong to it (the head's `check_target`: a head trained here, by its
-    target's signature; a published one, by the widths it shares with the target)."""
+    DFlash heads, EAGLE-1's and EAGLE-3's original releases, Medusa's, IBM's MLP speculators). With
+    `target`, refuse a head that does not belong to it (the head's `check_target`: a head trained
+    here, by its target's signature; a published one, by the widths it shares with the target)."""
     from specjax.models.head_formats import read_published_head
 
     path = Path(path).absolute()
@@ -51,21 +51,36 @@ def load_head(path: str | Path, target: Model | None = None):
     return head
 
 
-FORMATS = ("specjax", "speculators")
+FORMATS = ("specjax", "speculators", "mlp_speculator")
 
 
 def save_head(path: str | Path, head, format: str | None = None) -> None:
     """Write `head` to the directory `path` (created; an existing head there is replaced).
 
-    format: "specjax" (an orbax checkpoint and head.json; Medusa and EAGLE heads) or "speculators"
-    (config.json and model.safetensors, which vLLM serves; EAGLE-3 and DFlash heads). Default: a
-    head's only format (speculators for EAGLE-3 and DFlash, specjax for the others)."""
+    format: "specjax" (an orbax checkpoint and head.json; Medusa and EAGLE heads), "speculators"
+    (config.json and model.safetensors, which vLLM serves; EAGLE-3 and DFlash heads) or
+    "mlp_speculator" (IBM's config.json and safetensors, which vLLM serves; MLP speculators).
+    Default: a head's only format (speculators for EAGLE-3 and DFlash, mlp_speculator for MLP
+    speculators, specjax for the others)."""
     from specjax.models.dflash import DFlashHead
     from specjax.models.eagle3 import Eagle3Head
-    from specjax.models.head_formats import write_speculators_dflash, write_speculators_eagle3
+    from specjax.models.head_formats import (
+        write_mlp_speculator,
+        write_speculators_dflash,
+        write_speculators_eagle3,
+    )
+    from specjax.models.mlp_speculator import MLPSpeculatorHead
 
     if format is not None and format not in FORMATS:
         raise ValueError(f"save_head: format {format!r} is not supported; supported: {', '.join(FORMATS)}")
+    is_mlp = isinstance(head, MLPSpeculatorHead)
+    if (is_mlp and format not in (None, "mlp_speculator")) or (not is_mlp and format == "mlp_speculator"):
+        raise ValueError(
+            f"save_head: format {format!r} does not hold a {type(head).__name__}; an MLP speculator is "
+            "saved in the mlp_speculator format only, and that format holds nothing else"
+        )
+    if is_mlp:
+        return write_mlp_speculator(Path(path), head)
     if isinstance(head, Eagle3Head | DFlashHead):
         if format == "specjax":
             raise ValueError(f"save_head: a {type(head).__name__} is saved in the speculators format only")

@@ -5,12 +5,13 @@ Both servers take one JSON object whose "method" names the drafting method and w
 configure it. The keys read here are those the two share, so a config written for either server
 starts specjax with the matching proposer:
 
-    method                  ngram | draft_model | eagle | eagle3 | medusa | dflash | mtp, or
+    method                  ngram | draft_model | eagle | eagle3 | medusa | dflash | mlp_speculator |
+                            mtp, or
                             specjax's own: self_draft | specjax (any proposer, see below)
     num_speculative_tokens  k, the drafts per step (default: the proposer's own default)
     model                   draft_model: a model (a built-in name, an HF folder or a .gguf file);
-                            eagle, eagle3, medusa, dflash: the folder of a head (`specjax.load_head`:
-                            specjax's own or a published release)
+                            eagle, eagle3, medusa, dflash, mlp_speculator: the folder of a head
+                            (`specjax.load_head`: specjax's own or a published release)
     prompt_lookup_max       ngram: the longest n-gram matched (NGram n_max)
     prompt_lookup_min       ngram: the shortest n-gram matched (NGram n_min)
     layers                  self_draft: the target's layers that draft (SelfDraft layers)
@@ -36,6 +37,7 @@ from specjax.speculate.proposers import (
     Eagle,
     Eagle3,
     Medusa,
+    MLPSpeculator,
     NGram,
     SelfDraft,
 )
@@ -51,11 +53,18 @@ METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "eagle3": ("model", "num_speculative_tokens"),
     "medusa": ("model", "num_speculative_tokens"),
     "dflash": ("model", "num_speculative_tokens"),
+    "mlp_speculator": ("model", "num_speculative_tokens"),
     "mtp": ("num_speculative_tokens",),
     "self_draft": ("layers", "num_speculative_tokens"),
     "specjax": ("proposer",),
 }
-HEAD_METHODS = {"eagle": Eagle, "eagle3": Eagle3, "medusa": Medusa, "dflash": DFlash}
+HEAD_METHODS = {
+    "eagle": Eagle,
+    "eagle3": Eagle3,
+    "medusa": Medusa,
+    "dflash": DFlash,
+    "mlp_speculator": MLPSpeculator,
+}
 
 
 def _keys(config: dict, method: str) -> dict:

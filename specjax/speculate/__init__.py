@@ -13,6 +13,7 @@ from specjax.speculate.proposers import (
     HeuristicSchedule,
     Hybrid,
     Medusa,
+    MLPSpeculator,
     NGram,
     SelfDraft,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "Hybrid",
     "DFlash",
     "Medusa",
+    "MLPSpeculator",
     "NGram",
     "Sampling",
     "SelfDraft",

@@ -1,5 +1,6 @@
-"""Training: Medusa, EAGLE, EAGLE-3 and DFlash heads distilled from the target's own continuations, and their
-checkpoints. `load_head` / `save_head` live in specjax.models.heads (re-exported here)."""
+"""Training: Medusa, EAGLE, EAGLE-3, DFlash and MLP speculator heads distilled from the target's
+own continuations, and their checkpoints. `load_head` / `save_head` live in specjax.models.heads
+(re-exported here)."""
 
 from specjax.models.heads import load_head, save_head
 from specjax.train.data import DistillationData, distill_data, target_features
@@ -7,6 +8,7 @@ from specjax.train.dflash import dflash_loss, evaluate_dflash, train_dflash
 from specjax.train.eagle import eagle_loss, evaluate_eagle, train_eagle
 from specjax.train.eagle3 import eagle3_loss, evaluate_eagle3, train_eagle3
 from specjax.train.medusa import evaluate_medusa, medusa_loss, train_medusa
+from specjax.train.mlp_speculator import mlp_speculator_loss, train_mlp_speculator
 from specjax.train.prompts import self_instruct_prompts
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "evaluate_medusa",
     "load_head",
     "medusa_loss",
+    "mlp_speculator_loss",
     "save_head",
     "self_instruct_prompts",
     "target_features",
@@ -28,4 +31,5 @@ __all__ = [
     "train_eagle",
     "train_eagle3",
     "train_medusa",
+    "train_mlp_speculator",
 ]

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -213,3 +214,30 @@ def head_meta(trainer: str, settings: dict, data_summary: dict) -> dict:
     """How a head was made, as host JSON values (what the saved head's metadata file holds)."""
     meta = {"trainer": trainer, **settings, "steps_done": settings["steps"], "data": data_summary}
     return json.loads(json.dumps(meta))  # host scalars only
+
+
+def shifted_tokens(tokens: jax.Array, mask: jax.Array, first: int, count: int) -> tuple[jax.Array, jax.Array]:
+    """tokens [B, T], mask [B, T] -> (at each position t the tokens t + first .. t + first + count - 1
+    [B, T, count] (0 past the end), and whether each is a sequence token [B, T, count])."""
+    B, T = tokens.shape
+    pad = first + count
+    tokens = jnp.concatenate([tokens, jnp.zeros((B, pad), tokens.dtype)], axis=1)
+    mask = jnp.concatenate([mask, jnp.zeros((B, pad), bool)], axis=1)
+    offsets = range(first, first + count)
+    return (
+        jnp.stack([tokens[:, j : j + T] for j in offsets], axis=-1),
+        jnp.stack([mask[:, j : j + T] for j in offsets], axis=-1),
+    )
+
+
+def per_head_loss(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> tuple[jax.Array, dict]:
+    """Cross-entropy of heads that each predict one token: logits [B, T, M, V], labels [B, T, M],
+    valid [B, T, M] bool (the positions scored). Returns the mean of the per-head losses and
+    {"loss": [M], "accuracy": [M]} (top-1, over each head's scored positions)."""
+    valid = valid.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [B, T, M]
+    counts = jnp.maximum(valid.sum(axis=(0, 1)), 1.0)  # [M]
+    head_loss = (losses * valid).sum(axis=(0, 1)) / counts
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
+    head_accuracy = (correct * valid).sum(axis=(0, 1)) / counts
+    return head_loss.mean(), {"loss": head_loss, "accuracy": head_accuracy}

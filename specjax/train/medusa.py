@@ -15,7 +15,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams, init_medusa, medusa_hidden
@@ -26,6 +25,8 @@ from specjax.train.common import (
     check_int,
     head_meta,
     optimizer_settings,
+    per_head_loss,
+    shifted_tokens,
     train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab
@@ -48,21 +49,11 @@ def medusa_loss(
     over the scored positions).
     """
     M = params.w.shape[0]
-    B, T = tokens.shape
     logits = draft_logits(head_matrix, medusa_hidden(params, hidden))  # [B, T, M, W]
-    tokens_ext = jnp.concatenate([tokens, jnp.zeros((B, M + 1), tokens.dtype)], axis=1)
-    mask_ext = jnp.concatenate([mask, jnp.zeros((B, M + 1), bool)], axis=1)
-    labels = jnp.stack([tokens_ext[:, 2 + i : 2 + i + T] for i in range(M)], axis=-1)  # [B, T, M]
+    labels, valid = shifted_tokens(tokens, mask, 2, M)  # [B, T, M]: head i's token, t + 2 + i
     labels = draft_index[labels]  # into the draft vocabulary
-    valid = jnp.stack([mask_ext[:, 2 + i : 2 + i + T] for i in range(M)], axis=-1) & mask[..., None]
-    valid = (valid & (labels >= 0)).astype(jnp.float32)
-    labels = jnp.maximum(labels, 0)
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)  # [B, T, M]
-    counts = jnp.maximum(valid.sum(axis=(0, 1)), 1.0)  # [M]
-    head_loss = (losses * valid).sum(axis=(0, 1)) / counts
-    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
-    head_accuracy = (correct * valid).sum(axis=(0, 1)) / counts
-    return head_loss.mean(), {"loss": head_loss, "accuracy": head_accuracy}
+    valid = valid & mask[..., None] & (labels >= 0)
+    return per_head_loss(logits, jnp.maximum(labels, 0), valid)
 
 
 _loss_jit = jax.jit(medusa_loss)

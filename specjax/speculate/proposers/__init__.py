@@ -1,9 +1,9 @@
 """Proposers: cheap guesses of the next k tokens.
 
-The user-facing objects (NGram, DraftModel, SelfDraft, Medusa, Eagle, or a researcher's own object with
-`spec(target, warp, mesh)` and `params(target)` methods) resolve, per call, to a frozen, hashable
-*proposer spec* that the compiled loop holds as a static value, plus a params pytree (or None)
-passed as an argument. A spec provides:
+The user-facing objects (NGram, DraftModel, SelfDraft, Medusa, MLPSpeculator, Eagle, or a
+researcher's own object with `spec(target, warp, mesh)` and `params(target)` methods) resolve, per
+call, to a frozen, hashable *proposer spec* that the compiled loop holds as a static value, plus a
+params pytree (or None) passed as an argument. A spec provides:
 
     k: int                         number of speculative tokens
     always_drafts: bool            True when every row drafts k tokens every step
@@ -43,6 +43,7 @@ from specjax.speculate.proposers.eagle3 import Eagle3, Eagle3Spec
 from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
 from specjax.speculate.proposers.hybrid import Hybrid, HybridSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
+from specjax.speculate.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
@@ -51,6 +52,7 @@ PROPOSER_TYPES = (
     DraftModel,
     SelfDraft,
     Medusa,
+    MLPSpeculator,
     Eagle,
     Eagle3,
     DFlash,
@@ -69,7 +71,16 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return proposer, None
     if isinstance(
         proposer,
-        DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | Hybrid | Dynamic | ForcedAcceptance,
+        DraftModel
+        | SelfDraft
+        | Medusa
+        | MLPSpeculator
+        | Eagle
+        | Eagle3
+        | DFlash
+        | Hybrid
+        | Dynamic
+        | ForcedAcceptance,
     ):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
@@ -85,7 +96,7 @@ def with_k(proposer, k: int):
     """The same proposer drafting k tokens (at most k for Dynamic); ValueError for one whose draft
     length is fixed by a token tree (Medusa, an Eagle tree). DFlash drafts k through a block of
     k + 1; Hybrid changes both parts."""
-    if isinstance(proposer, NGram | SelfDraft | DraftModel):
+    if isinstance(proposer, NGram | SelfDraft | DraftModel | MLPSpeculator):  # (at most n_predict)
         return dataclasses.replace(proposer, k=k)
     if isinstance(proposer, Eagle | Eagle3) and proposer.tree is None:
         return dataclasses.replace(proposer, k=k)  # keeps its confidence threshold
@@ -123,6 +134,8 @@ __all__ = [
     "EagleSpec",
     "Medusa",
     "MedusaSpec",
+    "MLPSpeculator",
+    "MLPSpeculatorSpec",
     "NGram",
     "Proposal",
     "SelfDraft",

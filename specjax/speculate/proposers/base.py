@@ -8,8 +8,10 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 
 from specjax.sharding import replicate
+from specjax.speculate.sampling import adjust_logits, choose_tokens
 
 MAX_SPECULATIVE_TOKENS = 16  # k above this buys nothing measurable and bloats the verify pass
 
@@ -49,6 +51,57 @@ class Stateless:
 
     def observe(self, target_params, params, state, tokens, lengths):
         return state
+
+
+@flax.struct.dataclass
+class LastHiddenState:
+    hidden: jax.Array  # [B, D] the target's final-normed hidden state the last token came from
+
+
+class FromLastHidden:
+    """Defaults for a proposer spec that drafts from one hidden state per row (Medusa, the MLP
+    speculator): the target's, at the token before the last committed one (the state the last
+    token was predicted from). A subclass supplies `hidden_size`, `k` and `propose`."""
+
+    hidden_size: int
+
+    def state_bytes(self, batch_size: int, capacity: int) -> int:
+        return batch_size * self.hidden_size * 4
+
+    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+        rows = jnp.arange(prompt_tokens.shape[0])
+        return LastHiddenState(hidden=target_hidden[rows, prompt_lengths - 1])
+
+    def update(self, state: LastHiddenState, path_hidden, num_accepted) -> LastHiddenState:
+        rows = jnp.arange(path_hidden.shape[0])
+        return LastHiddenState(hidden=path_hidden[rows, num_accepted])
+
+    def accepting(self, K: int):
+        """Itself: `update` takes the hidden state after any number of accepted drafts."""
+        return self
+
+    def observe(self, target_params, params, state: LastHiddenState, tokens, lengths) -> LastHiddenState:
+        return state  # nothing to catch up on: `update` keeps the one hidden state it drafts from
+
+
+def draft_keys(keys: jax.Array, k: int) -> jax.Array:
+    """One key per row [B] -> one per draft position and row [k, B]."""
+    return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, k))(keys), 0, 1)
+
+
+def choose_draft(keys, logits, sampling, warp, history, counts):
+    """One draft token per row from a drafter's logits [B, V], adjusted and warped exactly as the
+    target's are (bias, penalties with `counts` [B, V] as they would stand after the drafts so
+    far, temperature and filters). Returns (tokens [B], probs [B, V]: the distribution each was
+    drawn from, None when every row is greedy, counts with the tokens added)."""
+    if history is not None:
+        logits = adjust_logits(logits, sampling, warp, counts, history.in_prompt)
+    else:
+        logits = adjust_logits(logits, sampling, warp)
+    token, probs = choose_tokens(keys, logits, sampling, warp)
+    if history is not None:
+        counts = counts.at[jnp.arange(token.shape[0]), token].add(1)
+    return token, probs, counts
 
 
 class Wrapper:

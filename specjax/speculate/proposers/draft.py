@@ -24,8 +24,8 @@ from specjax.models.llama import lm_head, stack_layers
 from specjax.models.model import Model
 from specjax.sharding import check_model_split, mesh_forward_hidden, shard_params
 from specjax.speculate.history import TokenHistory
-from specjax.speculate.proposers.base import Proposal, check_k
-from specjax.speculate.sampling import SamplingParams, WarpSpec, adjust_logits, choose_tokens
+from specjax.speculate.proposers.base import Proposal, check_k, choose_draft, draft_keys
+from specjax.speculate.sampling import SamplingParams, WarpSpec
 
 
 @flax.struct.dataclass
@@ -106,16 +106,10 @@ class DraftSpec:
             hidden, cache = self._forward(params, fed, fed_positions, cache)
             logits = lm_head(params, hidden[:, -1], self.config)  # [B, V]
             cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
-            if history is not None:
-                logits = adjust_logits(logits, sampling, self.warp, counts, history.in_prompt)
-            else:
-                logits = adjust_logits(logits, sampling, self.warp)
-            token, probs = choose_tokens(step_keys, logits, sampling, self.warp)
-            if history is not None:
-                counts = counts.at[jnp.arange(B), token].add(1)
+            token, probs, counts = choose_draft(step_keys, logits, sampling, self.warp, history, counts)
             return cache, counts, token, probs
 
-        keys = jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, self.k))(keys), 0, 1)  # [K, B]
+        keys = draft_keys(keys, self.k)  # [K, B]
         counts = None if history is None else history.counts
         first_positions = lengths[:, None] - 2 + jnp.arange(2)[None, :]  # [B, 2]
         cache, counts, token, probs = draft_one(

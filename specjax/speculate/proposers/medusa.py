@@ -11,24 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.medusa import MedusaHead, medusa_hidden, medusa_logits
 from specjax.models.model import Model
-from specjax.speculate.proposers.base import HeadInputs, Proposal, kept_inputs
+from specjax.speculate.proposers.base import (
+    FromLastHidden,
+    HeadInputs,
+    LastHiddenState,
+    Proposal,
+    kept_inputs,
+)
 from specjax.speculate.tree import TokenTree
 
-
-@flax.struct.dataclass
-class MedusaState:
-    hidden: jax.Array  # [B, D] the target's final-normed hidden state the last token came from
+MedusaState = LastHiddenState  # the name the tests and notebooks know
 
 
 @dataclasses.dataclass(frozen=True)
-class MedusaSpec:
+class MedusaSpec(FromLastHidden):
     """The static part of a Medusa proposer: its tree."""
 
     tree: TokenTree
@@ -39,25 +41,9 @@ class MedusaSpec:
     def k(self) -> int:
         return self.tree.depth
 
-    def state_bytes(self, batch_size: int, capacity: int) -> int:
-        return batch_size * self.hidden_size * 4
-
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
-        rows = jnp.arange(prompt_tokens.shape[0])
-        return MedusaState(hidden=target_hidden[rows, prompt_lengths - 1])
-
-    def update(self, state: MedusaState, path_hidden, num_accepted) -> MedusaState:
-        rows = jnp.arange(path_hidden.shape[0])
-        return MedusaState(hidden=path_hidden[rows, num_accepted])
-
-    def accepting(self, K: int) -> MedusaSpec:
-        """Itself: `update` takes the hidden state after any number of accepted drafts."""
-        return self
-
-    def observe(self, target_params, params, state: MedusaState, tokens, lengths) -> MedusaState:
-        return state  # nothing to catch up on: `update` keeps the one hidden state it drafts from
-
-    def propose(self, target_params, params, state: MedusaState, tokens, lengths, keys, sampling, history):
+    def propose(
+        self, target_params, params, state: LastHiddenState, tokens, lengths, keys, sampling, history
+    ):
         tree = self.tree
         features = medusa_hidden(params.head, state.hidden)[:, : tree.depth]  # [B, D, hidden]
         if params.head.lm_heads is None:  # the target's head, over the draft vocabulary
