@@ -18,6 +18,7 @@ from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load_head
 from specjax.serve.stream import StreamDelta, stream
 from specjax.speculate import (
+    MTP,
     DFlash,
     DraftModel,
     Dynamic,
@@ -60,6 +61,7 @@ __all__ = [
     "Eagle3",
     "Hybrid",
     "DFlash",
+    "MTP",
     "GenerateResult",
     "MemoryEstimate",
     "Medusa",

@@ -31,6 +31,7 @@ from specjax.models import Model, load, load_head
 from specjax.named import proposer_from_description
 from specjax.speculate.proposers import (
     MAX_SPECULATIVE_TOKENS,
+    MTP,
     DFlash,
     DraftModel,
     Eagle,
@@ -51,7 +52,7 @@ METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "eagle3": ("model", "num_speculative_tokens"),
     "medusa": ("model", "num_speculative_tokens"),
     "dflash": ("model", "num_speculative_tokens"),
-    "mtp": ("num_speculative_tokens",),
+    "mtp": ("num_speculative_tokens", "num_model_steps", "mtp_strategy"),
     "self_draft": ("layers", "num_speculative_tokens"),
     "specjax": ("proposer",),
 }
@@ -153,18 +154,24 @@ def speculative_config_to_proposer(config: dict | None, target: Model):
 
 
 def _mtp(options: dict):
-    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5, ...): specjax.MTP
-    (DESIGN.md section 3) once it exists."""
-    import specjax
-
-    mtp = getattr(specjax, "MTP", None)
-    if mtp is None:
-        others = ", ".join(m for m in METHOD_KEYS if m != "mtp")
+    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5): specjax.MTP, with
+    FastDeploy's keys: `num_model_steps` (the MTP layer's drafts; num_speculative_tokens when not
+    given) and `mtp_strategy` ("default"; FastDeploy's "with_ngram" is not supported yet)."""
+    strategy = options.get("mtp_strategy", "default")
+    if strategy != "default":
         raise ValueError(
-            f"{WHERE}: method 'mtp' (the target's own MTP layers) is not available in specjax yet; "
-            f"use one of {others}"
+            f"{WHERE}: mtp_strategy {strategy!r} is not supported; allowed: 'default' "
+            "(FastDeploy's 'with_ngram' is not in specjax yet)"
         )
-    return mtp(**_k(options))
+    k = _k(options).get("k")
+    steps = _int(options, "num_model_steps", 1, MAX_SPECULATIVE_TOKENS)
+    if steps is not None and k is not None and steps != k:
+        raise ValueError(
+            f"{WHERE}: num_model_steps={steps} differs from num_speculative_tokens={k}; with "
+            "mtp_strategy 'default' the MTP layer drafts them all: give equal values or one of them"
+        )
+    k = steps if k is None else k
+    return MTP() if k is None else MTP(k=k)
 
 
 __all__ = ["METHOD_KEYS", "speculative_config_to_proposer"]

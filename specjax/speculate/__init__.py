@@ -3,6 +3,7 @@
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import (
     MAX_SPECULATIVE_TOKENS,
+    MTP,
     DFlash,
     DraftModel,
     Dynamic,
@@ -31,6 +32,7 @@ __all__ = [
     "Eagle3",
     "Hybrid",
     "DFlash",
+    "MTP",
     "Medusa",
     "NGram",
     "Sampling",

@@ -43,6 +43,7 @@ from specjax.speculate.proposers.eagle3 import Eagle3, Eagle3Spec
 from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
 from specjax.speculate.proposers.hybrid import Hybrid, HybridSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
+from specjax.speculate.proposers.mtp import MTP, MTPSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 from specjax.speculate.sampling import WarpSpec
 
@@ -54,6 +55,7 @@ PROPOSER_TYPES = (
     Eagle,
     Eagle3,
     DFlash,
+    MTP,
     Hybrid,
     Dynamic,
     ForcedAcceptance,
@@ -69,7 +71,7 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return proposer, None
     if isinstance(
         proposer,
-        DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | Hybrid | Dynamic | ForcedAcceptance,
+        DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | MTP | Hybrid | Dynamic | ForcedAcceptance,
     ):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
@@ -87,7 +89,7 @@ def with_k(proposer, k: int):
     k + 1; Hybrid changes both parts."""
     if isinstance(proposer, NGram | SelfDraft | DraftModel):
         return dataclasses.replace(proposer, k=k)
-    if isinstance(proposer, Eagle | Eagle3) and proposer.tree is None:
+    if isinstance(proposer, Eagle | Eagle3 | MTP) and proposer.tree is None:
         return dataclasses.replace(proposer, k=k)  # keeps its confidence threshold
     if isinstance(proposer, DFlash):
         return DFlash(proposer.head, block=k + 1)
@@ -123,6 +125,8 @@ __all__ = [
     "EagleSpec",
     "Medusa",
     "MedusaSpec",
+    "MTP",
+    "MTPSpec",
     "NGram",
     "Proposal",
     "SelfDraft",
