@@ -21,6 +21,7 @@ from tiny import tiny_model
 import specjax
 from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, init_params
 from specjax.models.families import config_from_hf
+from specjax.models.mtp import init_mtp_layer
 from specjax.speculate.tree import TokenTree
 
 # Head dim 64: a size the accelerators' kernels are built for (tiny_model's default is 16).
@@ -97,6 +98,30 @@ def test_a_data_2_model_2_mesh_lowers():
 
 # The default suite lowers Gemma 3 in bfloat16 (windows, interleaved rotary bases; the proposers'
 # tests above lower Llama in float32); make test-all lowers every family in both dtypes.
+def with_mtp_layer(model: specjax.Model) -> specjax.Model:
+    layer = init_mtp_layer(model.config, jax.random.key(5), model.params.dtype)
+    return specjax.Model(model.config, model.params, name=model.name, mtp=(layer,))
+
+
+@pytest.mark.parametrize(
+    "family, proposer",
+    [
+        (None, specjax.MTP(tree=TokenTree.top_k((2, 1)))),
+        pytest.param("deepseek_v3", specjax.MTP(k=2), marks=pytest.mark.slow),  # a latent-attention MoE block
+    ],
+)
+def test_mtp_lowers_for_cuda_and_tpu(family, proposer):
+    model = with_mtp_layer(TARGET if family is None else family_model(family, "float32"))
+    exported = specjax.export_generate(
+        model, PROMPTS, proposer=proposer, max_new_tokens=8, platforms=("cuda", "tpu")
+    )
+    assert exported.platforms == ("cuda", "tpu")
+    calls = custom_calls(exported)
+    assert not {c for c in calls if c.startswith("specjax_")}, calls
+    if family is None:
+        assert_accelerator_program(exported)
+
+
 DEFAULT_FAMILIES = {("gemma3", "bfloat16"), ("gpt_oss", "float32")}  # gpt-oss: sinks in the Pallas kernels
 # DeepSeek-V3's latent attention has no Pallas kernel yet (it attends with XLA on every platform):
 # test_latent_attention_lowers_for_cuda_and_tpu checks what holds for it.

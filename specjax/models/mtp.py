@@ -31,7 +31,7 @@ import numpy as np
 from specjax.models.cache import KVCache
 from specjax.models.checkpoint import _HostWeights
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LayerParams, decoder_layers, project, rms_norm
+from specjax.models.llama import LayerParams, decoder_layers, init_params, project, rms_norm
 from specjax.models.tensors import LazyTensor
 
 # Our name -> the name under model.layers.{L + i}. (besides the decoder block's own)
@@ -152,3 +152,14 @@ def missing_mtp_error(model) -> ValueError:
             f"its {c.model_type!r} config has no num_nextn_predict_layers (DeepSeek-V3 and GLM-4.5 have them)"
         )
     return ValueError(f"MTP: model {model.name!r} has no MTP layers: {why}")
+
+
+def init_mtp_layer(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> MTPLayerParams:
+    """A random MTP layer for a target of `config` (unit norms, eh_proj drawn at 1/sqrt(2D)): for
+    tests and programs that need the shapes, and as training's starting point."""
+    D = config.hidden_size
+    block_key, proj_key = jax.random.split(key)
+    block = init_params(mtp_layer_config(config), block_key, dtype).layers[0]
+    eh_proj = (jax.random.normal(proj_key, (2 * D, D), jnp.float32) / np.sqrt(2 * D)).astype(dtype)
+    ones = jnp.ones((D,), dtype)
+    return MTPLayerParams(enorm=ones, hnorm=ones, eh_proj=eh_proj, block=block, head_norm=ones)
