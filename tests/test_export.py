@@ -98,22 +98,33 @@ def test_a_data_2_model_2_mesh_lowers():
 
 # The default suite lowers Gemma 3 in bfloat16 (windows, interleaved rotary bases; the proposers'
 # tests above lower Llama in float32); make test-all lowers every family in both dtypes.
-def with_mtp_layer(model: specjax.Model) -> specjax.Model:
-    layer = init_mtp_layer(model.config, jax.random.key(5), model.params.dtype)
-    return specjax.Model(model.config, model.params, name=model.name, mtp=(layer,))
+def with_mtp_layers(model: specjax.Model, num_layers: int = 1) -> specjax.Model:
+    keys = jax.random.split(jax.random.key(5), num_layers)
+    layers = tuple(init_mtp_layer(model.config, key, model.params.dtype) for key in keys)
+    return specjax.Model(model.config, model.params, name=model.name, mtp=layers)
 
 
 @pytest.mark.parametrize(
-    "family, proposer",
+    "family, num_layers, proposer, sampling",
     [
-        (None, specjax.MTP(tree=TokenTree.top_k((2, 1)))),
-        pytest.param("deepseek_v3", specjax.MTP(k=2), marks=pytest.mark.slow),  # a latent-attention MoE block
+        (None, 1, specjax.MTP(tree=TokenTree.top_k((2, 1))), None),
+        # two layers in turn (step 2 runs layer 0 again), drafts sampled from the warped MTP logits
+        (None, 2, specjax.MTP(k=3), specjax.Sampling(temperature=0.8, top_k=5)),
+        pytest.param(
+            "deepseek_v3", 1, specjax.MTP(k=2), None, marks=pytest.mark.slow
+        ),  # latent-attention MoE
     ],
 )
-def test_mtp_lowers_for_cuda_and_tpu(family, proposer):
-    model = with_mtp_layer(TARGET if family is None else family_model(family, "float32"))
+def test_mtp_lowers_for_cuda_and_tpu(family, num_layers, proposer, sampling):
+    model = with_mtp_layers(TARGET if family is None else family_model(family, "float32"), num_layers)
     exported = specjax.export_generate(
-        model, PROMPTS, proposer=proposer, max_new_tokens=8, platforms=("cuda", "tpu")
+        model,
+        PROMPTS,
+        proposer=proposer,
+        sampling=sampling,
+        key=None if sampling is None else jax.random.key(0),
+        max_new_tokens=8,
+        platforms=("cuda", "tpu"),
     )
     assert exported.platforms == ("cuda", "tpu")
     calls = custom_calls(exported)

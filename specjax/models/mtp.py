@@ -123,11 +123,12 @@ def mtp_layers_from_tensors(
 
 @dataclasses.dataclass(frozen=True)
 class MTPConfig:
-    """Static shape of one MTP layer drafting for a target: its block's one-layer config
-    (`mtp_layer_config`) and which of the checkpoint's MTP layers it is."""
+    """Static shape of MTP layers drafting for a target: their blocks' one-layer config
+    (`mtp_layer_config`) and which of the checkpoint's MTP layers draft, in drafting order (step i
+    with `layers[i % len(layers)]`)."""
 
     layer_config: LlamaConfig
-    layer: int = 0
+    layers: tuple[int, ...] = (0,)
 
     @property
     def hidden_size(self) -> int:

@@ -106,13 +106,7 @@ class DraftSpec:
             hidden, cache = self._forward(params, fed, fed_positions, cache)
             logits = lm_head(params, hidden[:, -1], self.config)  # [B, V]
             cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
-            if history is not None:
-                logits = adjust_logits(logits, sampling, self.warp, counts, history.in_prompt)
-            else:
-                logits = adjust_logits(logits, sampling, self.warp)
-            token, probs = choose_tokens(step_keys, logits, sampling, self.warp)
-            if history is not None:
-                counts = counts.at[jnp.arange(B), token].add(1)
+            token, probs, counts = choose_draft(logits, sampling, self.warp, step_keys, counts, history)
             return cache, counts, token, probs
 
         keys = jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, self.k))(keys), 0, 1)  # [K, B]
@@ -136,6 +130,29 @@ class DraftSpec:
             draft_probs = jnp.concatenate([probs[:, None], jnp.moveaxis(rest_probs, 0, 1)], axis=1)
         proposal = Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool), draft_probs=draft_probs)
         return proposal, DraftState(cache=cache)
+
+
+def choose_draft(
+    logits: jax.Array,
+    sampling: SamplingParams,
+    warp: WarpSpec,
+    keys: jax.Array | None,
+    counts: jax.Array | None,
+    history: TokenHistory | None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+    """One draft token per row from a drafter's logits [B, V], adjusted and warped exactly as the
+    target's are (bias, penalties with `counts` [B, V], the generated-token counts as they stand
+    after the drafts so far, then temperature and filters), with one key per row (unused when
+    every row is greedy). Returns (tokens [B], the distribution each was drawn from [B, V] or None
+    when every row is greedy, the counts with the tokens added)."""
+    if history is not None:
+        logits = adjust_logits(logits, sampling, warp, counts, history.in_prompt)
+    else:
+        logits = adjust_logits(logits, sampling, warp)
+    token, probs = choose_tokens(keys, logits, sampling, warp)
+    if history is not None:
+        counts = counts.at[jnp.arange(logits.shape[0]), token].add(1)
+    return token, probs, counts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
