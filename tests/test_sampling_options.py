@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafters import check_drafted_acceptance, first_layer_mtp
 from laws import assert_sequence_law, detectable_shift, pool, power_against
 from oracle import Oracle, references
 from tiny import tiny_model, tiny_tokenizer
@@ -23,6 +24,8 @@ from specjax.speculate.tree import TokenTree
 TARGET = tiny_model(seed=11)
 DRAFT = tiny_model(seed=12, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=48)
 V = TARGET.config.vocab_size
+# The target with two MTP layers (tests/drafters.py): the same model, so the same law.
+WITH_MTP = first_layer_mtp(TARGET, num_layers=2)
 
 
 def proposers(k):
@@ -31,6 +34,7 @@ def proposers(k):
         "ngram": specjax.NGram(k=k, n_max=3, n_min=1),
         "draft": specjax.DraftModel(DRAFT, k=k),
         "self": specjax.SelfDraft(layers=1, k=k),
+        "mtp": specjax.MTP(k=k),  # drafts sampled from the warped MTP logits, layers 0 and 1 in turn
     }
 
 
@@ -214,6 +218,7 @@ def tree_proposers(num_rows):
         "ngram",
         "draft",
         pytest.param("self", marks=pytest.mark.slow),  # a model draft's law: "draft" (20 s each)
+        pytest.param("mtp", marks=pytest.mark.slow),
         pytest.param("medusa_tree", marks=pytest.mark.slow),
         pytest.param("oracle_tree", marks=pytest.mark.slow),
         pytest.param("eagle_tree", marks=pytest.mark.slow),
@@ -231,7 +236,7 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     samplings = [s for s in GROUPS for _ in range(ROWS_PER_GROUP)] + [GREEDY] * 4
     proposer = tree_proposers(len(samplings))[name] if "tree" in name else proposers(2)[name]
     result = specjax.generate(
-        TARGET,
+        WITH_MTP if name == "mtp" else TARGET,
         [PROMPT] * len(samplings),
         proposer=proposer,
         sampling=samplings,
@@ -247,6 +252,8 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     assert result.tokens[-4:] == [greedy] * 4
     if name != "none":
         assert result.metrics.drafted.sum() > 0
+    if name == "mtp":  # its sampled drafts (q the warped MTP distribution) were accepted too
+        check_drafted_acceptance(result.metrics, 0.2, 0.6)  # 37% here
     if name == "oracle_tree":  # the later-sibling paths were really taken
         assert result.metrics.accept_hist[:, 2].sum() > 100
 
