@@ -34,6 +34,7 @@ from specjax.speculate import (
     SelfDraft,
     SpecMetrics,
     TokenTree,
+    WithNGram,
 )
 from specjax.text import TextDeltas, chat_prompt_ids
 
@@ -62,6 +63,7 @@ __all__ = [
     "Hybrid",
     "DFlash",
     "MTP",
+    "WithNGram",
     "GenerateResult",
     "MemoryEstimate",
     "Medusa",

@@ -110,6 +110,7 @@ def with_mtp_layers(model: specjax.Model, num_layers: int = 1) -> specjax.Model:
         (None, 1, specjax.MTP(tree=TokenTree.top_k((2, 1))), None),
         # two layers in turn (step 2 runs layer 0 again), drafts sampled from the warped MTP logits
         (None, 2, specjax.MTP(k=3), specjax.Sampling(temperature=0.8, top_k=5)),
+        (None, 1, specjax.WithNGram(specjax.MTP(k=1), specjax.NGram(k=2)), None),  # FastDeploy's with_ngram
         pytest.param(
             "deepseek_v3", 1, specjax.MTP(k=2), None, marks=pytest.mark.slow
         ),  # latent-attention MoE

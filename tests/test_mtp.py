@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from drafters import check_acceptance, first_layer_mtp, layered_target
+from drafters import check_acceptance, check_part_acceptance, first_layer_mtp, layered_target
 from families import hf_config, peaky_random_weights, prompts
 from safetensors.numpy import load_file, save_file
 from transformers.cache_utils import MtpCache
@@ -213,5 +213,46 @@ def test_mtp_errors_name_what_is_wrong(with_mtp, with_two):
         ValueError, match=r"MTP layers=\(0, 1\) with a tree: a token tree drafts with one MTP layer"
     ):
         specjax.generate(with_two, [[1, 2, 3]], proposer=specjax.MTP(tree=[[0], [1]]), max_new_tokens=2)
+    tree = specjax.WithNGram(specjax.MTP(tree=[[0], [1]]))
+    with pytest.raises(ValueError, match=r"WithNGram proposer \(MTP\) must draft a whole chain every step"):
+        specjax.generate(with_mtp, [[1, 2, 3]], proposer=tree, max_new_tokens=2)
+    with pytest.raises(
+        ValueError, match="WithNGram proposer must draft from the target's features .* got NGram"
+    ):
+        specjax.generate(
+            with_mtp, [[1, 2, 3]], proposer=specjax.WithNGram(specjax.NGram(k=2)), max_new_tokens=2
+        )
+    with pytest.raises(ValueError, match="WithNGram ngram must be a specjax.NGram, got int"):
+        specjax.WithNGram(specjax.MTP(k=1), ngram=3)
+    with pytest.raises(ValueError, match="WithNGram: proposer k=9 plus ngram k=8 must be at most 16, got 17"):
+        specjax.WithNGram(specjax.MTP(k=9), specjax.NGram(k=8))
     with pytest.raises(ValueError, match="MTP k must be an integer"):
         specjax.MTP(k=0)
+
+
+@pytest.mark.parametrize(
+    "batch, target, proposer",
+    [
+        pytest.param(
+            1, "with_mtp", specjax.WithNGram(specjax.MTP(k=1), specjax.NGram(k=3)), marks=pytest.mark.slow
+        ),
+        (4, "with_two", specjax.WithNGram(specjax.MTP(k=2), specjax.NGram(k=2, n_max=3))),
+    ],
+)
+def test_with_ngram_greedy_equals_plain(request, batch, target, proposer):
+    """FastDeploy's with_ngram: the MTP layers' drafts extended by prompt lookup emit plain
+    decoding's tokens (batch 1, and 4 ragged rows), each part's drafts accepted in a band and
+    counted apart by position."""
+    model = request.getfixturevalue(target)
+    rows = prompts(vocab_size=model.config.vocab_size, lengths=(23, 9, 17, 30)[:batch], seed=3)
+    plain = specjax.generate(model, rows, max_new_tokens=24)
+    spec = specjax.generate(model, rows, proposer=proposer, max_new_tokens=24)
+    assert spec.tokens == plain.tokens
+    m, counts = spec.metrics, spec.metrics.proposer
+    model_k = proposer.proposer.k
+    assert counts["model_drafted"].sum() == m.drafted_at[:, :model_k].sum()
+    assert counts["ngram_drafted"].sum() == m.drafted_at[:, model_k:].sum()
+    assert counts["model_accepted"].sum() == m.accepted_at[:, :model_k].sum()
+    assert counts["ngram_accepted"].sum() == m.accepted_at[:, model_k:].sum()
+    check_part_acceptance(m, "model", 0.3, 0.9)  # 75% (batch 1), 62% (batch 4) here
+    check_part_acceptance(m, "ngram", 0.05, 0.6)  # 2 of 19, 11 of 37

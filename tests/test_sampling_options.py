@@ -35,6 +35,9 @@ def proposers(k):
         "draft": specjax.DraftModel(DRAFT, k=k),
         "self": specjax.SelfDraft(layers=1, k=k),
         "mtp": specjax.MTP(k=k),  # drafts sampled from the warped MTP logits, layers 0 and 1 in turn
+        "mtp_ngram": specjax.WithNGram(
+            specjax.MTP(k=max(k - 1, 1)), specjax.NGram(k=1)
+        ),  # then prompt lookup
     }
 
 
@@ -219,6 +222,7 @@ def tree_proposers(num_rows):
         "draft",
         pytest.param("self", marks=pytest.mark.slow),  # a model draft's law: "draft" (20 s each)
         pytest.param("mtp", marks=pytest.mark.slow),
+        pytest.param("mtp_ngram", marks=pytest.mark.slow),
         pytest.param("medusa_tree", marks=pytest.mark.slow),
         pytest.param("oracle_tree", marks=pytest.mark.slow),
         pytest.param("eagle_tree", marks=pytest.mark.slow),
@@ -236,7 +240,7 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     samplings = [s for s in GROUPS for _ in range(ROWS_PER_GROUP)] + [GREEDY] * 4
     proposer = tree_proposers(len(samplings))[name] if "tree" in name else proposers(2)[name]
     result = specjax.generate(
-        WITH_MTP if name == "mtp" else TARGET,
+        WITH_MTP if name.startswith("mtp") else TARGET,
         [PROMPT] * len(samplings),
         proposer=proposer,
         sampling=samplings,

@@ -97,8 +97,19 @@ def test_mtp_maps_fastdeploy_keys():
         speculative_config_to_proposer(
             {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 1}, TARGET
         )
-    with pytest.raises(ValueError, match="mtp_strategy 'with_ngram' is not supported; allowed: 'default'"):
+    with_ngram = {"method": "mtp", "mtp_strategy": "with_ngram", "num_speculative_tokens": 5}
+    proposer = speculative_config_to_proposer(with_ngram | {"num_model_steps": 2}, TARGET)
+    assert isinstance(proposer, specjax.WithNGram) and isinstance(proposer.proposer, specjax.MTP)
+    assert proposer.proposer.k == 2 and proposer.ngram == specjax.NGram(k=3)
+    assert speculative_config_to_proposer(with_ngram, TARGET).proposer.k == 1  # FastDeploy's default
+    with pytest.raises(
+        ValueError, match="'with_ngram' needs num_speculative_tokens greater than num_model_steps"
+    ):
         speculative_config_to_proposer({"method": "mtp", "mtp_strategy": "with_ngram"}, TARGET)
+    with pytest.raises(
+        ValueError, match="mtp_strategy 'suffix' is not supported; allowed: 'default', 'with_ngram'"
+    ):
+        speculative_config_to_proposer({"method": "mtp", "mtp_strategy": "suffix"}, TARGET)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from specjax.speculate.proposers import (
     Medusa,
     NGram,
     SelfDraft,
+    WithNGram,
 )
 from specjax.speculate.tree import TokenTree
 
@@ -155,20 +156,30 @@ def speculative_config_to_proposer(config: dict | None, target: Model):
 
 def _mtp(options: dict):
     """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5): specjax.MTP, with
-    FastDeploy's keys: `num_model_steps` (the MTP layer's drafts; num_speculative_tokens when not
-    given) and `mtp_strategy` ("default"; FastDeploy's "with_ngram" is not supported yet)."""
+    FastDeploy's keys: `num_model_steps` (the MTP layers' drafts) and `mtp_strategy`: "default"
+    (the MTP layers draft all num_speculative_tokens; num_model_steps equal to it when given) or
+    "with_ngram" (specjax.WithNGram: the MTP layers draft num_model_steps, default 1, and prompt
+    lookup extends the chain to num_speculative_tokens)."""
     strategy = options.get("mtp_strategy", "default")
-    if strategy != "default":
+    if strategy not in ("default", "with_ngram"):
         raise ValueError(
-            f"{WHERE}: mtp_strategy {strategy!r} is not supported; allowed: 'default' "
-            "(FastDeploy's 'with_ngram' is not in specjax yet)"
+            f"{WHERE}: mtp_strategy {strategy!r} is not supported; allowed: 'default', 'with_ngram'"
         )
     k = _k(options).get("k")
     steps = _int(options, "num_model_steps", 1, MAX_SPECULATIVE_TOKENS)
+    if strategy == "with_ngram":
+        steps = 1 if steps is None else steps
+        if k is None or k <= steps:
+            raise ValueError(
+                f"{WHERE}: mtp_strategy 'with_ngram' needs num_speculative_tokens greater than "
+                f"num_model_steps ({steps}): the lookup drafts the rest, got {k}"
+            )
+        return WithNGram(MTP(k=steps), NGram(k=k - steps))
     if steps is not None and k is not None and steps != k:
         raise ValueError(
             f"{WHERE}: num_model_steps={steps} differs from num_speculative_tokens={k}; with "
-            "mtp_strategy 'default' the MTP layer drafts them all: give equal values or one of them"
+            "mtp_strategy 'default' the MTP layers draft them all: give equal values, one of them, or "
+            "mtp_strategy 'with_ngram'"
         )
     k = steps if k is None else k
     return MTP() if k is None else MTP(k=k)

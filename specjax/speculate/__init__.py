@@ -16,6 +16,7 @@ from specjax.speculate.proposers import (
     Medusa,
     NGram,
     SelfDraft,
+    WithNGram,
 )
 from specjax.speculate.sampling import Sampling, warp_logits
 from specjax.speculate.tree import TokenTree, tree_greedy_verify, tree_rejection_sample
@@ -33,6 +34,7 @@ __all__ = [
     "Hybrid",
     "DFlash",
     "MTP",
+    "WithNGram",
     "Medusa",
     "NGram",
     "Sampling",

@@ -45,6 +45,7 @@ from specjax.speculate.proposers.hybrid import Hybrid, HybridSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.mtp import MTP, MTPSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
+from specjax.speculate.proposers.with_ngram import WithNGram, WithNGramSpec
 from specjax.speculate.sampling import WarpSpec
 
 PROPOSER_TYPES = (
@@ -56,6 +57,7 @@ PROPOSER_TYPES = (
     Eagle3,
     DFlash,
     MTP,
+    WithNGram,
     Hybrid,
     Dynamic,
     ForcedAcceptance,
@@ -71,7 +73,17 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         return proposer, None
     if isinstance(
         proposer,
-        DraftModel | SelfDraft | Medusa | Eagle | Eagle3 | DFlash | MTP | Hybrid | Dynamic | ForcedAcceptance,
+        DraftModel
+        | SelfDraft
+        | Medusa
+        | Eagle
+        | Eagle3
+        | DFlash
+        | MTP
+        | WithNGram
+        | Hybrid
+        | Dynamic
+        | ForcedAcceptance,
     ):
         return proposer.spec(target, warp, mesh), proposer.params(target)
     if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
@@ -93,6 +105,13 @@ def with_k(proposer, k: int):
         return dataclasses.replace(proposer, k=k)  # keeps its confidence threshold
     if isinstance(proposer, DFlash):
         return DFlash(proposer.head, block=k + 1)
+    if isinstance(proposer, WithNGram):  # the model part keeps its k, the lookup takes the rest
+        model_k = getattr(proposer.proposer, "k", None)
+        if not isinstance(model_k, int) or k <= model_k:
+            raise ValueError(
+                f"k={k}: WithNGram's proposer drafts k={model_k}; k must exceed it (the lookup's share)"
+            )
+        return WithNGram(proposer.proposer, dataclasses.replace(proposer.ngram, k=k - model_k))
     if isinstance(proposer, Hybrid):
         return Hybrid(with_k(proposer.first, k), with_k(proposer.then, k), proposer.gate)
     if isinstance(proposer, Dynamic):
@@ -131,6 +150,8 @@ __all__ = [
     "Proposal",
     "SelfDraft",
     "Stateless",
+    "WithNGram",
+    "WithNGramSpec",
     "ngram_propose",
     "resolve",
     "with_k",
