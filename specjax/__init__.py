@@ -18,6 +18,7 @@ from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load_head
 from specjax.serve.stream import StreamDelta, stream
 from specjax.speculate import (
+    MTP,
     DFlash,
     DraftModel,
     Dynamic,
@@ -34,6 +35,7 @@ from specjax.speculate import (
     SelfDraft,
     SpecMetrics,
     TokenTree,
+    WithNGram,
 )
 from specjax.text import TextDeltas, chat_prompt_ids
 
@@ -61,6 +63,8 @@ __all__ = [
     "Eagle3",
     "Hybrid",
     "DFlash",
+    "MTP",
+    "WithNGram",
     "GenerateResult",
     "MemoryEstimate",
     "Medusa",

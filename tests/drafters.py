@@ -18,6 +18,8 @@ rejections and rollbacks happen too. A random one-layer draft of a random target
   updates, for heads whose residual stream does not carry the token's embedding (EAGLE-3, DFlash);
   with `constant_queries`, its first layer asks the same query whatever the token (for DFlash,
   whose block slots are masks).
+- `first_layer_mtp`: a target with MTP layers built the same way (the target's first layer over the
+  next token's embedding and a little of the hidden state).
 - `first_layer_eagle3`: an EAGLE-3 head whose layer is the target's first reading the token, with
   a little of the fused feature: over a `quiet_target` it drafts about what SelfDraft does.
 - `first_layer_dflash`: a DFlash head whose layer is the first of a `quiet_target` with constant
@@ -56,6 +58,7 @@ from specjax.models.draft_vocab import draft_head_matrix
 from specjax.models.eagle import EagleConfig, EagleParams
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params
 from specjax.models.llama import fuse_qkv, split_qkv
+from specjax.models.mtp import MTPLayerParams
 from specjax.models.signature import target_signature
 from specjax.train import distill_data, train_medusa, train_mlp_speculator
 
@@ -144,6 +147,26 @@ def first_layer_eagle(target: Model, feature_weight: float = 0.1, vocab=None) ->
     vocab = np.arange(V, dtype=np.int32) if vocab is None else np.asarray(vocab, np.int32)
     config = EagleConfig.for_target(target.config, len(vocab))
     return EagleHead(config, params, vocab, target_signature(target))
+
+
+def first_layer_mtp(target: Model, num_layers: int = 1, hidden_weight: float = 0.1) -> Model:
+    """`target` with `num_layers` MTP layers, each with the target's first layer as its block, fed
+    the next token's embedding (through enorm, at the embeddings' mean scale) plus `hidden_weight`
+    times the normed hidden state: each drafts about what SelfDraft(layers=1) drafts after its
+    token, so its drafts are accepted part of the time, and it reads both of its inputs."""
+    embed = target.params.embed
+    D = target.config.hidden_size
+    scale = float(jnp.sqrt(jnp.mean(embed * embed)))
+    layer = MTPLayerParams(
+        enorm=jnp.full((D,), scale),
+        hnorm=jnp.full((D,), scale),
+        eh_proj=jnp.concatenate([jnp.eye(D), hidden_weight * jnp.eye(D)], axis=0),  # [2D, D]: (embed, hidden)
+        block=target.params.layers[0],
+        head_norm=target.params.final_norm,
+    )
+    return Model(
+        target.config, target.params, name=f"{target.name}-mtp{num_layers}", mtp=(layer,) * num_layers
+    )
 
 
 def first_layer_eagle3(target: Model, aux_layer_ids, vocab=None, feature_weight: float = 0.02) -> Eagle3Head:

@@ -21,6 +21,7 @@ from tiny import tiny_model
 import specjax
 from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, MLPSpeculatorHead, init_params
 from specjax.models.families import config_from_hf
+from specjax.models.mtp import init_mtp_layer
 from specjax.speculate.tree import TokenTree
 
 # Head dim 64: a size the accelerators' kernels are built for (tiny_model's default is 16).
@@ -100,6 +101,42 @@ def test_a_data_2_model_2_mesh_lowers():
 
 # The default suite lowers Gemma 3 in bfloat16 (windows, interleaved rotary bases; the proposers'
 # tests above lower Llama in float32); make test-all lowers every family in both dtypes.
+def with_mtp_layers(model: specjax.Model, num_layers: int = 1) -> specjax.Model:
+    keys = jax.random.split(jax.random.key(5), num_layers)
+    layers = tuple(init_mtp_layer(model.config, key, model.params.dtype) for key in keys)
+    return specjax.Model(model.config, model.params, name=model.name, mtp=layers)
+
+
+@pytest.mark.parametrize(
+    "family, num_layers, proposer, sampling",
+    [
+        (None, 1, specjax.MTP(tree=TokenTree.top_k((2, 1))), None),
+        # two layers in turn (step 2 runs layer 0 again), drafts sampled from the warped MTP logits
+        (None, 2, specjax.MTP(k=3), specjax.Sampling(temperature=0.8, top_k=5)),
+        (None, 1, specjax.WithNGram(specjax.MTP(k=1), specjax.NGram(k=2)), None),  # FastDeploy's with_ngram
+        pytest.param(
+            "deepseek_v3", 1, specjax.MTP(k=2), None, marks=pytest.mark.slow
+        ),  # latent-attention MoE
+    ],
+)
+def test_mtp_lowers_for_cuda_and_tpu(family, num_layers, proposer, sampling):
+    model = with_mtp_layers(TARGET if family is None else family_model(family, "float32"), num_layers)
+    exported = specjax.export_generate(
+        model,
+        PROMPTS,
+        proposer=proposer,
+        sampling=sampling,
+        key=None if sampling is None else jax.random.key(0),
+        max_new_tokens=8,
+        platforms=("cuda", "tpu"),
+    )
+    assert exported.platforms == ("cuda", "tpu")
+    calls = custom_calls(exported)
+    assert not {c for c in calls if c.startswith("specjax_")}, calls
+    if family is None:
+        assert_accelerator_program(exported)
+
+
 DEFAULT_FAMILIES = {("gemma3", "bfloat16"), ("gpt_oss", "float32")}  # gpt-oss: sinks in the Pallas kernels
 # DeepSeek-V3's latent attention has no Pallas kernel yet (it attends with XLA on every platform):
 # test_latent_attention_lowers_for_cuda_and_tpu checks what holds for it.

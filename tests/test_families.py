@@ -394,10 +394,10 @@ def test_deepseek_v3_without_a_query_latent(tmp_path):
     assert compare_with_torch(model, torch_model, families.prompts(), [[3, 4], [5, 6]]) < TOL
 
 
-def test_glm4_moe_skips_its_mtp_layers(built, tmp_path):
+def test_glm4_moe_reads_its_mtp_layers_apart(built, tmp_path):
     """A released GLM-4.5 carries num_nextn_predict_layers MTP layers after the decoder's
-    (model.layers.{L + i}); they load without error and change nothing. A layer past them is
-    still refused."""
+    (model.layers.{L + i}); they load into `model.mtp` and change nothing in the decoder. One
+    with some of its tensors missing is refused naming them, and a layer past them too."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
@@ -407,17 +407,32 @@ def test_glm4_moe_skips_its_mtp_layers(built, tmp_path):
     shutil.copytree(built.folders["glm4_moe"], folder)
     tensors = load_file(folder / "model.safetensors")
     L, D = model.config.num_layers, model.config.hidden_size
-    mtp = {
+    last = {  # the decoder's last layer (MoE) as the MTP layer's block
+        name.replace(f"model.layers.{L - 1}.", f"model.layers.{L}."): value
+        for name, value in tensors.items()
+        if name.startswith(f"model.layers.{L - 1}.")
+    }
+    own = {
         f"model.layers.{L}.eh_proj.weight": np.ones((D, 2 * D), np.float32),
         f"model.layers.{L}.enorm.weight": np.ones((D,), np.float32),
-        f"model.layers.{L}.self_attn.q_proj.weight": np.ones((128, D), np.float32),
+        f"model.layers.{L}.hnorm.weight": np.ones((D,), np.float32),
+        f"model.layers.{L}.shared_head.norm.weight": np.ones((D,), np.float32),
     }
-    save_file(tensors | mtp, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors | last | own, folder / "model.safetensors", metadata={"format": "pt"})
     loaded = specjax.load(folder)
     for name, value in flatten(loaded.params).items():
         np.testing.assert_array_equal(np.asarray(value), np.asarray(flatten(model.params)[name]))
+    assert len(loaded.mtp) == 1
+    np.testing.assert_array_equal(
+        np.asarray(loaded.mtp[0].block.router), np.asarray(model.params.layers[-1].router)
+    )
+    assert loaded.mtp[0].eh_proj.shape == (2 * D, D)
+    partial = {name: value for name, value in own.items() if "hnorm" not in name}
+    save_file(tensors | last | partial, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"MTP layer 0 \\(model.layers.{L}\\) lacks 'hnorm'"):
+        specjax.load(folder)
     beyond = {f"model.layers.{L + 1}.enorm.weight": np.ones((D,), np.float32)}
-    save_file(tensors | mtp | beyond, folder / "model.safetensors", metadata={"format": "pt"})
+    save_file(tensors | last | own | beyond, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"model.layers.{L + 1}.enorm.weight"):
         specjax.load(folder)
 

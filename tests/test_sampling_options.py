@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from drafters import check_drafted_acceptance, first_layer_mtp
 from laws import assert_sequence_law, detectable_shift, pool, power_against
 from oracle import Oracle, references
 from tiny import tiny_model, tiny_tokenizer
@@ -23,6 +24,8 @@ from specjax.speculate.tree import TokenTree
 TARGET = tiny_model(seed=11)
 DRAFT = tiny_model(seed=12, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=48)
 V = TARGET.config.vocab_size
+# The target with two MTP layers (tests/drafters.py): the same model, so the same law.
+WITH_MTP = first_layer_mtp(TARGET, num_layers=2)
 
 
 def proposers(k):
@@ -32,6 +35,10 @@ def proposers(k):
         "draft": specjax.DraftModel(DRAFT, k=k),
         "self": specjax.SelfDraft(layers=1, k=k),
         "mlp": specjax.MLPSpeculator(MLPSpeculatorHead.init(TARGET, n_predict=3, inner_dim=48), k=k),
+        "mtp": specjax.MTP(k=k),  # drafts sampled from the warped MTP logits, layers 0 and 1 in turn
+        "mtp_ngram": specjax.WithNGram(
+            specjax.MTP(k=max(k - 1, 1)), specjax.NGram(k=1)
+        ),  # then prompt lookup
     }
 
 
@@ -216,6 +223,8 @@ def tree_proposers(num_rows):
         "draft",
         pytest.param("self", marks=pytest.mark.slow),  # a model draft's law: "draft" (20 s each)
         pytest.param("mlp", marks=pytest.mark.slow),  # sampled drafts from a head, q its warped law
+        pytest.param("mtp", marks=pytest.mark.slow),
+        pytest.param("mtp_ngram", marks=pytest.mark.slow),
         pytest.param("medusa_tree", marks=pytest.mark.slow),
         pytest.param("oracle_tree", marks=pytest.mark.slow),
         pytest.param("eagle_tree", marks=pytest.mark.slow),
@@ -233,7 +242,7 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     samplings = [s for s in GROUPS for _ in range(ROWS_PER_GROUP)] + [GREEDY] * 4
     proposer = tree_proposers(len(samplings))[name] if "tree" in name else proposers(2)[name]
     result = specjax.generate(
-        TARGET,
+        WITH_MTP if name.startswith("mtp") else TARGET,
         [PROMPT] * len(samplings),
         proposer=proposer,
         sampling=samplings,
@@ -249,6 +258,8 @@ def test_mixed_batch_follows_the_reference_law(group_laws, name):
     assert result.tokens[-4:] == [greedy] * 4
     if name != "none":
         assert result.metrics.drafted.sum() > 0
+    if name == "mtp":  # its sampled drafts (q the warped MTP distribution) were accepted too
+        check_drafted_acceptance(result.metrics, 0.2, 0.6)  # 37% here
     if name == "oracle_tree":  # the later-sibling paths were really taken
         assert result.metrics.accept_hist[:, 2].sum() > 100
 

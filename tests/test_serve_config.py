@@ -94,10 +94,32 @@ def test_specjax_methods():
     assert isinstance(hybrid, specjax.Hybrid) and hybrid.first == specjax.NGram(k=4, n_min=3)
 
 
-def test_mtp_is_a_clear_error_until_specjax_has_it():
-    assert not hasattr(specjax, "MTP")  # when it lands, map it and test the mapping here
-    with pytest.raises(ValueError, match="method 'mtp' .* is not available in specjax yet; use one of ngram"):
-        speculative_config_to_proposer({"method": "mtp", "num_speculative_tokens": 1}, TARGET)
+def test_mtp_maps_fastdeploy_keys():
+    def k_of(config):
+        proposer = speculative_config_to_proposer({"method": "mtp", **config}, TARGET)
+        assert isinstance(proposer, specjax.MTP) and proposer.layers is None
+        return proposer.k
+
+    assert k_of({}) == 3
+    assert k_of({"num_speculative_tokens": 2, "num_model_steps": 2, "mtp_strategy": "default"}) == 2
+    assert k_of({"num_model_steps": 4}) == 4
+    with pytest.raises(ValueError, match="num_model_steps=1 differs from num_speculative_tokens=3"):
+        speculative_config_to_proposer(
+            {"method": "mtp", "num_speculative_tokens": 3, "num_model_steps": 1}, TARGET
+        )
+    with_ngram = {"method": "mtp", "mtp_strategy": "with_ngram", "num_speculative_tokens": 5}
+    proposer = speculative_config_to_proposer(with_ngram | {"num_model_steps": 2}, TARGET)
+    assert isinstance(proposer, specjax.WithNGram) and isinstance(proposer.proposer, specjax.MTP)
+    assert proposer.proposer.k == 2 and proposer.ngram == specjax.NGram(k=3)
+    assert speculative_config_to_proposer(with_ngram, TARGET).proposer.k == 1  # FastDeploy's default
+    with pytest.raises(
+        ValueError, match="'with_ngram' needs num_speculative_tokens greater than num_model_steps"
+    ):
+        speculative_config_to_proposer({"method": "mtp", "mtp_strategy": "with_ngram"}, TARGET)
+    with pytest.raises(
+        ValueError, match="mtp_strategy 'suffix' is not supported; allowed: 'default', 'with_ngram'"
+    ):
+        speculative_config_to_proposer({"method": "mtp", "mtp_strategy": "suffix"}, TARGET)
 
 
 @pytest.mark.parametrize(

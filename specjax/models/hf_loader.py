@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models import families
+from specjax.models import families, mtp
 from specjax.models.checkpoint import params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
@@ -35,7 +35,6 @@ from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 
 # Buffers some old checkpoints saved; recomputed by the forward.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
-_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 # Files whose presence means the folder carries a tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
@@ -43,7 +42,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenize
 def load_hf_folder(folder: str | Path, dtype: Any = "float32") -> tuple[LlamaConfig, LlamaParams, Any]:
     """(config, params of `dtype`, tokenizer or None) from an HF checkpoint folder."""
     config, tensors, tokenizer = open_hf_folder(folder)
+    tensors, _ = split_mtp(tensors)
     return config, params_from_tensors(config, tensors, str(folder), dtype), tokenizer
+
+
+def split_mtp(tensors: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], dict[str, LazyTensor]]:
+    """(the decoder's tensors, the MTP layers' `mtp.*` ones): see models/mtp.py."""
+    own = {name: t for name, t in tensors.items() if not name.startswith("mtp.")}
+    return own, {name: t for name, t in tensors.items() if name.startswith("mtp.")}
 
 
 def read_config(folder: Path) -> LlamaConfig:
@@ -166,7 +172,7 @@ def _ours(tensor: LazyTensor) -> LazyTensor:
 
 def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[str, LazyTensor], list[str]]:
     """(our flat name -> tensor in our layout, the HF names left over). Nothing is read."""
-    hf = {name: t for name, t in hf.items() if not _IGNORED.fullmatch(name) and not _mtp(config, name)}
+    hf = {name: t for name, t in hf.items() if not _IGNORED.fullmatch(name)}
     used: set[str] = set()
 
     def take(name: str) -> LazyTensor | None:
@@ -185,15 +191,28 @@ def map_tensors(config: LlamaConfig, hf: dict[str, LazyTensor]) -> tuple[dict[st
     for i in range(config.num_layers):
         for name, tensor in _layer_tensors(config, i, take).items():
             ours[f"layers.{i}.{name}"] = tensor
+    ours |= _mtp_tensors(config, take)
     return ours, [name for name in hf if name not in used]
 
 
-def _mtp(config: LlamaConfig, name: str) -> bool:
-    """Whether `name` belongs to one of the checkpoint's MTP layers (model.layers.{L + i}, after
-    the decoder's L layers), which the forward does not run: they are skipped at load."""
-    match = _LAYER_INDEX.match(name)
-    L = config.num_layers
-    return match is not None and L <= int(match[1]) < L + config.num_mtp_layers
+def _mtp_tensors(config: LlamaConfig, take) -> dict[str, LazyTensor]:
+    """The checkpoint's MTP layers (model.layers.{L + j}, after the decoder's L layers; the forward
+    does not run them) as `mtp.{j}.{name}`: their own tensors and their decoder block's (read by
+    models/mtp.py); their copies of the embedding and the head are the target's, not read."""
+    out = {}
+    config_mtp = mtp.mtp_layer_config(config)
+    for j in range(config.num_mtp_layers):
+        for ours, theirs in mtp.mtp_tensor_names(config, j).items():
+            if (tensor := take(theirs)) is not None:
+                out[ours] = tensor.transposed()  # eh_proj [D, 2D] -> [2D, D]; norms as they are
+        prefix = f"model.layers.{config.num_layers + j}."
+        for name in mtp.MTP_IGNORED:
+            take(prefix + name)
+        block = _layer_tensors(
+            config_mtp, 0, lambda name, prefix=prefix: take(name.replace("model.layers.0.", prefix, 1))
+        )
+        out |= {f"mtp.{j}.{name}": tensor for name, tensor in block.items()}
+    return out
 
 
 def _layer_tensors(config: LlamaConfig, i: int, take) -> dict[str, LazyTensor]:

@@ -27,10 +27,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+
 from specjax.models import gguf_loader, hf_loader
 from specjax.models.checkpoint import config_from_dict, config_to_dict, dtype_name, params_from_tensors
 from specjax.models.config import LlamaConfig
 from specjax.models.model import Model
+from specjax.models.mtp import mtp_layers_from_tensors
 from specjax.models.quantized import check_quantization
 from specjax.models.tensors import LazyTensor, open_safetensors, write_safetensors
 
@@ -121,10 +125,13 @@ def load(
             path, _cache_root(cache_dir), with_tokenizer=tokenizer is None
         )
     place = None if placer_for is None else placer_for(config)
+    tensors, mtp_tensors = hf_loader.split_mtp(tensors)
     params = params_from_tensors(
         config, tensors, str(path), dtype, place=place, quantization=quantization, group_size=group_size
     )
-    return Model(config, params, own_tokenizer if tokenizer is None else tokenizer, name=name)
+    # The MTP layers in the model's dtype, never quantized, on the default device.
+    mtp = mtp_layers_from_tensors(config, mtp_tensors, str(path), np.dtype(jnp.dtype(dtype_name(dtype))))
+    return Model(config, params, own_tokenizer if tokenizer is None else tokenizer, name=name, mtp=mtp)
 
 
 def builtin_path(name: str) -> Path:

@@ -17,6 +17,9 @@ class Model:
     params: LlamaParams
     tokenizer: Any = None
     name: str = "custom"
+    # The checkpoint's own MTP layers (models/mtp.py: MTPLayerParams each), read where it has them
+    # (DeepSeek-V3, GLM-4.5); the forward does not run them, specjax.MTP drafts with them.
+    mtp: tuple | None = None
 
     def __post_init__(self):
         if not isinstance(self.config, LlamaConfig):

@@ -32,6 +32,7 @@ from specjax.models import Model, load, load_head
 from specjax.named import proposer_from_description
 from specjax.speculate.proposers import (
     MAX_SPECULATIVE_TOKENS,
+    MTP,
     DFlash,
     DraftModel,
     Eagle,
@@ -40,6 +41,7 @@ from specjax.speculate.proposers import (
     MLPSpeculator,
     NGram,
     SelfDraft,
+    WithNGram,
 )
 from specjax.speculate.tree import TokenTree
 
@@ -54,7 +56,7 @@ METHOD_KEYS: dict[str, tuple[str, ...]] = {
     "medusa": ("model", "num_speculative_tokens"),
     "dflash": ("model", "num_speculative_tokens"),
     "mlp_speculator": ("model", "num_speculative_tokens"),
-    "mtp": ("num_speculative_tokens",),
+    "mtp": ("num_speculative_tokens", "num_model_steps", "mtp_strategy"),
     "self_draft": ("layers", "num_speculative_tokens"),
     "specjax": ("proposer",),
 }
@@ -162,18 +164,34 @@ def speculative_config_to_proposer(config: dict | None, target: Model):
 
 
 def _mtp(options: dict):
-    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5, ...): specjax.MTP
-    (DESIGN.md section 3) once it exists."""
-    import specjax
-
-    mtp = getattr(specjax, "MTP", None)
-    if mtp is None:
-        others = ", ".join(m for m in METHOD_KEYS if m != "mtp")
+    """The target's own multi-token-prediction layers (DeepSeek-V3, GLM-4.5): specjax.MTP, with
+    FastDeploy's keys: `num_model_steps` (the MTP layers' drafts) and `mtp_strategy`: "default"
+    (the MTP layers draft all num_speculative_tokens; num_model_steps equal to it when given) or
+    "with_ngram" (specjax.WithNGram: the MTP layers draft num_model_steps, default 1, and prompt
+    lookup extends the chain to num_speculative_tokens)."""
+    strategy = options.get("mtp_strategy", "default")
+    if strategy not in ("default", "with_ngram"):
         raise ValueError(
-            f"{WHERE}: method 'mtp' (the target's own MTP layers) is not available in specjax yet; "
-            f"use one of {others}"
+            f"{WHERE}: mtp_strategy {strategy!r} is not supported; allowed: 'default', 'with_ngram'"
         )
-    return mtp(**_k(options))
+    k = _k(options).get("k")
+    steps = _int(options, "num_model_steps", 1, MAX_SPECULATIVE_TOKENS)
+    if strategy == "with_ngram":
+        steps = 1 if steps is None else steps
+        if k is None or k <= steps:
+            raise ValueError(
+                f"{WHERE}: mtp_strategy 'with_ngram' needs num_speculative_tokens greater than "
+                f"num_model_steps ({steps}): the lookup drafts the rest, got {k}"
+            )
+        return WithNGram(MTP(k=steps), NGram(k=k - steps))
+    if steps is not None and k is not None and steps != k:
+        raise ValueError(
+            f"{WHERE}: num_model_steps={steps} differs from num_speculative_tokens={k}; with "
+            "mtp_strategy 'default' the MTP layers draft them all: give equal values, one of them, or "
+            "mtp_strategy 'with_ngram'"
+        )
+    k = steps if k is None else k
+    return MTP() if k is None else MTP(k=k)
 
 
 __all__ = ["METHOD_KEYS", "speculative_config_to_proposer"]

@@ -3,6 +3,7 @@
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import (
     MAX_SPECULATIVE_TOKENS,
+    MTP,
     DFlash,
     DraftModel,
     Dynamic,
@@ -16,6 +17,7 @@ from specjax.speculate.proposers import (
     MLPSpeculator,
     NGram,
     SelfDraft,
+    WithNGram,
 )
 from specjax.speculate.sampling import Sampling, warp_logits
 from specjax.speculate.tree import TokenTree, tree_greedy_verify, tree_rejection_sample
@@ -32,6 +34,8 @@ __all__ = [
     "Eagle3",
     "Hybrid",
     "DFlash",
+    "MTP",
+    "WithNGram",
     "Medusa",
     "MLPSpeculator",
     "NGram",

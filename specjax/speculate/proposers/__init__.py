@@ -44,7 +44,9 @@ from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
 from specjax.speculate.proposers.hybrid import Hybrid, HybridSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorSpec
+from specjax.speculate.proposers.mtp import MTP, MTPSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
+from specjax.speculate.proposers.with_ngram import WithNGram, WithNGramSpec
 from specjax.speculate.sampling import WarpSpec
 
 PROPOSER_TYPES = (
@@ -56,6 +58,8 @@ PROPOSER_TYPES = (
     Eagle,
     Eagle3,
     DFlash,
+    MTP,
+    WithNGram,
     Hybrid,
     Dynamic,
     ForcedAcceptance,
@@ -78,6 +82,8 @@ def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
         | Eagle
         | Eagle3
         | DFlash
+        | MTP
+        | WithNGram
         | Hybrid
         | Dynamic
         | ForcedAcceptance,
@@ -98,10 +104,17 @@ def with_k(proposer, k: int):
     k + 1; Hybrid changes both parts."""
     if isinstance(proposer, NGram | SelfDraft | DraftModel | MLPSpeculator):  # (at most n_predict)
         return dataclasses.replace(proposer, k=k)
-    if isinstance(proposer, Eagle | Eagle3) and proposer.tree is None:
+    if isinstance(proposer, Eagle | Eagle3 | MTP) and proposer.tree is None:
         return dataclasses.replace(proposer, k=k)  # keeps its confidence threshold
     if isinstance(proposer, DFlash):
         return DFlash(proposer.head, block=k + 1)
+    if isinstance(proposer, WithNGram):  # the model part keeps its k, the lookup takes the rest
+        model_k = getattr(proposer.proposer, "k", None)
+        if not isinstance(model_k, int) or k <= model_k:
+            raise ValueError(
+                f"k={k}: WithNGram's proposer drafts k={model_k}; k must exceed it (the lookup's share)"
+            )
+        return WithNGram(proposer.proposer, dataclasses.replace(proposer.ngram, k=k - model_k))
     if isinstance(proposer, Hybrid):
         return Hybrid(with_k(proposer.first, k), with_k(proposer.then, k), proposer.gate)
     if isinstance(proposer, Dynamic):
@@ -136,10 +149,14 @@ __all__ = [
     "MedusaSpec",
     "MLPSpeculator",
     "MLPSpeculatorSpec",
+    "MTP",
+    "MTPSpec",
     "NGram",
     "Proposal",
     "SelfDraft",
     "Stateless",
+    "WithNGram",
+    "WithNGramSpec",
     "ngram_propose",
     "resolve",
     "with_k",
