@@ -13,6 +13,9 @@ A proposer description is a name plus options, e.g. ``{"name": "ngram", "k": 4}`
     eagle3                  Eagle3(head=<folder: a saved or published EAGLE-3 head>, k, tree,
                             confidence_threshold)
     dflash                  DFlash(head=<folder: a saved or published DFlash head>, block)
+    mlp_speculator          MLPSpeculator(head=<folder: a published or saved MLP speculator>, k)
+    mtp                     MTP(k, layers, tree, confidence_threshold): the target's own MTP layers
+    with_ngram              WithNGram(proposer=<description>, ngram=<an ngram description>)
     hybrid                  Hybrid(first=<description>, then=<description>, gate=<None or a goodput
                             schedule: {"name": "goodput", "draft_cost": 0.08, "verify_cost": 0.14}>)
     forced                  ForcedAcceptance(acceptance, proposer=<description or None>, k)
@@ -27,6 +30,7 @@ from typing import Any
 
 from specjax.models import Model, load, load_head
 from specjax.speculate.proposers import (
+    MTP,
     DFlash,
     DraftModel,
     Dynamic,
@@ -37,8 +41,10 @@ from specjax.speculate.proposers import (
     HeuristicSchedule,
     Hybrid,
     Medusa,
+    MLPSpeculator,
     NGram,
     SelfDraft,
+    WithNGram,
     with_k,
 )
 
@@ -51,6 +57,9 @@ PROPOSER_NAMES = (
     "eagle",
     "eagle3",
     "dflash",
+    "mlp_speculator",
+    "mtp",
+    "with_ngram",
     "hybrid",
     "forced",
     "dynamic",
@@ -60,6 +69,7 @@ HEAD_PROPOSERS = {  # name -> (class, options beside the head)
     "eagle": (Eagle, ("k", "tree", "confidence_threshold")),
     "eagle3": (Eagle3, ("k", "tree", "confidence_threshold")),
     "dflash": (DFlash, ("block",)),
+    "mlp_speculator": (MLPSpeculator, ("k",)),
 }
 SCHEDULE_NAMES = ("heuristic", "goodput")
 
@@ -124,6 +134,26 @@ def proposer_from_description(description: Any, target: Model | None = None, whe
         if options.get("tree") is not None:
             options["tree"] = [tuple(path) for path in options["tree"]]
         return proposer(head, **options)
+    if name == "mtp":
+        options = _options(description, ("k", "layers", "tree", "confidence_threshold"), where)
+        if isinstance(options.get("layers"), list):
+            options["layers"] = tuple(options["layers"])
+        if options.get("tree") is not None:
+            options["tree"] = [tuple(path) for path in options["tree"]]
+        return MTP(**options)
+    if name == "with_ngram":
+        options = _options(description, ("proposer", "ngram"), where)
+        if "proposer" not in options:
+            raise ValueError(
+                f"{where}: with_ngram needs 'proposer' (the model part, e.g. {{'name': 'mtp', 'k': 1}})"
+            )
+        inner = proposer_from_description(options["proposer"], target, f"{where}.proposer")
+        ngram = proposer_from_description(
+            options.get("ngram", {"name": "ngram", "k": 2}), target, f"{where}.ngram"
+        )
+        if not isinstance(ngram, NGram):
+            raise ValueError(f"{where}.ngram must describe an ngram proposer, got {options['ngram']!r}")
+        return WithNGram(inner, ngram)
     if name == "hybrid":
         options = _options(description, ("first", "then", "gate"), where)
         if not {"first", "then"} <= set(options):

@@ -37,6 +37,14 @@ def test_descriptions_build_the_proposers_they_name():
     )
     assert (hybrid.first, hybrid.then) == (specjax.NGram(k=4, n_min=3), specjax.NGram(k=2))
     assert hybrid.gate == specjax.GoodputSchedule(draft_cost=0.1, verify_cost=0.2)
+    mtp = proposer_from_description({"name": "mtp", "k": 2, "layers": [0]})
+    assert isinstance(mtp, specjax.MTP) and (mtp.k, mtp.layers) == (2, (0,))
+    with_ngram = proposer_from_description(
+        {"name": "with_ngram", "proposer": {"name": "mtp", "k": 1}, "ngram": {"name": "ngram", "k": 3}}
+    )
+    assert isinstance(with_ngram.proposer, specjax.MTP) and with_ngram.proposer.k == 1
+    assert with_ngram.ngram == specjax.NGram(k=3)
+    assert proposer_from_description({"name": "with_ngram", "proposer": "mtp"}).ngram == specjax.NGram(k=2)
 
 
 @pytest.mark.parametrize(
@@ -47,6 +55,10 @@ def test_descriptions_build_the_proposers_they_name():
         ({"name": "dynamic"}, "dynamic needs 'proposer'"),
         ({"name": "dynamic", "proposer": "ngram", "schedule": "fast"}, "schedule must be one of heuristic"),
         ({"name": "eagle"}, "eagle needs 'head'"),
+        ({"name": "mlp_speculator"}, "mlp_speculator needs 'head'"),
+        ({"name": "with_ngram"}, "with_ngram needs 'proposer'"),
+        ({"name": "with_ngram", "proposer": "mtp", "ngram": "self_draft"}, "ngram must describe an ngram"),
+        ({"name": "mtp", "depth": 2}, "unknown option 'depth' for 'mtp'"),
         ({"name": "draft_model", "k": 2}, "draft_model needs 'model'"),
         ({"name": "ngram", "k": 0}, "NGram k must be an integer in 1..16"),
         ({"name": "hybrid", "first": "ngram", "then": "ngram", "gate": "heuristic"}, "Hybrid gate must be"),
