@@ -137,7 +137,7 @@ def counts(result):
     return {name: summary[name] for name in COUNTS}
 
 
-@pytest.mark.parametrize("kernels", ["pallas:tpu", "pallas:cuda"])
+@pytest.mark.parametrize("kernels", ["pallas:tpu", pytest.param("pallas:cuda", marks=pytest.mark.slow)])
 def test_sliding_windows_through_the_kernels(kernels):
     proposer = drafting("forced")[1]
     want = run(WINDOWED, proposer, "xla", 4)

@@ -207,6 +207,7 @@ def test_eagle3_greedy_equals_plain(plain_greedy, head, options, band):
     check_acceptance(m, *band)
 
 
+@pytest.mark.slow  # (40 s) Eagle's thresholded chain is in the default set (tests/test_eagle.py)
 def test_a_thresholded_eagle3_chain_and_its_hybrid_equal_plain(plain_greedy):
     """EAGLE-3 drafts through EAGLE's code, threshold included (its reference test is in
     test_eagle.py): greedy equals plain with some steps drafting nothing; as a Hybrid's second part,

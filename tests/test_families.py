@@ -125,7 +125,7 @@ def test_logits_match_transformers(built, family):
     assert error < TOL
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mistral", pytest.param("gemma3", marks=pytest.mark.slow), "gpt_oss"])
 def test_the_window_matters(built, family):
     """The same weights with full attention everywhere are far from transformers past the window
     (so the comparison above does test the window), and equal within it."""
@@ -137,6 +137,7 @@ def test_the_window_matters(built, family):
     assert compare_with_torch(full, torch_model, families.prompts(), [[3], [4]]) > 1e-2
 
 
+@pytest.mark.slow  # a proof that the comparisons test each piece: `make test-all`
 def test_gpt_oss_pieces_matter(built):
     """Each of gpt-oss's own pieces changes its logits well past the tolerance when left out (its
     sinks, the SwiGLU's clamp, YaRN's frequencies and attention factor, the biases of o and of
@@ -156,7 +157,9 @@ def test_gpt_oss_pieces_matter(built):
         assert error > 1e-2, name
 
 
-@pytest.mark.parametrize("kernels", ["xla", "pallas:tpu", "pallas:cuda"])
+@pytest.mark.parametrize(
+    "kernels", ["xla", "pallas:tpu", pytest.param("pallas:cuda", marks=pytest.mark.slow)]
+)
 def test_gpt_oss_greedy_through_every_kernel(built, kernels):
     """gpt-oss's sinks through the other attention paths of the loop: plain XLA (the write-first
     decoding pass over the whole cache) and each Pallas kernel in the interpreter (the blocked
@@ -168,7 +171,16 @@ def test_gpt_oss_greedy_through_every_kernel(built, kernels):
         assert row == families.hf_greedy(torch_model, prompt, 24)[0]
 
 
-@pytest.mark.parametrize("family", families.FAMILIES)
+# The default set generates with one family of each kind of attention and expert layer (windows and
+# their own norms, a mixture, latent attention, sinks); every family with `make test-all`. The
+# logits of every family stay in the default set.
+GENERATE_FAST = {"gemma3", "qwen3_moe", "deepseek_v3", "gpt_oss"}
+GENERATE_GRID = [
+    pytest.param(f, marks=() if f in GENERATE_FAST else pytest.mark.slow) for f in families.FAMILIES
+]
+
+
+@pytest.mark.parametrize("family", GENERATE_GRID)
 def test_greedy_equals_transformers_generate(built, family):
     """48 tokens from prompts of 20 and 33 tokens in one batch (the CPU kernels' path: panel
     weights, attention to the committed slots with a window), against transformers per row."""
@@ -201,17 +213,11 @@ def proposers(model: specjax.Model, plain: list[list[int]], prompts) -> dict:
     }
 
 
-# Every family runs every proposer with `make test-all`; the default set keeps one dense family with
-# sliding windows and its own norms (Gemma 3) and one mixture of experts (the rest share their
-# forward pieces, and the built-in model, a Llama, runs every proposer in
-# tests/test_builtin_generate.py; logits and greedy generation of every family stay in the default set).
-PROPOSER_FAST = {"qwen3_moe"}
-PROPOSER_GRID = [
-    pytest.param(f, marks=() if f in PROPOSER_FAST else pytest.mark.slow) for f in families.FAMILIES
-]
-
-
-@pytest.mark.parametrize("family", PROPOSER_GRID)
+# Every family runs every proposer with `make test-all` only: in the default set the built-in model,
+# a Llama, runs every proposer (tests/test_builtin_generate.py), a quantized model too
+# (tests/test_quantized.py), and a mixture of experts speculates on a mesh below.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", families.FAMILIES)
 def test_every_proposer_greedy_equals_plain(built, family):
     model, _ = built(family)
     prompts = families.prompts(lengths=(33, 20), seed=2)
@@ -324,6 +330,7 @@ def test_gpt_oss_experts_equal_float64(built, num_tokens):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # proofs that the comparison with transformers tests each piece
 @pytest.mark.parametrize(
     "change",
     [
@@ -344,6 +351,7 @@ def test_glm4_moe_routing_pieces_matter(built, change):
     assert compare_with_torch(changed, torch_model, families.prompts(), [[3], [4]]) > 1e-2
 
 
+@pytest.mark.slow  # proofs that the comparison with transformers tests each piece
 @pytest.mark.parametrize(
     "change",
     [
@@ -379,6 +387,7 @@ def test_deepseek_v3_caches_the_latent(built):
     assert specjax.models.cache_bytes(c, 2, 100) == c.num_layers * 2 * 100 * 40 * 4
 
 
+@pytest.mark.slow  # a second DeepSeek-V3 config (V2-Lite's): `make test-all`
 def test_deepseek_v3_without_a_query_latent(tmp_path):
     """q_lora_rank None (DeepSeek-V2-Lite's form): the queries straight from q_proj."""
     import transformers

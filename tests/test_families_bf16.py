@@ -99,7 +99,14 @@ def test_bf16_logits_follow_transformers_bf16(built, family):
     assert agree >= 0.9 * len(errors)
 
 
-@pytest.mark.parametrize("family", families.FAMILIES)
+# By default one family of each kind of attention and expert layer, as in test_families.py.
+BF16_GENERATE_GRID = [
+    pytest.param(f, marks=() if f in {"gemma3", "qwen3_moe", "deepseek_v3", "gpt_oss"} else pytest.mark.slow)
+    for f in families.FAMILIES
+]
+
+
+@pytest.mark.parametrize("family", BF16_GENERATE_GRID)
 def test_bf16_greedy_follows_transformers_bf16(built, family):
     model, torch16, _ = built(family)
     prompts = families.prompts(lengths=(20, 33), seed=1)
@@ -114,15 +121,10 @@ def test_bf16_greedy_follows_transformers_bf16(built, family):
             assert gap < LOGIT_BOUND
 
 
-# Every family with `make test-all`; by default one family in bfloat16 (the float32 grid covers
-# the forward of each family, and a mixture in bfloat16 is checked against transformers above).
-BF16_PROPOSER_FAST = {"qwen3"}
-BF16_PROPOSER_GRID = [
-    pytest.param(f, marks=() if f in BF16_PROPOSER_FAST else pytest.mark.slow) for f in families.FAMILIES
-]
-
-
-@pytest.mark.parametrize("family", BF16_PROPOSER_GRID)
+# Every family with `make test-all` only: in the default set a bfloat16 model speculates in
+# tests/test_quantized.py (with int8 weights), and each family's bfloat16 logits are checked above.
+@pytest.mark.slow
+@pytest.mark.parametrize("family", families.FAMILIES)
 def test_bf16_every_proposer_equals_plain_bf16(built, family):
     model, _, _ = built(family)
     prompts = families.prompts(lengths=(33, 20), seed=2)

@@ -48,8 +48,18 @@ def plain_greedy():
     return specjax.generate(TARGET, PROMPTS, max_new_tokens=24).tokens
 
 
-@pytest.mark.parametrize("k", [1, 2, 4, 8])
-@pytest.mark.parametrize("name", ["ngram", "draft", "self"])
+# By default each proposer at one or two k, together 1, 2, 4 and 8; every pair with `make test-all`.
+SPECULATIVE_FAST = {("ngram", 1), ("ngram", 8), ("draft", 4), ("self", 2)}
+
+
+@pytest.mark.parametrize(
+    "name, k",
+    [
+        pytest.param(name, k, marks=() if (name, k) in SPECULATIVE_FAST else pytest.mark.slow)
+        for name in ("ngram", "draft", "self")
+        for k in (1, 2, 4, 8)
+    ],
+)
 def test_greedy_speculative_equals_plain(plain_greedy, name, k):
     result = specjax.generate(TARGET, PROMPTS, proposer=proposers(k)[name], max_new_tokens=24)
     assert result.tokens == plain_greedy
@@ -136,7 +146,7 @@ def test_drafts_equal_a_from_scratch_recomputation(name):
         lengths = lengths + np.asarray(accepted) + 1
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [1, 3, pytest.param(8, marks=pytest.mark.slow)])
 def test_target_as_its_own_draft_accepts_everything(k):
     result = specjax.generate(TARGET, PROMPTS, proposer=specjax.DraftModel(TARGET, k=k), max_new_tokens=30)
     summary = result.metrics.summary()
