@@ -1,9 +1,11 @@
 """GGUF files of the families whose architecture llama.cpp's format names: llama (Llama, Mistral,
-Mixtral), qwen2, qwen3, qwen3moe and gemma3. Each is written here from a tiny random HF folder
-(tests/families.py) the way llama.cpp's converter (convert_hf_to_gguf.py) writes it: its metadata
-keys, gguf-py's own tensor name map, q/k rows reordered for llama only, Gemma's norms stored as
-1 + w. `specjax.load` must read from the .gguf the config and weights it reads from the folder,
-and give transformers' logits over 64-token prompts (past the sliding windows of 16)."""
+Mixtral), qwen2, qwen3, qwen3moe, gemma3, glm4moe (GLM-4.5), deepseek2 (DeepSeek-V3) and gpt-oss.
+Each is written here from a tiny random HF folder (tests/families.py) the way llama.cpp's converter
+(convert_hf_to_gguf.py) writes it: its metadata keys, gguf-py's own tensor name map, q/k rows
+reordered for llama only, Gemma's norms stored as 1 + w, DeepSeek's kv_b_proj split per head into
+attn_k_b (transposed) and attn_v_b, gpt-oss's interleaved gate_up_proj split into gate and up.
+`specjax.load` must read from the .gguf the config and weights it reads from the folder, and give
+transformers' logits over 64-token prompts (past the sliding windows of 16)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,32 @@ CASES = {
     "qwen3_moe": Case("qwen3_moe", "qwen3moe", overrides=(("mlp_only_layers", []),)),
     # query_pre_attn_scalar is not stored; llama.cpp takes head_dim (32 here), as Gemma 3's 1B-12B do.
     "gemma3": Case("gemma3", "gemma3", overrides=(("query_pre_attn_scalar", 32),)),
+    "glm4_moe": Case("glm4_moe", "glm4moe"),
+    # The converter drops DeepSeek's MTP layers and stores mscale_all_dim alone (as
+    # yarn_log_multiplier): mscale is taken equal to it, as in DeepSeek-V3's own config.
+    "deepseek_v3": Case(
+        "deepseek_v3",
+        "deepseek2",
+        overrides=(
+            ("num_nextn_predict_layers", 0),
+            (
+                "rope_parameters",
+                dict(
+                    rope_type="yarn",
+                    rope_theta=10000.0,
+                    factor=4.0,
+                    original_max_position_embeddings=32,
+                    mscale=0.5,
+                    mscale_all_dim=0.5,
+                ),
+            ),
+        ),
+    ),
+    # swiglu_limit is not stored: llama.cpp's constant 7 (the family's tiny config clamps at 2).
+    "gpt_oss": Case("gpt_oss", "gpt-oss", overrides=(("swiglu_limit", 7.0),)),
 }
+# The cases run by default (the others are slow): one of the three families added together.
+DEFAULT_CASES = ("mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "gemma3", "glm4_moe")
 
 
 def build_folder(case: Case, folder: Path) -> torch.nn.Module:
@@ -120,28 +147,43 @@ def write_gguf(
 def _write_metadata(writer, hp: dict, case: Case, window_pattern) -> None:
     """The keys TextModel.set_gguf_parameters and the architecture's model class write."""
     arch = case.arch
-    writer.add_block_count(hp["num_hidden_layers"])
+    # GLM-4.5's MTP layers are blocks too (transformers' save_pretrained drops their weights).
+    writer.add_block_count(hp["num_hidden_layers"] + (hp.get("num_nextn_predict_layers") or 0))
     writer.add_context_length(hp["max_position_embeddings"])
     writer.add_embedding_length(hp["hidden_size"])
     writer.add_feed_forward_length(hp["intermediate_size"])
     writer.add_head_count(hp["num_attention_heads"])
-    writer.add_head_count_kv(hp["num_key_value_heads"])
+    writer.add_head_count_kv(1 if arch == "deepseek2" else hp["num_key_value_heads"])
     rope = hp.get("rope_parameters") or hp.get("rope_scaling") or {}
     full = rope.get("full_attention", rope)  # Gemma 3: one entry per layer type
     if full.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(full["factor"])
+    if full.get("rope_type") == "yarn":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+        if "beta_fast" in full:
+            writer.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+            writer.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
+        if arch == "deepseek2" and full.get("mscale_all_dim"):
+            writer.add_rope_scaling_yarn_log_mul(0.1 * full["mscale_all_dim"])
     writer.add_rope_freq_base(full.get("rope_theta", hp.get("rope_theta")))
     if (local := rope.get("sliding_attention", {}).get("rope_theta")) is not None:
         writer.add_rope_freq_base_swa(local)
     writer.add_layer_norm_rms_eps(hp["rms_norm_eps"])
-    experts = hp.get("num_local_experts") or hp.get("num_experts")
+    experts = hp.get("num_local_experts") or hp.get("num_experts") or hp.get("n_routed_experts")
     if experts:
         writer.add_expert_count(experts)
         writer.add_expert_used_count(hp["num_experts_per_tok"])
-    if hp.get("head_dim") is not None:
+    if hp.get("head_dim") is not None and arch != "deepseek2":
         writer.add_key_length(hp["head_dim"])
         writer.add_value_length(hp["head_dim"])
+    if arch in ("glm4moe", "deepseek2"):
+        _write_sigmoid_experts(writer, hp, arch)
+    if arch == "gpt-oss":
+        writer.add_sliding_window(hp["sliding_window"])
+        writer.add_expert_feed_forward_length(hp["intermediate_size"])
     if arch == "llama":
         writer.add_vocab_size(hp["vocab_size"])
         writer.add_rope_dimension_count(hp.get("head_dim") or hp["hidden_size"] // hp["num_attention_heads"])
@@ -159,6 +201,34 @@ def _write_metadata(writer, hp: dict, case: Case, window_pattern) -> None:
         writer.add_sliding_window(hp["sliding_window"])
 
 
+def _write_sigmoid_experts(writer, hp: dict, arch: str) -> None:
+    """Glm4MoeModel's and DeepseekV2Model's keys (with the base class's expert groups and, from
+    the released configs' scoring_func, the sigmoid gating): the mixture, GLM's partial rotary,
+    DeepSeek's latent attention as one kv head with the heads' sizes apart."""
+    writer.add_expert_group_count(hp["n_group"])
+    writer.add_expert_group_used_count(hp["topk_group"])
+    writer.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+    writer.add_expert_shared_count(hp["n_shared_experts"])
+    writer.add_leading_dense_block_count(hp["first_k_dense_replace"])
+    writer.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    writer.add_expert_weights_scale(hp["routed_scaling_factor"])
+    writer.add_expert_weights_norm(hp["norm_topk_prob"])
+    if arch == "glm4moe":
+        rope = hp.get("rope_parameters") or {}
+        writer.add_rope_dimension_count(int(hp["head_dim"] * rope.get("partial_rotary_factor", 0.5)))
+        writer.add_nextn_predict_layers(hp["num_nextn_predict_layers"])
+        return
+    rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
+    writer.add_vocab_size(hp["vocab_size"])
+    writer.add_q_lora_rank(hp["q_lora_rank"])
+    writer.add_kv_lora_rank(rank)
+    writer.add_key_length(rank + rope_dim)
+    writer.add_value_length(rank)
+    writer.add_key_length_mla(hp["qk_nope_head_dim"] + rope_dim)
+    writer.add_value_length_mla(hp["v_head_dim"])
+    writer.add_rope_dimension_count(rope_dim)
+
+
 def _converted_tensors(hp: dict, folder: Path, arch: str) -> dict[str, np.ndarray]:
     """{GGUF name: array in HF's layout} as the converter's modify_tensors yields them: experts
     stacked [X, out, in], llama's q/k rows reordered, Gemma's norms plus 1, names from gguf-py's
@@ -167,15 +237,21 @@ def _converted_tensors(hp: dict, folder: Path, arch: str) -> dict[str, np.ndarra
     names = gguf.get_tensor_name_map(LLAMA_CPP_ARCH[arch], hp["num_hidden_layers"])
     heads, kv_heads = hp["num_attention_heads"], hp["num_key_value_heads"]
     stacked = re.compile(r"model\.layers\.(\d+)\.(block_sparse_moe|mlp)\.experts\.0\.(\w+)\.weight")
+    if arch == "gpt-oss":
+        hf = _gpt_oss_split(hf)
+    if arch == "deepseek2":
+        hf = _deepseek_split(hf, hp)
     out = {}
     for name in sorted(hf):
         array = hf[name]
-        if ".experts." in name:
+        if name.endswith("e_score_correction_bias"):  # the converter's rename, for its name map
+            name = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        if re.search(r"\.experts\.\d+\.", name):  # one expert's (gpt-oss's come stacked)
             match = stacked.fullmatch(name)
             if not match:
                 continue  # stacked with expert 0
             layer, block, weight = match.groups()
-            count = hp.get("num_local_experts") or hp["num_experts"]
+            count = hp.get("num_local_experts") or hp.get("num_experts") or hp["n_routed_experts"]
             array = np.stack([hf[name.replace(".experts.0.", f".experts.{j}.")] for j in range(count)])
             # The converter's merged names: Mixtral's feed_forward.experts.w1, Qwen's mlp.experts.gate_proj.
             name = (
@@ -193,6 +269,45 @@ def _converted_tensors(hp: dict, folder: Path, arch: str) -> dict[str, np.ndarra
         if gguf_name is None:
             raise ValueError(f"the converter cannot map {name} for {arch}")
         out[gguf_name] = np.ascontiguousarray(array, np.float32)
+    return out
+
+
+def _gpt_oss_split(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GptOssModel.modify_tensors on float experts: gate_up_proj [X, D, 2F] transposed to
+    [X, 2F, D] and split by row parity into gate and up (biases likewise), down_proj transposed;
+    sinks named as weights."""
+    out = {}
+    for name, array in hf.items():
+        if name.endswith("self_attn.sinks"):
+            out[name + ".weight"] = array
+        elif name.endswith("gate_up_proj"):
+            rows = array.swapaxes(1, 2)
+            base = name.removesuffix("gate_up_proj")
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = rows[:, ::2], rows[:, 1::2]
+        elif name.endswith("gate_up_proj_bias"):
+            base = name.removesuffix("gate_up_proj_bias")
+            out[base + "gate_proj.bias"], out[base + "up_proj.bias"] = array[..., ::2], array[..., 1::2]
+        elif name.endswith("down_proj"):
+            out[name + ".weight"] = array.swapaxes(1, 2)
+        elif name.endswith("down_proj_bias"):
+            out[name.replace("down_proj_bias", "down_proj.bias")] = array
+        else:
+            out[name] = array
+    return out
+
+
+def _deepseek_split(hf: dict[str, np.ndarray], hp: dict) -> dict[str, np.ndarray]:
+    """DeepseekV2Model.modify_tensors' split of kv_b_proj [H * (nope + v), R] into k_b_proj
+    [H, R, nope] (the key rows, transposed) and v_b_proj [H, v, R]."""
+    nope, v, heads = hp["qk_nope_head_dim"], hp["v_head_dim"], hp["num_attention_heads"]
+    out = {}
+    for name, array in hf.items():
+        if not name.endswith("kv_b_proj.weight"):
+            out[name] = array
+            continue
+        per_head = array.reshape(heads, nope + v, array.shape[-1])
+        out[name.replace("kv_b_proj", "k_b_proj")] = per_head[:, :nope].swapaxes(1, 2)
+        out[name.replace("kv_b_proj", "v_b_proj")] = per_head[:, nope:]
     return out
 
 
@@ -221,7 +336,9 @@ def comparable(config) -> dict:
     return {name: value for name, value in fields.items() if name not in IGNORED_FIELDS}
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(
+    "name", [name if name in DEFAULT_CASES else pytest.param(name, marks=pytest.mark.slow) for name in CASES]
+)
 def test_gguf_matches_folder_and_transformers(built, name):
     root, torch_model = built(name)
     from_gguf = specjax.load(root / f"{name}.gguf", cache_dir=root / "cache")
