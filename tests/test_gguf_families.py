@@ -109,6 +109,14 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class Raw:
+    """A tensor's bytes in a quantized GGML type (gguf.quants.quantize's output)."""
+
+    data: np.ndarray
+    kind: gguf.GGMLQuantizationType
+
+
 def write_gguf(
     path: Path,
     folder: Path,
@@ -125,7 +133,8 @@ def write_gguf(
         layer_types as a bool per layer (which llama.cpp reads; its converter writes none), None
         writes nothing, an int writes that int.
     f16: store matrices as F16 (the converter's default outtype), vectors as F32.
-    edit: `edit(tensors)` changes the {GGUF name: array} dict before it is written.
+    edit: `edit(tensors)` changes the {GGUF name: array} dict before it is written; a `Raw`
+        value is written as its bytes of a quantized type.
     extra: more metadata, {key: (value, GGUFValueType)}.
     """
     hp = json.loads((folder / "config.json").read_text())
@@ -137,7 +146,10 @@ def write_gguf(
     if edit is not None:
         edit(tensors)
     for name, array in tensors.items():
-        writer.add_tensor(name, array.astype(np.float16) if f16 and array.ndim >= 2 else array)
+        if isinstance(array, Raw):
+            writer.add_tensor(name, array.data, raw_dtype=array.kind)
+        else:
+            writer.add_tensor(name, array.astype(np.float16) if f16 and array.ndim >= 2 else array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -439,3 +451,86 @@ def test_unsupported_key_is_named(built, tmp_path):
     write_gguf(path, root / "hf", CASES["qwen3"], extra=extra)
     with pytest.raises(ValueError, match="qwen3.attn_logit_softcapping = 50.0"):
         specjax.load(path, cache_dir=tmp_path / "cache")
+
+
+# ---------------------------------------------------------------------------------------------
+# GLM-4.5, DeepSeek-V3 and gpt-oss: what their files may hold besides the tests above
+
+
+@pytest.mark.slow
+def test_gpt_oss_mxfp4_experts(built, tmp_path):
+    """The converter keeps gpt-oss's experts in GGML's MXFP4: they read as gguf-py dequantizes
+    them, bit for bit (and with quantization="gguf" too, dequantized with a warning naming them)."""
+    root, _ = built("gpt_oss")
+    path = tmp_path / "mxfp4.gguf"
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    stored = {}
+
+    def edit(tensors):
+        for name in [name for name in tensors if name.endswith("_exps.weight")]:
+            stored[name] = gguf.quants.quantize(tensors[name], mxfp4)
+            tensors[name] = Raw(stored[name], mxfp4)
+
+    write_gguf(path, root / "hf", CASES["gpt_oss"], edit=edit)
+    ours = flatten(specjax.load(path, cache_dir=tmp_path / "cache").params)
+    for name, data in stored.items():
+        layer, kind = re.fullmatch(r"blk\.(\d+)\.ffn_(\w+)_exps\.weight", name).groups()
+        expected = gguf.quants.dequantize(data, mxfp4).swapaxes(1, 2)  # [X, out, in] -> ours
+        np.testing.assert_array_equal(
+            np.asarray(ours[f"layers.{layer}.expert_{kind}"]), expected, err_msg=name
+        )
+    with pytest.warns(UserWarning, match=r"blk\.0\.ffn_down_exps\.weight is MXFP4"):
+        kept = specjax.load(path, quantization="gguf")
+    np.testing.assert_array_equal(
+        np.asarray(kept.params.layers[0].expert_down), np.asarray(ours["layers.0.expert_down"])
+    )
+
+
+@pytest.mark.slow
+def test_deepseek_kv_b_as_older_converters_wrote_it(built, tmp_path):
+    """Older converters kept kv_b_proj whole (attn_kv_b): the same weights as from the halves."""
+    root, _ = built("deepseek_v3")
+    path = tmp_path / "kv_b.gguf"
+    hp = json.loads((root / "hf" / "config.json").read_text())
+    nope, rank = hp["qk_nope_head_dim"], hp["kv_lora_rank"]
+
+    def edit(tensors):
+        for layer in range(hp["num_hidden_layers"]):
+            k_b = tensors.pop(f"blk.{layer}.attn_k_b.weight")  # [H, R, nope]
+            v_b = tensors.pop(f"blk.{layer}.attn_v_b.weight")  # [H, v, R]
+            rows = np.concatenate([k_b.swapaxes(1, 2), v_b], axis=1)
+            tensors[f"blk.{layer}.attn_kv_b.weight"] = rows.reshape(-1, rank)
+        assert nope == k_b.shape[-1]
+
+    write_gguf(path, root / "hf", CASES["deepseek_v3"], edit=edit)
+    ours = flatten(specjax.load(path, cache_dir=tmp_path / "cache").params)
+    reference = flatten(specjax.load(root / "hf").params)
+    for leaf in ("layers.0.kv_b", "layers.2.kv_b"):
+        np.testing.assert_array_equal(np.asarray(ours[leaf]), np.asarray(reference[leaf]), err_msg=leaf)
+
+
+def test_softmax_routing_is_refused(built, tmp_path):
+    """llama.cpp routes by softmax where expert_gating_func says 1 (or, for deepseek2, where it is
+    absent: DeepSeek-V2's files); the sigmoid mixture's files say 2."""
+    root, _ = built("glm4_moe")
+    path = tmp_path / "softmax.gguf"
+    extra = {"glm4moe.expert_gating_func": (1, gguf.GGUFValueType.UINT32)}
+    write_gguf(path, root / "hf", CASES["glm4_moe"], extra=extra)
+    with pytest.raises(ValueError, match=r"glm4moe\.expert_gating_func = 1 .*only sigmoid"):
+        gguf_loader.read_gguf(path)
+
+
+def test_glm_mtp_blocks_are_skipped(built, tmp_path):
+    """GLM-4.5's converter writes its MTP layers as the last blocks (nextn_predict_layers of them):
+    the decoder is the blocks before, the MTP blocks' tensors are not read."""
+    root, _ = built("glm4_moe")
+    path = tmp_path / "mtp.gguf"
+
+    def edit(tensors):
+        tensors["blk.3.nextn.eh_proj.weight"] = np.zeros((64, 128), np.float32)
+        tensors["blk.3.attn_q.weight"] = tensors["blk.2.attn_q.weight"]
+
+    write_gguf(path, root / "hf", CASES["glm4_moe"], edit=edit)
+    config, tensors, _ = gguf_loader.read_gguf(path)
+    assert (config.num_layers, config.num_mtp_layers) == (3, 1)
+    assert not any(name.startswith("layers.3.") for name in tensors)
