@@ -431,6 +431,15 @@ def test_missing_tensor_is_named(built, tmp_path):
         specjax.load(path, cache_dir=tmp_path / "cache")
 
 
+def test_missing_glm_norm_is_named_as_glm_names_it(built, tmp_path):
+    """GLM-4.5's MLP input norm is its post_attention_norm (Gemma 3's norm of the attention output)."""
+    root, _ = built("glm4_moe")
+    path = tmp_path / "missing.gguf"
+    write_gguf(path, root / "hf", CASES["glm4_moe"], edit=lambda t: t.pop("blk.1.post_attention_norm.weight"))
+    with pytest.raises(ValueError, match=r"lacks tensors .*\['blk\.1\.post_attention_norm\.weight'\]"):
+        gguf_loader.read_gguf(path)
+
+
 def test_misshapen_tensor_is_named(built, tmp_path):
     root, _ = built("mistral")
     path = tmp_path / "misshapen.gguf"

@@ -7,7 +7,13 @@ The architectures (`general.architecture`) read are those llama.cpp's converter
   stacked in `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, its router in `ffn_gate_inp`);
 - qwen2 (q/k/v biases), qwen3 (q/k norms; `attention.key_length` apart from hidden / heads) and
   qwen3moe (experts as Mixtral's, each `expert_feed_forward_length` wide);
-- gemma3 (four norms a layer, q/k norms, local and global layers).
+- gemma3 (four norms a layer, q/k norms, local and global layers);
+- glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V3): a dense MLP in the first
+  `leading_dense_block_count` layers, then sigmoid-routed experts with their choice's correction
+  bias (`exp_probs_b`), expert groups, routed scaling and shared experts (`ffn_*_shexp`);
+  deepseek2's latent attention (`attn_q_a`, `attn_kv_a_mqa`, ...; models/mla.py);
+- gpt-oss: attention sinks (`attn_sinks`), biases on the output, the router and the experts,
+  local and global layers alternating.
 
 What differs from an HF checkpoint:
 
@@ -23,6 +29,12 @@ What differs from an HF checkpoint:
   stored weight); our "gemma" norm multiplies by 1 + w, so 1 is subtracted here.
 - There is no `tokenizer.json`: the vocabulary, merges or scores and special ids are metadata
   (`tokenizer.ggml.*`), from which models/gguf_tokenizer.py rebuilds the family's tokenizer.
+- deepseek2: newer converters split kv_b_proj per head into `attn_k_b` (its key rows, transposed)
+  and `attn_v_b`, joined back here; it is one kv head of kv_lora_rank + rotary dims in the
+  metadata (`key_length`), the heads' own sizes in `key_length_mla` / `value_length_mla`.
+- gpt-oss: the converter splits the interleaved gate_up_proj into gate and up (as hf_loader does)
+  and stores the experts in GGML's MXFP4, dequantized by gguf-py like any other type.
+- glm4moe: the MTP layers are the last `nextn_predict_layers` blocks; their tensors are skipped.
 
 What the format does not say, and what is assumed instead (llama.cpp's own choices):
 
@@ -35,6 +47,12 @@ What the format does not say, and what is assumed instead (llama.cpp's own choic
   with `rope.freq_base_swa` (default 10000) and no scaling.
 - qwen3moe: norm_topk_prob is not stored; llama.cpp renormalizes the chosen experts' weights, as
   every released Qwen3-MoE does. Dense layers among the experts (mlp_only_layers) cannot be written.
+- glm4moe, deepseek2: the routing must be sigmoid (`expert_gating_func` 2; a deepseek2 file
+  without it is DeepSeek-V2's softmax routing, refused); `expert_weights_norm` absent is false.
+  deepseek2's rotary dims are interleaved pairs (llama.cpp's rotation for it), and YaRN's mscale
+  is taken equal to mscale_all_dim (`_yarn`).
+- gpt-oss: swiglu_alpha and swiglu_limit are llama.cpp's constants (LlamaConfig's defaults);
+  YaRN's truncate is false; every second layer global (llama.cpp's pattern for it).
 
 Anything else a file carries that the forward does not compute (another rope scaling, attention
 logit soft-capping, shared experts, ...) is a ValueError naming the key or tensor.
@@ -136,12 +154,10 @@ _LAYER_TENSORS = {
     "ffn_down_exps.bias": "expert_down_bias",
 }
 # Where an architecture's name means another of our weights: post_attention_norm is the MLP's input
-# norm for GLM-4.5 and gpt-oss (Gemma 3's norm of the attention output); without q_lora_rank,
-# DeepSeek's query projection is attn_q.
+# norm for GLM-4.5 and gpt-oss (Gemma 3's norm of the attention output).
 _ARCH_LAYER_TENSORS = {
     "glm4moe": {"post_attention_norm.weight": "mlp_norm"},
     "gpt-oss": {"post_attention_norm.weight": "mlp_norm"},
-    "deepseek2": {"attn_q.weight": "q_b"},
 }
 # DeepSeek's kv_b_proj as newer converters split it, per head: the key part [H, R, nope]
 # (transposed), the value part [H, v, R].
@@ -550,7 +566,7 @@ def _convert_tensors(
     lacks, are errors naming them. The MTP layers' blocks (GLM-4.5's, after the decoder's) are not
     read."""
     permuted = arch in _PERMUTED_ARCHITECTURES
-    layer_tensors = _LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})
+    layer_tensors = _LAYER_TENSORS | _layer_overrides(config, arch)
     arrays: dict[str, LazyTensor] = {}
     unknown = []
     for name, tensor in tensors.items():
@@ -580,7 +596,7 @@ def _convert_tensors(
             f"GGUF file {path} has tensors a {config.model_type} model does not use: "
             f"{sorted(unknown)[:8]}{more}"
         )
-    missing = [_gguf_name(name, arch) for name in expected_shapes(config) if name not in arrays]
+    missing = [_gguf_name(name, config, arch) for name in expected_shapes(config) if name not in arrays]
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(
@@ -592,9 +608,18 @@ def _convert_tensors(
     return arrays
 
 
-def _gguf_name(ours: str, arch: str) -> str:
+def _layer_overrides(config: LlamaConfig, arch: str) -> dict[str, str]:
+    """The architecture's own meanings of layer tensor names (`_ARCH_LAYER_TENSORS`); without
+    q_lora_rank, DeepSeek's query projection is attn_q."""
+    if arch == "deepseek2" and not config.q_lora_rank:
+        return {"attn_q.weight": "q_b"}
+    return _ARCH_LAYER_TENSORS.get(arch, {})
+
+
+def _gguf_name(ours: str, config: LlamaConfig, arch: str) -> str:
     """The GGUF name of one of our flat names ("layers.3.q" -> "blk.3.attn_q.weight")."""
-    names = {ours: theirs for theirs, ours in (_LAYER_TENSORS | _ARCH_LAYER_TENSORS.get(arch, {})).items()}
+    names = {ours: theirs for theirs, ours in _LAYER_TENSORS.items()}
+    names |= {ours: theirs for theirs, ours in _layer_overrides(config, arch).items()}
     if ours.startswith("layers."):
         _, layer, short = ours.split(".", 2)
         return f"blk.{layer}.{names[short]}"
