@@ -529,17 +529,34 @@ def test_softmax_routing_is_refused(built, tmp_path):
         gguf_loader.read_gguf(path)
 
 
-def test_glm_mtp_blocks_are_skipped(built, tmp_path):
+def test_glm_mtp_layers_read(built, tmp_path):
     """GLM-4.5's converter writes its MTP layers as the last blocks (nextn_predict_layers of them):
-    the decoder is the blocks before, the MTP blocks' tensors are not read."""
+    the decoder is the blocks before; an MTP block's tensors load into `model.mtp` as from the HF
+    folder (its nextn.* own tensors; the copies of the embedding and the head are not read)."""
     root, _ = built("glm4_moe")
     path = tmp_path / "mtp.gguf"
+    rng = np.random.default_rng(0)
+    own = {
+        "eh_proj.weight": rng.standard_normal((64, 128)).astype(np.float32),  # [D, 2D] as HF's
+        "enorm.weight": rng.standard_normal(64).astype(np.float32),
+        "hnorm.weight": rng.standard_normal(64).astype(np.float32),
+        "shared_head_norm.weight": rng.standard_normal(64).astype(np.float32),
+        "embed_tokens.weight": np.zeros((256, 64), np.float32),
+        "shared_head_head.weight": np.zeros((256, 64), np.float32),
+    }
 
-    def edit(tensors):
-        tensors["blk.3.nextn.eh_proj.weight"] = np.zeros((64, 128), np.float32)
-        tensors["blk.3.attn_q.weight"] = tensors["blk.2.attn_q.weight"]
+    def edit(tensors):  # the MTP block: a copy of the decoder's last (MoE) layer
+        for name in [name for name in tensors if name.startswith("blk.2.")]:
+            tensors[name.replace("blk.2.", "blk.3.")] = tensors[name]
+        tensors |= {f"blk.3.nextn.{name}": value for name, value in own.items()}
 
     write_gguf(path, root / "hf", CASES["glm4_moe"], edit=edit)
-    config, tensors, _ = gguf_loader.read_gguf(path)
-    assert (config.num_layers, config.num_mtp_layers) == (3, 1)
-    assert not any(name.startswith("layers.3.") for name in tensors)
+    model = specjax.load(path, cache_dir=tmp_path / "cache")
+    assert (model.config.num_layers, model.config.num_mtp_layers, len(model.mtp)) == (3, 1, 1)
+    layer = model.mtp[0]
+    np.testing.assert_array_equal(np.asarray(layer.eh_proj), own["eh_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(layer.head_norm), own["shared_head_norm.weight"])
+    block, last = flatten(layer.block), flatten(model.params.layers[2])
+    assert block.keys() == last.keys()
+    for leaf, value in block.items():
+        np.testing.assert_array_equal(np.asarray(value), np.asarray(last[leaf]), err_msg=leaf)

@@ -34,7 +34,8 @@ What differs from an HF checkpoint:
   metadata (`key_length`), the heads' own sizes in `key_length_mla` / `value_length_mla`.
 - gpt-oss: the converter splits the interleaved gate_up_proj into gate and up (as hf_loader does)
   and stores the experts in GGML's MXFP4, dequantized by gguf-py like any other type.
-- glm4moe: the MTP layers are the last `nextn_predict_layers` blocks; their tensors are skipped.
+- glm4moe: the MTP layers are the last `nextn_predict_layers` blocks (their own tensors under
+  `nextn.`), read as hf_loader reads an HF folder's (`mtp.{j}.*`, models/mtp.py).
 
 What the format does not say, and what is assumed instead (llama.cpp's own choices):
 
@@ -158,6 +159,16 @@ _LAYER_TENSORS = {
 _ARCH_LAYER_TENSORS = {
     "glm4moe": {"post_attention_norm.weight": "mlp_norm"},
     "gpt-oss": {"post_attention_norm.weight": "mlp_norm"},
+}
+# GLM-4.5's MTP layers' own tensors (after "blk.{L + j}.nextn.") -> models/mtp.py's names; the
+# copies of the embedding and the head it writes beside them (None) are the target's, not read.
+_MTP_TENSORS = {
+    "eh_proj.weight": "eh_proj",
+    "enorm.weight": "enorm",
+    "hnorm.weight": "hnorm",
+    "shared_head_norm.weight": "head_norm",
+    "embed_tokens.weight": None,
+    "shared_head_head.weight": None,
 }
 # DeepSeek's kv_b_proj as newer converters split it, per head: the key part [H, R, nope]
 # (transposed), the value part [H, v, R].
@@ -563,16 +574,27 @@ def _convert_tensors(
 ) -> dict[str, LazyTensor]:
     """Every tensor under our flat name, in our layout, dequantized to float32 when read (with
     `keep_blocks`, see `read_gguf`). Unknown tensors, and tensors the config needs that the file
-    lacks, are errors naming them. The MTP layers' blocks (GLM-4.5's, after the decoder's) are not
-    read."""
+    lacks, are errors naming them. GLM-4.5's MTP layers (the blocks after the decoder's) are named
+    as hf_loader names them (`mtp.{j}.*`, read by models/mtp.py)."""
     permuted = arch in _PERMUTED_ARCHITECTURES
     layer_tensors = _LAYER_TENSORS | _layer_overrides(config, arch)
     arrays: dict[str, LazyTensor] = {}
     unknown = []
     for name, tensor in tensors.items():
         match = _LAYER_NAME.fullmatch(name)
-        if match and int(match.group(1)) >= config.num_layers and config.num_mtp_layers:
-            continue  # an MTP layer's (see _block_counts)
+        mtp_layer = int(match.group(1)) - config.num_layers if match and config.num_mtp_layers else -1
+        if mtp_layer >= 0 and match.group(2).startswith("nextn."):
+            short = match.group(2).removeprefix("nextn.")
+            if short not in _MTP_TENSORS:
+                unknown.append(name)
+            elif _MTP_TENSORS[short] is not None:
+                ours = f"mtp.{mtp_layer}.{_MTP_TENSORS[short]}"
+                arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
+            continue
+        if mtp_layer >= 0 and match.group(2) in layer_tensors:  # the MTP layer's decoder block
+            ours = f"mtp.{mtp_layer}.{layer_tensors[match.group(2)]}"
+            arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
+            continue
         if name in _GLOBAL_TENSORS:
             ours = _GLOBAL_TENSORS[name]
         elif match and match.group(2) in layer_tensors:
@@ -596,7 +618,8 @@ def _convert_tensors(
             f"GGUF file {path} has tensors a {config.model_type} model does not use: "
             f"{sorted(unknown)[:8]}{more}"
         )
-    missing = [_gguf_name(name, config, arch) for name in expected_shapes(config) if name not in arrays]
+    decoder = {name: tensor for name, tensor in arrays.items() if not name.startswith("mtp.")}
+    missing = [_gguf_name(name, config, arch) for name in expected_shapes(config) if name not in decoder]
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(
@@ -604,7 +627,7 @@ def _convert_tensors(
         )
     # Shapes too, here rather than only when params are built: the loader caches what this
     # returns, and the cache's tensors no longer carry their GGUF names for the message.
-    check_tensors(config, arrays, str(path))
+    check_tensors(config, decoder, str(path))
     return arrays
 
 
