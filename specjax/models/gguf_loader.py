@@ -161,14 +161,14 @@ _ARCH_LAYER_TENSORS = {
     "gpt-oss": {"post_attention_norm.weight": "mlp_norm"},
 }
 # GLM-4.5's MTP layers' own tensors (after "blk.{L + j}.nextn.") -> models/mtp.py's names; the
-# copies of the embedding and the head it writes beside them (None) are the target's, not read.
+# copies of the embedding and the head it writes beside them ("") are the target's, not read.
 _MTP_TENSORS = {
     "eh_proj.weight": "eh_proj",
     "enorm.weight": "enorm",
     "hnorm.weight": "hnorm",
     "shared_head_norm.weight": "head_norm",
-    "embed_tokens.weight": None,
-    "shared_head_head.weight": None,
+    "embed_tokens.weight": "",
+    "shared_head_head.weight": "",
 }
 # DeepSeek's kv_b_proj as newer converters split it, per head: the key part [H, R, nope]
 # (transposed), the value part [H, v, R].
@@ -583,17 +583,12 @@ def _convert_tensors(
     for name, tensor in tensors.items():
         match = _LAYER_NAME.fullmatch(name)
         mtp_layer = int(match.group(1)) - config.num_layers if match and config.num_mtp_layers else -1
-        if mtp_layer >= 0 and match.group(2).startswith("nextn."):
-            short = match.group(2).removeprefix("nextn.")
-            if short not in _MTP_TENSORS:
+        if mtp_layer >= 0:  # never kept as blocks: models/mtp.py reads them as floats
+            ours = _mtp_name(match.group(2), mtp_layer, layer_tensors)
+            if ours is None:
                 unknown.append(name)
-            elif _MTP_TENSORS[short] is not None:
-                ours = f"mtp.{mtp_layer}.{_MTP_TENSORS[short]}"
+            elif ours:
                 arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
-            continue
-        if mtp_layer >= 0 and match.group(2) in layer_tensors:  # the MTP layer's decoder block
-            ours = f"mtp.{mtp_layer}.{layer_tensors[match.group(2)]}"
-            arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
             continue
         if name in _GLOBAL_TENSORS:
             ours = _GLOBAL_TENSORS[name]
@@ -629,6 +624,16 @@ def _convert_tensors(
     # returns, and the cache's tensors no longer carry their GGUF names for the message.
     check_tensors(config, decoder, str(path))
     return arrays
+
+
+def _mtp_name(short: str, layer: int, layer_tensors: dict[str, str]) -> str | None:
+    """Our name (hf_loader's, `mtp.{layer}.*`) of MTP layer `layer`'s tensor `short` (its name after
+    "blk.{i}."): its own under "nextn.", else its decoder block's; "" for those not read, None for
+    a name it cannot have."""
+    if short.startswith("nextn."):
+        own = _MTP_TENSORS.get(short.removeprefix("nextn."))
+        return own and f"mtp.{layer}.{own}"
+    return f"mtp.{layer}.{layer_tensors[short]}" if short in layer_tensors else None
 
 
 def _layer_overrides(config: LlamaConfig, arch: str) -> dict[str, str]:
