@@ -518,6 +518,23 @@ def test_deepseek_kv_b_as_older_converters_wrote_it(built, tmp_path):
         np.testing.assert_array_equal(np.asarray(ours[leaf]), np.asarray(reference[leaf]), err_msg=leaf)
 
 
+def test_fused_gate_up_experts(built, tmp_path):
+    """The converter's --fuse-gate-up-exps: one ffn_gate_up_exps [X, 2F, D], gate's rows then
+    up's, read as the two it joins."""
+    root, _ = built("qwen3_moe")
+    path = tmp_path / "fused.gguf"
+
+    def edit(tensors):
+        for layer in range(3):
+            gate, up = (tensors.pop(f"blk.{layer}.ffn_{part}_exps.weight") for part in ("gate", "up"))
+            tensors[f"blk.{layer}.ffn_gate_up_exps.weight"] = np.concatenate([gate, up], axis=1)
+
+    write_gguf(path, root / "hf", CASES["qwen3_moe"], edit=edit)
+    ours = flatten(specjax.load(path, cache_dir=tmp_path / "cache").params)
+    for leaf, value in flatten(specjax.load(root / "hf").params).items():
+        np.testing.assert_array_equal(np.asarray(ours[leaf]), np.asarray(value), err_msg=leaf)
+
+
 def test_softmax_routing_is_refused(built, tmp_path):
     """llama.cpp routes by softmax where expert_gating_func says 1 (or, for deepseek2, where it is
     absent: DeepSeek-V2's files); the sigmoid mixture's files say 2."""

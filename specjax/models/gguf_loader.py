@@ -34,6 +34,8 @@ What differs from an HF checkpoint:
   metadata (`key_length`), the heads' own sizes in `key_length_mla` / `value_length_mla`.
 - gpt-oss: the converter splits the interleaved gate_up_proj into gate and up (as hf_loader does)
   and stores the experts in GGML's MXFP4, dequantized by gguf-py like any other type.
+- Any mixture: the converter's --fuse-gate-up-exps writes the experts' gate and up as one
+  `ffn_gate_up_exps` (gate's rows, then up's), split here (dequantized, even with keep_blocks).
 - glm4moe: the MTP layers are the last `nextn_predict_layers` blocks (their own tensors under
   `nextn.`), read as hf_loader reads an HF folder's (`mtp.{j}.*`, models/mtp.py).
 
@@ -169,6 +171,12 @@ _MTP_TENSORS = {
     "shared_head_norm.weight": "head_norm",
     "embed_tokens.weight": "",
     "shared_head_head.weight": "",
+}
+# The experts' gate and up projections as the converter's --fuse-gate-up-exps writes them: one
+# tensor [X, 2F, D] (biases [X, 2F]), gate's rows then up's.
+_FUSED_GATE_UP = {
+    "ffn_gate_up_exps.weight": ("expert_gate", "expert_up"),
+    "ffn_gate_up_exps.bias": ("expert_gate_bias", "expert_up_bias"),
 }
 # DeepSeek's kv_b_proj as newer converters split it, per head: the key part [H, R, nope]
 # (transposed), the value part [H, v, R].
@@ -594,6 +602,13 @@ def _convert_tensors(
             ours = _GLOBAL_TENSORS[name]
         elif match and match.group(2) in layer_tensors:
             ours = f"layers.{match.group(1)}.{layer_tensors[match.group(2)]}"
+        elif match and match.group(2) in _FUSED_GATE_UP:  # dequantized, even with keep_blocks
+            for half, short in enumerate(_FUSED_GATE_UP[match.group(2)]):
+                ours = f"layers.{match.group(1)}.{short}"
+                arrays[ours] = _in_our_layout(
+                    _half_rows(_dequantized(tensor, name), half), ours, config, permuted
+                )
+            continue
         elif match and match.group(2) in _SPLIT_KV_B:
             if match.group(2) == _SPLIT_KV_B[0]:
                 arrays[f"layers.{match.group(1)}.kv_b"] = _joined_kv_b(tensors, match.group(1), path)
@@ -652,6 +667,12 @@ def _gguf_name(ours: str, config: LlamaConfig, arch: str) -> str:
         _, layer, short = ours.split(".", 2)
         return f"blk.{layer}.{names[short]}"
     return {ours: theirs for theirs, ours in _GLOBAL_TENSORS.items()}[ours]
+
+
+def _half_rows(value: LazyTensor, half: int) -> LazyTensor:
+    """The first (0) or second (1) half of a stacked tensor's rows (axis 1: [X, 2F, ...])."""
+    X, rows, *rest = value.shape
+    return value.mapped(lambda w: np.ascontiguousarray(np.split(w, 2, axis=1)[half]), (X, rows // 2, *rest))
 
 
 def _joined_kv_b(tensors: dict[str, Any], layer: str, path) -> LazyTensor:
