@@ -47,6 +47,22 @@ class Case:
     window_key: bool = False
 
 
+# The converter drops DeepSeek's MTP layers and stores mscale_all_dim alone (as
+# yarn_log_multiplier): mscale is taken equal to it, as in DeepSeek-V3's own config.
+DEEPSEEK_AS_CONVERTED = (
+    ("num_nextn_predict_layers", 0),
+    (
+        "rope_parameters",
+        dict(
+            rope_type="yarn",
+            rope_theta=10000.0,
+            factor=4.0,
+            original_max_position_embeddings=32,
+            mscale=0.5,
+            mscale_all_dim=0.5,
+        ),
+    ),
+)
 CASES = {
     "mistral": Case("mistral", "llama", window_key=True),
     "mixtral": Case("mixtral", "llama", window_key=True),
@@ -57,25 +73,10 @@ CASES = {
     # query_pre_attn_scalar is not stored; llama.cpp takes head_dim (32 here), as Gemma 3's 1B-12B do.
     "gemma3": Case("gemma3", "gemma3", overrides=(("query_pre_attn_scalar", 32),)),
     "glm4_moe": Case("glm4_moe", "glm4moe"),
-    # The converter drops DeepSeek's MTP layers and stores mscale_all_dim alone (as
-    # yarn_log_multiplier): mscale is taken equal to it, as in DeepSeek-V3's own config.
-    "deepseek_v3": Case(
-        "deepseek_v3",
-        "deepseek2",
-        overrides=(
-            ("num_nextn_predict_layers", 0),
-            (
-                "rope_parameters",
-                dict(
-                    rope_type="yarn",
-                    rope_theta=10000.0,
-                    factor=4.0,
-                    original_max_position_embeddings=32,
-                    mscale=0.5,
-                    mscale_all_dim=0.5,
-                ),
-            ),
-        ),
+    "deepseek_v3": Case("deepseek_v3", "deepseek2", overrides=DEEPSEEK_AS_CONVERTED),
+    # Queries straight from the hidden state (no q_lora_rank): DeepSeek's attn_q.
+    "deepseek_v3_direct_q": Case(
+        "deepseek_v3", "deepseek2", overrides=(*DEEPSEEK_AS_CONVERTED, ("q_lora_rank", None))
     ),
     # swiglu_limit is not stored: llama.cpp's constant 7 (the family's tiny config clamps at 2).
     "gpt_oss": Case("gpt_oss", "gpt-oss", overrides=(("swiglu_limit", 7.0),)),
@@ -232,7 +233,8 @@ def _write_sigmoid_experts(writer, hp: dict, arch: str) -> None:
         return
     rank, rope_dim = hp["kv_lora_rank"], hp["qk_rope_head_dim"]
     writer.add_vocab_size(hp["vocab_size"])
-    writer.add_q_lora_rank(hp["q_lora_rank"])
+    if hp["q_lora_rank"]:
+        writer.add_q_lora_rank(hp["q_lora_rank"])
     writer.add_kv_lora_rank(rank)
     writer.add_key_length(rank + rope_dim)
     writer.add_value_length(rank)
