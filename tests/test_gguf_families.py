@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from logit_check import compare_with_torch
+from logit_check import compare_with_torch, prefill_and_decode, relative_error
 
 import specjax
 from specjax.models import gguf_loader
@@ -495,6 +495,32 @@ def test_gpt_oss_mxfp4_experts(built, tmp_path):
     np.testing.assert_array_equal(
         np.asarray(kept.params.layers[0].expert_down), np.asarray(ours["layers.0.expert_down"])
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["glm4_moe", "deepseek_v3", "gpt_oss"])
+def test_kept_q8_0_blocks(built, tmp_path, name):
+    """quantization="gguf" on a Q8_0 file of these families: the projections and experts kept as
+    blocks (shared experts, latent attention's projections and the router dequantized, as an FP8
+    checkpoint's are), giving the logits of the file dequantized."""
+    root, _ = built(name)
+    path = tmp_path / "q8_0.gguf"
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+
+    def edit(tensors):
+        for key, array in tensors.items():
+            if array.ndim >= 2 and array.shape[-1] % 32 == 0 and key != "token_embd.weight":
+                tensors[key] = Raw(gguf.quants.quantize(array, q8_0), q8_0)
+
+    write_gguf(path, root / "hf", CASES[name], edit=edit)
+    kept = specjax.load(path, quantization="gguf")
+    assert type(kept.params.layers[1].expert_gate).__name__ == "QuantizedWeight"
+    dequantized = specjax.load(path, cache_dir=tmp_path / "cache")
+    prompts, continuations = families.prompts(), [[3, 4, 5], [6, 7, 8]]
+    ours, reference = (prefill_and_decode(m, prompts, continuations) for m in (kept, dequantized))
+    for b in range(len(prompts)):
+        for part in range(2):
+            assert relative_error(np.asarray(ours[part][b]), np.asarray(reference[part][b])) < TOL
 
 
 @pytest.mark.slow
