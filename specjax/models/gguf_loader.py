@@ -202,6 +202,7 @@ _NEUTRAL_KEYS: dict[str, Callable[[Any], bool]] = {
     "attn_logit_softcapping": lambda v: not v,
     "attention.clamp_kqv": lambda v: not v,
     "attention.max_alibi_bias": lambda v: not v,
+    "attention.temperature_scale": lambda v: not v,  # Llama 4 scaling (Mistral Large 3 as deepseek2)
     "logit_scale": lambda v: v in (0, 1),
     "embedding_scale": lambda v: v in (0, 1),
     "residual_scale": lambda v: v in (0, 1),
