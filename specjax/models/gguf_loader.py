@@ -7,7 +7,13 @@ The architectures (`general.architecture`) read are those llama.cpp's converter
   stacked in `ffn_gate_exps` / `ffn_up_exps` / `ffn_down_exps`, its router in `ffn_gate_inp`);
 - qwen2 (q/k/v biases), qwen3 (q/k norms; `attention.key_length` apart from hidden / heads) and
   qwen3moe (experts as Mixtral's, each `expert_feed_forward_length` wide);
-- gemma3 (four norms a layer, q/k norms, local and global layers).
+- gemma3 (four norms a layer, q/k norms, local and global layers);
+- glm4moe (GLM-4.5) and deepseek2 (DeepSeek-V3): a dense MLP in the first
+  `leading_dense_block_count` layers, then sigmoid-routed experts with their choice's correction
+  bias (`exp_probs_b`), expert groups, routed scaling and shared experts (`ffn_*_shexp`);
+  deepseek2's latent attention (`attn_q_a`, `attn_kv_a_mqa`, ...; models/mla.py);
+- gpt-oss: attention sinks (`attn_sinks`), biases on the output, the router and the experts,
+  local and global layers alternating.
 
 What differs from an HF checkpoint:
 
@@ -23,6 +29,15 @@ What differs from an HF checkpoint:
   stored weight); our "gemma" norm multiplies by 1 + w, so 1 is subtracted here.
 - There is no `tokenizer.json`: the vocabulary, merges or scores and special ids are metadata
   (`tokenizer.ggml.*`), from which models/gguf_tokenizer.py rebuilds the family's tokenizer.
+- deepseek2: newer converters split kv_b_proj per head into `attn_k_b` (its key rows, transposed)
+  and `attn_v_b`, joined back here; it is one kv head of kv_lora_rank + rotary dims in the
+  metadata (`key_length`), the heads' own sizes in `key_length_mla` / `value_length_mla`.
+- gpt-oss: the converter splits the interleaved gate_up_proj into gate and up (as hf_loader does)
+  and stores the experts in GGML's MXFP4, dequantized by gguf-py like any other type.
+- Any mixture: the converter's --fuse-gate-up-exps writes the experts' gate and up as one
+  `ffn_gate_up_exps` (gate's rows, then up's), split here (dequantized, even with keep_blocks).
+- glm4moe: the MTP layers are the last `nextn_predict_layers` blocks (their own tensors under
+  `nextn.`), read as hf_loader reads an HF folder's (`mtp.{j}.*`, models/mtp.py).
 
 What the format does not say, and what is assumed instead (llama.cpp's own choices):
 
@@ -35,6 +50,12 @@ What the format does not say, and what is assumed instead (llama.cpp's own choic
   with `rope.freq_base_swa` (default 10000) and no scaling.
 - qwen3moe: norm_topk_prob is not stored; llama.cpp renormalizes the chosen experts' weights, as
   every released Qwen3-MoE does. Dense layers among the experts (mlp_only_layers) cannot be written.
+- glm4moe, deepseek2: the routing must be sigmoid (`expert_gating_func` 2; a deepseek2 file
+  without it is DeepSeek-V2's softmax routing, refused); `expert_weights_norm` absent is false.
+  deepseek2's rotary dims are interleaved pairs (llama.cpp's rotation for it), and YaRN's mscale
+  is taken equal to mscale_all_dim (`_yarn`).
+- gpt-oss: swiglu_alpha and swiglu_limit are llama.cpp's constants (LlamaConfig's defaults);
+  YaRN's truncate is false; every second layer global (llama.cpp's pattern for it).
 
 Anything else a file carries that the forward does not compute (another rope scaling, attention
 logit soft-capping, shared experts, ...) is a ValueError naming the key or tensor.
@@ -68,12 +89,25 @@ _ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "gemma3_text",
         dict(norm="gemma", qk_norm=True, sandwich_norms=True, embed_scale=True, hidden_act="gelu_tanh"),
     ),
+    "glm4moe": ("glm4_moe", dict(router_scoring="sigmoid", router_score_bias=True)),
+    # llama.cpp rotates DeepSeek's rotary dims in adjacent pairs, as its released weights are laid out.
+    "deepseek2": (
+        "deepseek_v3",
+        dict(router_scoring="sigmoid", router_score_bias=True, rope_interleave=True),
+    ),
+    # swiglu_alpha and swiglu_limit are not stored: llama.cpp's constants are LlamaConfig's defaults.
+    "gpt-oss": (
+        "gpt_oss",
+        dict(norm="rms_float32", hidden_act="clamped_swiglu", attention_sinks=True, moe_bias=True),
+    ),
 }
 SUPPORTED_ARCHITECTURES = tuple(_ARCHITECTURES)
 # The architectures llama.cpp rotates in adjacent pairs, whose q/k rows its converter reorders.
 _PERMUTED_ARCHITECTURES = ("llama",)
 # llama.cpp's default for Gemma 3 files without a sliding_window_pattern: every sixth layer global.
-_DEFAULT_WINDOW_PATTERN = {"gemma3": 6}
+_DEFAULT_WINDOW_PATTERN = {"gemma3": 6, "gpt-oss": 2}
+# The mixtures of GLM-4.5 and DeepSeek-V3 (models/families.py `_sigmoid_experts`).
+_SIGMOID_EXPERTS = ("glm4moe", "deepseek2")
 
 # GGUF tensor name -> our checkpoint name: global tensors, and per layer (after "blk.{i}.").
 _GLOBAL_TENSORS = {
@@ -102,10 +136,64 @@ _LAYER_TENSORS = {
     "ffn_up_exps.weight": "expert_up",
     "ffn_down_exps.weight": "expert_down",
     "post_ffw_norm.weight": "mlp_out_norm",
+    # GLM-4.5 and DeepSeek-V3: the expert choice's correction bias and the shared experts
+    "exp_probs_b.bias": "router_score_bias",
+    "ffn_gate_shexp.weight": "shared_gate",
+    "ffn_up_shexp.weight": "shared_up",
+    "ffn_down_shexp.weight": "shared_down",
+    # DeepSeek-V3's latent attention (models/mla.py); attn_kv_b may come as attn_k_b and attn_v_b
+    "attn_q_a.weight": "q_a",
+    "attn_q_a_norm.weight": "q_a_norm",
+    "attn_q_b.weight": "q_b",
+    "attn_kv_a_mqa.weight": "kv_a",
+    "attn_kv_a_norm.weight": "kv_a_norm",
+    "attn_kv_b.weight": "kv_b",
+    # gpt-oss: sinks, the output's bias, the router's and experts' biases ([X, F] as ours)
+    "attn_sinks.weight": "sinks",
+    "attn_output.bias": "o_bias",
+    "ffn_gate_inp.bias": "router_bias",
+    "ffn_gate_exps.bias": "expert_gate_bias",
+    "ffn_up_exps.bias": "expert_up_bias",
+    "ffn_down_exps.bias": "expert_down_bias",
 }
-_GGUF_NAMES = {ours: theirs for theirs, ours in (_GLOBAL_TENSORS | _LAYER_TENSORS).items()}
+# Where an architecture's name means another of our weights: post_attention_norm is the MLP's input
+# norm for GLM-4.5 and gpt-oss (Gemma 3's norm of the attention output).
+_ARCH_LAYER_TENSORS = {
+    "glm4moe": {"post_attention_norm.weight": "mlp_norm"},
+    "gpt-oss": {"post_attention_norm.weight": "mlp_norm"},
+}
+# GLM-4.5's MTP layers' own tensors (after "blk.{L + j}.nextn.") -> models/mtp.py's names; the
+# copies of the embedding and the head it writes beside them ("") are the target's, not read.
+_MTP_TENSORS = {
+    "eh_proj.weight": "eh_proj",
+    "enorm.weight": "enorm",
+    "hnorm.weight": "hnorm",
+    "shared_head_norm.weight": "head_norm",
+    "embed_tokens.weight": "",
+    "shared_head_head.weight": "",
+}
+# The experts' gate and up projections as the converter's --fuse-gate-up-exps writes them: one
+# tensor [X, 2F, D] (biases [X, 2F]), gate's rows then up's.
+_FUSED_GATE_UP = {
+    "ffn_gate_up_exps.weight": ("expert_gate", "expert_up"),
+    "ffn_gate_up_exps.bias": ("expert_gate_bias", "expert_up_bias"),
+}
+# DeepSeek's kv_b_proj as newer converters split it, per head: the key part [H, R, nope]
+# (transposed), the value part [H, v, R].
+_SPLIT_KV_B = ("attn_k_b.weight", "attn_v_b.weight")
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(.+)")
 _ROTARY_ROWS = ("q", "k", "q_bias", "k_bias")
+# Keys an architecture reads (not refused by _NEUTRAL_KEYS).
+_READ_KEYS = dict.fromkeys(
+    _SIGMOID_EXPERTS,
+    (
+        "expert_shared_count",
+        "expert_weights_scale",
+        "expert_gating_func",
+        "expert_group_count",
+        "leading_dense_block_count",
+    ),
+)
 
 # Keys (after "{arch}.") that some writers set and that change what the model computes in ways the
 # forward does not: each must be absent or hold its neutral value.
@@ -114,6 +202,7 @@ _NEUTRAL_KEYS: dict[str, Callable[[Any], bool]] = {
     "attn_logit_softcapping": lambda v: not v,
     "attention.clamp_kqv": lambda v: not v,
     "attention.max_alibi_bias": lambda v: not v,
+    "attention.temperature_scale": lambda v: not v,  # Llama 4 scaling (Mistral Large 3 as deepseek2)
     "logit_scale": lambda v: v in (0, 1),
     "embedding_scale": lambda v: v in (0, 1),
     "residual_scale": lambda v: v in (0, 1),
@@ -155,8 +244,7 @@ def read_gguf(
     metadata = _Metadata(reader, path)
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     config = config_from_gguf(metadata, tensors)
-    permuted = metadata.require("general.architecture") in _PERMUTED_ARCHITECTURES
-    arrays = _convert_tensors(config, tensors, path, permuted, keep_blocks)
+    arrays = _convert_tensors(config, tensors, path, metadata.require("general.architecture"), keep_blocks)
     return config, arrays, tokenizer_from_gguf(metadata) if with_tokenizer else None
 
 
@@ -227,13 +315,18 @@ def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfi
     model_type, family_fields = _ARCHITECTURES[arch]
     hidden = metadata.get_int(f"{arch}.embedding_length", required=True)
     num_heads = metadata.get_int(f"{arch}.attention.head_count", required=True)
-    num_layers = metadata.get_int(f"{arch}.block_count", required=True)
-    head_dim = metadata.get_int(f"{arch}.attention.key_length", hidden // num_heads)
+    num_layers, num_mtp_layers = _block_counts(metadata, arch)
+    latent = _latent_attention(metadata, arch) if arch == "deepseek2" else {}
+    head_dim = latent.get("head_dim") or metadata.get_int(f"{arch}.attention.key_length", hidden // num_heads)
     rotary_dim = _rotary_dim(metadata, arch, head_dim)
     experts = _experts(metadata, arch)
     if arch == "llama" and experts:
         model_type = "mixtral"
-    fields = dict(family_fields, **experts, **_windows(metadata, arch, num_layers))
+    fields = dict(family_fields, **experts, **_windows(metadata, arch, num_layers), **latent)
+    if arch in _SIGMOID_EXPERTS:
+        fields.update(_sigmoid_experts(metadata, arch, num_layers), num_mtp_layers=num_mtp_layers)
+    if arch == "glm4moe":
+        fields["qk_norm"] = "blk.0.attn_q_norm.weight" in tensors  # GLM-4.5's use_qk_norm
     if arch == "gemma3":
         # llama.cpp's scale (after gemma_pytorch's configs): head_dim, except the 62-layer 27B's
         # hidden / heads (168, where its head_dim is 128).
@@ -251,7 +344,7 @@ def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfi
         if key in metadata
     ]
     bos = metadata.get("tokenizer.ggml.bos_token_id")
-    config = LlamaConfig(
+    common = dict(
         vocab_size=int(vocab_size),
         hidden_size=hidden,
         intermediate_size=metadata.get_int(f"{arch}.feed_forward_length", required=True),
@@ -266,12 +359,13 @@ def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfi
         max_position_embeddings=metadata.get_int(f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
+        o_bias="blk.0.attn_output.bias" in tensors,
         final_logit_softcapping=metadata.get_float(f"{arch}.final_logit_softcapping") or None,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=tuple(dict.fromkeys(eos_ids)),
         model_type=model_type,
-        **fields,
     )
+    config = LlamaConfig(**(common | fields))
     _check_attention_scale(metadata, arch, config)
     return config
 
@@ -279,6 +373,8 @@ def config_from_gguf(metadata: _Metadata, tensors: dict[str, Any]) -> LlamaConfi
 def _refuse_unsupported_keys(metadata: _Metadata, arch: str) -> None:
     for suffix, neutral in _NEUTRAL_KEYS.items():
         key = f"{arch}.{suffix}"
+        if suffix in _READ_KEYS.get(arch, ()):
+            continue
         if key in metadata and not neutral(metadata.get(key)):
             raise ValueError(
                 f"GGUF file {metadata.path} has {key} = {metadata.get(key)!r}, which specjax does "
@@ -286,10 +382,65 @@ def _refuse_unsupported_keys(metadata: _Metadata, arch: str) -> None:
             )
 
 
+def _block_counts(metadata: _Metadata, arch: str) -> tuple[int, int]:
+    """(decoder layers, MTP layers): GLM-4.5's converter counts its MTP layers in block_count (they
+    are the last blocks, `nextn_predict_layers` of them)."""
+    blocks = metadata.get_int(f"{arch}.block_count", required=True)
+    mtp_layers = metadata.get_int(f"{arch}.nextn_predict_layers", 0)
+    if not 0 <= mtp_layers < blocks:
+        raise ValueError(
+            f"GGUF file {metadata.path} has {arch}.nextn_predict_layers = {mtp_layers} for {blocks} blocks"
+        )
+    return blocks - mtp_layers, mtp_layers
+
+
+def _latent_attention(metadata: _Metadata, arch: str) -> dict[str, Any]:
+    """DeepSeek's latent attention. llama.cpp's converter writes it as one kv head (key_length
+    kv_lora_rank + rotary dims, value_length kv_lora_rank) and the query and value heads' sizes
+    apart (key_length_mla, value_length_mla); older converters wrote the heads' sizes as
+    key_length and value_length."""
+    suffix = "_mla" if f"{arch}.attention.key_length_mla" in metadata else ""
+    head_dim = metadata.get_int(f"{arch}.attention.key_length{suffix}", required=True)
+    return dict(
+        num_kv_heads=1,  # the cache's one entry per token (models/mla.py)
+        head_dim=head_dim,
+        v_head_dim=metadata.get_int(f"{arch}.attention.value_length{suffix}", head_dim),
+        kv_lora_rank=metadata.get_int(f"{arch}.attention.kv_lora_rank", required=True),
+        q_lora_rank=metadata.get_int(f"{arch}.attention.q_lora_rank") or None,
+    )
+
+
+def _sigmoid_experts(metadata: _Metadata, arch: str, num_layers: int) -> dict[str, Any]:
+    """GLM-4.5's and DeepSeek-V3's mixture (models/families.py `_sigmoid_experts`) from llama.cpp's
+    keys. Without expert_gating_func llama.cpp routes a deepseek2 file by softmax (DeepSeek-V2),
+    which is refused; expert_weights_norm absent is false, as llama.cpp reads it (the converter
+    writes it only where norm_topk_prob is set, or true)."""
+    gating = metadata.get_int(f"{arch}.expert_gating_func", 2 if arch == "glm4moe" else 0)
+    if gating != 2:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+        raise ValueError(
+            f"GGUF file {metadata.path} routes experts with {arch}.expert_gating_func = {gating} "
+            "(absent or 1: softmax, DeepSeek-V2's); only sigmoid scores (2) are supported"
+        )
+    moe_size = metadata.get_int(f"{arch}.expert_feed_forward_length", required=True)
+    shared = metadata.get_int(f"{arch}.expert_shared_feed_forward_length") or moe_size * (
+        metadata.get_int(f"{arch}.expert_shared_count", 0) or 0
+    )
+    return dict(
+        norm_topk_prob=bool(metadata.get(f"{arch}.expert_weights_norm", False)),
+        dense_layers=tuple(range(min(metadata.get_int(f"{arch}.leading_dense_block_count", 0), num_layers))),
+        num_expert_groups=metadata.get_int(f"{arch}.expert_group_count", 0) or 1,
+        topk_expert_groups=metadata.get_int(f"{arch}.expert_group_used_count", 0) or 1,
+        routed_scaling_factor=metadata.get_float(f"{arch}.expert_weights_scale") or 1.0,
+        shared_expert_size=shared,
+    )
+
+
 def _rotary_dim(metadata: _Metadata, arch: str, head_dim: int) -> int:
     """The rotated dims of each head, after checking that values, and local layers' heads, have
-    the keys' size (the forward has one head size)."""
+    the keys' size (the forward has one head size; latent attention's sizes: `_latent_attention`)."""
     rotary_dim = metadata.get_int(f"{arch}.rope.dimension_count", head_dim)
+    if arch == "deepseek2":
+        return rotary_dim
     for key, same_as in (
         ("attention.value_length", head_dim),
         ("attention.key_length_swa", head_dim),
@@ -361,9 +512,46 @@ def _rope_scaling(metadata: _Metadata, arch: str) -> RopeScaling | None:
         return None
     if kind == "linear":
         return RopeScaling(rope_type="linear", factor=factor)
+    if kind == "yarn":
+        return _yarn(metadata, arch, factor)
     raise ValueError(
         f"GGUF file {metadata.path} {arch}.rope.scaling.type {kind!r} is not supported; "
-        "supported: none, linear"
+        "supported: none, linear, yarn"
+    )
+
+
+def _yarn(metadata: _Metadata, arch: str, factor: float | None) -> RopeScaling:
+    """YaRN from the converter's keys. Not stored, and assumed as the released configs have them:
+    truncate (false for gpt-oss, as OpenAI's reference and transformers compute it; true
+    elsewhere) and DeepSeek's mscale (equal to mscale_all_dim, which deepseek2 files carry as
+    yarn_log_multiplier = 0.1 * mscale_all_dim: the rotation is then unscaled, as llama.cpp
+    computes it)."""
+    prefix = f"{arch}.rope.scaling"
+    original = metadata.get_int(f"{prefix}.original_context_length")
+    if not factor or original is None:
+        raise ValueError(
+            f"GGUF file {metadata.path}: yarn rope scaling needs {prefix}.factor and "
+            f"{prefix}.original_context_length"
+        )
+    ext_factor = metadata.get_float(f"{prefix}.yarn_ext_factor")
+    log_mul = metadata.get_float(f"{prefix}.yarn_log_multiplier") or 0.0
+    if ext_factor not in (None, -1.0, 1.0) or (log_mul and arch != "deepseek2"):
+        raise ValueError(
+            f"GGUF file {metadata.path} has yarn_ext_factor {ext_factor} / yarn_log_multiplier "
+            f"{log_mul} under {prefix}; transformers' yarn (ext_factor 1, a log multiplier for "
+            "deepseek2 only) is supported"
+        )
+    mscale_all_dim = round(log_mul / 0.1, 6)  # the config's decimal back (log_mul: get_float's)
+    return RopeScaling(
+        rope_type="yarn",
+        factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=metadata.get_float(f"{prefix}.yarn_beta_fast") or 32.0,
+        beta_slow=metadata.get_float(f"{prefix}.yarn_beta_slow") or 1.0,
+        truncate=arch != "gpt-oss",
+        mscale=mscale_all_dim,
+        mscale_all_dim=mscale_all_dim,
+        attention_factor=metadata.get_float(f"{prefix}.yarn_attn_factor"),
     )
 
 
@@ -391,19 +579,41 @@ def unpermute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _convert_tensors(
-    config: LlamaConfig, tensors: dict[str, Any], path, permuted: bool, keep_blocks: bool = False
+    config: LlamaConfig, tensors: dict[str, Any], path, arch: str, keep_blocks: bool = False
 ) -> dict[str, LazyTensor]:
     """Every tensor under our flat name, in our layout, dequantized to float32 when read (with
     `keep_blocks`, see `read_gguf`). Unknown tensors, and tensors the config needs that the file
-    lacks, are errors naming them."""
+    lacks, are errors naming them. GLM-4.5's MTP layers (the blocks after the decoder's) are named
+    as hf_loader names them (`mtp.{j}.*`, read by models/mtp.py)."""
+    permuted = arch in _PERMUTED_ARCHITECTURES
+    layer_tensors = _LAYER_TENSORS | _layer_overrides(config, arch)
     arrays: dict[str, LazyTensor] = {}
     unknown = []
     for name, tensor in tensors.items():
         match = _LAYER_NAME.fullmatch(name)
+        mtp_layer = int(match.group(1)) - config.num_layers if match and config.num_mtp_layers else -1
+        if mtp_layer >= 0:  # never kept as blocks: models/mtp.py reads them as floats
+            ours = _mtp_name(match.group(2), mtp_layer, layer_tensors)
+            if ours is None:
+                unknown.append(name)
+            elif ours:
+                arrays[ours] = _in_our_layout(_dequantized(tensor, name), ours, config, permuted)
+            continue
         if name in _GLOBAL_TENSORS:
             ours = _GLOBAL_TENSORS[name]
-        elif match and match.group(2) in _LAYER_TENSORS:
-            ours = f"layers.{match.group(1)}.{_LAYER_TENSORS[match.group(2)]}"
+        elif match and match.group(2) in layer_tensors:
+            ours = f"layers.{match.group(1)}.{layer_tensors[match.group(2)]}"
+        elif match and match.group(2) in _FUSED_GATE_UP:  # dequantized, even with keep_blocks
+            for half, short in enumerate(_FUSED_GATE_UP[match.group(2)]):
+                ours = f"layers.{match.group(1)}.{short}"
+                arrays[ours] = _in_our_layout(
+                    _half_rows(_dequantized(tensor, name), half), ours, config, permuted
+                )
+            continue
+        elif match and match.group(2) in _SPLIT_KV_B:
+            if match.group(2) == _SPLIT_KV_B[0]:
+                arrays[f"layers.{match.group(1)}.kv_b"] = _joined_kv_b(tensors, match.group(1), path)
+            continue
         else:
             unknown.append(name)
             continue
@@ -419,7 +629,8 @@ def _convert_tensors(
             f"GGUF file {path} has tensors a {config.model_type} model does not use: "
             f"{sorted(unknown)[:8]}{more}"
         )
-    missing = [_gguf_name(name) for name in expected_shapes(config) if name not in arrays]
+    decoder = {name: tensor for name, tensor in arrays.items() if not name.startswith("mtp.")}
+    missing = [_gguf_name(name, config, arch) for name in expected_shapes(config) if name not in decoder]
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(
@@ -427,16 +638,59 @@ def _convert_tensors(
         )
     # Shapes too, here rather than only when params are built: the loader caches what this
     # returns, and the cache's tensors no longer carry their GGUF names for the message.
-    check_tensors(config, arrays, str(path))
+    check_tensors(config, decoder, str(path))
     return arrays
 
 
-def _gguf_name(ours: str) -> str:
+def _mtp_name(short: str, layer: int, layer_tensors: dict[str, str]) -> str | None:
+    """Our name (hf_loader's, `mtp.{layer}.*`) of MTP layer `layer`'s tensor `short` (its name after
+    "blk.{i}."): its own under "nextn.", else its decoder block's; "" for those not read, None for
+    a name it cannot have."""
+    if short.startswith("nextn."):
+        own = _MTP_TENSORS.get(short.removeprefix("nextn."))
+        return own and f"mtp.{layer}.{own}"
+    return f"mtp.{layer}.{layer_tensors[short]}" if short in layer_tensors else None
+
+
+def _layer_overrides(config: LlamaConfig, arch: str) -> dict[str, str]:
+    """The architecture's own meanings of layer tensor names (`_ARCH_LAYER_TENSORS`); without
+    q_lora_rank, DeepSeek's query projection is attn_q."""
+    if arch == "deepseek2" and not config.q_lora_rank:
+        return {"attn_q.weight": "q_b"}
+    return _ARCH_LAYER_TENSORS.get(arch, {})
+
+
+def _gguf_name(ours: str, config: LlamaConfig, arch: str) -> str:
     """The GGUF name of one of our flat names ("layers.3.q" -> "blk.3.attn_q.weight")."""
+    names = {ours: theirs for theirs, ours in _LAYER_TENSORS.items()}
+    names |= {ours: theirs for theirs, ours in _layer_overrides(config, arch).items()}
     if ours.startswith("layers."):
         _, layer, short = ours.split(".", 2)
-        return f"blk.{layer}.{_GGUF_NAMES[short]}"
-    return _GGUF_NAMES[ours]
+        return f"blk.{layer}.{names[short]}"
+    return {ours: theirs for theirs, ours in _GLOBAL_TENSORS.items()}[ours]
+
+
+def _half_rows(value: LazyTensor, half: int) -> LazyTensor:
+    """The first (0) or second (1) half of a stacked tensor's rows (axis 1: [X, 2F, ...])."""
+    X, rows, *rest = value.shape
+    return value.mapped(lambda w: np.ascontiguousarray(np.split(w, 2, axis=1)[half]), (X, rows // 2, *rest))
+
+
+def _joined_kv_b(tensors: dict[str, Any], layer: str, path) -> LazyTensor:
+    """DeepSeek's kv_b_proj in HF's rows from the converter's halves, transposed to ours
+    [R, H * (nope + v)]: per head, the key part k_b [H, R, nope] (stored transposed) then the
+    value part v_b [H, v, R]."""
+    k_name, v_name = (f"blk.{layer}.{part}" for part in _SPLIT_KV_B)
+    if k_name not in tensors or v_name not in tensors:
+        raise ValueError(f"GGUF file {path} has one of {k_name} and {v_name} without the other")
+    k_b, v_b = _dequantized(tensors[k_name], k_name), _dequantized(tensors[v_name], v_name)
+    (H, R, nope), v = k_b.shape, v_b.shape[1]
+
+    def read():
+        rows = np.concatenate([k_b.read().swapaxes(1, 2), v_b.read()], axis=1)  # [H, nope + v, R]
+        return np.ascontiguousarray(rows.reshape(H * (nope + v), R).T)
+
+    return LazyTensor((R, H * (nope + v)), np.dtype(np.float32), read, f"{k_name} + {v_name}")
 
 
 def _in_our_layout(value: LazyTensor, ours: str, config: LlamaConfig, permuted: bool) -> LazyTensor:
@@ -447,8 +701,8 @@ def _in_our_layout(value: LazyTensor, ours: str, config: LlamaConfig, permuted: 
         value = value.mapped(lambda w: unpermute_rotary_rows(w, heads))
     if config.norm == "gemma" and short.endswith("norm"):
         value = value.mapped(lambda w: w - np.float32(1))  # stored as 1 + w (see the module docstring)
-    if short == "embed":
-        return value  # [V, D] in both
+    if short == "embed" or (short.startswith("expert_") and short.endswith("_bias")):
+        return value  # [V, D] in both; gpt-oss's expert biases [X, F] too
     if len(value.shape) == 3:
         X, n_out, n_in = value.shape
         return value.mapped(lambda w: np.ascontiguousarray(w.swapaxes(1, 2)), (X, n_in, n_out))
