@@ -7,10 +7,11 @@ transformers 5 rebuilds that family from its class (Qwen2Tokenizer, LlamaTokeniz
 GemmaTokenizer). It is then written into a GGUF the way llama.cpp's converter writes it
 (convert_hf_to_gguf.py: `tokenizer.ggml.model` "gpt2" with the vocabulary, token types and merges,
 or "llama" with SentencePiece pieces, scores and types; special ids, add_bos/add_eos, the chat
-template), with a tiny model of the family's architecture, and loaded with `specjax.load`. The
-rebuilt tokenizer must give the reference's ids on varied text (unicode, CJK, emoji, code,
-whitespace runs, numbers, special tokens in the text), decode as it does, add BOS/EOS as it does,
-and render chat messages to the same ids, from the GGUF and again from specjax's cache."""
+template), with a tiny model of the family's architecture, and loaded with `specjax.load` (the
+tokenizer alone for Phi-3, GLM-4.5, DeepSeek-V3 and gpt-oss, whose GGUF models have their own
+tests). The rebuilt tokenizer must give the reference's ids on varied text (unicode, CJK, emoji,
+code, whitespace runs, numbers, special tokens in the text), decode as it does, add BOS/EOS as it
+does, and render chat messages to the same ids, from the GGUF and again from specjax's cache."""
 
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def sentencepiece_vocab(
 @dataclasses.dataclass
 class Family:
     name: str
-    arch: str  # general.architecture of its GGUF (a tiny model of it is written too)
+    arch: str  # general.architecture of its GGUF (a tiny model of it too, unless TOKENIZER_ONLY)
     reference: PreTrainedTokenizerFast
     model: str  # tokenizer.ggml.model
     pre: str  # tokenizer.ggml.pre
