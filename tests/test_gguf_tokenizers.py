@@ -7,10 +7,11 @@ transformers 5 rebuilds that family from its class (Qwen2Tokenizer, LlamaTokeniz
 GemmaTokenizer). It is then written into a GGUF the way llama.cpp's converter writes it
 (convert_hf_to_gguf.py: `tokenizer.ggml.model` "gpt2" with the vocabulary, token types and merges,
 or "llama" with SentencePiece pieces, scores and types; special ids, add_bos/add_eos, the chat
-template), with a tiny model of the family's architecture, and loaded with `specjax.load`. The
-rebuilt tokenizer must give the reference's ids on varied text (unicode, CJK, emoji, code,
-whitespace runs, numbers, special tokens in the text), decode as it does, add BOS/EOS as it does,
-and render chat messages to the same ids, from the GGUF and again from specjax's cache."""
+template), with a tiny model of the family's architecture, and loaded with `specjax.load` (the
+tokenizer alone for Phi-3, GLM-4.5, DeepSeek-V3 and gpt-oss, whose GGUF models have their own
+tests). The rebuilt tokenizer must give the reference's ids on varied text (unicode, CJK, emoji,
+code, whitespace runs, numbers, special tokens in the text), decode as it does, add BOS/EOS as it
+does, and render chat messages to the same ids, from the GGUF and again from specjax's cache."""
 
 from __future__ import annotations
 
@@ -107,6 +108,20 @@ GEMMA_CHAT = (
     "m['role'] %}<start_of_turn>{{ role }}\n{{ m['content'] | trim }}<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
 )
+GLM_CHAT = (
+    "[gMASK]<sop>{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+DEEPSEEK_CHAT = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }}"
+    "{% elif m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+    "{% else %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+)
+HARMONY_CHAT = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
 PHI3_CHAT = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}{{ eos_token if false }}"
@@ -130,9 +145,10 @@ def train_bpe(pre_tokenizer, vocab_size: int, alphabet: list[str], normalizer=No
 
 
 # Merges a byte-level family's split must keep from applying: across digits (families that split
-# off every digit) and across a lower-to-upper case change (Tekken). Appended to every byte-level
-# vocabulary, they make a wrong split give other ids.
-CROSSING_MERGES = [("1", "2"), ("a", "S"), ("Ġ", "1")]
+# off every digit), across a lower-to-upper case change (Tekken, o200k) and between a space and a
+# CJK character (DeepSeek-V3: "æ" begins 日's bytes). Appended to every byte-level vocabulary, they
+# make a wrong split give other ids.
+CROSSING_MERGES = [("1", "2"), ("a", "S"), ("Ġ", "1"), ("Ġ", "æ")]
 
 
 def byte_level_vocab(pre_tokenizer, specials: list[str], extra: tuple[str, ...] = ()) -> tuple[dict, list]:
@@ -178,7 +194,7 @@ def sentencepiece_vocab(
 @dataclasses.dataclass
 class Family:
     name: str
-    arch: str  # general.architecture of its GGUF (a tiny model of it is written too)
+    arch: str  # general.architecture of its GGUF (a tiny model of it too, unless TOKENIZER_ONLY)
     reference: PreTrainedTokenizerFast
     model: str  # tokenizer.ggml.model
     pre: str  # tokenizer.ggml.pre
@@ -192,6 +208,41 @@ def added(tokens, special: bool) -> list[AddedToken]:
     return [AddedToken(t, special=special, normalized=False) for t in tokens]
 
 
+def split_then_bytes(*regexes: str):
+    """A tokenizer.json pre-tokenizer: Split (isolated) on each regex in turn, then ByteLevel."""
+    splits = [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in regexes]
+    return pre_tokenizers.Sequence(
+        [*splits, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+
+
+def byte_level_reference(
+    split,
+    specials: list[str],
+    *,
+    user_defined: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (),
+    ignore_merges: bool = False,
+    add_bos: bool = False,
+    **special_tokens,
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE family's tokenizer.json over a tiny vocabulary: `split` before the merges,
+    `specials` special, `user_defined` added but not special, BOS added when `add_bos`.
+    `special_tokens`: bos_token, eos_token... and chat_template."""
+    vocab, merges = byte_level_vocab(split, specials + list(user_defined), extra=extra)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    backend.pre_tokenizer = split
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(added(specials, True))
+    backend.add_tokens(added(user_defined, False))
+    if add_bos:
+        bos = special_tokens["bos_token"]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B:1", special_tokens=[(bos, vocab[bos])]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **special_tokens)
+
+
 def llama3() -> Family:
     specials = [
         "<|begin_of_text|>",
@@ -202,25 +253,12 @@ def llama3() -> Family:
     ]
     # Llama 3's split, as transformers' tiktoken conversion writes it by default
     regex = inspect.signature(TikTokenConverter).parameters["pattern"].default
-    split = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    vocab, merges = byte_level_vocab(split, specials, extra=("Ġspeculative", "Ġverifies"))
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    backend.pre_tokenizer = split
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(added(specials, True))
-    bos = vocab["<|begin_of_text|>"]
-    backend.post_processor = processors.TemplateProcessing(
-        single="<|begin_of_text|> $A",
-        pair="<|begin_of_text|> $A <|begin_of_text|> $B:1",
-        special_tokens=[("<|begin_of_text|>", bos)],
-    )
-    reference = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    reference = byte_level_reference(
+        split_then_bytes(regex),
+        specials,
+        extra=("Ġspeculative", "Ġverifies"),
+        ignore_merges=True,
+        add_bos=True,
         bos_token="<|begin_of_text|>",
         eos_token="<|eot_id|>",
         chat_template=LLAMA3_CHAT,
@@ -250,16 +288,14 @@ def smollm2() -> Family:
     split = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab, merges = byte_level_vocab(split, specials)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = split
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(added(specials, True))
-    reference = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>", pad_token="<|im_end|>"
+    reference = byte_level_reference(
+        split,
+        ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        chat_template=CHATML,
     )
-    reference.chat_template = CHATML
     return Family("smollm2", "llama", reference, "gpt2", "smollm", "<|im_start|>user\nhi 123<|im_end|>\n")
 
 
@@ -271,29 +307,96 @@ def mistral_nemo() -> Family:
         r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*"
         r"|\s*[\r\n]+|\s+(?!\S)|\s+"
     )
-    split = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    specials = ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"]
-    vocab, merges = byte_level_vocab(split, specials, extra=("Ġspeculative", "Ġverifies"))
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=True))
-    backend.pre_tokenizer = split
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(added(specials, True))
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B:1", special_tokens=[("<s>", vocab["<s>"])]
-    )
-    reference = PreTrainedTokenizerFast(
-        tokenizer_object=backend,
+    reference = byte_level_reference(
+        split_then_bytes(regex),
+        ["<unk>", "<s>", "</s>", "[INST]", "[/INST]"],
+        extra=("Ġspeculative", "Ġverifies"),
+        ignore_merges=True,
+        add_bos=True,
         bos_token="<s>",
         eos_token="</s>",
         unk_token="<unk>",
         chat_template=TEKKEN_CHAT,
     )
     return Family("mistral-nemo", "llama", reference, "gpt2", "tekken", "<s>[INST]Hi[/INST]Hello</s> [INST")
+
+
+def glm45() -> Family:
+    """GLM-4.5's tokenizer.json: Llama 3's split, whole words in the vocabulary skip merges (llama.cpp
+    merges them: its ids differ where merges cannot reach a token). Its converter writes [gMASK] as
+    BOS and no add_bos_token: the chat template writes "[gMASK]<sop>" itself."""
+    regex = inspect.signature(TikTokenConverter).parameters["pattern"].default
+    specials = ["<|endoftext|>", "[MASK]", "[gMASK]", "[sMASK]", "<sop>", "<eop>"]
+    specials += ["<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"]
+    reference = byte_level_reference(
+        split_then_bytes(regex),
+        specials,
+        user_defined=("<think>", "</think>"),
+        extra=("Ġspeculative", "Ġverifies"),
+        ignore_merges=True,
+        bos_token="[gMASK]",
+        eos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
+        chat_template=GLM_CHAT,
+    )
+    text = "[gMASK]<sop><|user|>\nhi<|assistant|>\n<think>\nhmm</think>\n42<|endoftext|> [gMASK"
+    return Family("glm4.5", "glm4moe", reference, "gpt2", "glm4", text, write_add_bos=False)
+
+
+def deepseek_v3() -> Family:
+    """DeepSeek-V3's tokenizer.json: three Split regexes in turn (copied from its text), BOS added;
+    its User/Assistant markers are added tokens that are not special."""
+    splits = [
+        r"\p{N}{1,3}",
+        r"[一-龥぀-ゟ゠-ヿ]+",
+        r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+        r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ]
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    reference = byte_level_reference(
+        split_then_bytes(*splits),
+        [bos, eos],
+        user_defined=("<｜User｜>", "<｜Assistant｜>"),
+        add_bos=True,
+        bos_token=bos,
+        eos_token=eos,
+        chat_template=DEEPSEEK_CHAT,
+    )
+    text = f"{bos}<｜User｜>2+2=? 日本語のテキスト<｜Assistant｜>4{eos} <｜User"
+    return Family("deepseek-v3", "deepseek2", reference, "gpt2", "deepseek-v3", text)
+
+
+def gpt_oss() -> Family:
+    """gpt-oss's tokenizer.json: tiktoken's o200k split (its pieces as tiktoken writes them), whole
+    words in the vocabulary skip merges (TikTokenConverter), no BOS."""
+    upper, lower = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+    contraction = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    regex = "|".join(
+        [
+            rf"[^\r\n\p{{L}}\p{{N}}]?{upper}*{lower}+{contraction}",
+            rf"[^\r\n\p{{L}}\p{{N}}]?{upper}+{lower}*{contraction}",
+            r"\p{N}{1,3}",
+            r" ?[^\s\p{L}\p{N}]+[\r\n/]*",
+            r"\s*[\r\n]+",
+            r"\s+(?!\S)",
+            r"\s+",
+        ]
+    )
+    specials = ["<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>"]
+    specials += ["<|start|>", "<|end|>", "<|message|>", "<|call|>"]
+    reference = byte_level_reference(
+        split_then_bytes(regex),
+        specials,
+        extra=("Ġspeculative", "Ġverifies"),
+        ignore_merges=True,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+        chat_template=HARMONY_CHAT,
+    )
+    text = "<|start|>user<|message|>What's 2+2?<|end|><|start|>assistant<|channel|>final<|message|>4"
+    text += "<|return|> <|end"
+    return Family("gpt-oss", "gpt-oss", reference, "gpt2", "gpt-4o", text, write_add_bos=False)
 
 
 def sentencepiece_family(name: str, arch: str) -> Family:
@@ -364,6 +467,9 @@ FAMILIES: dict[str, Callable[[], Family]] = {
     "mistral-v0.3": lambda: sentencepiece_family("mistral-v0.3", "llama"),
     "phi3": lambda: sentencepiece_family("phi3", "phi3"),
     "gemma3": gemma3,
+    "glm4.5": glm45,
+    "deepseek-v3": deepseek_v3,
+    "gpt-oss": gpt_oss,
 }
 
 
@@ -442,6 +548,8 @@ def tokenizer_fields(family: Family) -> list[tuple[str, object, gguf.GGUFValueTy
 
 
 D, F, HEADS, HEAD_DIM = 16, 32, 2, 8
+# Architectures whose tests write no tiny model (its GGUF loading is tests/test_gguf_families.py's).
+TOKENIZER_ONLY = ("phi3", "glm4moe", "deepseek2", "gpt-oss")
 
 
 def tiny_tensors(arch: str, vocab_size: int) -> dict[str, np.ndarray]:
@@ -550,7 +658,7 @@ def check_same_tokenizer(ours, reference, family: Family) -> None:
 def test_gguf_tokenizer_matches_the_familys_transformers_tokenizer(family: Family, tmp_path):
     fields = tokenizer_fields(family)
     vocab_size = len(fields[2][1])
-    if family.arch == "phi3":  # no phi3 weights are read: the tokenizer alone
+    if family.arch in TOKENIZER_ONLY:  # the tokenizer alone, no tiny model of the architecture
         path = write_gguf(tmp_path / f"{family.name}.gguf", family.arch, fields, vocab_size, with_model=False)
         check_same_tokenizer(gguf_loader.read_tokenizer(path), family.reference, family)
         return

@@ -19,6 +19,13 @@ torch, which specjax cannot depend on.
                                       R1-Distill-Qwen                digit a piece)
     tekken                            Mistral Nemo, Mistral Small 3  Tekken's regex; whole words
                                                                      skip merges
+    glm4                              GLM-4, GLM-4.5                 Llama 3's regex; whole words
+                                                                     skip merges (no BOS)
+    deepseek-v3                       DeepSeek-V3, R1                digits by threes, then runs
+                                                                     of CJK and kana, then words
+                                                                     (three regexes in turn)
+    gpt-4o                            gpt-oss                        o200k's regex; whole words
+                                                                     skip merges (tiktoken's rule)
 
 `tokenizer.ggml.model` "llama": SentencePiece BPE with byte fallback (Llama 2, Mistral v0.1-v0.3,
 Mixtral, Phi-3, Gemma 3; `tokenizer.ggml.pre` is "default" and says nothing). Spaces become "▁"
@@ -65,13 +72,26 @@ _TEKKEN_SPLIT = (
     rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*"
     r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# tiktoken's o200k (gpt-oss): Tekken's words, each with an optional contraction, digits by threes.
+_O200K_SPLIT = (
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTIONS}?"
+    rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTIONS}?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# DeepSeek-V3: three splits in turn, digits by threes, runs of CJK ideographs and kana, then words.
+_DEEPSEEK3_SPLITS = (
+    r"\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    r"""[!"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+"""
+    r"| ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class ByteLevelSplit:
     """How a byte-level BPE family splits text before its merges."""
 
-    regex: str | None = None  # split on its matches, None: GPT-2's regex (ByteLevel's own)
+    splits: tuple[str, ...] = ()  # regexes split on in turn (matches kept); none: GPT-2's regex
     digits: bool = False  # first every digit alone (SmolLM)
     nfc: bool = False  # NFC-normalize the text first (Qwen2's tokenizer.json)
     ignore_merges: bool = False  # a word that is a token is that token, merges or not
@@ -79,8 +99,8 @@ class ByteLevelSplit:
 
 
 _GPT2 = ByteLevelSplit()
-_LLAMA3 = ByteLevelSplit(_LLAMA3_SPLIT, ignore_merges=True, add_bos=True)
-_QWEN2 = ByteLevelSplit(_QWEN2_SPLIT, nfc=True)
+_LLAMA3 = ByteLevelSplit((_LLAMA3_SPLIT,), ignore_merges=True, add_bos=True)
+_QWEN2 = ByteLevelSplit((_QWEN2_SPLIT,), nfc=True)
 # tokenizer.ggml.pre -> its split. (llama.cpp's "default", used when the key is missing, is not
 # GPT-2's split, so it is not claimed here.)
 BYTE_LEVEL_SPLITS: dict[str, ByteLevelSplit] = {
@@ -92,7 +112,12 @@ BYTE_LEVEL_SPLITS: dict[str, ByteLevelSplit] = {
     "llama-v3": _LLAMA3,
     "qwen2": _QWEN2,
     "deepseek-r1-qwen": _QWEN2,
-    "tekken": ByteLevelSplit(_TEKKEN_SPLIT, ignore_merges=True, add_bos=True),
+    "tekken": ByteLevelSplit((_TEKKEN_SPLIT,), ignore_merges=True, add_bos=True),
+    # GLM's tokenizer.json takes whole words from the vocabulary; llama.cpp merges them (other ids
+    # where merges cannot reach a token, e.g. GLM-4.5's " 王").
+    "glm4": ByteLevelSplit((_LLAMA3_SPLIT,), ignore_merges=True),
+    "deepseek-v3": ByteLevelSplit(_DEEPSEEK3_SPLITS),
+    "gpt-4o": ByteLevelSplit((_O200K_SPLIT,), ignore_merges=True),
 }
 SUPPORTED_MODELS = ("gpt2", "llama")  # tokenizer.ggml.model
 _NO_VOCABULARY = ("none", "no_vocab")  # llama.cpp's names for a file without a tokenizer
@@ -138,13 +163,8 @@ def _byte_level(metadata, split: ByteLevelSplit):
     if split.nfc:
         backend.normalizer = normalizers.NFC()
     steps = [pre_tokenizers.Digits(individual_digits=True)] if split.digits else []
-    if split.regex is None:
-        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-    else:
-        steps += [
-            pre_tokenizers.Split(Regex(split.regex), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
+    steps += [pre_tokenizers.Split(Regex(regex), behavior="isolated") for regex in split.splits]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not split.splits))
     backend.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     backend.decoder = decoders.ByteLevel()
     return _wrapped(metadata, backend, tokens, _token_types(metadata, tokens), split.add_bos)
