@@ -130,12 +130,12 @@ def experts_touched(config: LlamaConfig, params, num_tokens: int, samples: int =
     """Mean distinct experts a pass of num_tokens random tokens routes to, per layer (routing the
     first MoE layer's input: token embeddings through its router, a fair sample of routing)."""
     rng = np.random.default_rng(1)
-    router = params.layers[0].router
+    layer = params.layers[0]
     counts = []
     for _ in range(samples):
         tokens = jnp.asarray(rng.integers(0, config.vocab_size, (num_tokens,)), jnp.int32)
         x = embed_tokens(params, config, tokens)
-        _, experts = route(config, x, router)
+        _, experts = route(config, x, layer)
         counts.append(len(np.unique(np.asarray(experts))))
     return float(np.mean(counts))
 
