@@ -2,7 +2,7 @@ r"""Per-position acceptance of an MTP layer trained here beside the other traine
 held-out prompts.
 
     .venv/bin/python benchmarks/mtp_acceptance.py [--heads heads] [--mt-bench 16] \
-        [--max-new-tokens 128] [--batch-size 8]
+        [--max-new-tokens 128] [--batch-size 8] [--methods mtp,with-ngram,mlp-speculator,eagle3]
 
 The built-in model has no MTP layers of its own; `make heads` trains one (`specjax train-mtp`,
 DeepSeek-V3's module distilled on the target's own continuations) and an MLP speculator
@@ -26,23 +26,25 @@ from common import data_dir, machine, markdown_table, spec_bench_prompts
 
 import specjax
 
+METHODS = ("mtp", "with-ngram", "mlp-speculator", "eagle3")
 
-def methods(model, heads: Path) -> dict:
-    """The proposers compared, by label: those whose heads exist under `heads`."""
+
+def methods(model, heads: Path, names) -> dict:
+    """The proposers compared, by label (of `names`, from METHODS): those whose heads exist under
+    `heads`."""
     found = {}
     if (heads / "mtp" / "head").is_dir():
-        layers = specjax.load_head(heads / "mtp" / "head", model)
-        with_mtp = model.with_mtp(layers)
-        found["MTP k=3"] = (with_mtp, specjax.MTP(k=3))
-        found["WithNGram(MTP k=1, NGram k=2)"] = (with_mtp, specjax.WithNGram(specjax.MTP(k=1)))
-    if (heads / "mlp_speculator" / "head").is_dir():
+        with_mtp = model.with_mtp(specjax.load_head(heads / "mtp" / "head", model))
+        if "mtp" in names:
+            found["MTP k=3"] = (with_mtp, specjax.MTP(k=3))
+        if "with-ngram" in names:
+            found["WithNGram(MTP k=1, NGram k=2)"] = (with_mtp, specjax.WithNGram(specjax.MTP(k=1)))
+    if "mlp-speculator" in names and (heads / "mlp_speculator" / "head").is_dir():
         head = specjax.load_head(heads / "mlp_speculator" / "head", model)
         found["MLP speculator k=3"] = (model, specjax.MLPSpeculator(head, k=3))
-    if (heads / "eagle3" / "head").is_dir():
-        found["EAGLE-3 chain k=3"] = (
-            model,
-            specjax.Eagle3(specjax.load_head(heads / "eagle3" / "head", model), k=3),
-        )
+    if "eagle3" in names and (heads / "eagle3" / "head").is_dir():
+        head = specjax.load_head(heads / "eagle3" / "head", model)
+        found["EAGLE-3 chain k=3"] = (model, specjax.Eagle3(head, k=3))
     return found
 
 
@@ -71,6 +73,9 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="new tokens per prompt (default 128)")
     parser.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     parser.add_argument("--data", help="folder with spec_bench_question.jsonl")
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated, of {', '.join(METHODS)} (default all)"
+    )
     args = parser.parse_args()
     model = specjax.load("smollm2-135m")
     prompts = [text for _, text in spec_bench_prompts(data_dir(args.data), args.mt_bench, ["mt_bench"])]
@@ -79,7 +84,7 @@ def main() -> None:
     )
     plain, _ = run(model, None, prompts, args.max_new_tokens, args.batch_size)
     rows = []
-    for label, (target, proposer) in methods(model, args.heads).items():
+    for label, (target, proposer) in methods(model, args.heads, args.methods.split(",")).items():
         tokens, c = run(target, proposer, prompts, args.max_new_tokens, args.batch_size)
         lossless = "yes" if tokens == plain else "NO"
         conditional = [a / r if r else float("nan") for a, r in zip(c["accepted"], c["reached"], strict=True)]
