@@ -207,11 +207,10 @@ def _read_mtp_layers(path: Path, metadata: dict, target: Model | None) -> MTPLay
     signature = metadata.get("target", {})
     check_signature("MTP", signature, target, TRAINER)
     config = mtp_layer_config(target.config)
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     D, dtype = config.hidden_size, target.params.embed.dtype
 
     def like(shape):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+        return _on_first_device(shape, dtype)
 
     block = {name: like(shape) for name, shape in checkpoint_layer_shapes(config).items()}
     one = {"enorm": like((D,)), "hnorm": like((D,)), "eh_proj": like((2 * D, D)), "head_norm": like((D,))}
@@ -226,12 +225,14 @@ def _read_mtp_layers(path: Path, metadata: dict, target: Model | None) -> MTPLay
     return MTPLayers(config, tuple(layers), signature, metadata.get("meta", {}))
 
 
+def _on_first_device(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+    """An array of `shape` and `dtype` on the first device, for orbax to restore into."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
 def _abstract_arrays(config: MedusaConfig | EagleConfig, has_vocab: bool) -> dict:
     """The shapes and dtypes `save_head` wrote for a head of `config`, on the first device."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-    def like(shape, dtype=jnp.float32):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+    like = _on_first_device
 
     D = config.hidden_size
     if isinstance(config, MedusaConfig):
