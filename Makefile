@@ -53,9 +53,9 @@ heads: $(STAMP)
 	$(VENV)/bin/specjax train-eagle3 $(HEADS_SET) --out heads/eagle3 --steps 400 --unroll 3
 	$(VENV)/bin/specjax train-dflash $(HEADS_SET) --out heads/dflash --steps 400 --block 8
 	# These two draft from the whole vocabulary (no --draft-vocab). The MLP speculator's 3 stages
-	# hold 170M parameters at that width (680 MB, not committed); at 20-30 s a step on the loaded
-	# CPU of 2026-11-26 its 60 steps were not run to the end (docs/benchmarks.md). train-mtp: 7 min.
-	$(VENV)/bin/specjax train-mlp-speculator $(HEADS_DATA) --out heads/mlp_speculator --steps 60
+	# hold 170M parameters at that width (680 MB, not committed); 40 steps took 11 minutes on the
+	# loaded CPU of 2026-11-26 (docs/benchmarks.md), train-mtp's 200 steps 7 minutes.
+	$(VENV)/bin/specjax train-mlp-speculator $(HEADS_DATA) --out heads/mlp_speculator --steps 40
 	$(VENV)/bin/specjax train-mtp $(HEADS_DATA) --out heads/mtp --steps 200
 
 # Heads for open-ended chat (not committed; about 110 minutes here, see docs/notes/benchmarks-history.md): the
