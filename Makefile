@@ -39,18 +39,24 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check specjax tests benchmarks
 	$(VENV)/bin/ruff format --check specjax tests benchmarks
 
-# Medusa, EAGLE, EAGLE-3 and DFlash heads for the built-in model (see README, "Trained heads"): one
-# distillation set from Spec-Bench without its MT-bench questions (held out for evaluation), then
-# each head. The split is defined once, in specjax/bench.py (HEADS_SPLIT), which the benchmarks read.
+# Medusa, EAGLE, EAGLE-3, DFlash, MLP speculator and MTP heads for the built-in model (see README,
+# "Trained heads"): one distillation set from Spec-Bench without its MT-bench questions (held out
+# for evaluation), then each head. The split is defined once, in specjax/bench.py (HEADS_SPLIT), which the benchmarks read.
 DATA ?= $(or $(SPECJAX_DATA),../shared/data)
-HEADS_SET := --split spec-bench-minus-mt-bench --split-data $(DATA) \
-	--data heads/distill.npz --new-tokens 128 --max-len 256 --batch-size 8 --draft-vocab 8192
+HEADS_DATA := --split spec-bench-minus-mt-bench --split-data $(DATA) \
+	--data heads/distill.npz --new-tokens 128 --max-len 256 --batch-size 8
+HEADS_SET := $(HEADS_DATA) --draft-vocab 8192
 
 heads: $(STAMP)
 	$(VENV)/bin/specjax train-medusa $(HEADS_SET) --out heads/medusa --heads 3 --steps 300
 	$(VENV)/bin/specjax train-eagle $(HEADS_SET) --out heads/eagle --steps 400 --unroll 2
 	$(VENV)/bin/specjax train-eagle3 $(HEADS_SET) --out heads/eagle3 --steps 400 --unroll 3
 	$(VENV)/bin/specjax train-dflash $(HEADS_SET) --out heads/dflash --steps 400 --block 8
+	# These two draft from the whole vocabulary (no --draft-vocab). The MLP speculator's 3 stages
+	# hold 170M parameters at that width (680 MB, not committed); 40 steps took 11 minutes on the
+	# loaded CPU of 2026-11-26 (docs/benchmarks.md), train-mtp's 200 steps 7 minutes.
+	$(VENV)/bin/specjax train-mlp-speculator $(HEADS_DATA) --out heads/mlp_speculator --steps 40
+	$(VENV)/bin/specjax train-mtp $(HEADS_DATA) --out heads/mtp --steps 200
 
 # Heads for open-ended chat (not committed; about 110 minutes here, see docs/notes/benchmarks-history.md): the
 # same Spec-Bench prompts plus 800 chat prompts the model writes itself, 1,200 EAGLE steps unrolled

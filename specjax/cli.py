@@ -8,6 +8,8 @@
     specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-eagle3 [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-dflash [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-mlp-speculator [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-mtp [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
 
 A bad argument or input gives one line, `specjax <command>: error: ...`, and exit status 2.
 """
@@ -23,11 +25,14 @@ TRAIN_HELP = """    specjax train-medusa [--prompts FILE.jsonl] [--self-instruct
     specjax train-eagle [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-eagle3 [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
     specjax train-dflash [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-mlp-speculator [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
+    specjax train-mtp [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
 
 Each builds a self-distillation set (the target's own greedy continuations of the prompts and its
 hidden states along them), trains a head on it (Medusa heads, an EAGLE, EAGLE-3 or DFlash head,
-drafting from the `--draft-vocab` most frequent tokens of the set) and saves it to DIR/head
-(`specjax.load_head(DIR/head, model)` reads it back). Training checkpoints go to
+drafting from the `--draft-vocab` most frequent tokens of the set; an MLP speculator or MTP layers,
+drafting from the whole vocabulary) and saves it to DIR/head (`specjax.load_head(DIR/head, model)`
+reads it back; MTP layers draft as `specjax.MTP()` over `model.with_mtp(layers)`). Training checkpoints go to
 DIR/checkpoints, and a rerun resumes from the latest. `--data FILE.npz` keeps the distillation
 set: read from FILE when it exists, else built and saved there, so one set trains every head.
 Keep the training prompts apart from the prompts you evaluate on: `--exclude` drops every prompt
@@ -164,8 +169,8 @@ def save_trained_head(args: argparse.Namespace, head, num_prompts: int) -> Path:
 
 
 def train_head(args: argparse.Namespace, trainer, **options) -> Path:
-    """Load the model, build or read the distillation set, train with `trainer` (train_medusa or
-    train_eagle; `options` are its own) and save the head; returns where."""
+    """Load the model, build or read the distillation set, train with `trainer` (train_medusa,
+    train_eagle, ...; `options` are its own) and save the head; returns where."""
     import specjax
 
     resolve_split(args)
@@ -175,12 +180,13 @@ def train_head(args: argparse.Namespace, trainer, **options) -> Path:
         )
     prompts, held_out = training_prompts(args)
     model = specjax.load(args.model)
-    check_draft_vocab_option(args, model)
+    if hasattr(args, "draft_vocab"):  # heads with a draft vocabulary of their own
+        check_draft_vocab_option(args, model)
+        options["draft_vocab_size"] = args.draft_vocab
     data, num_prompts = distillation_set(args, model, prompts, held_out)
     head = trainer(
         model,
         data,
-        draft_vocab_size=args.draft_vocab,
         steps=args.steps,
         batch_size=args.batch_size,
         learning_rate=args.learning_rate,
@@ -222,6 +228,26 @@ def train_dflash_command(args: argparse.Namespace) -> None:
         f"saved a DFlash head (blocks of {args.block}, {args.draft_vocab} draft tokens) to {path}",
         file=sys.stderr,
     )
+
+
+def train_mlp_speculator_command(args: argparse.Namespace) -> None:
+    from specjax.train import train_mlp_speculator
+
+    path = train_head(args, train_mlp_speculator, n_predict=args.n_predict)
+    print(f"saved an MLP speculator ({args.n_predict} stages) to {path}", file=sys.stderr)
+
+
+def train_mtp_command(args: argparse.Namespace) -> None:
+    from specjax.train import train_mtp
+
+    path = train_head(
+        args,
+        train_mtp,
+        num_layers=args.layers,
+        init=args.init,
+        positions_per_sequence=args.positions or None,
+    )
+    print(f"saved {args.layers} MTP layer(s) to {path}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -680,8 +706,10 @@ def add_serve_command(commands) -> None:
 # specjax train-medusa, train-eagle
 
 
-def add_training_options(command: argparse.ArgumentParser, learning_rate: float) -> None:
-    """The options both trainers take."""
+def add_training_options(
+    command: argparse.ArgumentParser, learning_rate: float, draft_vocab: bool = True
+) -> None:
+    """The options every trainer takes (--draft-vocab: those whose heads have a draft vocabulary)."""
     command.add_argument("--prompts", default=None, help="a JSONL file of training prompts")
     command.add_argument(
         "--split",
@@ -726,6 +754,8 @@ def add_training_options(command: argparse.ArgumentParser, learning_rate: float)
     )
     command.add_argument("--learning-rate", type=float, default=learning_rate)
     command.add_argument("--seed", type=int, default=0)
+    if not draft_vocab:
+        return
     command.add_argument(
         "--draft-vocab",
         type=int,
@@ -806,6 +836,34 @@ def parser() -> argparse.ArgumentParser:
         help="blocks scored per training sequence and step (default 16)",
     )
     dflash.set_defaults(run=train_dflash_command)
+    mlp = commands.add_parser(
+        "train-mlp-speculator",
+        help="train an MLP speculator for a model by self-distillation",
+        description=TRAIN_HELP,
+    )
+    add_training_options(mlp, learning_rate=1e-3, draft_vocab=False)
+    mlp.add_argument("--n-predict", type=positive_int, default=3, help="stages, tokens drafted (default 3)")
+    mlp.set_defaults(run=train_mlp_speculator_command)
+    mtp = commands.add_parser(
+        "train-mtp",
+        help="train MTP layers (DeepSeek-V3's module) for a model by self-distillation",
+        description=TRAIN_HELP,
+    )
+    add_training_options(mtp, learning_rate=1e-3, draft_vocab=False)
+    mtp.add_argument("--layers", type=positive_int, default=1, help="MTP layers, chained (default 1)")
+    mtp.add_argument(
+        "--init",
+        choices=("last_layer", "random"),
+        default="last_layer",
+        help="each layer's start: the target's last layer and final norm (default), or random",
+    )
+    mtp.add_argument(
+        "--positions",
+        type=non_negative_int,
+        default=64,
+        help="positions scored per sequence and step, at random (default 64; 0: all of them)",
+    )
+    mtp.set_defaults(run=train_mtp_command)
     return main
 
 

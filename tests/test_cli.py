@@ -23,7 +23,14 @@ from specjax.models import EagleHead, MedusaHead
 from specjax.named import PROPOSER_NAMES
 from specjax.train import DistillationData, load_head
 
-COMMANDS = ["train-medusa", "train-eagle", "train-eagle3", "train-dflash"]
+COMMANDS = [
+    "train-medusa",
+    "train-eagle",
+    "train-eagle3",
+    "train-dflash",
+    "train-mlp-speculator",
+    "train-mtp",
+]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -549,6 +556,28 @@ def test_train_eagle3_and_dflash_commands_share_the_set(tmp_path, tiny_target):
         assert (
             specjax.generate(tiny_target.model, ["abc"], proposer=proposer, max_new_tokens=8).tokens == plain
         )
+
+
+@pytest.mark.slow  # ~60 s on a loaded machine: two trainings and an MTP program compiled
+def test_train_mtp_and_mlp_speculator_commands_share_the_set(tmp_path, tiny_target):
+    """Both draft from the whole vocabulary (no --draft-vocab); the MTP layers load with their
+    target and draft through specjax.MTP over model.with_mtp."""
+    data_file = tmp_path / "set.npz"
+    mtp = ["--layers", "2", "--positions", "4", "--data", str(data_file)]
+    assert cli.main(_argv("train-mtp", tmp_path, tmp_path / "mtp", *mtp)) == 0
+    mlp = ["--n-predict", "2", "--data", str(data_file)]
+    assert cli.main(_argv("train-mlp-speculator", tmp_path, tmp_path / "mlp", *mlp)) == 0
+    assert tiny_target.generated == 2  # generated once, for the first
+    model = tiny_target.model
+    layers = load_head(tmp_path / "mtp" / "head", model)
+    assert isinstance(layers, specjax.models.MTPLayers) and len(layers.layers) == 2
+    assert layers.meta["positions_per_sequence"] == 4 and layers.meta["num_prompts"] == 5
+    speculator = load_head(tmp_path / "mlp" / "head", model)
+    assert isinstance(speculator, specjax.models.MLPSpeculatorHead) and speculator.config.n_predict == 2
+    plain = specjax.generate(model, ["abc"], max_new_tokens=8).tokens
+    drafted = specjax.generate(model.with_mtp(layers), ["abc"], proposer=specjax.MTP(k=2), max_new_tokens=8)
+    assert drafted.tokens == plain
+    assert cli.main(_argv("train-mtp", tmp_path, tmp_path / "x", "--draft-vocab", "16")) == 2
 
 
 def test_self_instruct_prompts_join_the_file_prompts(tmp_path, tiny_target, monkeypatch):

@@ -12,6 +12,7 @@ from specjax.models.loading import BUILTIN_MODELS, load
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorHead, MLPSpeculatorParams
 from specjax.models.model import Model
+from specjax.models.mtp import MTPLayers
 from specjax.models.signature import target_signature
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "MLPSpeculatorHead",
     "MLPSpeculatorParams",
     "Model",
+    "MTPLayers",
     "RopeScaling",
     "cache_bytes",
     "forward",

@@ -7,7 +7,10 @@ the target signature, how the head was made, the specjax version) and `params/`,
 checkpoint of the params as a dict of arrays: for Medusa w [M, D, D] and b [M, D]; for EAGLE
 fc [2D, D], fc_bias [D] and layer (the decoder layer's weights by checkpoint name, q, k and v
 apart as in specjax.models.checkpoint; q_bias, k_bias, v_bias only with qkv_bias); and for both
-vocab [W] int32, the draft vocabulary (Medusa heads saved before they had one lack it).
+vocab [W] int32, the draft vocabulary (Medusa heads saved before they had one lack it). MTP
+layers trained here (kind "mtp", `MTPLayers`) hold per layer, under layers/{j}, enorm, hnorm,
+eh_proj, head_norm and block (its decoder layer by checkpoint name); their shapes are their
+target's (`mtp_layer_config`), so `load_head` reads them only with the target.
 
 orbax is imported on first use: loading a model or generating needs none of it.
 """
@@ -27,6 +30,8 @@ from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
 from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint, layer_to_checkpoint
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.model import Model
+from specjax.models.mtp import TRAINER, MTPLayerParams, MTPLayers, mtp_layer_config
+from specjax.models.signature import check_signature
 
 HEAD_FILE = "head.json"
 CONFIGS = {"medusa": MedusaConfig, "eagle": EagleConfig}  # by head.json's kind
@@ -45,7 +50,7 @@ def load_head(path: str | Path, target: Model | None = None):
         raise ValueError(f"head path {str(path)!r} is not a directory (save one with save_head)")
     if not (path / HEAD_FILE).is_file():
         return read_published_head(path, target)
-    head = _read_saved_head(path)
+    head = _read_saved_head(path, target)
     if target is not None:
         head.check_target(target)
     return head
@@ -57,7 +62,7 @@ FORMATS = ("specjax", "speculators", "mlp_speculator")
 def save_head(path: str | Path, head, format: str | None = None) -> None:
     """Write `head` to the directory `path` (created; an existing head there is replaced).
 
-    format: "specjax" (an orbax checkpoint and head.json; Medusa and EAGLE heads), "speculators"
+    format: "specjax" (an orbax checkpoint and head.json; Medusa and EAGLE heads, MTP layers), "speculators"
     (config.json and model.safetensors, which vLLM serves; EAGLE-3 and DFlash heads) or
     "mlp_speculator" (IBM's config.json and safetensors, which vLLM serves; MLP speculators).
     Default: a head's only format (speculators for EAGLE-3 and DFlash, mlp_speculator for MLP
@@ -98,19 +103,22 @@ def save_head(path: str | Path, head, format: str | None = None) -> None:
     _save_specjax(path, head)
 
 
-def _save_specjax(path: str | Path, head: MedusaHead | EagleHead) -> None:
+def _save_specjax(path: str | Path, head: MedusaHead | EagleHead | MTPLayers) -> None:
     import orbax.checkpoint as ocp
 
-    kind = "medusa" if isinstance(head, MedusaHead) else "eagle" if isinstance(head, EagleHead) else None
+    kinds = {MedusaHead: "medusa", EagleHead: "eagle", MTPLayers: "mtp"}
+    kind = kinds.get(type(head))
     if kind is None:
         raise ValueError(
-            "head must be a specjax.models.MedusaHead, EagleHead, Eagle3Head or DFlashHead, got "
-            f"{type(head).__name__}"
+            "head must be a specjax.models.MedusaHead, EagleHead, Eagle3Head, DFlashHead, "
+            f"MLPSpeculatorHead or MTPLayers, got {type(head).__name__}"
         )
     path = Path(path).absolute()  # orbax wants absolute paths
+    # EAGLE's rope_scaling: a dict or None; MTP layers: their count (their shapes are the target's)
+    config = {"num_layers": len(head.layers)} if kind == "mtp" else dataclasses.asdict(head.config)
     metadata = {
         "kind": kind,
-        "config": dataclasses.asdict(head.config),  # EAGLE's rope_scaling: a dict or None
+        "config": config,
         "target": head.target,
         "meta": head.meta,
         "specjax_version": __version__,
@@ -120,7 +128,10 @@ def _save_specjax(path: str | Path, head: MedusaHead | EagleHead) -> None:
     except TypeError as e:
         raise ValueError(f"head.meta must hold JSON values only (numbers, strings, lists, dicts): {e}") from e
     path.mkdir(parents=True, exist_ok=True)
-    arrays = _eagle_arrays(head) if kind == "eagle" else {"w": head.params.w, "b": head.params.b}
+    if kind == "mtp":
+        arrays = _mtp_arrays(head)
+    else:
+        arrays = _eagle_arrays(head) if kind == "eagle" else {"w": head.params.w, "b": head.params.b}
     if getattr(head, "vocab", None) is not None:
         arrays["vocab"] = np.asarray(head.vocab, np.int32)
     with ocp.StandardCheckpointer() as checkpointer:
@@ -128,8 +139,8 @@ def _save_specjax(path: str | Path, head: MedusaHead | EagleHead) -> None:
     (path / HEAD_FILE).write_text(text + "\n")
 
 
-def _read_saved_head(path: Path) -> MedusaHead | EagleHead:
-    """A head written by `save_head`, of either kind."""
+def _read_saved_head(path: Path, target: Model | None) -> MedusaHead | EagleHead | MTPLayers:
+    """A head written by `save_head`, of any kind (MTP layers only with their `target`)."""
     import orbax.checkpoint as ocp
 
     meta_file = path / HEAD_FILE
@@ -140,8 +151,10 @@ def _read_saved_head(path: Path) -> MedusaHead | EagleHead:
     except json.JSONDecodeError as e:
         raise ValueError(f"{str(meta_file)!r} is not valid JSON: {e}") from e
     kind = metadata.get("kind") if isinstance(metadata, dict) else None
+    if kind == "mtp":
+        return _read_mtp_layers(path, metadata, target)
     if kind not in CONFIGS:
-        raise ValueError(f"{str(path)!r} holds a head of kind {kind!r}, expected 'medusa' or 'eagle'")
+        raise ValueError(f"{str(path)!r} holds a head of kind {kind!r}, expected 'medusa', 'eagle' or 'mtp'")
     config_class = CONFIGS[kind]
     try:
         config = config_class(**metadata["config"])
@@ -167,12 +180,59 @@ def _eagle_arrays(head: EagleHead) -> dict:
     return {"fc": params.fc, "fc_bias": params.fc_bias, "layer": layer}
 
 
+def _mtp_arrays(head: MTPLayers) -> dict:
+    config = head.config
+    own = ("enorm", "hnorm", "eh_proj", "head_norm")
+    return {
+        "layers": {
+            str(j): {name: getattr(layer, name) for name in own}
+            | {"block": layer_to_checkpoint(layer.block, config)}
+            for j, layer in enumerate(head.layers)
+        }
+    }
+
+
+def _read_mtp_layers(path: Path, metadata: dict, target: Model | None) -> MTPLayers:
+    """MTP layers written by `save_head`, shaped as `target`'s MTP blocks (checked against it
+    first: the shapes come from it)."""
+    import orbax.checkpoint as ocp
+
+    if target is None:
+        raise ValueError(
+            f"{str(path)!r} holds MTP layers: load them with their target, load_head(path, target)"
+        )
+    num_layers = metadata.get("config", {}).get("num_layers")
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"{str(path / HEAD_FILE)!r} has no valid num_layers, got {num_layers!r}")
+    signature = metadata.get("target", {})
+    check_signature("MTP", signature, target, TRAINER)
+    config = mtp_layer_config(target.config)
+    D, dtype = config.hidden_size, target.params.embed.dtype
+
+    def like(shape):
+        return _on_first_device(shape, dtype)
+
+    block = {name: like(shape) for name, shape in checkpoint_layer_shapes(config).items()}
+    one = {"enorm": like((D,)), "hnorm": like((D,)), "eh_proj": like((2 * D, D)), "head_norm": like((D,))}
+    abstract = {"layers": {str(j): one | {"block": block} for j in range(num_layers)}}
+    with ocp.StandardCheckpointer() as checkpointer:
+        arrays = checkpointer.restore(path / "params", abstract)["layers"]
+    layers = []
+    for j in range(num_layers):
+        fields = dict(arrays[str(j)])
+        fields["block"] = layer_from_checkpoint(fields["block"], config)
+        layers.append(MTPLayerParams(**fields))
+    return MTPLayers(config, tuple(layers), signature, metadata.get("meta", {}))
+
+
+def _on_first_device(shape, dtype=jnp.float32) -> jax.ShapeDtypeStruct:
+    """An array of `shape` and `dtype` on the first device, for orbax to restore into."""
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+
+
 def _abstract_arrays(config: MedusaConfig | EagleConfig, has_vocab: bool) -> dict:
     """The shapes and dtypes `save_head` wrote for a head of `config`, on the first device."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-
-    def like(shape, dtype=jnp.float32):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=device)
+    like = _on_first_device
 
     D = config.hidden_size
     if isinstance(config, MedusaConfig):

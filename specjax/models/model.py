@@ -31,6 +31,19 @@ class Model:
                 f"Model params must be specjax.models.LlamaParams, got {type(self.params).__name__}"
             )
 
+    def with_mtp(self, layers) -> Model:
+        """This model with `layers` as its MTP layers (an `MTPLayers` trained for it by
+        `specjax.train.train_mtp`, or read by `load_head`), which `specjax.MTP` drafts with in
+        place of any it has."""
+        from specjax.models.mtp import MTPLayers
+
+        if not isinstance(layers, MTPLayers):
+            raise ValueError(
+                f"with_mtp: layers must be a specjax.models.MTPLayers, got {type(layers).__name__}"
+            )
+        layers.check_target(self)
+        return dataclasses.replace(self, mtp=layers.layers)
+
     def __repr__(self) -> str:
         c = self.config
         return (

@@ -15,6 +15,9 @@ target model's normed output), and the previous step's post-norm g_t for the nex
 checkpoint's per-layer copies of the embedding and the head (`embed_tokens`,
 `shared_head.head`) are the target's and are ignored, as transformers' MtpModel does.
 
+A target without MTP layers of its own drafts with layers trained here (`specjax.train.train_mtp`,
+an `MTPLayers`): `target.with_mtp(layers)` is the target with them attached, for `specjax.MTP`.
+
 Einsum letters: B batch, T positions, D hidden.
 """
 
@@ -32,6 +35,8 @@ from specjax.models.cache import KVCache
 from specjax.models.checkpoint import _HostWeights
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LayerParams, decoder_layers, init_params, project, rms_norm
+from specjax.models.model import Model
+from specjax.models.signature import check_signature
 from specjax.models.tensors import LazyTensor
 
 # Our name -> the name under model.layers.{L + i}. (besides the decoder block's own)
@@ -164,3 +169,30 @@ def init_mtp_layer(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> MT
     eh_proj = (jax.random.normal(proj_key, (2 * D, D), jnp.float32) / np.sqrt(2 * D)).astype(dtype)
     ones = jnp.ones((D,), dtype)
     return MTPLayerParams(enorm=ones, hnorm=ones, eh_proj=eh_proj, block=block, head_norm=ones)
+
+
+TRAINER = "specjax.train.train_mtp"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MTPLayers:
+    """MTP layers trained for a target that has none of its own (`specjax.train.train_mtp`), in
+    drafting order: `target.with_mtp(layers)` drafts with them through `specjax.MTP`. `target` is
+    `target_signature` of that model; `meta` records how they were made. Saved and read like the
+    other heads (`save_head`, `load_head(path, target)`: their shapes are the target's)."""
+
+    config: LlamaConfig  # the blocks' one-layer config, `mtp_layer_config(target)`
+    layers: tuple[MTPLayerParams, ...]
+    target: dict = dataclasses.field(default_factory=dict)
+    meta: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        ok = isinstance(self.layers, tuple) and self.layers
+        if not ok or not all(isinstance(layer, MTPLayerParams) for layer in self.layers):
+            raise ValueError(
+                f"MTPLayers layers must be a non-empty tuple of MTPLayerParams, got {self.layers!r}"
+            )
+
+    def check_target(self, model: Model) -> None:
+        """Refuse a model the layers were not trained for, naming both."""
+        check_signature("MTP", self.target, model, TRAINER)

@@ -1,6 +1,6 @@
-"""Training: Medusa, EAGLE, EAGLE-3, DFlash and MLP speculator heads distilled from the target's
-own continuations, and their checkpoints. `load_head` / `save_head` live in specjax.models.heads
-(re-exported here)."""
+"""Training: Medusa, EAGLE, EAGLE-3, DFlash and MLP speculator heads and MTP layers distilled
+from the target's own continuations, and their checkpoints. `load_head` / `save_head` live in
+specjax.models.heads (re-exported here)."""
 
 from specjax.models.heads import load_head, save_head
 from specjax.train.data import DistillationData, distill_data, target_features
@@ -9,6 +9,7 @@ from specjax.train.eagle import eagle_loss, evaluate_eagle, train_eagle
 from specjax.train.eagle3 import eagle3_loss, evaluate_eagle3, train_eagle3
 from specjax.train.medusa import evaluate_medusa, medusa_loss, train_medusa
 from specjax.train.mlp_speculator import mlp_speculator_loss, train_mlp_speculator
+from specjax.train.mtp import mtp_loss, train_mtp
 from specjax.train.prompts import self_instruct_prompts
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "load_head",
     "medusa_loss",
     "mlp_speculator_loss",
+    "mtp_loss",
     "save_head",
     "self_instruct_prompts",
     "target_features",
@@ -32,4 +34,5 @@ __all__ = [
     "train_eagle3",
     "train_medusa",
     "train_mlp_speculator",
+    "train_mtp",
 ]
