@@ -261,8 +261,9 @@ GENERATE_HELP = """Generate text for prompts given as arguments and/or read from
     specjax generate "Hi" --proposer '{"name": "dynamic", "proposer": {"name": "ngram", "k": 6}}'
 
 The proposer is a name (plain, ngram, self_draft, draft_model, medusa, eagle, eagle3, dflash,
-hybrid, forced, dynamic) or a JSON object with "name" and its options (see specjax.named); --k,
---layers, --head, --tree and --draft-model add the common options to it. The chat template is
+mlp_speculator, mtp, with_ngram, hybrid, forced, dynamic) or a JSON object with "name" and its
+options (see specjax.named); --k, --layers, --head, --tree and --draft-model add the common
+options to it. The chat template is
 applied to every prompt unless --no-chat. Prints the texts on stdout and a metrics line per call
 on stderr; with --json, one JSON object per prompt: prompt, text, tokens and that row's metrics
 (its own counts; the times are those of the generate call, shared by its --batch-size rows).

@@ -140,7 +140,7 @@ def test_load_refuses_another_target_and_bad_paths(head, tmp_path):
     with pytest.raises(
         ValueError,
         match=re.escape(
-            f"{str(tmp_path / 'head')!r} holds a head of kind 'hydra', expected 'medusa' or 'eagle'"
+            f"{str(tmp_path / 'head')!r} holds a head of kind 'hydra', expected 'medusa', 'eagle' or 'mtp'"
         ),
     ):
         load_head(tmp_path / "head")
