@@ -84,6 +84,13 @@ class FromLastHidden:
         return state  # nothing to catch up on: `update` keeps the one hidden state it drafts from
 
 
+def draft_distribution(proposal: Proposal, vocab_size: int) -> jax.Array:
+    """q of each draft [B, K, V]: its own, or one-hot for a deterministic proposer."""
+    if proposal.draft_probs is not None:
+        return proposal.draft_probs.astype(jnp.float32)
+    return jax.nn.one_hot(proposal.draft_tokens, vocab_size, dtype=jnp.float32)
+
+
 def draft_keys(keys: jax.Array, k: int) -> jax.Array:
     """One key per row [B] -> one per draft position and row [k, B]."""
     return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, k))(keys), 0, 1)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sharding import replicate
-from specjax.speculate.proposers.base import Proposal, kept_inputs
+from specjax.speculate.proposers.base import Proposal, draft_distribution, kept_inputs
 from specjax.speculate.proposers.dynamic import GoodputSchedule, ScheduleState
 
 _COUNTERS = ("steps", "drafted", "accepted")
@@ -179,7 +179,7 @@ class HybridSpec:
         probs = None
         if first.draft_probs is not None or then.draft_probs is not None:
             V = (first.draft_probs if first.draft_probs is not None else then.draft_probs).shape[-1]
-            p1, p2 = (_probs(p, V) for p in (first, then))
+            p1, p2 = (draft_distribution(p, V) for p in (first, then))
             probs = jnp.where(pick[..., None], p1, p2)
         chosen = jnp.where(use_first, 0, jnp.where(held, 2, 1)).astype(jnp.int32)
         new_state = state.replace(
@@ -246,13 +246,6 @@ def _padded(proposal: Proposal, K: int) -> Proposal:
 
     probs = None if proposal.draft_probs is None else pad(proposal.draft_probs, 0.0)
     return Proposal(pad(proposal.draft_tokens, 0), pad(proposal.valid, False), probs)
-
-
-def _probs(proposal: Proposal, vocab_size: int) -> jax.Array:
-    """q of each draft [B, K, V]: its own, or one-hot for a deterministic proposer."""
-    if proposal.draft_probs is not None:
-        return proposal.draft_probs.astype(jnp.float32)
-    return jax.nn.one_hot(proposal.draft_tokens, vocab_size, dtype=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

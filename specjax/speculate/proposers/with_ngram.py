@@ -24,8 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Wrapper
-from specjax.speculate.proposers.hybrid import _probs
+from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Wrapper, draft_distribution
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
 
 _PARTS = ("model", "ngram")
@@ -71,7 +70,7 @@ class WithNGramSpec(Wrapper):
         probs = None
         if model.draft_probs is not None:
             V = model.draft_probs.shape[-1]
-            probs = jnp.concatenate([model.draft_probs, _probs(looked_up, V)], axis=1)
+            probs = jnp.concatenate([model.draft_probs, draft_distribution(looked_up, V)], axis=1)
         draft_tokens = jnp.concatenate([model.draft_tokens, looked_up.draft_tokens], axis=1)
         num_valid = jnp.stack([jnp.sum(valid[:, :m], axis=1), jnp.sum(valid[:, m:], axis=1)], axis=1)
         proposal = Proposal(draft_tokens=draft_tokens, valid=valid, draft_probs=probs)
