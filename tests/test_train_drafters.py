@@ -1,7 +1,8 @@
 """EAGLE-3 and DFlash training (specjax.train) on a tiny random target: each loss scores what
 drafting does (checked against the library's drafting path), training lowers it and raises the
-heads' agreement with the target, runs are deterministic per seed and resume to the same params,
-and the trained heads decode losslessly."""
+heads' agreement with the target, runs are deterministic per seed and resume to the same params
+(MTP layers' runs too, tests/test_train_mtp.py has the rest of theirs), and the trained heads
+decode losslessly."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from tiny import tiny_model
 
 import specjax
-from specjax.models import DFlashHead, Eagle3Head, init_cache
+from specjax.models import DFlashHead, Eagle3Head, MTPLayers, init_cache
 from specjax.models.dflash import dflash_block, dflash_context, dflash_logits
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle3 import eagle3_features, eagle3_logits, fuse_features
@@ -21,6 +22,7 @@ from specjax.train import distill_data
 from specjax.train.data import target_features
 from specjax.train.dflash import dflash_loss, evaluate_dflash, train_dflash
 from specjax.train.eagle3 import eagle3_loss, evaluate_eagle3, train_eagle3
+from specjax.train.mtp import train_mtp
 
 TARGET = tiny_model(seed=11, num_layers=4)
 AUX = (1, 2, 4)
@@ -37,6 +39,7 @@ DFLASH = dict(
     learning_rate=1e-2,
     progress=False,
 )
+MTP = dict(positions_per_sequence=8, steps=20, batch_size=4, learning_rate=1e-2, progress=False)
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +63,12 @@ def dflash_head(data):
 
 
 def same(a, b) -> bool:
+    def weights(head):  # trained MTP layers hold theirs as `layers`
+        return head.layers if isinstance(head, MTPLayers) else head.params
+
     return all(
         np.array_equal(x, y)
-        for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params), strict=True)
+        for x, y in zip(jax.tree.leaves(weights(a)), jax.tree.leaves(weights(b)), strict=True)
     )
 
 
@@ -190,7 +196,13 @@ def test_dflash_training_lowers_the_loss_and_raises_agreement(data, dflash_head)
 
 
 @pytest.mark.parametrize(
-    "train, settings", [(train_eagle3, EAGLE3), (train_dflash, DFLASH)], ids=["eagle3", "dflash"]
+    "train, settings",
+    [
+        (train_eagle3, EAGLE3),
+        (train_dflash, DFLASH),
+        pytest.param(train_mtp, MTP, marks=pytest.mark.slow),  # ~10 s: four short runs
+    ],
+    ids=["eagle3", "dflash", "mtp"],
 )
 def test_deterministic_and_resumable(data, train, settings, tmp_path, monkeypatch):
     first = train(TARGET, data, **settings)

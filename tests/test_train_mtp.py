@@ -16,7 +16,6 @@ import specjax
 from specjax.models import MTPLayers
 from specjax.models.draft_vocab import draft_head_matrix
 from specjax.models.mtp import mtp_layer_config
-from specjax.train import common as train_common
 from specjax.train import mtp_loss, save_head, train_mtp
 from specjax.train.mtp import initial_mtp_layer
 
@@ -118,32 +117,3 @@ def test_trained_chains_and_two_layers_are_lossless(trained, data, plain, tmp_pa
     result = specjax.generate(TARGET.with_mtp(two), PROMPTS, proposer=specjax.MTP(k=3), max_new_tokens=24)
     assert result.tokens == plain
     check_acceptance(result.metrics, 0.1, 0.8)
-
-
-def _same(a: MTPLayers, b: MTPLayers) -> bool:
-    return all(
-        np.array_equal(x, y)
-        for x, y in zip(jax.tree.leaves(a.layers), jax.tree.leaves(b.layers), strict=True)
-    )
-
-
-@pytest.mark.slow  # ~10 s: four short runs
-def test_deterministic_and_resumable(data, tmp_path, monkeypatch):
-    settings = dict(TRAINING, positions_per_sequence=8, steps=20, batch_size=4)
-    first = train_mtp(TARGET, data, **settings)
-    assert _same(first, train_mtp(TARGET, data, **settings))
-    assert not _same(first, train_mtp(TARGET, data, **settings, seed=1))
-    run = {**settings, "checkpoint_dir": tmp_path / "run", "checkpoint_every": 10}
-    real = train_common.Progress.update
-
-    def stop_after_15(self, step, loss, metrics):
-        real(self, step, loss, metrics)
-        if step == 15:
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(train_common.Progress, "update", stop_after_15)
-    with pytest.raises(KeyboardInterrupt):
-        train_mtp(TARGET, data, **run)
-    monkeypatch.setattr(train_common.Progress, "update", real)
-    resumed = train_mtp(TARGET, data, **run)
-    assert _same(first, resumed) and resumed.meta == first.meta
