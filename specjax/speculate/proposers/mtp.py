@@ -38,7 +38,7 @@ from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.llama import LlamaParams, lm_head
 from specjax.models.model import Model
 from specjax.models.mtp import MTPConfig, MTPLayerParams, missing_mtp_error, mtp_features, mtp_layer_config
-from specjax.speculate.proposers.base import HeadInputs, Proposal, choose_draft, kept_inputs
+from specjax.speculate.proposers.base import HeadInputs, Proposal, choose_draft, draft_keys, kept_inputs
 from specjax.speculate.proposers.eagle import EagleSpec, EagleState, settle_drafting
 from specjax.speculate.sampling import WarpSpec
 from specjax.speculate.tree import TokenTree
@@ -176,7 +176,7 @@ class MTPSpec(EagleSpec):
         B = tokens.shape[0]
         rows = jnp.arange(B)
         if not self.warp.greedy:
-            keys = jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, self.k))(keys), 0, 1)  # [K, B]
+            keys = draft_keys(keys, self.k)  # [K, B]
         drafted = {
             "tokens": [],
             "probs": [],
