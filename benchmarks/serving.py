@@ -109,6 +109,8 @@ async def one_request(client, model_name: str, prompt: str, max_new_tokens: int)
             arrivals.append(time.perf_counter())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
+    # llama-cpp-python's server sends no usage when streaming, and one token per chunk.
+    tokens = tokens or len(arrivals)
     return {"start": start, "arrivals": arrivals, "tokens": tokens, "end": time.perf_counter()}
 
 
@@ -206,8 +208,12 @@ def main() -> None:
             kernels=args.kernels,
         )
         with Server(engine, max(args.clients)) as server:
-            # Warm-up: every prompt bucket's admission and the loop, compiled before timing.
-            asyncio.run(offered_load(server.url, model.name, prompts, args.max_batch, 8))
+            # Warm-up: every prompt bucket's admission and the loop at every width the timed levels
+            # use, compiled before timing. A pass at max_batch clients alone may never run the
+            # one-slot program (its requests can all end in the same chunk), and a compile inside
+            # the one-client level would flatter every ratio against it.
+            for clients in sorted({args.max_batch, *args.clients}, reverse=True):
+                asyncio.run(offered_load(server.url, model.name, prompts, clients, 8))
             for clients in args.clients:
                 records, wall = asyncio.run(
                     offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
