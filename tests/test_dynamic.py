@@ -189,6 +189,7 @@ def test_forced_acceptance_with_a_real_proposer_and_a_tree():
         (lambda: GoodputSchedule(draft_cost=-1), "draft_cost must be in"),
         (lambda: HeuristicSchedule(initial_k=0), "initial_k must be None"),
         (lambda: GoodputSchedule(probe_every=0), "probe_every must be an integer >= 1"),
+        (lambda: GoodputSchedule(per_row=1), "per_row must be True or False"),
     ],
 )
 def test_bad_arguments(make, match):
@@ -197,6 +198,82 @@ def test_bad_arguments(make, match):
         return
     with pytest.raises(ValueError, match=match):
         make()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_goodput_batch_k_matches_float64_formula(seed):
+    """The batch's one width against a float64 enumeration: argmax over the choices w of the sum
+    over running rows of 1 + rho (alpha + ... + alpha^w), over 1 + (draft_cost + verify_cost) w."""
+    rng = np.random.default_rng(seed)
+    K, B = 6, 8
+    draft_cost, verify_cost = rng.uniform(0, 0.3), rng.uniform(0.02, 1.0)
+    schedule = GoodputSchedule(draft_cost=draft_cost, verify_cost=verify_cost)
+    for choices in (None, (0, 1, 2, 4, 6)):
+        for _ in range(25):
+            alpha, rate = rng.uniform(0, 1, B) ** 0.5, rng.uniform(0, 1, B)
+            running = rng.uniform(size=B) < 0.7
+
+            def goodput(w, alpha=alpha, rate=rate, running=running):
+                rows = zip(alpha[running], rate[running], strict=True)
+                gain = sum(1 + r * sum(a**i for i in range(1, w + 1)) for a, r in rows)
+                return gain / (1 + (draft_cost + verify_cost) * w)
+
+            options = range(K + 1) if choices is None else choices
+            expected = max(options, key=goodput)
+            alpha32, rate32 = jnp.asarray(alpha, jnp.float32), jnp.asarray(rate, jnp.float32)
+            got = schedule.batch_k(alpha32, rate32, jnp.asarray(running), K, choices)
+            assert int(got) == expected or goodput(int(got)) == pytest.approx(goodput(expected), rel=1e-5)
+
+
+def _evidence(schedule, steps, running, K=4):
+    """The schedule's state after `steps` steps in which every row is let draft, row 0 drafts 4
+    tokens and accepts 3 of them, and rows 1..3 find nothing to draft."""
+    state = schedule.init(4, K)
+    for _ in range(steps):
+        accepted, drafted = jnp.array([3, 0, 0, 0]), jnp.array([4, 0, 0, 0])
+        state = schedule.update(state.replace(k=jnp.full(4, K)), accepted, drafted, K, running=running)
+    return state
+
+
+def test_goodput_one_row_that_pays_does_not_make_the_batch_verify_its_width():
+    """Row 0 accepts 3 of 4 drafts, rows 1-3 never find a draft (an n-gram miss): alone, row 0
+    pays for k = 2; in the batch, per_row keeps k = 2 for it (and so a 3-token verify pass for all
+    four rows, since the step's width is the batch's largest k), the batch's own choice is 0."""
+    costs = dict(draft_cost=0.0, verify_cost=0.4, decay=0.8)
+    everyone, alone = jnp.ones(4, bool), jnp.arange(4) < 1
+    # Row 0's alpha: (3 + 1) / (4 + 2) per step's worth of evidence, about 0.727 after 30 steps
+    # (prior 0.5, weight 2): E(k) / (1 + 0.4 k) = 1.23, 1.25, 1.20 for k = 1, 2, 3.
+    assert int(_evidence(GoodputSchedule(**costs), 30, alone).k[0]) == 2
+    assert int(_evidence(GoodputSchedule(per_row=True, **costs), 30, everyone).k[0]) == 2
+    batch = GoodputSchedule(**costs)
+    state = _evidence(batch, 30, everyone)
+    # Rows 1-3: rho = 2 / (2 + 5) = 0.29 (drafted in none of about 5 decayed offers), alpha the
+    # prior 0.5: w = 1 gives (3 x 1.14 + 1.73) / 1.4 = 3.69 tokens per unit, below plain's 4.
+    assert np.asarray(state.k).tolist() == [0, 0, 0, 0]
+    offers = (1 - 0.8**30) / (1 - 0.8)  # decayed count of 30 offers
+    np.testing.assert_allclose(batch.draft_rate(state)[1:], 2.0 / (2.0 + offers), rtol=1e-4)
+    assert float(batch.draft_rate(state)[0]) == pytest.approx(1.0)
+
+
+def test_goodput_batch_probes_take_the_share_of_time_they_take_one_row():
+    """With speculation off, a lone row probes every probe_every steps; four rows whose verified
+    token costs four times as much probe four times more rarely."""
+    table = ((1, 0.1), (4, 0.4))
+
+    def probe_steps(rows):
+        schedule = GoodputSchedule(draft_cost=0.0, verify_cost_by_rows=table, probe_every=8, decay=0.999)
+        running = jnp.arange(4) < rows
+        state, probes = schedule.init(4, 4), []
+        for step in range(200):  # every draft rejected: k drops to 0, then probes
+            k = int(state.k[0])
+            drafted = jnp.where(running, k, 0)
+            state = schedule.update(state, jnp.zeros(4, jnp.int32), drafted, 4, running=running)
+            if k > 0 and step > 20:
+                probes.append(step)
+        return np.diff(probes)
+
+    assert set(probe_steps(1).tolist()) == {8}
+    assert set(probe_steps(4).tolist()) == {32}
 
 
 def test_goodput_verify_cost_by_rows_interpolates_the_running_count():

@@ -17,11 +17,18 @@ num_drafted, K)` over a `ScheduleState`):
 - `HeuristicSchedule`: HF transformers' "heuristic" schedule for assisted generation: +2 after a
   step whose drafts were all accepted, -1 otherwise, within 1..K_max.
 - `GoodputSchedule`: picks the k that maximises expected tokens per unit of time,
-  E(k) / cost(k), from the row's running conditional acceptance alpha (exponentially decayed
+  E(k) / cost(k), from each row's running conditional acceptance alpha (exponentially decayed
   counts of accepted and reached drafts, started from a prior) and the measured costs of a draft
   token and of a verified token relative to one plain decoding step. With i.i.d. acceptance alpha,
-  E(k) = 1 + alpha + ... + alpha^k and cost(k) = 1 + (draft_cost + verify_cost) * k. A row at
-  k = 0 drafts one token every `probe_every` steps, so it notices when drafts start to pay again.
+  E(k) = 1 + alpha + ... + alpha^k and cost(k) = 1 + (draft_cost + verify_cost) * k. Since a
+  step's cost follows the batch's largest k, the k is chosen for the batch by default: the one
+  width w with the most tokens per unit of time over the rows running, sum_r E_r(w) / cost(w),
+  where E_r(w) = 1 + rho_r (alpha_r + ... + alpha_r^w) and rho_r is how often the row drafted when
+  it was let (an n-gram miss drafts nothing but the batch still verifies the width); one row
+  accepting well then no longer makes eight rows verify k + 1 tokens each. `per_row=True` keeps
+  each row's own best k instead. When speculation is off, the batch drafts one token every
+  `probe_every` steps (more rarely as the batch's verify cost grows, so that probes cost the batch
+  the share of time they cost one row), so it notices when drafts start to pay again.
   `GoodputSchedule.measure(model, proposer, prompts)` measures the two costs.
 """
 
@@ -47,6 +54,10 @@ class ScheduleState:
     accepted: jax.Array  # [B] float32: decayed count of accepted drafts
     reached: jax.Array  # [B] float32: decayed count of drafts verified (reached)
     idle: jax.Array  # [B] int32: steps since the row last drafted
+    # [B] float32: decayed counts of the steps the row was let draft (k > 0) and of those it did
+    # (GoodputSchedule's rho; an n-gram lookup may find nothing to draft)
+    offered: jax.Array
+    hits: jax.Array
 
 
 def _check_initial_k(owner: str, initial_k, minimum: int) -> None:
@@ -60,7 +71,9 @@ def _start(initial_k, B: int, K: int) -> ScheduleState:
     k = K if initial_k is None else min(initial_k, K)
     zeros = jnp.zeros((B,), jnp.float32)
     idle = jnp.zeros((B,), jnp.int32)
-    return ScheduleState(k=jnp.full((B,), k, jnp.int32), accepted=zeros, reached=zeros, idle=idle)
+    return ScheduleState(
+        k=jnp.full((B,), k, jnp.int32), accepted=zeros, reached=zeros, idle=idle, offered=zeros, hits=zeros
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +97,8 @@ class HeuristicSchedule:
 
 @dataclasses.dataclass(frozen=True)
 class GoodputSchedule:
-    """Per row, the k in 0..K_max with the most expected tokens per unit of time (module doc).
+    """The k in 0..K_max with the most expected tokens per unit of time: one for the batch, or
+    with `per_row` one per row (module doc).
 
     draft_cost: time of drafting one token, in plain decoding steps (NGram ~0, a small draft
       model or early exit more); verify_cost: extra time of scoring one more token in the
@@ -102,6 +116,9 @@ class GoodputSchedule:
     prior_weight: float = 2.0
     probe_every: int = 16
     initial_k: int | None = None
+    # False: one k for the rows running (they share the step's cost); True: each row's best k as
+    # if it ran alone (what Hybrid's gate uses: its cost is per row).
+    per_row: bool = False
     # verify_cost by the number of rows running in the step, ((rows, cost), ...) by increasing
     # rows (other counts interpolate; past the ends, the nearest): a verified token costs more of
     # a step as the batch grows and the step stops being bound by reading the weights, so a
@@ -124,6 +141,8 @@ class GoodputSchedule:
         if not (isinstance(self.prior_weight, int | float) and self.prior_weight > 0):
             raise ValueError(f"GoodputSchedule prior_weight must be a number > 0, got {self.prior_weight!r}")
         _check_initial_k("GoodputSchedule", self.initial_k, 0)
+        if not isinstance(self.per_row, bool):
+            raise ValueError(f"GoodputSchedule per_row must be True or False, got {self.per_row!r}")
         if not _is_int(self.probe_every) or self.probe_every < 1:
             raise ValueError(f"GoodputSchedule probe_every must be an integer >= 1, got {self.probe_every!r}")
         table = self.verify_cost_by_rows
@@ -162,6 +181,11 @@ class GoodputSchedule:
         w = self.prior_weight
         return (state.accepted + self.prior * w) / (state.reached + w)
 
+    def draft_rate(self, state: ScheduleState) -> jax.Array:
+        """[B] rho: how often the row drafted when let (from a prior of always, weight prior_weight)."""
+        w = self.prior_weight
+        return (state.hits + w) / (state.offered + w)
+
     def verify_cost_at(self, running: jax.Array | None):
         """The verify cost of a step with these rows running ([B] bool; None: verify_cost)."""
         if self.verify_cost_by_rows is None or running is None:
@@ -185,6 +209,27 @@ class GoodputSchedule:
         options = jnp.asarray(sorted(choices), jnp.int32)
         return options[jnp.argmax(goodput[:, options], axis=1)]
 
+    def batch_k(
+        self,
+        alpha: jax.Array,
+        rate: jax.Array,
+        running: jax.Array,
+        K: int,
+        choices: tuple[int, ...] | None = None,
+        verify_cost=None,
+    ) -> jax.Array:
+        """[] the width w in `choices` (default 0..K) maximising sum_r E_r(w) / cost(w) over the
+        running rows ([B] bool), E_r(w) = 1 + rate_r (alpha_r + ... + alpha_r^w) (alpha, rate
+        [B]), cost(w) = 1 + (draft_cost + verify_cost) * w (verify_cost default the schedule's)."""
+        verify_cost = self.verify_cost if verify_cost is None else verify_cost
+        options = np.arange(K + 1) if choices is None else np.asarray(sorted(choices))
+        all_k = jnp.arange(K + 1, dtype=jnp.float32)
+        drafts = jnp.cumsum(alpha[:, None] ** all_k[None, :], axis=1) - 1.0  # [B, K+1]: a + ... + a^k
+        expected = jnp.where(running[:, None], 1.0 + rate[:, None] * drafts, 0.0)
+        cost = 1.0 + (self.draft_cost + verify_cost) * all_k
+        goodput = jnp.sum(expected, axis=0) / cost  # [K+1]
+        return jnp.asarray(options, jnp.int32)[jnp.argmax(goodput[options])]
+
     def update(
         self,
         state: ScheduleState,
@@ -196,19 +241,35 @@ class GoodputSchedule:
     ) -> ScheduleState:
         """The state after a step: the acceptance estimate moved by the step's evidence, and k the
         best of `choices` (default 0..K; a probe takes the smallest k above 0), at the verify cost
-        of a step with `running` rows ([B] bool, for verify_cost_by_rows)."""
+        of a step with `running` rows ([B] bool; for verify_cost_by_rows, and for the batch's one
+        k: without it, or with `per_row`, each row gets its own)."""
         drafted = num_drafted > 0
         reached = jnp.minimum(num_accepted + 1, num_drafted)
-        # The estimate moves only with evidence: a step without drafts leaves it as it was.
+        offered = state.k > 0 if running is None else (state.k > 0) & running
+        # The estimates move only with evidence: a step without drafts leaves alpha as it was, and
+        # rho moves only where the row was let draft.
         state = state.replace(
             accepted=jnp.where(drafted, self.decay * state.accepted + num_accepted, state.accepted),
             reached=jnp.where(drafted, self.decay * state.reached + reached, state.reached),
             idle=jnp.where(drafted, 0, state.idle + 1),
+            offered=jnp.where(offered, self.decay * state.offered + 1.0, state.offered),
+            hits=jnp.where(offered, self.decay * state.hits + drafted, state.hits),
         )
-        k = self.best_k(self.alpha(state), K, choices, self.verify_cost_at(running))
-        probe = (k == 0) & (state.idle + 1 >= self.probe_every)
+        verify_cost = self.verify_cost_at(running)
         smallest = 1 if choices is None else min(c for c in choices if c > 0)
-        return state.replace(k=jnp.where(probe, smallest, k))
+        if self.per_row or running is None:
+            k = self.best_k(self.alpha(state), K, choices, verify_cost)
+            probe = (k == 0) & (state.idle + 1 >= self.probe_every)
+            return state.replace(k=jnp.where(probe, smallest, k))
+        k = self.batch_k(self.alpha(state), self.draft_rate(state), running, K, choices, verify_cost)
+        # A probe drafts for the whole batch, so it comes rarer as a verified token costs the batch
+        # more than it costs one row: probes then take the same share of the batch's time.
+        alone = self.draft_cost + self.verify_cost_at(jnp.arange(2) < 1)
+        share = (self.draft_cost + verify_cost) / jnp.maximum(alone, 1e-6)
+        every = self.probe_every * jnp.maximum(1.0, jnp.where(alone > 0, share, 1.0))
+        idle = jnp.min(jnp.where(running, state.idle, jnp.iinfo(jnp.int32).max))  # since the batch drafted
+        probe = (k == 0) & (idle >= every - 1)
+        return state.replace(k=jnp.full_like(state.k, jnp.where(probe, smallest, k)))
 
     @classmethod
     def measure(
@@ -342,7 +403,7 @@ class DynamicSpec(Wrapper):
         else:
             inner = self.inner.update(state.inner, path_hidden, num_accepted)
         extra = {}
-        if getattr(self.schedule, "verify_cost_by_rows", None) is not None:  # a cost by batch occupancy
+        if isinstance(self.schedule, GoodputSchedule):  # a cost by batch occupancy, one k per batch
             extra["running"] = running
         schedule = self.schedule.update(state.schedule, num_accepted, state.num_drafted, self.k, **extra)
         return DynamicState(inner, schedule, state.num_drafted)
