@@ -2,6 +2,7 @@ r"""Milliseconds per decoding step, apart from prefill, at several cache lengths
 plain steps, and with --proposers verify steps (one target pass over a chain or a tree of drafts).
 
     .venv/bin/python benchmarks/step_time.py [--repeats 3] [--long-steps 136]
+    .venv/bin/python benchmarks/step_time.py --cases 1x100 8x100 --quantization none gguf int8 int4
     .venv/bin/python benchmarks/step_time.py --cases 1x100 \
         --proposers plain medusa-chain3 medusa-top32 eagle-chain4 eagle-tree11
 
@@ -17,7 +18,8 @@ Each case times whole `generate` calls at two lengths, --short-steps and --long-
 on the same prompts (median of --repeats after a warm-up), and divides the difference by the
 number of extra decoding steps the longer call ran (counted by the metrics, so a row that stops
 at end-of-sequence is accounted for): prefill, compile and the host's fixed costs cancel out. The
-prompts are written here (no data set needed). SmolLM2-135M-Instruct, float32, greedy.
+prompts are written here (no data set needed). SmolLM2-135M-Instruct, float32 (or with
+--quantization: the built-in Q4_1 file's own blocks, int8 or int4 weights), greedy.
 """
 
 from __future__ import annotations
@@ -80,9 +82,27 @@ def main() -> None:
         default=["plain"],
         choices=["plain", *TREES, *(f"verify-k{k}" for k in VERIFY_KS)],
     )
+    parser.add_argument(
+        "--quantization",
+        nargs="+",
+        default=["none"],
+        choices=["none", "gguf", "int8", "int4"],
+        help="the weights to time (none: float32; gguf: the built-in Q4_1 file's own blocks)",
+    )
     args = parser.parse_args()
 
-    model = specjax.load("smollm2-135m")
+    rows = []
+    for quantization in args.quantization:
+        model = specjax.load("smollm2-135m", quantization=None if quantization == "none" else quantization)
+        rows += time_cases(model, quantization, args)
+    print(f"\nmachine: {machine()}")
+    print(f"greedy decoding, {args.long_steps} - {args.short_steps} new tokens, median of {args.repeats}\n")
+    header = ["weights", "proposer", "batch", "prompt tokens", "ms per step", "steps/s x batch"]
+    print(markdown_table(header, rows))
+
+
+def time_cases(model, quantization: str, args) -> list[list]:
+    """One row per (case, proposer): ms per decoding step of `model`."""
     cases = [tuple(int(x) for x in case.split("x")) for case in args.cases]
     rows = []
     for (batch, prompt_tokens), name in [(c, p) for c in cases for p in args.proposers]:
@@ -100,11 +120,8 @@ def main() -> None:
         extra_steps = steps[args.long_steps] - steps[args.short_steps]
         step_ms = (times[args.long_steps] - times[args.short_steps]) / extra_steps * 1e3
         prompt_len = len(result.prompt_tokens[0])
-        rows.append([name, batch, prompt_len, step_ms, 1e3 / step_ms * batch])
-    print(f"\nmachine: {machine()}")
-    print(f"greedy decoding, {args.long_steps} - {args.short_steps} new tokens, median of {args.repeats}\n")
-    header = ["proposer", "batch", "prompt tokens", "ms per step", "steps/s x batch"]
-    print(markdown_table(header, rows))
+        rows.append([quantization, name, batch, prompt_len, step_ms, 1e3 / step_ms * batch])
+    return rows
 
 
 if __name__ == "__main__":
