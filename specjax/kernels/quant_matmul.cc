@@ -5,7 +5,11 @@
 //   int8:  values int8  [P, D_in, 16]      one 16-byte row of q per input row
 //   4-bit: values uint8 [P, D_in / 2, 16]  one 16-byte row per input pair: row 2i in the low
 //                                          nibble, row 2i+1 in the high one (q 0..15)
-//   scales, offsets: float32 [P, D_in / group, 16]
+//   scales, offsets: float32 or float16 [P, D_in / group, 16]
+//
+// (float16 where every scale and offset is one exactly, as GGUF's Q8_0, Q4_0 and Q4_1 store
+// theirs: a Q4_1 weight is then 20 bytes per 32 values rather than 24, a Q8_0 one 34 rather
+// than 36, as in the file; quantized.py, `pack_quantized`.)
 //
 // Why: decoding streams every weight once per step, so a weight read as 1 byte (or half of one)
 // instead of 4 is read up to 4 (or 8) times faster. Each value is read once and multiplied into
@@ -105,13 +109,46 @@ void combine_pairs(const float* x, float* out, int64_t n) {
   }
 }
 
-// What one call multiplies: rows of x, one quantized weight in panels, y's columns.
+// A float16 as its 16 bits (the scales and offsets of a QuantizedPanelWeight stored as float16).
+struct Half {
+  uint16_t bits;
+};
+
+// Eight scales (or offsets) as floats.
+inline Vec8 load_meta(const float* p) { return load8(p); }
+
+inline Vec8 load_meta(const Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  Vec8 out;
+  for (int j = 0; j < kHalf; ++j) {  // IEEE binary16 -> binary32, exactly
+    const uint32_t h = p[j].bits, sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float magnitude;
+    if (exponent == 0) {
+      magnitude = mantissa * (1.0f / 16777216.0f);  // subnormal: mantissa * 2^-24
+    } else {
+      const uint32_t bits = exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13);
+      __builtin_memcpy(&magnitude, &bits, sizeof(bits));
+    }
+    uint32_t bits;
+    __builtin_memcpy(&bits, &magnitude, sizeof(bits));
+    bits |= sign;
+    __builtin_memcpy(&out[j], &bits, sizeof(bits));
+  }
+  return out;
+#endif
+}
+
+// What one call multiplies: rows of x, one quantized weight in panels, y's columns. Meta: the
+// scales' and offsets' type, float or Half.
+template <typename Meta>
 struct Operands {
   const float* x;         // [T, D_in] (4-bit: pairs combined, combine_pairs)
   const float* row_sums;  // [T, G]: sum of x over each group (offsets only)
   const uint8_t* values;  // [P, D_in or D_in / 2, 16]
-  const float* scales;    // [P, G, 16]
-  const float* offsets;   // [P, G, 16] or null
+  const Meta* scales;     // [P, G, 16]
+  const Meta* offsets;    // [P, G, 16] or null
   float* y;               // [T, P*16]
   int64_t d_in, group, num_groups, d_out;
 };
@@ -145,8 +182,8 @@ inline Vec8 row(const uint8_t* v, int64_t k, int h) {
 // half panel (2: even and odd input rows apart), written to y's columns of those panels. `ahead`:
 // whether to prefetch the panels' later lines (the first chunk over a panel; later chunks find it
 // in cache).
-template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS>
-void chunk(const Operands& a, int64_t panel, int64_t r0, bool ahead) {
+template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS, typename Meta>
+void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
   constexpr int H = 2 * NUM;  // half panels
   constexpr int64_t kStep = 2 * kPanel * BITS / 8;  // bytes of a panel per pair of input rows
   const int64_t bytes = a.d_in * kPanel * BITS / 8;  // one panel's values
@@ -201,14 +238,14 @@ void chunk(const Operands& a, int64_t panel, int64_t r0, bool ahead) {
     }
     for (int h = 0; h < H; ++h) {
       const int64_t at = ((panel + h / 2) * a.num_groups + g) * kPanel + (h % 2) * kHalf;
-      const Vec8 scale = load8(a.scales + at);
+      const Vec8 scale = load_meta(a.scales + at);
       for (int r = 0; r < R; ++r) {
         Vec8 sum = acc[r][h][0];
         if (CHAINS == 2) sum += acc[r][h][CHAINS - 1];
         total[r][h] += scale * sum;
       }
       if constexpr (OFFSETS) {
-        const Vec8 offset = load8(a.offsets + at);
+        const Vec8 offset = load_meta(a.offsets + at);
         for (int r = 0; r < R; ++r) total[r][h] += a.row_sums[(r0 + r) * a.num_groups + g] * offset;
       }
     }
@@ -220,8 +257,8 @@ void chunk(const Operands& a, int64_t panel, int64_t r0, bool ahead) {
 // All rows times one panel (two where `two`), one row with both panels at once, more rows panel
 // by panel in chunks of at most kChunk8 or kChunk4 rows of sizes as equal as can be (7 rows of
 // int8 go as 2 + 2 + 3).
-template <int BITS, bool OFFSETS>
-void rows_times_panels(const Operands& a, int64_t rows, int64_t panel, bool two) {
+template <int BITS, bool OFFSETS, typename Meta>
+void rows_times_panels(const Operands<Meta>& a, int64_t rows, int64_t panel, bool two) {
   if (rows == 1) {
     if (two)
       chunk<BITS, OFFSETS, 1, 2, 2>(a, panel, 0, true);
@@ -245,8 +282,8 @@ void rows_times_panels(const Operands& a, int64_t rows, int64_t panel, bool two)
 }
 
 // Panels [begin, end) (begin even) for every row: one part of a product.
-template <int BITS, bool OFFSETS>
-void panels(const Operands& a, int64_t rows, int64_t begin, int64_t end, int64_t num_panels) {
+template <int BITS, bool OFFSETS, typename Meta>
+void panels(const Operands<Meta>& a, int64_t rows, int64_t begin, int64_t end, int64_t num_panels) {
   for (int64_t p = begin; p < end; p += 2) rows_times_panels<BITS, OFFSETS>(a, rows, p, p + 1 < num_panels);
 }
 
@@ -264,9 +301,9 @@ inline float sum_of(const float* x, int64_t n) {
 
 // x as the kernel reads it (4-bit: pairs combined) and its sums over each group (offsets only),
 // into `buffer`; the Operands that use them.
-template <int BITS, bool OFFSETS>
-Operands prepare(const float* x, const uint8_t* values, const float* scales, const float* offsets, float* y,
-                 int64_t rows, int64_t d_in, int64_t num_groups, int64_t d_out, std::vector<float>& buffer) {
+template <int BITS, bool OFFSETS, typename Meta>
+Operands<Meta> prepare(const float* x, const uint8_t* values, const Meta* scales, const Meta* offsets, float* y,
+                       int64_t rows, int64_t d_in, int64_t num_groups, int64_t d_out, std::vector<float>& buffer) {
   const int64_t group = d_in / num_groups;
   buffer.assign((BITS == 4 ? rows * d_in : 0) + (OFFSETS ? rows * num_groups : 0), 0.0f);
   float* combined = buffer.data();
@@ -275,55 +312,67 @@ Operands prepare(const float* x, const uint8_t* values, const float* scales, con
   if (OFFSETS)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < num_groups; ++g) row_sums[r * num_groups + g] = sum_of(x + r * d_in + g * group, group);
-  return Operands{BITS == 4 ? combined : x, row_sums, values, scales, offsets, y, d_in, group, num_groups, d_out};
+  return Operands<Meta>{BITS == 4 ? combined : x, row_sums, values, scales, offsets, y, d_in, group, num_groups, d_out};
 }
 
-// Checks the operands' shapes and runs the product on the calling thread and XLA's intra-op pool.
+// Checks the operands' shapes and types and runs the product on the calling thread and XLA's
+// intra-op pool. `offsets`: null without offsets.
 template <int BITS, bool OFFSETS>
-ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values,
-               ffi::Buffer<ffi::F32>& scales, const float* offsets, ffi::ResultBuffer<ffi::F32>& y) {
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values, ffi::AnyBuffer& scales,
+               ffi::AnyBuffer* offsets, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
   const auto sd = scales.dimensions();
   const auto type = BITS == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  const auto meta = scales.element_type();
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3 || values.element_type() != type ||
-      vd[2] != kPanel || sd[2] != kPanel || vd[1] * (8 / BITS) != xd[1] || sd[0] != vd[0] ||
-      sd[1] < 1 || xd[1] % sd[1] || (BITS == 4 && (xd[1] / sd[1]) % 2))
+      (meta != ffi::DataType::F32 && meta != ffi::DataType::F16) || vd[2] != kPanel || sd[2] != kPanel ||
+      vd[1] * (8 / BITS) != xd[1] || sd[0] != vd[0] || sd[1] < 1 || xd[1] % sd[1] ||
+      (BITS == 4 && (xd[1] / sd[1]) % 2))
     return ffi::Error::InvalidArgument(
         "quantized_panel_matmul: expected x [T, D_in] float32, values [P, D_in, 16] int8 or "
-        "[P, D_in / 2, 16] uint8, scales (and offsets) [P, G, 16] float32 with G groups dividing "
-        "D_in (of an even size for 4-bit)");
+        "[P, D_in / 2, 16] uint8, scales (and offsets) [P, G, 16] float32 or float16 with G groups "
+        "dividing D_in (of an even size for 4-bit)");
+  if (offsets) {
+    const auto od = offsets->dimensions();
+    if (od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2] || offsets->element_type() != meta)
+      return ffi::Error::InvalidArgument("quantized_panel_matmul: offsets and scales differ in shape or type");
+  }
   const int64_t rows = xd[0], d_in = xd[1], num_panels = vd[0], num_groups = sd[1];
-  std::vector<float> buffer;
-  const Operands a = prepare<BITS, OFFSETS>(x.typed_data(), static_cast<const uint8_t*>(values.untyped_data()),
-                                            scales.typed_data(), offsets, y->typed_data(), rows, d_in,
-                                            num_groups, num_panels * kPanel, buffer);
-  const int64_t num_pairs = (num_panels + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
-  const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
-  specjax::run_parts(pool, num_parts, [=](int64_t part) {
-    const int64_t begin = part * pairs_per_part * 2;
-    panels<BITS, OFFSETS>(a, rows, begin, std::min(num_panels, begin + pairs_per_part * 2), num_panels);
-  });
+  const auto* v = static_cast<const uint8_t*>(values.untyped_data());
+  auto product = [&](auto meta_type) {
+    using Meta = decltype(meta_type);
+    const auto* s = static_cast<const Meta*>(scales.untyped_data());
+    const auto* o = offsets ? static_cast<const Meta*>(offsets->untyped_data()) : nullptr;
+    std::vector<float> buffer;
+    const auto a = prepare<BITS, OFFSETS>(x.typed_data(), v, s, o, y->typed_data(), rows, d_in, num_groups,
+                                          num_panels * kPanel, buffer);
+    const int64_t num_pairs = (num_panels + 1) / 2;
+    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
+    const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
+    specjax::run_parts(pool, num_parts, [=](int64_t part) {
+      const int64_t begin = part * pairs_per_part * 2;
+      panels<BITS, OFFSETS>(a, rows, begin, std::min(num_panels, begin + pairs_per_part * 2), num_panels);
+    });
+  };
+  if (meta == ffi::DataType::F16)
+    product(Half{});
+  else
+    product(float{});
   return ffi::Error::Success();
 }
 
 template <int BITS>
-ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                 ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                 ffi::ResultBuffer<ffi::F32> y) {
   return Run<BITS, false>(pool, x, values, scales, nullptr, y);
 }
 
 template <int BITS>
 ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  const auto sd = scales.dimensions();
-  const auto od = offsets.dimensions();
-  if (od.size() != 3 || sd.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
-    return ffi::Error::InvalidArgument("quantized_panel_matmul: offsets and scales differ in shape");
-  return Run<BITS, true>(pool, x, values, scales, offsets.typed_data(), y);
+                       ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y) {
+  return Run<BITS, true>(pool, x, values, scales, &offsets, y);
 }
 
 }  // namespace
@@ -334,7 +383,7 @@ ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                     .Ctx<ffi::ThreadPool>()      \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::AnyBuffer>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 #define SPECJAX_WITH_OFFSETS(name, bits)                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, WithOffsets<bits>,         \
@@ -342,8 +391,8 @@ ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                     .Ctx<ffi::ThreadPool>()      \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::AnyBuffer>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
+                                    .Arg<ffi::AnyBuffer>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 SPECJAX_PLAIN(QuantMatmulInt8, 8)
