@@ -178,6 +178,12 @@ inline Vec8 row(const uint8_t* v, int64_t k, int h) {
   }
 }
 
+// Asks for the cache line at `bytes` past `base`, which may lie past the array (a prefetch never
+// faults; the address is computed as an integer, as pointer arithmetic past an array is undefined).
+inline void prefetch(const void* base, int64_t bytes) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes));
+}
+
 // Rows [r0, r0 + R) of x times NUM panels from `panel`, with CHAINS (1 or 2) sums per row and
 // half panel (2: even and odd input rows apart), written to y's columns of those panels. `ahead`:
 // whether to prefetch the panels' later lines (the first chunk over a panel; later chunks find it
@@ -198,8 +204,9 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
     // panel ahead; past the last panel they point beyond the arrays, which a prefetch may.
     if (ahead)  // this group's scales (and offsets)
       for (int n = NUM; n < 2 * NUM; ++n) {
-        __builtin_prefetch(a.scales + ((panel + n) * a.num_groups + g) * kPanel);
-        if (OFFSETS) __builtin_prefetch(a.offsets + ((panel + n) * a.num_groups + g) * kPanel);
+        const int64_t at = ((panel + n) * a.num_groups + g) * kPanel * int64_t{sizeof(Meta)};
+        prefetch(a.scales, at);
+        if (OFFSETS) prefetch(a.offsets, at);
       }
     Vec8 acc[R][H][CHAINS];
     for (int r = 0; r < R; ++r)
@@ -208,7 +215,7 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
     const int64_t first = g * a.group;
     for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
       if (ahead && (k * kStep) % 64 == 0)  // a line of values
-        for (int n = NUM; n < 2 * NUM; ++n) __builtin_prefetch(values + n * bytes + k * kStep);
+        for (int n = NUM; n < 2 * NUM; ++n) prefetch(values, n * bytes + k * kStep);
       if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
         for (int h = 0; h < H; ++h) {
           Vec8 even, odd;
