@@ -3,6 +3,7 @@ shapes at a decoding step's few rows: the float32 panel kernel, the quantized pa
 4-bit with offsets) and XLA's dequantize-then-dot of the same quantized weight.
 
     .venv/bin/python benchmarks/quantized_products.py [--rows 1 2 6] [--group 32] [--repeats 20]
+        [--scales float32|float16]
 
 A decoding step streams every weight once, from memory rather than from cache: the model's weights
 are several times the L3 cache even at 4 bits. So each measurement multiplies by enough distinct
@@ -37,25 +38,32 @@ SHAPES = {  # SmolLM2-135M: [D_in, D_out] of each product
 METHODS = ("float32 panels", "int8 panels", "4-bit panels", "int8 XLA", "4-bit XLA")
 
 
-def random_quantized(rng, d_in: int, d_out: int, bits: int, group: int) -> QuantizedWeight:
-    """A QuantizedWeight of random values: int8 without offsets, 4-bit with."""
+def random_quantized(
+    rng, d_in: int, d_out: int, bits: int, group: int, scales_dtype=np.float32
+) -> QuantizedWeight:
+    """A QuantizedWeight of random values: int8 without offsets, 4-bit with; its scales and
+    offsets rounded to `scales_dtype` (float16: as GGUF's Q8_0 and Q4_1 store them, which the
+    panels then keep in 2 bytes; float32 values keep 4)."""
     groups = d_in // group
-    scales = jnp.asarray(rng.uniform(0.001, 0.01, (groups, d_out)), jnp.float32)
+
+    def meta(low, high):
+        return jnp.asarray(rng.uniform(low, high, (groups, d_out)).astype(scales_dtype), jnp.float32)
+
+    scales = meta(0.001, 0.01)
     if bits == 8:
         values = jnp.asarray(rng.integers(-127, 128, (d_in, d_out)), jnp.int8)
         return QuantizedWeight(values, scales, None, bits=8, group=group)
     values = jnp.asarray(rng.integers(0, 256, (d_in // 2, d_out)), jnp.uint8)
-    offsets = jnp.asarray(rng.uniform(-0.08, 0.0, (groups, d_out)), jnp.float32)
-    return QuantizedWeight(values, scales, offsets, bits=4, group=group)
+    return QuantizedWeight(values, scales, meta(-0.08, 0.0), bits=4, group=group)
 
 
-def weight_and_product(method: str, rng, d_in: int, d_out: int, group: int):
+def weight_and_product(method: str, rng, d_in: int, d_out: int, group: int, scales_dtype=np.float32):
     """(one copy of the weight as `method` stores it, the product x @ w it runs)."""
     if method == "float32 panels":
         w = jnp.asarray(rng.standard_normal((d_in, d_out)), jnp.float32)
         return kernels.pack(w), kernels.panel_matmul
     bits = 8 if method.startswith("int8") else 4
-    w = random_quantized(rng, d_in, d_out, bits, group)
+    w = random_quantized(rng, d_in, d_out, bits, group, scales_dtype)
     if method.endswith("panels"):
         return pack_quantized(w), quantized_panel_matmul
     return w, lambda x, w: x @ dequantize(w)
@@ -69,10 +77,11 @@ def chained(method: str, rows: int, d_in: int, d_out: int, args):
     """(a call that runs x @ w over enough copies of the weight to leave the cache, the number of
     copies, bytes per copy)."""
     rng = np.random.default_rng(0)
-    first, product = weight_and_product(method, rng, d_in, d_out, args.group)
+    scales_dtype = np.dtype(getattr(args, "scales", "float32"))
+    first, product = weight_and_product(method, rng, d_in, d_out, args.group, scales_dtype)
     copies = max(1, -(-args.footprint * 2**20 // nbytes(first)))
     weights = [first] + [
-        weight_and_product(method, rng, d_in, d_out, args.group)[0] for _ in range(copies - 1)
+        weight_and_product(method, rng, d_in, d_out, args.group, scales_dtype)[0] for _ in range(copies - 1)
     ]
 
     @jax.jit
@@ -107,6 +116,13 @@ def main():
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--group", type=int, default=32, help="input rows per scale (default %(default)s)")
+    parser.add_argument(
+        "--scales",
+        default="float32",
+        choices=["float32", "float16"],
+        help="the random scales' and offsets' values: float16 ones (as GGUF's Q8_0 and Q4_1 store them) "
+        "are packed in 2 bytes each (default %(default)s)",
+    )
     parser.add_argument("--footprint", type=int, default=96, help="MB of weight copies per measurement")
     parser.add_argument("--repeats", type=int, default=20, help="timed calls per measurement (median)")
     args = parser.parse_args()

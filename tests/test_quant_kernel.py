@@ -110,6 +110,36 @@ def test_pack_lays_out_panels_and_round_trips(bits):
     assert unpack_quantized(pack_quantized(w.replace(offsets=None))).offsets is None
 
 
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_scales_that_are_float16_are_packed_as_float16(bits, offsets):
+    """Scales and offsets that are all float16 values (GGUF's Q8_0, Q4_0 and Q4_1 store theirs so)
+    are packed as float16, half the bytes, and give the same products; one that is not keeps all
+    of them float32."""
+    rng = np.random.default_rng([bits, offsets, 16])
+    w = random_weight(rng, 256, 200, bits, group=32, offsets=offsets)
+    halves = jax.tree.map(lambda a: a.astype(jnp.float16).astype(jnp.float32), (w.scales, w.offsets))
+    w = w.replace(scales=halves[0], offsets=halves[1])
+    packed = pack_quantized(w)
+    assert packed.scales.dtype == jnp.float16
+    assert packed.offsets is None or packed.offsets.dtype == jnp.float16
+    back = unpack_quantized(packed)
+    np.testing.assert_array_equal(back.scales, w.scales)
+    assert back.scales.dtype == jnp.float32
+    if offsets:
+        np.testing.assert_array_equal(back.offsets, w.offsets)
+    product = jax.jit(quantized_panel_matmul)
+    for rows in (1, 2, 3, 6, 64):
+        x = rng.standard_normal((rows, 256)).astype(np.float32)
+        check_product(x, w, np.asarray(product(jnp.asarray(x), packed)))
+    # one scale that float16 cannot hold: everything stays float32
+    odd = w.replace(scales=w.scales.at[3, 7].set(np.float32(1 / 3)))
+    kept = pack_quantized(odd)
+    assert kept.scales.dtype == jnp.float32 and (kept.offsets is None or kept.offsets.dtype == jnp.float32)
+    x = rng.standard_normal((2, 256)).astype(np.float32)
+    check_product(x, odd, np.asarray(product(jnp.asarray(x), kept)))
+
+
 def test_unsupported_shapes_are_clear_errors():
     rng = np.random.default_rng(0)
     w = random_weight(rng, 96, 16, bits=8, group=32, offsets=False)

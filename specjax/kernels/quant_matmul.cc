@@ -5,22 +5,40 @@
 //   int8:  values int8  [P, D_in, 16]      one 16-byte row of q per input row
 //   4-bit: values uint8 [P, D_in / 2, 16]  one 16-byte row per input pair: row 2i in the low
 //                                          nibble, row 2i+1 in the high one (q 0..15)
-//   scales, offsets: float32 [P, D_in / group, 16]
+//   scales, offsets: float32 or float16 [P, D_in / group, 16]
+//
+// (float16 where every scale and offset is one exactly, as GGUF's Q8_0, Q4_0 and Q4_1 store
+// theirs: a Q4_1 weight is then 20 bytes per 32 values rather than 24, a Q8_0 one 34 rather
+// than 36, as in the file; quantized.py, `pack_quantized`.)
 //
 // Why: decoding streams every weight once per step, so a weight read as 1 byte (or half of one)
 // instead of 4 is read up to 4 (or 8) times faster. Each value is read once and multiplied into
 // every row: per group and row, acc = sum_i x_i q_io in float32, then y += scale * acc, plus
 // offset * (sum_i x_i) (those row sums computed once per call). The 16 bytes of a panel row widen
-// to 16 int32 lanes (one vpmovsxbd / vpmovzxbd per 8 on AVX2) and convert to float; a 4-bit byte
-// row gives its two input rows with a mask and a shift of the same lanes, so 4-bit costs about
-// what int8 costs per value read.
+// to 16 int32 lanes (one vpmovsxbd / vpmovzxbd per 8 on AVX2) and convert to float; x stays float.
+//
+// What bounds it (measured on this project's 2-core AMD EPYC, Zen 3, AVX2, 2026-11-28, a busy
+// machine; single thread, a standalone harness calling these loops): a 4-bit byte row gives its
+// two input rows with a mask and a shift of the same lanes, and on Zen 3 the shift (like the
+// widening) competes with the FMAs for their pipes (8 FMAs beside 8 shifts: 5.9 cycles, beside 8
+// conversions or 8 masks: 4.0). So 4-bit converts the low nibble and the whole byte (lo + 16 hi)
+// instead, with x combined to match (combine_pairs): 64 weights of one row in 7.0 cycles rather
+// than 8.8 (in L1). From memory, the values and the scales and offsets of two panels are six
+// short streams (a 4-bit panel of SmolLM2 is 9 KB), which the hardware prefetcher follows badly:
+// a [576, 1536] 4-bit product read 7-8.6 GB/s on one thread, 10.6-13 GB/s with the next panels'
+// lines prefetched as the current ones are read and the nibble change; int8 12.6-14 -> 16.5-19.4
+// GB/s (a plain read of memory: 18-19 GB/s at the time).
 //
 // The work splits over panels as in panel_matmul.cc. For one row, two panels at a time with even
 // and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
-// otherwise bound the loop); for two rows, one panel with even/odd sums; from three rows on, one
-// panel with one sum per row, in chunks of at most kChunk rows (a prefill's later chunks find the
-// panel in cache). Chunks of 4 rather than 6: with 6 rows' sums (12 registers) beside the widened
-// values and the broadcast inputs, GCC kept sums on the stack, and 6 rows ran as slowly as 8.
+// otherwise bound the loop); for more rows, one panel at a time, in chunks of rows (a prefill's
+// later chunks find the panel in cache): int8 in chunks of at most 3 rows with one sum per row,
+// 4-bit in chunks of at most 2 with even/odd sums. With one sum per row each sum takes two
+// dependent FMAs per input pair; 4-bit, whose widening is cheap beside its conversions, ran faster
+// widening twice as often with twice the independent sums (in cache, GB/s at 3 / 4 / 6 rows:
+// 5.1 / 4.6 / 2.6 in chunks of up to 4, 6.6 / 5.4 / 3.6 in chunks of 2); int8 at 4 rows 5.2 GB/s
+// in one chunk, 8.6 as 2 + 2. Chunks of 6 rows (12 sums beside the widened values and the
+// broadcast inputs) kept sums on the stack.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -40,9 +58,16 @@ namespace {
 
 constexpr int64_t kPanel = 16;
 constexpr int64_t kHalf = 8;  // columns per vector: a panel row is two halves
-constexpr int64_t kChunk = 4;
+constexpr int64_t kChunk8 = 3;  // rows per chunk at most (see above)
+constexpr int64_t kChunk4 = 2;
 // Parts of a few panel pairs each, handed out as threads ask: a quantized product is short (tens of
 // microseconds), and 2 parts per thread left one thread a quarter more work than the other.
+// The hand-off itself (measured in a harness with an Eigen pool like XLA's, 2026-11-28, the machine
+// busy with other work): scheduling a task costs the caller 0.4 us when a pool thread is spinning
+// (products back to back) but 8-46 us when the pool threads sleep, the woken one often taking the
+// caller's core; there a 4-bit [576, 576] product ran 18.6 us on the calling thread alone and
+// 28-35 us over both. Quietly the float32 panels' products reach 26-28 GB/s over both threads, so
+// the split stays.
 constexpr int64_t kPartsPerThread = 8;
 
 typedef int32_t I32x8 __attribute__((vector_size(32)));
@@ -61,33 +86,81 @@ inline Vec8 widen_int8(const uint8_t* p) {
 #endif
 }
 
-// Eight bytes of two 4-bit values each as floats: the low nibbles (`even`), the high ones (`odd`).
-inline void widen_int4(const uint8_t* p, Vec8& even, Vec8& odd) {
+// Eight bytes of two 4-bit values each as floats: the low nibbles, and the whole bytes (low + 16 *
+// high), not the high nibbles: x is combined to match (`combine_pairs`), and the shift that would
+// isolate the high nibbles, which competes with the FMAs on Zen 3, is saved.
+inline void widen_int4(const uint8_t* p, Vec8& low, Vec8& whole) {
 #ifdef __AVX2__
   const __m256i lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  even = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(15)));
-  odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 4));
+  low = _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(15)));
+  whole = _mm256_cvtepi32_ps(lanes);
 #else
   U8x8 bytes;
   __builtin_memcpy(&bytes, p, sizeof(bytes));
   const I32x8 lanes = __builtin_convertvector(bytes, I32x8);
-  even = __builtin_convertvector(lanes & 15, Vec8);
-  odd = __builtin_convertvector(lanes >> 4, Vec8);
+  low = __builtin_convertvector(lanes & 15, Vec8);
+  whole = __builtin_convertvector(lanes, Vec8);
 #endif
 }
 
-// What one call multiplies: rows of x, one quantized weight in panels, y's columns.
+// x as the 4-bit kernel multiplies it: each pair (x_2k, x_2k+1) as (x_2k - x_2k+1 / 16,
+// x_2k+1 / 16), so that with a byte's low nibble lo and whole value b = lo + 16 hi,
+// x_2k lo + x_2k+1 hi = (x_2k - x_2k+1 / 16) lo + (x_2k+1 / 16) b. Dividing by 16 is exact; the
+// difference rounds once.
+void combine_pairs(const float* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 2) {
+    const float odd = x[i + 1] * 0.0625f;
+    out[i] = x[i] - odd;
+    out[i + 1] = odd;
+  }
+}
+
+// A float16 as its 16 bits (the scales and offsets of a QuantizedPanelWeight stored as float16).
+struct Half {
+  uint16_t bits;
+};
+
+// Eight scales (or offsets) as floats.
+inline Vec8 load_meta(const float* p) { return load8(p); }
+
+inline Vec8 load_meta(const Half* p) {
+#ifdef __F16C__
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  Vec8 out;
+  for (int j = 0; j < kHalf; ++j) {  // IEEE binary16 -> binary32, exactly
+    const uint32_t h = p[j].bits, sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff;
+    float magnitude;
+    if (exponent == 0) {
+      magnitude = mantissa * (1.0f / 16777216.0f);  // subnormal: mantissa * 2^-24
+    } else {
+      const uint32_t bits = exponent == 31 ? 0x7f800000u | (mantissa << 13) : ((exponent + 112) << 23) | (mantissa << 13);
+      __builtin_memcpy(&magnitude, &bits, sizeof(bits));
+    }
+    uint32_t bits;
+    __builtin_memcpy(&bits, &magnitude, sizeof(bits));
+    bits |= sign;
+    __builtin_memcpy(&out[j], &bits, sizeof(bits));
+  }
+  return out;
+#endif
+}
+
+// What one call multiplies: rows of x, one quantized weight in panels, y's columns. Meta: the
+// scales' and offsets' type, float or Half.
+template <typename Meta>
 struct Operands {
-  const float* x;         // [T, D_in]
+  const float* x;         // [T, D_in] (4-bit: pairs combined, combine_pairs)
   const float* row_sums;  // [T, G]: sum of x over each group (offsets only)
   const uint8_t* values;  // [P, D_in or D_in / 2, 16]
-  const float* scales;    // [P, G, 16]
-  const float* offsets;   // [P, G, 16] or null
+  const Meta* scales;     // [P, G, 16]
+  const Meta* offsets;    // [P, G, 16] or null
   float* y;               // [T, P*16]
   int64_t d_in, group, num_groups, d_out;
 };
 
-// Input rows 2k and 2k+1 of half h (columns 8h .. 8h+7) of the panel whose values start at `v`.
+// Input rows 2k and 2k+1 of half h (columns 8h .. 8h+7) of the panel whose values start at `v`
+// (4-bit: the low nibbles and the whole bytes, see widen_int4).
 template <int BITS>
 inline void pair(const uint8_t* v, int64_t k, int h, Vec8& even, Vec8& odd) {
   if constexpr (BITS == 8) {
@@ -111,11 +184,20 @@ inline Vec8 row(const uint8_t* v, int64_t k, int h) {
   }
 }
 
+// Asks for the cache line at `bytes` past `base`, which may lie past the array (a prefetch never
+// faults; the address is computed as an integer, as pointer arithmetic past an array is undefined).
+inline void prefetch(const void* base, int64_t bytes) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes));
+}
+
 // Rows [r0, r0 + R) of x times NUM panels from `panel`, with CHAINS (1 or 2) sums per row and
-// half panel (2: even and odd input rows apart), written to y's columns of those panels.
-template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS>
-void chunk(const Operands& a, int64_t panel, int64_t r0) {
+// half panel (2: even and odd input rows apart), written to y's columns of those panels. `ahead`:
+// whether to prefetch the panels' later lines (the first chunk over a panel; later chunks find it
+// in cache).
+template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS, typename Meta>
+void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
   constexpr int H = 2 * NUM;  // half panels
+  constexpr int64_t kStep = 2 * kPanel * BITS / 8;  // bytes of a panel per pair of input rows
   const int64_t bytes = a.d_in * kPanel * BITS / 8;  // one panel's values
   const uint8_t* values = a.values + panel * bytes;
   const float* x = a.x + r0 * a.d_in;
@@ -123,13 +205,24 @@ void chunk(const Operands& a, int64_t panel, int64_t r0) {
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) total[r][h] = Vec8{};
   for (int64_t g = 0; g < a.num_groups; ++g) {
+    // Prefetches: the lines of the panels NUM on (the next pair for one row, the next panel for
+    // more) that match the ones read now, so that memory serves one product's panels a whole
+    // panel ahead; past the last panel they point beyond the arrays, which a prefetch may.
+    if (ahead)  // this group's scales (and offsets)
+      for (int n = NUM; n < 2 * NUM; ++n) {
+        const int64_t at = ((panel + n) * a.num_groups + g) * kPanel * int64_t{sizeof(Meta)};
+        prefetch(a.scales, at);
+        if (OFFSETS) prefetch(a.offsets, at);
+      }
     Vec8 acc[R][H][CHAINS];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h)
         for (int c = 0; c < CHAINS; ++c) acc[r][h][c] = Vec8{};
     const int64_t first = g * a.group;
-    if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
-      for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+    for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+      if (ahead && (k * kStep) % 64 == 0)  // a line of values
+        for (int n = NUM; n < 2 * NUM; ++n) prefetch(values, n * bytes + k * kStep);
+      if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
         for (int h = 0; h < H; ++h) {
           Vec8 even, odd;
           pair<BITS>(values + (h / 2) * bytes, k, h % 2, even, odd);
@@ -138,9 +231,7 @@ void chunk(const Operands& a, int64_t panel, int64_t r0) {
             acc[r][h][1] += x[r * a.d_in + 2 * k + 1] * odd;
           }
         }
-      }
-    } else {  // more rows: one input row at a time
-      for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
+      } else {  // more rows: one input row at a time
         for (int h = 0; h < H; ++h) {
           const Vec8 w = row<BITS, 0>(values + (h / 2) * bytes, k, h % 2);
           for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k] * w;
@@ -160,14 +251,14 @@ void chunk(const Operands& a, int64_t panel, int64_t r0) {
     }
     for (int h = 0; h < H; ++h) {
       const int64_t at = ((panel + h / 2) * a.num_groups + g) * kPanel + (h % 2) * kHalf;
-      const Vec8 scale = load8(a.scales + at);
+      const Vec8 scale = load_meta(a.scales + at);
       for (int r = 0; r < R; ++r) {
         Vec8 sum = acc[r][h][0];
         if (CHAINS == 2) sum += acc[r][h][CHAINS - 1];
         total[r][h] += scale * sum;
       }
       if constexpr (OFFSETS) {
-        const Vec8 offset = load8(a.offsets + at);
+        const Vec8 offset = load_meta(a.offsets + at);
         for (int r = 0; r < R; ++r) total[r][h] += a.row_sums[(r0 + r) * a.num_groups + g] * offset;
       }
     }
@@ -177,84 +268,124 @@ void chunk(const Operands& a, int64_t panel, int64_t r0) {
 }
 
 // All rows times one panel (two where `two`), one row with both panels at once, more rows panel
-// by panel in chunks of at most kChunk rows of sizes as equal as can be (7 rows go as 3 + 4).
-template <int BITS, bool OFFSETS>
-void rows_times_panels(const Operands& a, int64_t rows, int64_t panel, bool two) {
+// by panel in chunks of at most kChunk8 or kChunk4 rows of sizes as equal as can be (7 rows of
+// int8 go as 2 + 2 + 3).
+template <int BITS, bool OFFSETS, typename Meta>
+void rows_times_panels(const Operands<Meta>& a, int64_t rows, int64_t panel, bool two) {
   if (rows == 1) {
     if (two)
-      chunk<BITS, OFFSETS, 1, 2, 2>(a, panel, 0);
+      chunk<BITS, OFFSETS, 1, 2, 2>(a, panel, 0, true);
     else
-      chunk<BITS, OFFSETS, 1, 1, 2>(a, panel, 0);
+      chunk<BITS, OFFSETS, 1, 1, 2>(a, panel, 0, true);
     return;
   }
+  constexpr int64_t kMost = BITS == 8 ? kChunk8 : kChunk4;
   for (int64_t p = panel; p < panel + (two ? 2 : 1); ++p) {
-    const int64_t num_chunks = (rows + kChunk - 1) / kChunk;
+    const int64_t num_chunks = (rows + kMost - 1) / kMost;
     for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
       const int64_t size = (rows - r0) / (num_chunks - c);
       switch (size) {
-        case 2: chunk<BITS, OFFSETS, 2, 1, 2>(a, p, r0); break;
-        case 3: chunk<BITS, OFFSETS, 3, 1, 1>(a, p, r0); break;
-        default: chunk<BITS, OFFSETS, 4, 1, 1>(a, p, r0); break;
+        case 1: chunk<BITS, OFFSETS, 1, 1, 2>(a, p, r0, c == 0); break;
+        case 2: chunk<BITS, OFFSETS, 2, 1, 2>(a, p, r0, c == 0); break;
+        default: chunk<BITS, OFFSETS, 3, 1, 1>(a, p, r0, c == 0); break;
       }
       r0 += size;
     }
   }
 }
 
-// Checks the operands' shapes and runs the product on the calling thread and XLA's intra-op pool.
+// Panels [begin, end) (begin even) for every row: one part of a product.
+template <int BITS, bool OFFSETS, typename Meta>
+void panels(const Operands<Meta>& a, int64_t rows, int64_t begin, int64_t end, int64_t num_panels) {
+  for (int64_t p = begin; p < end; p += 2) rows_times_panels<BITS, OFFSETS>(a, rows, p, p + 1 < num_panels);
+}
+
+// The sum of x[0 .. n), eight lanes at a time (one float chain of 576 additions alone took about
+// 0.5 us, a tenth of a short product).
+inline float sum_of(const float* x, int64_t n) {
+  Vec8 lanes{};
+  int64_t i = 0;
+  for (; i + kHalf <= n; i += kHalf) lanes += load8(x + i);
+  float sum = 0.0f;
+  for (int j = 0; j < kHalf; ++j) sum += lanes[j];
+  for (; i < n; ++i) sum += x[i];
+  return sum;
+}
+
+// x as the kernel reads it (4-bit: pairs combined) and its sums over each group (offsets only),
+// into `buffer`; the Operands that use them.
+template <int BITS, bool OFFSETS, typename Meta>
+Operands<Meta> prepare(const float* x, const uint8_t* values, const Meta* scales, const Meta* offsets, float* y,
+                       int64_t rows, int64_t d_in, int64_t num_groups, int64_t d_out, std::vector<float>& buffer) {
+  const int64_t group = d_in / num_groups;
+  buffer.assign((BITS == 4 ? rows * d_in : 0) + (OFFSETS ? rows * num_groups : 0), 0.0f);
+  float* combined = buffer.data();
+  float* row_sums = buffer.data() + (BITS == 4 ? rows * d_in : 0);
+  if (BITS == 4) combine_pairs(x, combined, rows * d_in);
+  if (OFFSETS)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < num_groups; ++g) row_sums[r * num_groups + g] = sum_of(x + r * d_in + g * group, group);
+  return Operands<Meta>{BITS == 4 ? combined : x, row_sums, values, scales, offsets, y, d_in, group, num_groups, d_out};
+}
+
+// Checks the operands' shapes and types and runs the product on the calling thread and XLA's
+// intra-op pool. `offsets`: null without offsets.
 template <int BITS, bool OFFSETS>
-ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values,
-               ffi::Buffer<ffi::F32>& scales, const float* offsets, ffi::ResultBuffer<ffi::F32>& y) {
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values, ffi::AnyBuffer& scales,
+               ffi::AnyBuffer* offsets, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
   const auto sd = scales.dimensions();
   const auto type = BITS == 8 ? ffi::DataType::S8 : ffi::DataType::U8;
+  const auto meta = scales.element_type();
   if (xd.size() != 2 || vd.size() != 3 || sd.size() != 3 || values.element_type() != type ||
-      vd[2] != kPanel || sd[2] != kPanel || vd[1] * (8 / BITS) != xd[1] || sd[0] != vd[0] ||
-      sd[1] < 1 || xd[1] % sd[1] || (BITS == 4 && (xd[1] / sd[1]) % 2))
+      (meta != ffi::DataType::F32 && meta != ffi::DataType::F16) || vd[2] != kPanel || sd[2] != kPanel ||
+      vd[1] * (8 / BITS) != xd[1] || sd[0] != vd[0] || sd[1] < 1 || xd[1] % sd[1] ||
+      (BITS == 4 && (xd[1] / sd[1]) % 2))
     return ffi::Error::InvalidArgument(
         "quantized_panel_matmul: expected x [T, D_in] float32, values [P, D_in, 16] int8 or "
-        "[P, D_in / 2, 16] uint8, scales (and offsets) [P, G, 16] float32 with G groups dividing "
-        "D_in (of an even size for 4-bit)");
-  const int64_t rows = xd[0], d_in = xd[1], num_panels = vd[0], num_groups = sd[1];
-  const int64_t group = d_in / num_groups;
-  const float* xs = x.typed_data();
-  std::vector<float> row_sums;
-  if (OFFSETS) {
-    row_sums.assign(rows * num_groups, 0.0f);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < d_in; ++i) row_sums[r * num_groups + i / group] += xs[r * d_in + i];
+        "[P, D_in / 2, 16] uint8, scales (and offsets) [P, G, 16] float32 or float16 with G groups "
+        "dividing D_in (of an even size for 4-bit)");
+  if (offsets) {
+    const auto od = offsets->dimensions();
+    if (od.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2] || offsets->element_type() != meta)
+      return ffi::Error::InvalidArgument("quantized_panel_matmul: offsets and scales differ in shape or type");
   }
-  const Operands a{xs,      row_sums.data(), static_cast<const uint8_t*>(values.untyped_data()),
-                   scales.typed_data(), offsets, y->typed_data(), d_in, group, num_groups,
-                   num_panels * kPanel};
-  const int64_t num_pairs = (num_panels + 1) / 2;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
-  const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
-  specjax::run_parts(pool, num_parts, [=](int64_t part) {
-    const int64_t end = std::min(num_panels, (part + 1) * pairs_per_part * 2);
-    for (int64_t p = part * pairs_per_part * 2; p < end; p += 2)
-      rows_times_panels<BITS, OFFSETS>(a, rows, p, p + 1 < num_panels);
-  });
+  const int64_t rows = xd[0], d_in = xd[1], num_panels = vd[0], num_groups = sd[1];
+  const auto* v = static_cast<const uint8_t*>(values.untyped_data());
+  auto product = [&](auto meta_type) {
+    using Meta = decltype(meta_type);
+    const auto* s = static_cast<const Meta*>(scales.untyped_data());
+    const auto* o = offsets ? static_cast<const Meta*>(offsets->untyped_data()) : nullptr;
+    std::vector<float> buffer;
+    const auto a = prepare<BITS, OFFSETS>(x.typed_data(), v, s, o, y->typed_data(), rows, d_in, num_groups,
+                                          num_panels * kPanel, buffer);
+    const int64_t num_pairs = (num_panels + 1) / 2;
+    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
+    const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
+    specjax::run_parts(pool, num_parts, [=](int64_t part) {
+      const int64_t begin = part * pairs_per_part * 2;
+      panels<BITS, OFFSETS>(a, rows, begin, std::min(num_panels, begin + pairs_per_part * 2), num_panels);
+    });
+  };
+  if (meta == ffi::DataType::F16)
+    product(Half{});
+  else
+    product(float{});
   return ffi::Error::Success();
 }
 
 template <int BITS>
-ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                 ffi::Buffer<ffi::F32> scales, ffi::ResultBuffer<ffi::F32> y) {
+ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
+                 ffi::ResultBuffer<ffi::F32> y) {
   return Run<BITS, false>(pool, x, values, scales, nullptr, y);
 }
 
 template <int BITS>
 ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                       ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::F32> offsets,
-                       ffi::ResultBuffer<ffi::F32> y) {
-  const auto sd = scales.dimensions();
-  const auto od = offsets.dimensions();
-  if (od.size() != 3 || sd.size() != 3 || od[0] != sd[0] || od[1] != sd[1] || od[2] != sd[2])
-    return ffi::Error::InvalidArgument("quantized_panel_matmul: offsets and scales differ in shape");
-  return Run<BITS, true>(pool, x, values, scales, offsets.typed_data(), y);
+                       ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y) {
+  return Run<BITS, true>(pool, x, values, scales, &offsets, y);
 }
 
 }  // namespace
@@ -265,7 +396,7 @@ ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                     .Ctx<ffi::ThreadPool>()      \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::AnyBuffer>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 #define SPECJAX_WITH_OFFSETS(name, bits)                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, WithOffsets<bits>,         \
@@ -273,8 +404,8 @@ ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                     .Ctx<ffi::ThreadPool>()      \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::AnyBuffer>()       \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::AnyBuffer>()       \
+                                    .Arg<ffi::AnyBuffer>()       \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 SPECJAX_PLAIN(QuantMatmulInt8, 8)

@@ -141,7 +141,10 @@ class QuantizedPanelWeight:
 
     values: bits 8: int8 [P, D_in, 16], one 16-byte row per input row; bits 4: uint8
     [P, D_in // 2, 16], one 16-byte row per pair of input rows (2i in the low nibble, 2i + 1 in
-    the high one, as in QuantizedWeight). scales and offsets: float32 [P, D_in // group, 16]."""
+    the high one, as in QuantizedWeight). scales and offsets: [P, D_in // group, 16], float16
+    where every one of them is a float16 exactly (GGUF's Q8_0, Q4_0 and Q4_1 store theirs so),
+    else float32: decoding reads every byte once per step, and a Q4_1 weight's float32 scales and
+    offsets were a third of its bytes (24 per 32 values, 20 with float16, as in the file)."""
 
     values: jax.Array
     scales: jax.Array
@@ -166,7 +169,9 @@ class QuantizedPanelWeight:
 
 def pack_quantized(w: QuantizedWeight) -> QuantizedPanelWeight:
     """A QuantizedWeight [D_in, D_out] as panels (a copy; see QuantizedPanelWeight). Scales and
-    offsets become float32. FP8 values have no kernel here (models/llama.py, `pack_panels`)."""
+    offsets become float16 where each of them is one exactly (checked on concrete arrays; traced
+    ones stay float32), else float32. FP8 values have no kernel here (models/llama.py,
+    `pack_panels`)."""
     if is_fp8(w):
         raise ValueError("pack_quantized: FP8 values have no quantized CPU kernel; pack them dequantized")
     if w.bits not in (8, 4) or len(w.values.shape) != 2:
@@ -187,14 +192,25 @@ def pack_quantized(w: QuantizedWeight) -> QuantizedPanelWeight:
         return a.reshape(a.shape[0], num_panels, PANEL).transpose(1, 0, 2)
 
     values_dtype = jnp.int8 if w.bits == 8 else jnp.uint8
+    meta = [a for a in (w.scales, w.offsets) if a is not None]
+    meta_dtype = jnp.float16 if all(_exactly_float16(a) for a in meta) else jnp.float32
     return QuantizedPanelWeight(
         values=panels(w.values, values_dtype),
-        scales=panels(w.scales, jnp.float32),
-        offsets=None if w.offsets is None else panels(w.offsets, jnp.float32),
+        scales=panels(w.scales, meta_dtype),
+        offsets=None if w.offsets is None else panels(w.offsets, meta_dtype),
         bits=w.bits,
         group=w.group,
         d_out=d_out,
     )
+
+
+def _exactly_float16(a) -> bool:
+    """Whether every value of `a` is a float16 exactly (False for a traced array)."""
+    if isinstance(a, jax.core.Tracer):
+        return False
+    a = np.asarray(a, np.float32)
+    with np.errstate(over="ignore"):
+        return bool(np.array_equal(a.astype(np.float16).astype(np.float32), a))
 
 
 def unpack_quantized(w: QuantizedPanelWeight) -> QuantizedWeight:
@@ -203,8 +219,9 @@ def unpack_quantized(w: QuantizedPanelWeight) -> QuantizedWeight:
     def columns(a):  # [P, rows, 16] -> [rows, D_out]
         return a.transpose(1, 0, 2).reshape(a.shape[1], -1)[:, : w.d_out]
 
-    offsets = None if w.offsets is None else columns(w.offsets)
-    return QuantizedWeight(columns(w.values), columns(w.scales), offsets, bits=w.bits, group=w.group)
+    offsets = None if w.offsets is None else columns(w.offsets).astype(jnp.float32)
+    scales = columns(w.scales).astype(jnp.float32)
+    return QuantizedWeight(columns(w.values), scales, offsets, bits=w.bits, group=w.group)
 
 
 def quantized_panel_matmul(x: jax.Array, w: QuantizedPanelWeight) -> jax.Array:
