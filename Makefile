@@ -52,10 +52,12 @@ heads: $(STAMP)
 	$(VENV)/bin/specjax train-eagle $(HEADS_SET) --out heads/eagle --steps 400 --unroll 2
 	$(VENV)/bin/specjax train-eagle3 $(HEADS_SET) --out heads/eagle3 --steps 400 --unroll 3
 	$(VENV)/bin/specjax train-dflash $(HEADS_SET) --out heads/dflash --steps 400 --block 8
-	# These two draft from the whole vocabulary (no --draft-vocab). The MLP speculator's 3 stages
-	# hold 170M parameters at that width (680 MB, not committed); 40 steps took 11 minutes on the
-	# loaded CPU of 2026-11-26 (docs/benchmarks.md), train-mtp's 200 steps 7 minutes.
-	$(VENV)/bin/specjax train-mlp-speculator $(HEADS_DATA) --out heads/mlp_speculator --steps 40
+	# These two draft from the whole vocabulary (no --draft-vocab) and score 64 random positions of
+	# each sequence a step (--positions' default). The MLP speculator's 3 stages hold 170M parameters
+	# at that width (680 MB, not committed); its 150 steps took 21 minutes on the CPU of 2026-11-28
+	# shared with other jobs (a step 9 s, 35 s scoring every position: benchmarks/mlp_speculator_step.py,
+	# docs/benchmarks.md), train-mtp's 200 steps 7 minutes on 2026-11-26.
+	$(VENV)/bin/specjax train-mlp-speculator $(HEADS_DATA) --out heads/mlp_speculator --steps 150
 	$(VENV)/bin/specjax train-mtp $(HEADS_DATA) --out heads/mtp --steps 200
 
 # Heads for open-ended chat (not committed; about 110 minutes here, see docs/notes/benchmarks-history.md): the

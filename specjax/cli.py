@@ -233,7 +233,9 @@ def train_dflash_command(args: argparse.Namespace) -> None:
 def train_mlp_speculator_command(args: argparse.Namespace) -> None:
     from specjax.train import train_mlp_speculator
 
-    path = train_head(args, train_mlp_speculator, n_predict=args.n_predict)
+    path = train_head(
+        args, train_mlp_speculator, n_predict=args.n_predict, positions_per_sequence=args.positions or None
+    )
     print(f"saved an MLP speculator ({args.n_predict} stages) to {path}", file=sys.stderr)
 
 
@@ -766,6 +768,17 @@ def add_training_options(
     )
 
 
+def add_positions_option(command: argparse.ArgumentParser) -> None:
+    """--positions, for trainers whose heads predict from each position alone (MLP speculator, MTP):
+    their `positions_per_sequence`, 0 for None."""
+    command.add_argument(
+        "--positions",
+        type=non_negative_int,
+        default=64,
+        help="positions scored per sequence and step, at random (default 64; 0: all of them)",
+    )
+
+
 class UsageError(Exception):
     """A bad command line, already worded `specjax <command>: error: ...`."""
 
@@ -844,6 +857,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_training_options(mlp, learning_rate=1e-3, draft_vocab=False)
     mlp.add_argument("--n-predict", type=positive_int, default=3, help="stages, tokens drafted (default 3)")
+    add_positions_option(mlp)
     mlp.set_defaults(run=train_mlp_speculator_command)
     mtp = commands.add_parser(
         "train-mtp",
@@ -858,12 +872,7 @@ def parser() -> argparse.ArgumentParser:
         default="last_layer",
         help="each layer's start: the target's last layer and final norm (default), or random",
     )
-    mtp.add_argument(
-        "--positions",
-        type=non_negative_int,
-        default=64,
-        help="positions scored per sequence and step, at random (default 64; 0: all of them)",
-    )
+    add_positions_option(mtp)
     mtp.set_defaults(run=train_mtp_command)
     return main
 

@@ -266,9 +266,9 @@ def trained_medusa(
 def trained_mlp_speculator(target: Model, data=None, steps: int = 400, **options) -> MLPSpeculatorHead:
     """An MLP speculator trained by `specjax.train.train_mlp_speculator` (seeded) on `data`
     (default: `own_continuations(target)`); `options` are the trainer's (n_predict, inner_dim,
-    tie_weights, scale_input). Over `layered_target(11)` a chain of 3 accepted 41-48% of its
-    drafts at batch 4 here (untied, and tied with scale_input and inner_dim 32) after 400 steps on
-    64 continuations, 34% after 300 steps on 32."""
+    tie_weights, scale_input, positions_per_sequence). Over `layered_target(11)` a chain of 3
+    accepted 41-48% of its drafts at batch 4 here (untied, and tied with scale_input and inner_dim
+    32) after 400 steps on 64 continuations, 34% after 300 steps on 32 (every position scored)."""
     data = own_continuations(target) if data is None else data
     return train_mlp_speculator(target, data, steps=steps, learning_rate=1e-2, progress=False, **options)
 

@@ -128,6 +128,14 @@ BAD_ARGUMENTS = [
     (["generate", "hi", "--quantization", "int3"], "argument --quantization: invalid choice: 'int3'"),
     (["serve", "m", "--group-size", "0"], "argument --group-size: must be an integer >= 1, got '0'"),
     (
+        ["train-mlp-speculator", "--out", "o", "--positions", "-1"],
+        "argument --positions: must be an integer >= 0",
+    ),
+    (
+        ["train-mtp", "--out", "o", "--positions", "all"],
+        "argument --positions: must be an integer >= 0, got 'all'",
+    ),
+    (
         ["generate", "hi", "--quantization", "int8", "--group-size", "32"],
         "group_size is for quantization='int4'",
     ),
@@ -139,7 +147,11 @@ def test_bad_arguments_are_one_line(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
-    command = argv[0] if argv[0] in ("generate", "bench", "ablate", "serve") else None
+    command = (
+        argv[0]
+        if argv[0] in ("generate", "bench", "ablate", "serve", "train-mlp-speculator", "train-mtp")
+        else None
+    )
     assert err.count("\n") == 1, err
     assert err.startswith(f"specjax {command}: error: " if command else "specjax: error: ")
     assert message.replace("{tmp}", str(tmp_path)) in err
@@ -565,7 +577,7 @@ def test_train_mtp_and_mlp_speculator_commands_share_the_set(tmp_path, tiny_targ
     data_file = tmp_path / "set.npz"
     mtp = ["--layers", "2", "--positions", "4", "--data", str(data_file)]
     assert cli.main(_argv("train-mtp", tmp_path, tmp_path / "mtp", *mtp)) == 0
-    mlp = ["--n-predict", "2", "--data", str(data_file)]
+    mlp = ["--n-predict", "2", "--positions", "0", "--data", str(data_file)]
     assert cli.main(_argv("train-mlp-speculator", tmp_path, tmp_path / "mlp", *mlp)) == 0
     assert tiny_target.generated == 2  # generated once, for the first
     model = tiny_target.model
@@ -574,6 +586,7 @@ def test_train_mtp_and_mlp_speculator_commands_share_the_set(tmp_path, tiny_targ
     assert layers.meta["positions_per_sequence"] == 4 and layers.meta["num_prompts"] == 5
     speculator = load_head(tmp_path / "mlp" / "head", model)
     assert isinstance(speculator, specjax.models.MLPSpeculatorHead) and speculator.config.n_predict == 2
+    assert speculator.meta["positions_per_sequence"] is None  # --positions 0: every position
     plain = specjax.generate(model, ["abc"], max_new_tokens=8).tokens
     drafted = specjax.generate(model.with_mtp(layers), ["abc"], proposer=specjax.MTP(k=2), max_new_tokens=8)
     assert drafted.tokens == plain

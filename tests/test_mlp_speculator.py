@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from drafters import check_acceptance, layered_target, own_continuations, trained_mlp_speculator
-from scipy.special import erf
+from scipy.special import erf, logsumexp
 from tiny import tiny_model
 
 import specjax
@@ -29,6 +29,7 @@ from specjax.models.tensors import of_array, write_safetensors
 from specjax.speculate.proposers.base import LastHiddenState
 from specjax.speculate.sampling import SamplingParams, WarpSpec
 from specjax.train import mlp_speculator_loss, save_head
+from specjax.train.common import scored_positions
 
 TARGET = layered_target(seed=11, late_scale=0.3)
 E, V = TARGET.config.hidden_size, TARGET.config.vocab_size
@@ -174,6 +175,54 @@ def test_save_head_writes_the_published_format_back(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_loss_at_scored_positions_is_the_full_loss_restricted_to_them(tmp_path):
+    """`mlp_speculator_loss` at scored positions [B, A] equals a float64 reference computed at every
+    position: each stage's teacher-forced cross-entropy and top-1 agreement from `reference_logits`,
+    kept where the stage's token is in the row and weighted by how often the position is scored (a
+    position drawn twice counts twice; scored=None: every position once). Positions drawn by
+    `scored_positions` (each with every stage's token in its row) and chosen by hand (repeats, and
+    positions near a row's end where only the first stages, or none, are scored)."""
+    config, tensors = published_speculator(tmp_path / "head", 48, False, True)
+    head = specjax.load_head(tmp_path / "head", TARGET)
+    rng = np.random.default_rng(2)
+    B, T, n = 3, 12, N_PREDICT
+    lengths = np.array([12, 9, 6])
+    hidden = rng.normal(size=(B, T, E)).astype(np.float32)
+    tokens = rng.integers(0, V, size=(B, T))
+    for t in range(T - 2):  # half the tokens stage 0's argmax, so that agreement is not all zero
+        if rng.random() < 0.5:
+            tokens[:, t + 2] = reference_logits(config, tensors, hidden[:, t], tokens[:, t + 1 : t + 2])[
+                :, 0
+            ].argmax(-1)
+    mask = np.arange(T) < lengths[:, None]
+    tokens = np.where(mask, tokens, 0).astype(np.int32)
+    padded = np.concatenate([tokens, np.zeros((B, n + 1), np.int32)], axis=1)
+    ahead = np.stack([padded[:, 1 + i : 1 + i + T] for i in range(n + 1)], axis=-1)  # [B, T, n+1]
+    logits = reference_logits(config, tensors, hidden.reshape(B * T, E), ahead[..., :n].reshape(B * T, n))
+    logits = logits.reshape(B, T, n, V)
+    labels = ahead[..., 1:]  # [B, T, n]: stage i's token, t + 2 + i
+    cross_entropy = logsumexp(logits, -1) - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    correct = logits.argmax(-1) == labels
+    valid = np.arange(T)[None, :, None] + 2 + np.arange(n) < lengths[:, None, None]  # [B, T, n]
+
+    drawn = np.asarray(scored_positions(jax.random.key(5), jnp.asarray(mask), 16, n + 2))  # [B, 16]
+    assert (drawn + n + 1 < lengths[:, None]).all()  # every stage's token in the row
+    by_hand = np.array([[0, 4, 4, 9, 11], [1, 6, 6, 7, 8], [0, 2, 3, 3, 5]], np.int32)
+    loss = jax.jit(mlp_speculator_loss, static_argnums=1)
+    for scored in (None, drawn, by_hand):
+        times = (
+            np.ones((B, T)) if scored is None else np.stack([np.bincount(row, minlength=T) for row in scored])
+        )
+        weight = times[..., None] * valid  # [B, T, n]
+        want_loss = (weight * cross_entropy).sum((0, 1)) / weight.sum((0, 1))
+        want_accuracy = (weight * correct).sum((0, 1)) / weight.sum((0, 1))
+        got, metrics = loss(head.params, head.config, hidden, tokens, mask, scored)
+        np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-4)
+        np.testing.assert_allclose(float(got), want_loss.mean(), rtol=1e-4)
+        np.testing.assert_allclose(metrics["accuracy"], want_accuracy, rtol=1e-6)
+        assert want_accuracy[0] > 0.2, want_accuracy
+
+
 # ---------------------------------------------------------------------------------------------
 # Trained here, in the loop
 
@@ -184,8 +233,13 @@ def data():
 
 
 @pytest.fixture(scope="module")
-def trained(data):
-    return trained_mlp_speculator(TARGET, data, steps=300, n_predict=N_PREDICT)
+def trained(data):  # every position scored at every step
+    return trained_mlp_speculator(TARGET, data, steps=300, n_predict=N_PREDICT, positions_per_sequence=None)
+
+
+@pytest.fixture(scope="module")
+def trained_at_positions(data):  # 8 random positions of each 48 scored a step (the default is 64)
+    return trained_mlp_speculator(TARGET, data, steps=300, n_predict=N_PREDICT, positions_per_sequence=8)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +254,10 @@ def test_trained_speculator_decodes_losslessly_and_accepts_part(trained, plain):
     check_acceptance(result.metrics, 0.2, 0.8)
 
 
-def test_training_lowers_the_loss_and_raises_agreement(trained, data):
+@pytest.mark.parametrize("run, positions", [("trained", None), ("trained_at_positions", 8)])
+def test_training_lowers_the_loss_and_raises_agreement(run, positions, data, request):
+    """Over every position of the set, whether training scored all of them or 8 a sequence."""
+    trained = request.getfixturevalue(run)
     fresh = MLPSpeculatorHead.init(TARGET, n_predict=N_PREDICT, key=jax.random.key(0))  # the trainer's start
     batch = (jnp.asarray(data.hidden), jnp.asarray(data.tokens), jnp.asarray(data.mask))
     loss = jax.jit(mlp_speculator_loss, static_argnums=1)
@@ -209,6 +266,7 @@ def test_training_lowers_the_loss_and_raises_agreement(trained, data):
     assert float(after) < 0.5 * float(before), (float(before), float(after))
     assert (np.asarray(after_metrics["accuracy"]) > np.asarray(before_metrics["accuracy"]) + 0.2).all()
     assert trained.meta["trainer"] == "specjax.train.train_mlp_speculator"
+    assert trained.meta["positions_per_sequence"] == positions
 
 
 @pytest.mark.slow  # the batch-4 test above is the default case
@@ -224,7 +282,13 @@ def test_trained_speculator_at_batch_one_and_shorter_k(trained, plain):
 @pytest.mark.slow  # ~15 s: a second training run
 def test_tied_scaled_speculator_trained_here_is_lossless(data, plain, tmp_path):
     head = trained_mlp_speculator(
-        TARGET, data, n_predict=N_PREDICT, inner_dim=32, tie_weights=True, scale_input=True
+        TARGET,
+        data,
+        n_predict=N_PREDICT,
+        inner_dim=32,
+        tie_weights=True,
+        scale_input=True,
+        positions_per_sequence=None,
     )
     save_head(tmp_path / "head", head)
     head = specjax.load_head(tmp_path / "head", TARGET)

@@ -1,8 +1,8 @@
 """EAGLE-3 and DFlash training (specjax.train) on a tiny random target: each loss scores what
 drafting does (checked against the library's drafting path), training lowers it and raises the
 heads' agreement with the target, runs are deterministic per seed and resume to the same params
-(MTP layers' runs too, tests/test_train_mtp.py has the rest of theirs), and the trained heads
-decode losslessly."""
+(MTP layers' and MLP speculators' runs too, tests/test_train_mtp.py and tests/test_mlp_speculator.py
+have the rest of theirs), and the trained heads decode losslessly."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from specjax.train import distill_data
 from specjax.train.data import target_features
 from specjax.train.dflash import dflash_loss, evaluate_dflash, train_dflash
 from specjax.train.eagle3 import eagle3_loss, evaluate_eagle3, train_eagle3
+from specjax.train.mlp_speculator import train_mlp_speculator
 from specjax.train.mtp import train_mtp
 
 TARGET = tiny_model(seed=11, num_layers=4)
@@ -40,6 +41,8 @@ DFLASH = dict(
     progress=False,
 )
 MTP = dict(positions_per_sequence=8, steps=20, batch_size=4, learning_rate=1e-2, progress=False)
+MLP_SPECULATOR = dict(n_predict=2, **MTP)
+SETTINGS = {train_eagle3: EAGLE3, train_dflash: DFLASH, train_mlp_speculator: MLP_SPECULATOR}
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +204,9 @@ def test_dflash_training_lowers_the_loss_and_raises_agreement(data, dflash_head)
         (train_eagle3, EAGLE3),
         (train_dflash, DFLASH),
         pytest.param(train_mtp, MTP, marks=pytest.mark.slow),  # ~10 s: four short runs
+        (train_mlp_speculator, MLP_SPECULATOR),
     ],
-    ids=["eagle3", "dflash", "mtp"],
+    ids=["eagle3", "dflash", "mtp", "mlp_speculator"],
 )
 def test_deterministic_and_resumable(data, train, settings, tmp_path, monkeypatch):
     first = train(TARGET, data, **settings)
@@ -239,9 +243,17 @@ def test_trained_heads_decode_losslessly(eagle3_head, dflash_head):
         (train_dflash, "block_size", 1, "block_size must be an integer >= 2"),
         (train_dflash, "anchors_per_sequence", 0, "anchors_per_sequence must be an integer >= 1"),
         (train_dflash, "gamma", -1.0, "gamma must be a finite number > 0"),
+        *[
+            (
+                train_mlp_speculator,
+                "positions_per_sequence",
+                v,
+                f"positions_per_sequence must be an integer >= 1, got {v}",
+            )
+            for v in (0, 8.0, True)
+        ],
     ],
 )
 def test_bad_arguments(data, train, argument, value, message):
-    settings = EAGLE3 if train is train_eagle3 else DFLASH
     with pytest.raises(ValueError, match=message):
-        train(TARGET, data, **{**settings, argument: value})
+        train(TARGET, data, **{**SETTINGS[train], argument: value})

@@ -1,5 +1,6 @@
-"""What the head trainers (Medusa, EAGLE, EAGLE-3, DFlash) share: argument checks, the optimizer
-and its jitted step, the seeded batch order, the progress bar and the checkpointed training loop."""
+"""What the head trainers (Medusa, EAGLE, EAGLE-3, DFlash, MLP speculator, MTP) share: argument
+checks, the optimizer and its jitted step, the seeded batch order, the progress bar, the
+checkpointed training loop, the teacher-forced tokens and the positions a step scores."""
 
 from __future__ import annotations
 
@@ -241,3 +242,38 @@ def per_head_loss(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> tup
     correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
     head_accuracy = (correct * valid).sum(axis=(0, 1)) / counts
     return head_loss.mean(), {"loss": head_loss, "accuracy": head_accuracy}
+
+
+def anchor_positions(key: jax.Array, mask: jax.Array, num_anchors: int, block: int) -> jax.Array:
+    """[B, A] random anchors per row, each with its whole block inside the row's sequence (rows
+    too short for one get anchors whose slots are all invalid, see `dflash_loss`)."""
+    lengths = mask.sum(axis=1)
+    room = jnp.maximum(lengths - block + 1, 1)  # anchors 0 .. length - block
+    u = jax.random.uniform(key, (mask.shape[0], num_anchors))
+    return jnp.minimum((u * room[:, None]).astype(jnp.int32), room[:, None] - 1)
+
+
+def check_positions_per_sequence(positions_per_sequence) -> None:
+    """None (every position) or an integer >= 1 (see `scored_positions`)."""
+    if positions_per_sequence is not None:
+        check_int("positions_per_sequence", positions_per_sequence, 1)
+
+
+def scored_positions(
+    key: jax.Array, mask: jax.Array, positions_per_sequence: int | None, span: int
+) -> jax.Array:
+    """The positions t a training step scores, [B, A]: with `positions_per_sequence` None every
+    position (A = T, in order), else that many per row drawn at random from `key` (with
+    replacement) among those whose tokens t .. t + span - 1 all lie in the row's sequence
+    (`anchor_positions`). Heads that predict from one position each (the MLP
+    speculator's stages, MTP layers) then take the vocabulary-wide logits, a step's main cost,
+    at these positions only."""
+    B, T = mask.shape
+    if positions_per_sequence is None:
+        return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return anchor_positions(key, mask, positions_per_sequence, span)
+
+
+def at_positions(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """x [B, T, ...] at positions [B, A] -> [B, A, ...]."""
+    return jax.vmap(lambda row, index: row[index])(x, positions)

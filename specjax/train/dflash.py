@@ -30,6 +30,7 @@ from specjax.models.model import Model
 from specjax.models.quantized import as_array
 from specjax.models.signature import target_signature
 from specjax.train.common import (
+    anchor_positions,
     batch_order,
     check_int,
     check_number,
@@ -38,15 +39,6 @@ from specjax.train.common import (
     train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data, choose_draft_vocab, target_features
-
-
-def anchor_positions(key: jax.Array, mask: jax.Array, num_anchors: int, block: int) -> jax.Array:
-    """[B, A] random anchors per row, each with its whole block inside the row's sequence (rows
-    too short for one get anchors whose slots are all invalid, see `dflash_loss`)."""
-    lengths = mask.sum(axis=1)
-    room = jnp.maximum(lengths - block + 1, 1)  # anchors 0 .. length - block
-    u = jax.random.uniform(key, (mask.shape[0], num_anchors))
-    return jnp.minimum((u * room[:, None]).astype(jnp.int32), room[:, None] - 1)
 
 
 def dflash_loss(

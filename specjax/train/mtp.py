@@ -29,16 +29,18 @@ from specjax.models.model import Model
 from specjax.models.mtp import MTPLayerParams, MTPLayers, init_mtp_layer, mtp_features, mtp_layer_config
 from specjax.models.signature import target_signature
 from specjax.train.common import (
+    at_positions,
     batch_order,
     check_int,
+    check_positions_per_sequence,
     head_meta,
     optimizer_settings,
     per_head_loss,
+    scored_positions,
     shifted_tokens,
     train_head_params,
 )
 from specjax.train.data import DistillationData, check_training_data
-from specjax.train.dflash import anchor_positions
 
 INITS = ("last_layer", "random")
 
@@ -68,10 +70,10 @@ def mtp_loss(
         features, _ = mtp_features(
             layer, config, embed, features, ahead[..., j], positions, cache, empty_cache=True
         )
-        outputs.append(jnp.take_along_axis(features, scored[..., None], axis=1))  # [B, A, D]
+        outputs.append(at_positions(features, scored))  # [B, A, D]
     logits = draft_logits(head_matrix, jnp.stack(outputs, axis=2))  # [B, A, M, V]
-    labels = jnp.take_along_axis(ahead[..., 1:], scored[..., None], axis=1)  # [B, A, M]
-    valid = jnp.take_along_axis(real[..., 1:] & mask[..., None], scored[..., None], axis=1)
+    labels = at_positions(ahead[..., 1:], scored)  # [B, A, M]
+    valid = at_positions(real[..., 1:] & mask[..., None], scored)
     return per_head_loss(logits, labels, valid)
 
 
@@ -81,11 +83,7 @@ def _objective(config: LlamaConfig, positions_per_sequence: int | None, num_laye
     object per setting, so the cached optimizer step compiles once for it."""
 
     def loss(layers, embed, head_matrix, hidden, tokens, mask, key):
-        B, T = tokens.shape
-        if positions_per_sequence is None:
-            scored = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        else:  # positions whose scored tokens (t + 2 .. t + 1 + M) lie in the sequence
-            scored = anchor_positions(key, mask, positions_per_sequence, num_layers + 2)
+        scored = scored_positions(key, mask, positions_per_sequence, num_layers + 2)  # tokens to t + 1 + M
         return mtp_loss(layers, config, embed, head_matrix, hidden, tokens, mask, scored)
 
     return loss
@@ -144,8 +142,7 @@ def train_mtp(
     """
     check_training_data(target, data)
     check_int("num_layers", num_layers, 1)
-    if positions_per_sequence is not None:
-        check_int("positions_per_sequence", positions_per_sequence, 1)
+    check_positions_per_sequence(positions_per_sequence)
     if num_layers + 2 > data.tokens.shape[1]:
         raise ValueError(
             f"data sequences must span at least num_layers + 2 = {num_layers + 2} positions, got "
