@@ -623,7 +623,8 @@ def generate(
     proposer's own cache (a draft model's, an EAGLE head's) follows its own weights.
 
     `kernels` picks the kernels (specjax/kernels/backend.py): "auto" (the platform's own: the CPU
-    kernels on a CPU, Pallas attention on a GPU or TPU), "xla" (plain XLA everywhere), or
+    kernels on a CPU, Pallas attention on a GPU or TPU for heads 64, 128 or 256 wide, plain XLA
+    attention for other heads), "xla" (plain XLA everywhere), or
     "pallas:tpu" / "pallas:cuda" (that accelerator's Pallas kernels, interpreted where the program
     runs elsewhere: slow, for checking their numerics). `matmul_precision` (jax's names:
     "default", "high", "highest", ...) is the precision of the products; default "highest" for a
@@ -637,9 +638,10 @@ def generate(
 
     `scan_layers`: run each run of decoder layers of one shape as one loop over their stacked weights
     (True), so that the program and its compile time stay the same size whatever the depth, or
-    unrolled (False). Default (None): scanned on GPUs and TPUs, unrolled on the CPU, where a loop
-    over stacked weights decodes 1.8x slower. Scanning stacks the layers' weights once per call:
-    a copy of them in device memory while the program runs.
+    unrolled (False). Default (None): unrolled on every platform, since XLA copies each layer's
+    slice out of the stack before its products: a decoding step 1.8x slower on the CPU, 2.5x on
+    an H200 (a bfloat16 8B model: 11.9 against 4.8 ms). Scanning stacks the layers' weights once
+    per call: a copy of them in device memory while the program runs.
 
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from

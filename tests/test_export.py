@@ -218,6 +218,28 @@ def test_bad_kernel_choices_are_refused():
         specjax.generate(TARGET, PROMPTS, matmul_precision="fp8", max_new_tokens=2)
 
 
+def test_heads_the_device_kernels_do_not_take_attend_with_xla_under_auto():
+    """A tiny model's heads (16 wide) are not a size the Pallas kernels are built for on a device:
+    kernels="auto" lowers its attention as plain XLA (the same program "xla" gives, no Pallas
+    call), where an explicit "pallas:cuda" names the head dim and what is allowed."""
+    tiny = tiny_model(seed=3)
+    assert tiny.config.head_dim == 16
+    auto = specjax.export_generate(tiny, PROMPTS, max_new_tokens=4, platforms=("cuda", "tpu"))
+    calls = custom_calls(auto)
+    assert "tpu_custom_call" not in calls and not calls & set(GPU_KERNELS), calls
+    xla = specjax.export_generate(tiny, PROMPTS, max_new_tokens=4, platforms=("cuda", "tpu"), kernels="xla")
+
+    def code(exported):  # the module without its source locations (the two calls' lines differ)
+        lines = exported.mlir_module().splitlines()
+        return [re.sub(r" loc\(#loc\d*\)", "", line) for line in lines if not line.startswith("#loc")]
+
+    assert code(auto) == code(xla)
+    with pytest.raises(
+        ValueError, match=r"head dim \(last axis of queries\) is 16; allowed for implementation 'cuda'"
+    ):
+        specjax.export_generate(tiny, PROMPTS, max_new_tokens=4, platforms=("cuda",), kernels="pallas:cuda")
+
+
 def test_bfloat16_keeps_the_platforms_default_precision():
     model = specjax.Model(TARGET.config, jax.tree.map(lambda x: x.astype(jnp.bfloat16), TARGET.params))
     exported = specjax.export_generate(model, PROMPTS, max_new_tokens=4, platforms=("cuda",))

@@ -25,7 +25,7 @@ from test_quantized import PROMPTS, assert_close
 
 import specjax
 from specjax.kernels import backend as backends
-from specjax.kernels.quantized import QuantizedWeight, dequantize, is_fp8, xla_product
+from specjax.kernels.quantized import PRODUCT_FORMS, QuantizedWeight, dequantize, is_fp8, xla_product
 from specjax.models import Model, forward, init_cache
 from specjax.models.llama import pack_panels
 from specjax.models.quantized import FP8_DTYPE, from_fp8, nbytes, quantize, quantize_params
@@ -71,8 +71,8 @@ def test_fp8_products_equal_a_float64_product(n_out, n_in, block):
     w = jax.tree.map(jnp.asarray, w)
     x = RNG.standard_normal((6, n_in)).astype(np.float32)
     want = x.astype(np.float64) @ reference
-    for grouped in (False, True):
-        assert_close(jax.jit(functools.partial(xla_product, grouped=grouped))(x, w), want)
+    for form in PRODUCT_FORMS:
+        assert_close(jax.jit(functools.partial(xla_product, form=form))(x, w), want)
     for platforms in (("cpu",), ("cuda",)):
         on = backends.Backend(platforms, kernels="xla")
         with on.tracing():

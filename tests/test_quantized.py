@@ -37,7 +37,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax.kernels import backend as backends
-from specjax.kernels.quantized import QuantizedWeight, dequantize, xla_product
+from specjax.kernels.quantized import PRODUCT_FORMS, QuantizedWeight, dequantize, xla_product
 from specjax.models import Model, forward, init_cache
 from specjax.models.quantized import (
     FP8_DTYPE,
@@ -141,8 +141,8 @@ def test_products_equal_a_float64_product(name, rows):
     w = jax.tree.map(jnp.asarray, w)
     x = RNG.standard_normal((rows, D_IN)).astype(np.float32)
     want = x.astype(np.float64) @ reference
-    for grouped in (False, True):
-        assert_close(jax.jit(functools.partial(xla_product, grouped=grouped))(x, w), want)
+    for form in PRODUCT_FORMS:
+        assert_close(jax.jit(functools.partial(xla_product, form=form))(x, w), want)
     for platforms in (("cpu",), ("cuda",)):  # the seam's products, as a program for each traces them
         on = backends.Backend(platforms, kernels="xla")
         with on.tracing():

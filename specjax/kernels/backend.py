@@ -70,7 +70,7 @@ class Backend:
     # panel weights have no sharding rule.
     sharded: bool = False
     # Whether the decoder layers run as a loop over stacked weights (models/llama.py, LayerStack)
-    # rather than unrolled; None: on accelerators, not on the CPU (see `scans_layers`).
+    # rather than unrolled; None: unrolled (see `scans_layers`).
     scan_layers: bool | None = None
 
     def __post_init__(self):
@@ -94,10 +94,14 @@ class Backend:
     def scans_layers(self) -> bool:
         """Whether the decoder layers run as one loop per run of layers of one shape over stacked
         weights and a stacked cache: the program, and its compile time, then stay the same size
-        whatever the depth. On by default on accelerators. Off by default on the CPU, where
-        XLA:CPU copies each layer's slice of a stacked weight before multiplying (a SmolLM2 step
-        1.8x slower, models/llama.py) and the FFI kernels want each layer's weights as panels."""
-        return not self.cpu_only if self.scan_layers is None else self.scan_layers
+        whatever the depth. Off unless asked for (scan_layers=True), on every platform, because
+        XLA copies each layer's slice of a stacked weight out of the stack before multiplying,
+        so a decoding step writes and reads every weight once more: on the CPU a SmolLM2 step ran
+        1.8x slower (models/llama.py, and the FFI kernels want each layer's weights as panels),
+        on an H200 a bfloat16 Llama-3.1-8B-shaped step 11.9 ms scanned against 4.8 ms unrolled
+        (docs/benchmarks.md, "The accelerator path on a GPU"). Scanning is for programs whose
+        size or compile time matters more than their speed (an export of a very deep model)."""
+        return False if self.scan_layers is None else self.scan_layers
 
     @property
     def cpu_kernels(self) -> bool:
@@ -107,10 +111,21 @@ class Backend:
             return False
         return not self.scans_layers and cpu_kernels.enabled()
 
-    def pallas_platforms(self) -> tuple[str, ...]:
-        """The platforms whose attention runs Pallas kernels, each by its own kernel."""
+    def pallas_platforms(self, head_dim: int | None = None) -> tuple[str, ...]:
+        """The platforms whose attention runs Pallas kernels, each by its own kernel, for heads of
+        `head_dim` (None: whatever the head dim). With kernels "auto", heads the device kernels are
+        not built for (a tiny test model's 16 or 32, outside PALLAS_HEAD_DIMS) attend with plain
+        XLA on every platform, as "xla" would; an explicit "pallas:..." keeps the kernels, which
+        take such heads in interpret mode only and raise on the device."""
         if self.kernels == "auto":
-            return tuple(p for p in self.platforms if p in ACCELERATORS)
+            accelerators = tuple(p for p in self.platforms if p in ACCELERATORS)
+            if (
+                accelerators
+                and head_dim is not None
+                and head_dim not in _attention_kernels().PALLAS_HEAD_DIMS
+            ):
+                return ()
+            return accelerators
         if self.kernels.startswith("pallas:"):
             return self.platforms
         return ()
@@ -151,7 +166,7 @@ class Backend:
         if isinstance(w, QuantizedPanelWeight):
             return quantized_panel_matmul(x, w).astype(x.dtype)
         if isinstance(w, QuantizedWeight):
-            return xla_product(x, w)
+            return xla_product(x, w, form=self.quantized_product_form)
         rows = math.prod(x.shape[:-1])
         d_in, d_out = w.shape
         if not self.cpu_only or not 0 < rows <= 2 or d_in % 2 or w.dtype != jnp.float32:
@@ -160,6 +175,14 @@ class Backend:
         flat = x.reshape(rows, 2, 1, d_in // 2)
         out = [jnp.einsum("hre,hed->hrd", flat[r], w_halves).sum(0) for r in range(rows)]
         return jnp.concatenate(out, 0).reshape(*x.shape[:-1], d_out)
+
+    @property
+    def quantized_product_form(self) -> str:
+        """How a QuantizedWeight's product is written for XLA (`quantized.xla_product`): its
+        integers converted inside the product on accelerators, where XLA:GPU fuses that and not
+        the whole dequantization (an int8 [4096, 14336] product at one row 159 -> 78 us, int4 244
+        -> 143 us on an H200); dequantized first on the CPU, the faster there."""
+        return "dequantize" if self.cpu_only else "in_product"
 
     def product_f32(self, x: jax.Array, w) -> jax.Array:
         """x [N, D_in] @ w [D_in, D_out] accumulated and returned in float32 (an LM head's
@@ -170,7 +193,7 @@ class Backend:
         if isinstance(w, QuantizedPanelWeight):
             return quantized_panel_matmul(x, w)
         if isinstance(w, QuantizedWeight):
-            return xla_product(x, w, jnp.float32)
+            return xla_product(x, w, jnp.float32, form=self.quantized_product_form)
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
 
     def head_product(self, rows: jax.Array, embed: jax.Array) -> jax.Array:
@@ -209,18 +232,18 @@ class Backend:
             # The C++ kernel computes in float32: for other dtypes it would convert the cache.
             ok = head_dim in cpu_kernels.ATTENTION_HEAD_DIMS and jnp.dtype(dtype) == jnp.float32
             return cpu_kernels.cache_attention if ok else None
-        platforms = self.pallas_platforms()
+        platforms = self.pallas_platforms(head_dim)
         if not platforms:
             return None
         return functools.partial(_by_platform, self, "cache_attention", platforms)
 
-    def prefill_attention(self) -> Callable | None:
-        """The blocked attention of a prefill into an empty cache, with the contract of
-        `specjax.kernels.attention.prefill_attention`, or None where the model's own chunked
-        XLA form runs (the CPU, tuned for it)."""
+    def prefill_attention(self, head_dim: int | None = None) -> Callable | None:
+        """The blocked attention of a prefill into an empty cache for heads of `head_dim`, with
+        the contract of `specjax.kernels.attention.prefill_attention`, or None where the model's
+        own chunked XLA form runs (the CPU, tuned for it)."""
         if self.cpu_only and self.kernels in ("auto", "xla"):
             return None
-        platforms = self.pallas_platforms()
+        platforms = self.pallas_platforms(head_dim)
         if not platforms:
             return functools.partial(_attention_kernels().prefill_attention, implementation="xla")
         return functools.partial(_by_platform, self, "prefill_attention", platforms)

@@ -92,35 +92,57 @@ def dequantize(w: QuantizedWeight, dtype=None) -> jax.Array:
     return out if dtype is None else out.astype(dtype)
 
 
-def xla_product(x: jax.Array, w: QuantizedWeight, out_dtype=None, grouped: bool = False) -> jax.Array:
-    """x [..., D_in] @ W [D_in, D_out]: [..., D_out] in `out_dtype` (default x's dtype),
-    accumulated in float32, W's dequantization written for XLA to fuse into the product.
+PRODUCT_FORMS = ("dequantize", "grouped", "in_product")
 
-    Two forms, equal up to float32 summation order:
-    - dequantize then dot (the default): W = q * scales + offsets in float, then one product. On
-      an accelerator XLA can fuse the elementwise dequantization into the product's operand (its
-      GPU GEMM fusions take a convert and a multiply on an operand; not measured here, this task
-      had no accelerator), so W need not land in memory; its working memory does not grow with
-      the rows.
-    - grouped (`grouped=True`): per group g the product with the integers, scaled after:
-      out = sum_g scales[g] * (x_g @ q_g) + (sum_i x_g) @ offsets. Its intermediate is
-      [N, D_in / group, D_out]: larger than the weight itself from `group` rows on (a prefill).
+
+def xla_product(x: jax.Array, w: QuantizedWeight, out_dtype=None, form: str = "dequantize") -> jax.Array:
+    """x [..., D_in] @ W [D_in, D_out]: [..., D_out] in `out_dtype` (default x's dtype),
+    accumulated in float32. Three ways to write it for XLA, equal up to float32 summation order:
+
+    - "dequantize": W = q * scales + offsets in float, then one product (`dequantize`).
+    - "grouped": per group g the product with the integers, scaled after: out = sum_g
+      scales[g] * (x_g @ q_g) + (sum_i x_g) @ offsets. Its intermediate is [N, D_in / group,
+      D_out]: larger than the weight itself from `group` rows on (a prefill).
+    - "in_product": the integers converted inside the product, the scaling outside it or on
+      half as many values. A weight with one group along D_in (int8 with a scale per output
+      channel, FP8 likewise) is (x @ q) * scales; a 4-bit weight is two products, the low
+      nibbles (the even inputs) against x's even inputs and the high nibbles against its odd
+      ones, each half dequantized without interleaving the nibbles. Other weights (int8 in
+      groups, as GGUF's Q8_0 and Q6_K) are dequantized as "dequantize" does.
+
+    Measured on an H200 (XLA:GPU, jax 0.11.2, bfloat16 inputs, a [4096, 14336] product chained
+    over 8 distinct weights, microseconds at 1 / 8 rows; benchmarks/accelerator_step.py --parts
+    products): bfloat16 weights 56 / 71; int8 "dequantize" 159 / 158, "grouped" 106 / 57,
+    "in_product" 78 / 54; int4 (groups of 32) "dequantize" 244 / 237, "grouped" 177 / 262,
+    "in_product" 143 / 129. XLA:GPU fuses the conversion of the integers into the product but
+    not the dequantization's interleaving and scaling, which then writes W in bfloat16 and reads
+    it again; hence "in_product" on accelerators (the backend seam's choice). Even so a 4-bit
+    product ran at about half the speed of a bfloat16 one there: reading 4 bits a weight at the
+    memory's speed needs a kernel of its own.
     Measured on this project's 2-core CPU (XLA:CPU, float32, a [576, 1536] weight, best of 7
     under a shared load; microseconds at 1 / 2 / 6 / 64 / 512 rows): int8 (one group) grouped
     918 / 720 / 1241 / 3858 / 46818, dequantize-then-dot 244 / 352 / 456 / 4025 / 30990; int4
     (groups of 32) grouped 447 / 4341 / 2904 / 6651 / 208262, dequantize-then-dot 332 / 511 / 576 /
     2000 / 26278 (a float32 product: 148 / 319 / 312 / 5129 / 33000). XLA:CPU fuses neither:
     it converts the integers to float first, and the grouped form then runs G small products.
-    Dequantize-then-dot is the faster at every size but one there, hence the default everywhere
-    (the CPU's own quantized kernels are specjax.kernels', not this).
+    Dequantize-then-dot is the faster at every size but one there, hence XLA:CPU's form (the
+    CPU's own quantized kernels are specjax.kernels', not this).
     """
+    if form not in PRODUCT_FORMS:
+        raise ValueError(f"xla_product: form must be one of {PRODUCT_FORMS}, got {form!r}")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     d_in, d_out = w.shape[-2:]
     if x.shape[-1] != d_in:
         raise ValueError(f"xla_product: x has {x.shape[-1]} features, the weight {d_in} inputs")
     rows = math.prod(x.shape[:-1])
     compute = jnp.float32 if x.dtype == jnp.float32 else x.dtype
-    if not grouped:
+    one_group = w.scales.shape[-2] == 1
+    if form == "in_product" and w.bits == 8 and one_group and w.offsets is None:
+        product = jnp.matmul(x.astype(compute), w.values.astype(compute), preferred_element_type=jnp.float32)
+        return (product * w.scales[..., 0, :].astype(jnp.float32)).astype(out_dtype)
+    if form == "in_product" and w.bits == 4:
+        return _nibble_halves(x.astype(compute), w).astype(out_dtype)
+    if form != "grouped":
         product = jnp.matmul(x, dequantize(w, compute), preferred_element_type=jnp.float32)
         return product.astype(out_dtype)
     groups = w.scales.shape[-2]
@@ -132,6 +154,24 @@ def xla_product(x: jax.Array, w: QuantizedWeight, out_dtype=None, grouped: bool 
         sums = jnp.sum(flat.astype(jnp.float32), axis=-1)  # [N, G]
         out = out + sums @ w.offsets.astype(jnp.float32)
     return out.reshape(*x.shape[:-1], d_out).astype(out_dtype)
+
+
+def _nibble_halves(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+    """x @ W (float32) for a 4-bit W: row 2i of W is the low nibble of packed row i, row 2i + 1
+    its high nibble, so x @ W = x[even] @ W_low + x[odd] @ W_high; a group of g inputs is g / 2
+    rows of each half, whose scales and offsets it shares."""
+    *lead, half, d_out = w.values.shape
+    groups = w.scales.shape[-2]
+
+    def dequantized(nibbles):  # [..., D_in / 2, D_out] in x's dtype
+        q = nibbles.astype(x.dtype).reshape(*lead, groups, half // groups, d_out)
+        out = q * w.scales[..., :, None, :].astype(x.dtype)
+        if w.offsets is not None:
+            out = out + w.offsets[..., :, None, :].astype(x.dtype)
+        return out.reshape(*lead, half, d_out)
+
+    low = jnp.matmul(x[..., 0::2], dequantized(w.values & 0xF), preferred_element_type=jnp.float32)
+    return low + jnp.matmul(x[..., 1::2], dequantized(w.values >> 4), preferred_element_type=jnp.float32)
 
 
 @flax.struct.dataclass
