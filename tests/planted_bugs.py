@@ -166,6 +166,7 @@ BUGS = [
         "state.cache.replace(lengths=start + (type(self) is not EagleSpec))\n",
         ("tests/test_eagle3_loop.py",),
         "drafts_equal_a_from_scratch_reference",
+        slow=True,
     ),
     Bug(
         "dflash-rollback",
