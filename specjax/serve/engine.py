@@ -235,7 +235,16 @@ class Engine:
         self._stop_strings = StopStringSet(()) if model.tokenizer is not None else None
         self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
         self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
-        self._state = self._empty_state()
+        # The running part of the batch: the state of the first `width` slots, the smallest
+        # program width holding every occupied slot (slots past it are free). It is kept at that
+        # width between chunks and resized only when the width changes: a chunk that sliced its
+        # slots out of a max_batch-wide state and wrote them back copied their KV cache twice
+        # (max_model_len slots a row, whatever the requests hold; docs/serving.md).
+        self._free_row = self._free_row_state()
+        self._state = jax.jit(functools.partial(_repeat_rows, self._batch_axes(), self._widths[0]))(
+            self._free_row
+        )
+        self._compile_width_programs()
 
     def _check_memory(self) -> None:
         """Refuse a batch whose caches and working memory do not fit (before allocating them)."""
@@ -340,6 +349,7 @@ class Engine:
         # cost of its few rows, not of max_batch.
         occupied = 1 + max(b for b, slot in enumerate(self._slots) if slot is not None)
         width = min(w for w in self._widths if w >= occupied)
+        self._state = self._resized(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
         # A chunk whose requests are all greedy without penalties or bias runs the lean program.
         lean = self._lean is not None and all(
@@ -400,9 +410,10 @@ class Engine:
         row = self._row_inputs(
             b, padded, len(request.prompt), request.max_new_tokens, request_id, request.key
         )
-        self._state = self._run(
-            "admit", bucket, self._params, self._proposer_params, row, self._state, jnp.int32(b)
-        )
+        row = self._run("prefill", bucket, self._params, self._proposer_params, row)
+        width = min(w for w in self._widths if w > b)
+        self._state = self._resized(max(width, self._width))
+        self._state = self._run("write", self._width, self._state, row, jnp.int32(b))
 
     def _free(self, b: int) -> None:
         self._slots[b] = None
@@ -570,12 +581,38 @@ class Engine:
                 table[i, : len(ids)] = ids
         return table
 
-    def _empty_state(self) -> DecodeState:
-        """The batch with every slot free: a one-token request with nothing to generate, prefilled
-        once and repeated over the slots (so every slot holds a valid, finished row)."""
+    def _free_row_state(self) -> DecodeState:
+        """A free slot's row: a one-token request with nothing to generate, prefilled once (so
+        every free slot holds a valid, finished row)."""
         row = self._row_inputs_free()
-        one = self._run("prefill", MIN_BUCKET, self._params, self._proposer_params, row)
-        return jax.jit(functools.partial(_repeat_rows, self._batch_axes(), self.max_batch))(one)
+        return self._run("prefill", MIN_BUCKET, self._params, self._proposer_params, row)
+
+    @property
+    def _width(self) -> int:
+        """The width of the running state (`self._state`)."""
+        return int(self._state.done.shape[0])
+
+    def _resized(self, width: int) -> DecodeState:
+        """The running state at `width` slots: its first slots kept, free rows added past them or
+        free slots dropped, one program width at a time (`_compile_width_programs`)."""
+        state = self._state
+        while self._width != width:
+            i = self._widths.index(self._width)
+            to = self._widths[i + 1] if width > self._width else self._widths[i - 1]
+            state = self._state = self._run(("resize", to), self._width, state, self._free_row)
+        return state
+
+    def _compile_width_programs(self) -> None:
+        """Compile, at start, the small programs that write a prefilled row into the running state
+        at each width and move it to the next width up or down: a request's arrival or a freed
+        slot never compiles while the engine serves."""
+        axes, row = self._batch_axes(), self._free_row
+        states = {w: jax.eval_shape(functools.partial(_repeat_rows, axes, w), row) for w in self._widths}
+        for w in self._widths:
+            self._program("write", w, states[w], row, jnp.int32(0))
+        for small, big in itertools.pairwise(self._widths):
+            self._program(("resize", big), small, states[small], row)
+            self._program(("resize", small), big, states[big], row)
 
     def _row_inputs_free(self, batch: int = 1) -> GenerationInputs:
         """Inputs of `batch` one-token prompts with nothing to generate."""
@@ -615,63 +652,78 @@ class Engine:
 
         return jax.eval_shape(traced, self._params, self._proposer_params, inputs)
 
-    def _run(self, kind: str, bucket: int, *args):
+    def _run(self, kind, bucket: int, *args):
         """Call a program, compiled ahead of time on its first call: a later call whose shapes
         differ is an error, never a silent recompilation (`num_compiles` counts them all)."""
+        return self._program(kind, bucket, *args)(*args)
+
+    def _program(self, kind, bucket: int, *args):
+        """The compiled program of (kind, bucket), compiled for `args` (arrays or their shapes)
+        if it is not yet."""
         key = (kind, bucket)
         if key not in self._programs:
             self._programs[key] = self._make_program(kind, bucket).lower(*args).compile()
             self.num_compiles += 1
-        return self._programs[key](*args)
+        return self._programs[key]
 
     def _make_program(self, kind: str, bucket: int):
         spec = self._lean if kind == "lean" else self.spec
         on = spec.backend
-        if kind in ("resume", "lean"):
-            window, width, B, axes = self._window, bucket, self.max_batch, self._batch_axes()
-            narrow = dataclasses.replace(spec, batch_size=width)
-
-            def front(axis, x):  # the first `width` slots' part of a leaf
-                return (
-                    x if axis == SHARED else jax.lax.slice_in_dim(x, 0, x.shape[axis] // B * width, axis=axis)
-                )
-
-            def back(axis, whole, part):  # the leaf with those slots' part written back
-                return part if axis == SHARED else jax.lax.dynamic_update_slice_in_dim(whole, part, 0, axis)
+        axes = self._batch_axes()
+        if kind in ("resume", "lean"):  # the loop over the running state, `bucket` slots wide
+            window, narrow = self._window, dataclasses.replace(spec, batch_size=bucket)
 
             def resume(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
-                part = state if width == B else jax.tree.map(front, axes, state)
-                part, tokens = resume_program(
+                return resume_program(
                     narrow,
                     params,
                     proposer_params,
-                    part,
+                    state,
                     inputs,
                     max_steps,
                     stop_when_freed,
                     reported,
                     window,
                 )
-                return (part if width == B else jax.tree.map(back, axes, state, part)), tokens
 
             return jax.jit(resume, donate_argnums=2)
+        if kind == "write":  # a prefilled row into slot `slot` of the running state
+
+            def write(state, row, slot):
+                row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))  # its steps count from here
+                return _write_row(axes, state, row, slot)
+
+            return jax.jit(write, donate_argnums=0)
+        if isinstance(kind, tuple) and kind[0] == "resize":  # `bucket` slots wide -> kind[1] wide
+            width = kind[1]
+
+            def resize(state, free_row):
+                if width < bucket:
+                    return jax.tree.map(
+                        lambda axis, x: (
+                            x
+                            if axis == SHARED
+                            else jax.lax.slice_in_dim(x, 0, x.shape[axis] // bucket * width, axis=axis)
+                        ),
+                        axes,
+                        state,
+                    )
+                extra = _repeat_rows(axes, width - bucket, free_row)
+                return jax.tree.map(
+                    lambda axis, x, y: x if axis == SHARED else jnp.concatenate([x, y], axis),
+                    axes,
+                    state,
+                    extra,
+                )
+
+            return jax.jit(resize)  # (its output has another shape: nothing to donate to)
         row_spec = dataclasses.replace(spec, batch_size=1, prompt_bucket=bucket)
-        if kind == "prefill":
 
-            def prefill_row(params, proposer_params, inputs):
-                with on.tracing():
-                    return prefill(row_spec, params, proposer_params, inputs)
-
-            return jax.jit(prefill_row)
-        axes = self._batch_axes()
-
-        def admit(params, proposer_params, inputs, state, slot):
+        def prefill_row(params, proposer_params, inputs):  # kind "prefill": one request's row
             with on.tracing():
-                row = prefill(row_spec, params, proposer_params, inputs)
-            row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))  # its steps count from here
-            return _write_row(axes, state, row, slot)
+                return prefill(row_spec, params, proposer_params, inputs)
 
-        return jax.jit(admit, donate_argnums=3)
+        return jax.jit(prefill_row)
 
 
 def _check_int(name: str, value, least: int) -> None:
