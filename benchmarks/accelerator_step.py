@@ -36,6 +36,7 @@ Needs no data set and no tokenizer. Prints markdown tables for docs/benchmarks.m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import time
 
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from common import machine, markdown_table, median_time
+from memory_table import MODELS
 
 import specjax
 from specjax.kernels.quantized import PRODUCT_FORMS, QuantizedWeight, xla_product
@@ -50,17 +52,9 @@ from specjax.models import LlamaConfig, MedusaHead, Model, init_params
 from specjax.models.quantized import PROJECTIONS, nbytes
 from specjax.speculate.tree import TokenTree
 
-SIZES = {
-    "8b": dict(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        tie_word_embeddings=False,
-    ),
-    "1b": dict(
+SIZES = {  # configs whose shapes the timed random models take
+    "8b": dataclasses.replace(MODELS["Llama-3.1-8B"], max_position_embeddings=8192),
+    "1b": LlamaConfig(
         vocab_size=128256,
         hidden_size=2048,
         intermediate_size=8192,
@@ -69,6 +63,7 @@ SIZES = {
         num_kv_heads=8,
         head_dim=64,
         tie_word_embeddings=True,
+        max_position_embeddings=8192,
     ),
 }
 CHECK_PROMPTS = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 8, 7], [1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2], [4] * 20]
@@ -159,7 +154,7 @@ def random_quantized(key, shape, kind: str) -> QuantizedWeight:
 
 
 def timing_model(size: str, weights: str) -> Model:
-    config = LlamaConfig(**SIZES[size], max_position_embeddings=8192)
+    config = SIZES[size]
     params = init_params(config, jax.random.key(0), dtype=jnp.bfloat16)
     if weights != "bfloat16":
         keys = iter(jax.random.split(jax.random.key(1), 8 * config.num_layers + 1))
