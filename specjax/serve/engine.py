@@ -594,7 +594,10 @@ class Engine:
 
     def _resized(self, width: int) -> DecodeState:
         """The running state at `width` slots: its first slots kept, free rows added past them or
-        free slots dropped, one program width at a time (`_compile_width_programs`)."""
+        free slots dropped, one program width at a time (`_compile_width_programs`). While a step
+        up runs, the state before and after it are both in memory (at most 1.5 times a
+        max_batch-wide state's, from max_batch / 2 to max_batch slots), which `_check_memory`
+        does not count."""
         state = self._state
         while self._width != width:
             i = self._widths.index(self._width)
