@@ -44,7 +44,7 @@ PROMPTS = ["Hello, world", "To be or not", "abcabcabc", "x"]
 LOAD_MODEL = dataclasses.replace(
     layered_target(seed=11, late_scale=0.3), tokenizer=tiny_tokenizer(), name="tiny"
 )
-# Sixteen requests of 1 to 30 characters (prompt buckets 16 and 32: two admission programs) and
+# Sixteen requests of 1 to 30 characters (prompt buckets 16 and 32: two prefill programs) and
 # 3 to 39 new tokens, every third one streamed.
 LOAD_JOBS = [
     ("The quick brown fox jumps over the lazy dog."[: 1 + (13 * i) % 31], 3 + (7 * i) % 37, i % 3 == 0)

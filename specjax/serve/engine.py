@@ -1,16 +1,19 @@
 """Continuous batching over the compiled loop: requests join and leave a running batch.
 
-The engine keeps `max_batch` slots on the device: one `DecodeState` of that many rows, with a
-cache of `max_model_len` tokens (and a verify pass's room) per row. Compiled programs move it,
-each compiled ahead of time on first use (docs/serving.md):
+The engine keeps up to `max_batch` slots on the device: one `DecodeState` of the first `width`
+slots (the smallest of 1, 2, 4, ..., max_batch holding every occupied slot; the slots past it are
+free), with a cache of `max_model_len` tokens (and a verify pass's room) per row. Compiled
+programs move it, each compiled ahead of time (docs/serving.md):
 
-- admit (one per prompt bucket): prefill one request (the target's cache, its proposer's state,
-  its first token) and write that row into a free slot of the batch, the other slots untouched;
-- resume (`loop.resume_program`, one per width): the decoding loop over the first `width` slots
-  (the smallest of 1, 2, 4, ..., max_batch holding every occupied slot), for at most
-  `chunk_steps` steps, or until a row finishes while requests wait for a slot; only each row's
-  new tokens and the metric counters come back to the host. A lean variant serves the chunks
-  whose requests are all greedy without penalties or bias;
+- prefill (one per prompt bucket, on first use): one request's row (the target's cache, its
+  proposer's state, its first token); write (one per width, at start) puts it into a free slot,
+  the other slots untouched;
+- resize (one per pair of neighbouring widths, at start): the state one width up (free rows
+  added) or down (free slots dropped), run only when the width changes;
+- resume (`loop.resume_program`, one per width, on first use): the decoding loop over the state,
+  for at most `chunk_steps` steps, or until a row finishes while requests wait for a slot; only
+  each row's new tokens and the metric counters come back to the host. A lean variant serves the
+  chunks whose requests are all greedy without penalties or bias;
 - the state stays on the device between calls (donated: updated in place).
 
 Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
@@ -241,9 +244,9 @@ class Engine:
         # slots out of a max_batch-wide state and wrote them back copied their KV cache twice
         # (max_model_len slots a row, whatever the requests hold; docs/serving.md).
         self._free_row = self._free_row_state()
-        self._state = jax.jit(functools.partial(_repeat_rows, self._batch_axes(), self._widths[0]))(
-            self._free_row
-        )
+        # One free slot (self._widths[0] is 1), a copy: the programs take the state donated, and
+        # the free row must outlive it.
+        self._state = jax.tree.map(jnp.copy, self._free_row)
         self._compile_width_programs()
 
     def _check_memory(self) -> None:
@@ -349,7 +352,7 @@ class Engine:
         # cost of its few rows, not of max_batch.
         occupied = 1 + max(b for b, slot in enumerate(self._slots) if slot is not None)
         width = min(w for w in self._widths if w >= occupied)
-        self._state = self._resized(width)
+        self._resize(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
         # A chunk whose requests are all greedy without penalties or bias runs the lean program.
         lean = self._lean is not None and all(
@@ -412,7 +415,7 @@ class Engine:
         )
         row = self._run("prefill", bucket, self._params, self._proposer_params, row)
         width = min(w for w in self._widths if w > b)
-        self._state = self._resized(max(width, self._width))
+        self._resize(max(width, self._width))
         self._state = self._run("write", self._width, self._state, row, jnp.int32(b))
 
     def _free(self, b: int) -> None:
@@ -592,18 +595,16 @@ class Engine:
         """The width of the running state (`self._state`)."""
         return int(self._state.done.shape[0])
 
-    def _resized(self, width: int) -> DecodeState:
-        """The running state at `width` slots: its first slots kept, free rows added past them or
-        free slots dropped, one program width at a time (`_compile_width_programs`). While a step
-        up runs, the state before and after it are both in memory (at most 1.5 times a
+    def _resize(self, width: int) -> None:
+        """Bring the running state to `width` slots: its first slots kept, free rows added past
+        them or free slots dropped, one program width at a time (`_compile_width_programs`). While
+        a step up runs, the state before and after it are both in memory (at most 1.5 times a
         max_batch-wide state's, from max_batch / 2 to max_batch slots), which `_check_memory`
         does not count."""
-        state = self._state
         while self._width != width:
             i = self._widths.index(self._width)
             to = self._widths[i + 1] if width > self._width else self._widths[i - 1]
-            state = self._state = self._run(("resize", to), self._width, state, self._free_row)
-        return state
+            self._state = self._run(("resize", to), self._width, self._state, self._free_row)
 
     def _compile_width_programs(self) -> None:
         """Compile, at start, the small programs that write a prefilled row into the running state
