@@ -14,9 +14,12 @@ a request's streamed chunks over the tokens they carried), p50 and p99, and the 
 
 Modes: plain decoding; NGram(k=5, n_min=3) (prompt lookup); Dynamic(NGram(k=5, n_min=3)) with a
 GoodputSchedule whose verify costs were measured on this machine at 1 row, half the slots and all
-of them (`verify_cost_by_rows`: it drafts less as rows join). One warm-up pass over the prompts at
-max_batch clients compiles the programs (admission per prompt bucket, the loop at each width)
-before the timed levels.
+of them (`verify_cost_by_rows`: it drafts less as rows join). `Engine.precompile` compiles the
+programs (the admission of each prompt's bucket, the loop at every width, as `specjax serve`
+does before it listens) and one short pass at each level warms the HTTP side before the timed
+levels: a program compiled inside a timed level stalls every request running beside it.
+With --repeats R each level runs R times, interleaved (level 1, 2, ..., then again): the
+throughput is the median of the R runs, the latencies are over all of their requests.
 
 `--llama-cpp-url` points the same clients at a llama.cpp server (`python -m llama_cpp.server
 --model F32.gguf --n_threads 2 --n_ctx 2048` in its own venv, see ../shared/CPU_PERFORMANCE.md
@@ -134,7 +137,8 @@ async def offered_load(url: str, model_name: str, prompts: list[str], clients: i
     return records, wall
 
 
-def summarize(records: list[dict], wall: float) -> dict:
+def summarize(records: list[dict], wall: float | None) -> dict:
+    """Throughput (tokens/s of `wall` seconds; None: not asked) and latencies of `records`."""
     tokens = sum(r["tokens"] for r in records)
     ttft = [r["arrivals"][0] - r["start"] for r in records if r["arrivals"]]
     # Inter-token latency: each gap between two streamed chunks, spread over the tokens the later
@@ -145,7 +149,7 @@ def summarize(records: list[dict], wall: float) -> dict:
             per_token = (r["arrivals"][-1] - r["arrivals"][0]) / (r["tokens"] - 1)
             itl.append(per_token)
     return {
-        "tokens/s": tokens / wall,
+        "tokens/s": None if wall is None else tokens / wall,
         "ttft p50": _percentile(ttft, 50),
         "ttft p99": _percentile(ttft, 99),
         "itl p50 (ms)": 1000 * _percentile(itl, 50),
@@ -173,6 +177,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
     parser.add_argument("--kernels", default="auto", help="the engine's kernels: auto or xla (generate's)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each level (median throughput)")
     parser.add_argument("--llama-cpp-url", help="a llama.cpp server's /v1 URL, for a side-by-side row")
     args = parser.parse_args()
 
@@ -207,21 +212,29 @@ def main() -> None:
             chunk_steps=args.chunk_steps,
             kernels=args.kernels,
         )
+        start = time.perf_counter()
+        compiled = engine.precompile([len(ids) for ids in chat_ids])
+        print(f"  {mode}: {compiled} programs compiled in {time.perf_counter() - start:.0f} s", flush=True)
+        ready = engine.num_compiles
         with Server(engine, max(args.clients)) as server:
-            # Warm-up: every prompt bucket's admission and the loop at every width the timed levels
-            # use, compiled before timing. A pass at max_batch clients alone may never run the
-            # one-slot program (its requests can all end in the same chunk), and a compile inside
-            # the one-client level would flatter every ratio against it.
-            for clients in sorted({args.max_batch, *args.clients}, reverse=True):
+            for clients in sorted({args.max_batch, *args.clients}, reverse=True):  # the HTTP side
                 asyncio.run(offered_load(server.url, model.name, prompts, clients, 8))
-            for clients in args.clients:
-                records, wall = asyncio.run(
-                    offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
-                )
-                s = summarize(records, wall)
-                row = ["specjax", mode, clients, s["tokens/s"], s["ttft p50"], s["ttft p99"]]
+            runs = {clients: [] for clients in args.clients}
+            for repeat in range(args.repeats):
+                for clients in args.clients:
+                    records, wall = asyncio.run(
+                        offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
+                    )
+                    runs[clients].append((records, wall))
+                    s = summarize(records, wall)
+                    print(f"  {mode}, {clients} clients, run {repeat + 1}: {s['tokens/s']:.2f} tokens/s")
+            for clients, done in runs.items():
+                s = summarize([r for records, _ in done for r in records], None)
+                rate = float(np.median([summarize(records, wall)["tokens/s"] for records, wall in done]))
+                row = ["specjax", mode, clients, rate, s["ttft p50"], s["ttft p99"]]
                 rows.append(row + [s["itl p50 (ms)"], s["itl p99 (ms)"]])
                 print(markdown_table(header, [rows[-1]]).splitlines()[-1], flush=True)
+        assert engine.num_compiles == ready, f"{mode}: a program compiled while serving"
     if args.llama_cpp_url:
         for clients in args.clients:
             records, wall = asyncio.run(

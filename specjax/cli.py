@@ -291,6 +291,17 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def tokens_or_off(text: str) -> int:
+    """An integer >= 0, or -1 (off)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -2
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, or -1 for off; got {text!r}")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -657,6 +668,7 @@ def serve_command(args: argparse.Namespace) -> None:
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
+        precompile=None if args.precompile == -1 else args.precompile,
     )
 
 
@@ -701,6 +713,15 @@ def add_serve_command(commands) -> None:
         "--metrics-prefix",
         default="specjax:",
         help="prefix of the Prometheus names (default specjax:; vllm: gives vLLM's exact names)",
+    )
+    command.add_argument(
+        "--precompile",
+        type=tokens_or_off,
+        default=256,
+        metavar="TOKENS",
+        help="before listening, compile the loop at every width and the prefill of prompts up to "
+        "TOKENS tokens (default 256; -1: compile each program on first use, stalling the running "
+        "requests while it compiles)",
     )
     command.set_defaults(run=serve_command)
 

@@ -124,6 +124,7 @@ BAD_ARGUMENTS = [
     (["serve", "m", "--port", "0"], "specjax serve: error: argument --port: must be an integer >= 1"),
     (["serve", "m", "--speculative-config", "{"], "argument --speculative-config: not valid JSON"),
     (["serve", "m", "--max-waiting", "-1"], "argument --max-waiting: must be an integer >= 0"),
+    (["serve", "m", "--precompile", "-3"], "argument --precompile: must be an integer >= 0, or -1 for off"),
     (["serve", "{tmp}/no-model"], "no-model"),
     (["generate", "hi", "--quantization", "int3"], "argument --quantization: invalid choice: 'int3'"),
     (["serve", "m", "--group-size", "0"], "argument --group-size: must be an integer >= 1, got '0'"),
@@ -170,6 +171,29 @@ def test_the_quantization_options_reach_load(argv, data_folder, monkeypatch, cap
     argv = [a.replace("{data}", str(data_folder)) for a in argv]
     assert cli.main([*argv, "--quantization", "int4", "--group-size", "128"]) == 2
     assert "'quantization': 'int4', 'group_size': 128" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("precompile", ["40", "-1"])
+def test_serve_compiles_its_programs_before_it_listens(precompile, tiny_folder, monkeypatch, capsys):
+    """`specjax serve` compiles the loop at every width and the prefill of prompts up to
+    --precompile tokens before uvicorn starts (-1: nothing ahead, each on first use)."""
+    served = {}
+
+    def run(app, **options):  # uvicorn.run: take the app instead of listening
+        served["programs"] = set(app.state.engine._programs)
+        served["widths"] = set(app.state.engine._widths)
+
+    monkeypatch.setattr(specjax.serve.app.uvicorn, "run", run)
+    argv = ["serve", str(tiny_folder), "--max-batch", "4", "--max-model-len", "64"]
+    assert cli.main([*argv, "--precompile", precompile]) == 0
+    loops = {(kind, w) for kind, w in served["programs"] if kind in ("lean", "resume")}
+    prefills = {bucket for kind, bucket in served["programs"] if kind == "prefill"}
+    if precompile == "-1":
+        assert loops == set() and prefills == {specjax.api.MIN_BUCKET}  # (the free slot's row)
+    else:
+        assert loops == {(kind, w) for kind in ("lean", "resume") for w in served["widths"]}
+        assert prefills == {16, 32, 64}  # the buckets of prompts of 1 to 40 tokens
+        assert "programs compiled" in capsys.readouterr().out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -114,6 +114,32 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     assert tokens[2] == alone(TARGET, again[2], proposer)
 
 
+@pytest.mark.parametrize("name", ["plain", pytest.param("dynamic-ngram", marks=pytest.mark.slow)])
+def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
+    """After `precompile` (the loop at every width, lean and full, and the prefill of the given
+    prompt lengths' buckets), greedy and sampled requests arriving at random steps compile
+    nothing: a compile while serving would stall every running request."""
+    proposer = None if name == "plain" else specjax.Dynamic(specjax.NGram(k=3), specjax.GoodputSchedule())
+    prompts = _prompts(5, 8)
+    engine = Engine(TARGET, proposer, max_batch=4, max_model_len=96, chunk_steps=3)
+    compiled = engine.precompile([len(p) for p in prompts])
+    widths = set(engine._widths)
+    assert {w for kind, w in engine._programs if kind == "lean"} == widths
+    assert {w for kind, w in engine._programs if kind == "resume"} == widths
+    buckets = {specjax.api.prompt_bucket(len(p)) for p in prompts}
+    assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.api.MIN_BUCKET}
+    assert compiled == 2 * len(widths) + len(buckets - {specjax.api.MIN_BUCKET})
+    before = engine.num_compiles
+    samplings = [specjax.Sampling(), specjax.Sampling(temperature=0.8, seed=3)]
+    requests = [Request(p, samplings[i % 3 == 2], max_new_tokens=6 + i) for i, p in enumerate(prompts)]
+    tokens, _ = drive(engine, requests, seed=4)
+    assert engine.num_compiles == before
+    assert tokens[0] == alone(TARGET, requests[0], proposer)
+    assert engine.precompile([len(p) for p in prompts]) == 0  # nothing left to compile
+    with pytest.raises(ValueError, match="prompt_lengths holds 97"):
+        engine.precompile([97])
+
+
 @pytest.mark.parametrize("name", ["plain", pytest.param("draft", marks=pytest.mark.slow)])
 def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it(name):
     """A seeded request draws the same tokens alone, in a crowd, and joining late; requests

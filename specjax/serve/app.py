@@ -59,6 +59,9 @@ from specjax.text import TextDeltas
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is there
 WAITING_PER_SLOT = 4  # the default max_waiting: this many requests queued per slot of the engine
 RETRY_AFTER_S = 1  # the Retry-After of a 503
+# `serve` compiles the prefill of prompts up to this many tokens before it listens (one program
+# per bucket: 16, 32, 64, then multiples of 64); longer prompts compile on first use.
+PRECOMPILE_PROMPT_TOKENS = 256
 
 
 class ClientGone(Exception):
@@ -297,6 +300,7 @@ def serve(
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
     log_level: str = "info",
+    precompile: int | None = PRECOMPILE_PROMPT_TOKENS,
 ) -> None:
     """Serve a model over HTTP until interrupted (what `specjax serve` runs).
 
@@ -308,7 +312,14 @@ def serve(
         the most loop steps between two looks at the queue (specjax.serve.engine.Engine).
     max_waiting: the most requests waiting for a slot (default 4 x max_batch); past it, 503.
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
+    precompile: before listening, compile the loop at every width and the prefill of prompts up to
+        this many tokens (`Engine.precompile`): a program compiled while serving stalls every
+        running request while it compiles. None: compile each on first use.
     """
+    if precompile is not None and (
+        isinstance(precompile, bool) or not isinstance(precompile, int) or precompile < 0
+    ):
+        raise ValueError(f"serve: precompile must be None or an integer >= 0, got {precompile!r}")
     if proposer is not None and speculative_config is not None:
         raise ValueError("serve: give a proposer or a speculative_config, not both")
     if max_waiting is not None:  # before the model loads
@@ -324,6 +335,13 @@ def serve(
     engine = Engine(
         model, proposer, max_batch=max_batch, max_model_len=max_model_len, chunk_steps=chunk_steps
     )
+    if precompile is not None:
+        longest = min(precompile, engine.max_model_len - 1)
+        lengths = range(1, longest + 1) if longest >= 1 else ()
+        start = time.perf_counter()
+        print(f"specjax serve: compiling the loop and the prefill of prompts up to {longest} tokens")
+        count = engine.precompile(lengths)
+        print(f"specjax serve: {count} programs compiled in {time.perf_counter() - start:.0f} s")
     app = make_app(
         engine, served_model_name=served_model_name, metrics_prefix=metrics_prefix, max_waiting=max_waiting
     )

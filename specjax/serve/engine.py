@@ -5,15 +5,15 @@ slots (the smallest of 1, 2, 4, ..., max_batch holding every occupied slot; the 
 free), with a cache of `max_model_len` tokens (and a verify pass's room) per row. Compiled
 programs move it, each compiled ahead of time (docs/serving.md):
 
-- prefill (one per prompt bucket, on first use): one request's row (the target's cache, its
-  proposer's state, its first token); write (one per width, at start) puts it into a free slot,
-  the other slots untouched;
+- prefill (one per prompt bucket, on first use or at `precompile`): one request's row (the
+  target's cache, its proposer's state, its first token); write (one per width, at start) puts
+  it into a free slot, the other slots untouched;
 - resize (one per pair of neighbouring widths, at start): the state one width up (free rows
   added) or down (free slots dropped), run only when the width changes;
-- resume (`loop.resume_program`, one per width, on first use): the decoding loop over the state,
-  for at most `chunk_steps` steps, or until a row finishes while requests wait for a slot; only
-  each row's new tokens and the metric counters come back to the host. A lean variant serves the
-  chunks whose requests are all greedy without penalties or bias;
+- resume (`loop.resume_program`, one per width, on first use or at `precompile`): the decoding
+  loop over the state, for at most `chunk_steps` steps, or until a row finishes while requests
+  wait for a slot; only each row's new tokens and the metric counters come back to the host. A
+  lean variant serves the chunks whose requests are all greedy without penalties or bias;
 - the state stays on the device between calls (donated: updated in place).
 
 Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
@@ -149,7 +149,8 @@ class Engine:
         request whose strings do not fit beside theirs waits; one that never fits is refused).
 
     `num_compiles` counts the programs compiled: the empty batch's prefill, one admission per
-    prompt bucket, and the loop (a lean one for all-greedy chunks, the full one for the rest).
+    prompt bucket, and the loop at each width (a lean one for all-greedy chunks, the full one for
+    the rest), each on first use unless `precompile` compiled it before.
     """
 
     def __init__(
@@ -378,6 +379,42 @@ class Engine:
             if slot is not None:
                 updates.append(self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters))
         return updates
+
+    def precompile(self, prompt_lengths: Sequence[int] = ()) -> int:
+        """Compile now what a chunk or an admission would otherwise compile on first use: the
+        loop at every width (the lean variant and the full one), and the prefill of the buckets of
+        `prompt_lengths`. A server calls it before taking requests: a program compiled while the
+        engine serves stalls every running request for as long as it compiles (tens of seconds for
+        a speculative loop on a small CPU). Returns the number of programs it compiled."""
+        lengths = list(prompt_lengths)
+        for length in lengths:
+            if (
+                isinstance(length, bool)
+                or not isinstance(length, int | np.integer)
+                or not (1 <= length <= self.max_model_len)
+            ):
+                raise ValueError(
+                    f"prompt_lengths holds {length!r}: lengths must be integers in [1, {self.max_model_len}]"
+                )
+        before = self.num_compiles
+        for bucket in sorted({prompt_bucket(int(n)) for n in lengths}):
+            inputs = self._row_inputs_free(1, bucket)
+            self._program("prefill", bucket, self._params, self._proposer_params, inputs)
+        axes = self._batch_axes()
+        for width in self._widths:
+            state = jax.eval_shape(functools.partial(_repeat_rows, axes, width), self._free_row)
+            args = (
+                self._params,
+                self._proposer_params,
+                state,
+                self._inputs_at(width),
+                jnp.int32(self.chunk_steps),
+                jnp.asarray(False),
+                jnp.zeros((width,), jnp.int32),
+            )
+            for kind in ("resume", "lean") if self._lean is not None else ("resume",):
+                self._program(kind, width, *args)
+        return self.num_compiles - before
 
     def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
         """Add requests and step until all are done: their new tokens by request id (for tests and
@@ -618,13 +655,13 @@ class Engine:
             self._program(("resize", big), small, states[small], row)
             self._program(("resize", small), big, states[big], row)
 
-    def _row_inputs_free(self, batch: int = 1) -> GenerationInputs:
-        """Inputs of `batch` one-token prompts with nothing to generate."""
+    def _row_inputs_free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
+        """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
         stop_strings = None
         if self._stop_tables is not None:
             stop_strings = self._stop_tables.replace(row_mask=jnp.zeros((batch,), jnp.int32))
         return GenerationInputs(
-            prompt_tokens=jnp.zeros((batch, MIN_BUCKET), jnp.int32),
+            prompt_tokens=jnp.zeros((batch, bucket), jnp.int32),
             prompt_lengths=jnp.ones((batch,), jnp.int32),
             max_new_tokens=jnp.zeros((batch,), jnp.int32),
             sampling=self._sampling_params([Sampling()] * batch),
