@@ -16,7 +16,9 @@ machine's drift.
 --clients: N clients in a closed loop over the prompts (each chat-templated), each sending its
 next request the moment its last one finishes (between two engine steps: no HTTP, no client
 latency); plain decoding, greedy, --max-new-tokens; tokens/s of wall time after a warm-up at
-every level, the same measure as benchmarks/serving.py's.
+every level, the same measure as benchmarks/serving.py's, and where the time went
+(`Engine.stats`): the admissions' prefills, and the loop's steps by chunk width with the time of
+each.
 """
 
 from __future__ import annotations
@@ -62,10 +64,18 @@ def closed_loops(model, args) -> list[list]:
             closed_loop(engine, prompts, clients, 8)  # warm-up
         alone = None
         for clients in args.clients:
+            engine.stats.reset()
             tokens, seconds = closed_loop(engine, prompts, clients, args.max_new_tokens)
             rate = tokens / seconds
             alone = rate if clients == 1 else alone
-            rows.append([max_len, clients, tokens, rate, rate / alone if alone else "-"])
+            stats = engine.stats
+            by_width = ", ".join(
+                f"{w}: {stats.steps[w]} x {stats.ms_per_step(w):.1f} ms" for w in sorted(stats.steps)
+            )
+            rows.append(
+                [max_len, clients, tokens, seconds, rate, rate / alone if alone else "-"]
+                + [stats.admission_s, by_width]
+            )
             print(rows[-1], flush=True)
     return rows
 
@@ -89,7 +99,8 @@ def main() -> None:
     if args.clients:
         rows = closed_loops(model, args)
         print(f"\nmachine: {machine()}\n")
-        header = ["max_model_len", "clients", "tokens", "tokens/s", "x one client"]
+        header = ["max_model_len", "clients", "tokens", "seconds", "tokens/s", "x one client"]
+        header += ["admissions (s)", "steps by width (count x ms per step)"]
         print(markdown_table(header, rows))
         return
     prompt = specjax.chat_prompt_ids(model.tokenizer, PROMPT)

@@ -13,8 +13,8 @@ second of wall time (all requests), time to first token and inter-token latency 
 a request's streamed chunks over the tokens they carried), p50 and p99, and the drafts accepted.
 
 Modes: plain decoding; NGram(k=5, n_min=3) (prompt lookup); Dynamic(NGram(k=5, n_min=3)) with a
-GoodputSchedule whose verify costs were measured on this machine at 1 row, half the slots and all
-of them (`verify_cost_by_rows`: it drafts less as rows join). `Engine.precompile` compiles the
+GoodputSchedule whose verify costs were measured on this machine at 1, 2, 4, ... rows up to all
+the slots (`verify_cost_by_rows`: it drafts less as rows join). `Engine.precompile` compiles the
 programs (the admission of each prompt's bucket, the loop at every width, as `specjax serve`
 does before it listens) and one short pass at each level warms the HTTP side before the timed
 levels: a program compiled inside a timed level stalls every request running beside it.
@@ -49,8 +49,10 @@ def proposer_for(mode: str, model, prompts, max_batch: int, kernels: str):
     ngram = specjax.NGram(k=5, n_min=3)
     if mode == "ngram":
         return ngram
-    # The verify cost at 1 row up to a full batch: the schedule turns drafting down as rows join.
-    sizes = sorted({1, max(1, max_batch // 2), max_batch})
+    # The verify cost at each width the engine runs (1, 2, 4, ... max_batch): the schedule turns
+    # drafting down as rows join. (Interpolated from 1, 8 and 16 rows, the cost at 4 rows came out
+    # half the one measured there, and Dynamic drafted at 4 clients where it did not pay.)
+    sizes = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length())} | {max_batch})
     schedule = specjax.GoodputSchedule.measure(
         model, ngram, prompts[:4], max_new_tokens=32, batch_sizes=sizes, generate_options={"kernels": kernels}
     )

@@ -132,8 +132,16 @@ def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
     before = engine.num_compiles
     samplings = [specjax.Sampling(), specjax.Sampling(temperature=0.8, seed=3)]
     requests = [Request(p, samplings[i % 3 == 2], max_new_tokens=6 + i) for i, p in enumerate(prompts)]
-    tokens, _ = drive(engine, requests, seed=4)
+    engine.stats.reset()
+    tokens, finals = drive(engine, requests, seed=4)
     assert engine.num_compiles == before
+    # Where the time went: every admission counted, and the steps by width add up to the
+    # loop's own count of steps across the requests' rows (each row steps once per loop step).
+    stats = engine.stats
+    assert stats.admissions == len(requests) and stats.admission_s > 0
+    assert set(stats.steps) <= widths and set(stats.chunk_s) == set(stats.steps)
+    assert sum(stats.steps.values()) >= max(int(u.metrics.steps.sum()) for u in finals.values())
+    assert all(stats.ms_per_step(w) > 0 for w in stats.steps)
     assert tokens[0] == alone(TARGET, requests[0], proposer)
     assert engine.precompile([len(p) for p in prompts]) == 0  # nothing left to compile
     with pytest.raises(ValueError, match="prompt_lengths holds 97"):

@@ -132,6 +132,23 @@ class _Running:
 _DELTAS = ("drafting_steps", "drafted", "accepted", "accepted_at")
 
 
+@dataclasses.dataclass
+class EngineStats:
+    """Where an engine's time went, in host wall-clock seconds since it started (or since
+    `reset`): what a benchmark divides to tell prefill from decoding, and each width's step."""
+
+    admissions: int = 0
+    admission_s: float = 0.0  # prefills and writes into slots, while the running rows wait
+    steps: dict[int, int] = dataclasses.field(default_factory=dict)  # loop steps, by chunk width
+    chunk_s: dict[int, float] = dataclasses.field(default_factory=dict)  # chunks' seconds, by width
+
+    def reset(self) -> None:
+        self.admissions, self.admission_s, self.steps, self.chunk_s = 0, 0.0, {}, {}
+
+    def ms_per_step(self, width: int) -> float:
+        return 1e3 * self.chunk_s[width] / max(self.steps[width], 1)
+
+
 class Engine:
     """A batch of `max_batch` slots that requests join and leave (see the module's docstring).
 
@@ -148,6 +165,7 @@ class Engine:
     max_stop_states: the size of the stop-string automaton shared by the running requests (a
         request whose strings do not fit beside theirs waits; one that never fits is refused).
 
+    `stats` (EngineStats) says where the time went: admissions, and chunks and steps by width.
     `num_compiles` counts the programs compiled: the empty batch's prefill, one admission per
     prompt bucket, and the loop at each width (a lean one for all-greedy chunks, the full one for
     the rest), each on first use unless `precompile` compiled it before.
@@ -231,6 +249,7 @@ class Engine:
         self._max_stop_states = max_stop_states
         self._programs: dict[Any, Any] = {}
         self.num_compiles = 0
+        self.stats = EngineStats()
 
         self._ids = itertools.count()
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
@@ -248,6 +267,7 @@ class Engine:
         # One free slot (self._widths[0] is 1), a copy: the programs take the state donated, and
         # the free row must outlive it.
         self._state = jax.tree.map(jnp.copy, self._free_row)
+        self._step_count = int(self._state.step)  # the loop's step counter, as the host last saw it
         self._compile_width_programs()
 
     def _check_memory(self) -> None:
@@ -338,6 +358,7 @@ class Engine:
 
     def step(self) -> list[Update]:
         """Admit waiting requests into free slots, run the loop for one chunk, report."""
+        start, admitted = time.perf_counter(), self.stats.admissions
         while self._waiting and None in self._slots:
             request_id, request = self._waiting[0]
             b = self._slots.index(None)
@@ -345,6 +366,10 @@ class Engine:
                 break  # it waits (first in line) until running requests with other strings finish
             self._waiting.popleft()
             self._admit(b, request_id, request)
+            self.stats.admissions += 1
+        if self.stats.admissions > admitted:
+            jax.block_until_ready(self._state)  # (the prefills' time, not the next chunk's)
+            self.stats.admission_s += time.perf_counter() - start
         if self.num_running == 0:
             return []
         # The chunk runs over the first `width` slots only: the smallest program width holding
@@ -359,6 +384,7 @@ class Engine:
         lean = self._lean is not None and all(
             s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
         )
+        start = time.perf_counter()
         self._state, window = self._run(
             "lean" if lean else "resume",
             width,
@@ -371,9 +397,13 @@ class Engine:
             jnp.asarray(reported),
         )
         state = self._state
-        window, lengths, done, nonfinite, counters = jax.device_get(
-            (window, state.lengths, state.done, state.nonfinite_step, state.metrics)
+        window, lengths, done, nonfinite, counters, step = jax.device_get(
+            (window, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
+        stats = self.stats
+        stats.chunk_s[width] = stats.chunk_s.get(width, 0.0) + time.perf_counter() - start
+        stats.steps[width] = stats.steps.get(width, 0) + int(step) - self._step_count
+        self._step_count = int(step)
         updates = []
         for b, slot in enumerate(self._slots):
             if slot is not None:
