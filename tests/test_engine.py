@@ -143,6 +143,9 @@ def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
     assert sum(stats.steps.values()) >= max(int(u.metrics.steps.sum()) for u in finals.values())
     assert all(stats.ms_per_step(w) > 0 for w in stats.steps)
     assert tokens[0] == alone(TARGET, requests[0], proposer)
+    if proposer is not None:  # drafts were verified, and accepted in part
+        accepted, drafted = accepted_and_drafted(finals)
+        assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
     assert engine.precompile([len(p) for p in prompts]) == 0  # nothing left to compile
     with pytest.raises(ValueError, match="prompt_lengths holds 97"):
         engine.precompile([97])

@@ -337,10 +337,9 @@ def serve(
     )
     if precompile is not None:
         longest = min(precompile, engine.max_model_len - 1)
-        lengths = range(1, longest + 1) if longest >= 1 else ()
         start = time.perf_counter()
         print(f"specjax serve: compiling the loop and the prefill of prompts up to {longest} tokens")
-        count = engine.precompile(lengths)
+        count = engine.precompile(range(1, longest + 1))
         print(f"specjax serve: {count} programs compiled in {time.perf_counter() - start:.0f} s")
     app = make_app(
         engine, served_model_name=served_model_name, metrics_prefix=metrics_prefix, max_waiting=max_waiting

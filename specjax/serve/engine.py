@@ -430,13 +430,11 @@ class Engine:
         for bucket in sorted({prompt_bucket(int(n)) for n in lengths}):
             inputs = self._row_inputs_free(1, bucket)
             self._program("prefill", bucket, self._params, self._proposer_params, inputs)
-        axes = self._batch_axes()
         for width in self._widths:
-            state = jax.eval_shape(functools.partial(_repeat_rows, axes, width), self._free_row)
             args = (
                 self._params,
                 self._proposer_params,
-                state,
+                self._state_shape(width),
                 self._inputs_at(width),
                 jnp.int32(self.chunk_steps),
                 jnp.asarray(False),
@@ -677,13 +675,16 @@ class Engine:
         """Compile, at start, the small programs that write a prefilled row into the running state
         at each width and move it to the next width up or down: a request's arrival or a freed
         slot never compiles while the engine serves."""
-        axes, row = self._batch_axes(), self._free_row
-        states = {w: jax.eval_shape(functools.partial(_repeat_rows, axes, w), row) for w in self._widths}
+        row = self._free_row
         for w in self._widths:
-            self._program("write", w, states[w], row, jnp.int32(0))
+            self._program("write", w, self._state_shape(w), row, jnp.int32(0))
         for small, big in itertools.pairwise(self._widths):
-            self._program(("resize", big), small, states[small], row)
-            self._program(("resize", small), big, states[big], row)
+            self._program(("resize", big), small, self._state_shape(small), row)
+            self._program(("resize", small), big, self._state_shape(big), row)
+
+    def _state_shape(self, width: int):
+        """The shapes of a running state `width` slots wide (what its programs compile for)."""
+        return jax.eval_shape(functools.partial(_repeat_rows, self._batch_axes(), width), self._free_row)
 
     def _row_inputs_free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
         """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
