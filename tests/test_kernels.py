@@ -31,12 +31,15 @@ def kernel_loaded():
     assert kernels.available(), "the CPU kernel did not build (see the warning above)"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17, 40])
-@pytest.mark.parametrize("d_in, d_out", [(64, 32), (48, 40), (7, 16), (96, 200)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 17, 48, 49, 100])
+@pytest.mark.parametrize("d_in, d_out", [(64, 32), (48, 40), (7, 16), (96, 200), (200, 72)])
 def test_panel_matmul_equals_the_float64_product(rows, d_in, d_out):
-    """Every row count the kernel's chunking meets (up to 3 rows a chunk, 5 as 2 + 3, 40 as 14
-    chunks), output widths that are a whole number of panel pairs, an odd panel count (40: a lone
-    last panel), and widths padded to a panel (40, 200)."""
+    """Every row count the kernel's chunking meets: up to 4 rows in chunks of up to 3 over a panel
+    pair (4 as 2 + 2); more in chunks of 6 or 5 over one panel, the last 1-4 over the pair (7 as
+    6 + 1, 10 as 6 + 2 + 2, 11 as 6 + 5), 48 rows to a group (49: a group and one row; 100: two
+    and 4 rows); inputs in one block, several, and a last partial one (200 = 3 x 64 + 8, past the
+    prefetch distance); output widths that are a whole number of panel pairs, an odd panel count
+    (40, 72: a lone last panel), and widths padded to a panel (40, 200)."""
     rng = np.random.default_rng(rows * 1000 + d_in + d_out)
     x = rng.standard_normal((rows, d_in)).astype(np.float32)
     w = rng.standard_normal((d_in, d_out)).astype(np.float32)
@@ -47,16 +50,18 @@ def test_panel_matmul_equals_the_float64_product(rows, d_in, d_out):
 
 def test_panel_matmul_keeps_leading_axes_and_rows_apart():
     """x [B, T, D_in] keeps its leading axes; each row's result is what it gets alone, bit for bit
-    (rows never mix, whichever chunk they fall in)."""
+    (rows never mix, and every path adds a row's products in the same order: 14 rows go blocked,
+    in chunks of 6 over one panel, one row alone over the pair): a request's greedy tokens cannot
+    depend on how many rows run beside it."""
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
-    w = kernels.pack(rng.standard_normal((64, 48)).astype(np.float32))
+    x = rng.standard_normal((2, 7, 136)).astype(np.float32)
+    w = kernels.pack(rng.standard_normal((136, 48)).astype(np.float32))
     got = np.asarray(jax.jit(kernels.panel_matmul)(jnp.asarray(x), w))
-    assert got.shape == (2, 5, 48)
+    assert got.shape == (2, 7, 48)
     for b in range(2):
-        for t in range(5):
+        for t in range(7):
             alone = np.asarray(kernels.panel_matmul(jnp.asarray(x[b, t][None]), w))[0]
-            np.testing.assert_allclose(got[b, t], alone, rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(got[b, t], alone)
 
 
 def test_pack_round_trips_and_lays_out_panels():
