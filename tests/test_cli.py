@@ -192,7 +192,7 @@ def test_serve_compiles_its_programs_before_it_listens(precompile, tiny_folder, 
         assert loops == set() and prefills == {specjax.api.MIN_BUCKET}  # (the free slot's row)
     else:
         assert loops == {(kind, w) for kind in ("lean", "resume") for w in served["widths"]}
-        assert prefills == {16, 32, 64}  # the buckets of prompts of 1 to 40 tokens
+        assert prefills == {16, 32, 48}  # the buckets of prompts of 1 to 40 tokens
         assert "programs compiled" in capsys.readouterr().out
 
 

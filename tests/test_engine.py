@@ -15,6 +15,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 import specjax
 from specjax.serve import Engine, Request
+from specjax.serve.engine import admission_bucket
 from specjax.speculate.sampling import WarpSpec
 
 TARGET = layered_target(seed=11, late_scale=0.3)
@@ -27,7 +28,7 @@ def _prompts(seed: int, count: int, repetitive: bool = True) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     prompts = []
     for i in range(count):
-        length = (5, 20, 37, 9, 33, 14, 26, 3)[(i + seed) % 8]  # buckets 16, 32 and 64
+        length = (5, 20, 37, 9, 33, 14, 26, 3)[(i + seed) % 8]  # buckets 16, 32 and 48
         if repetitive and i % 2:
             phrase = rng.integers(0, VOCAB, 5).tolist()
             prompts.append((phrase * 8)[:length])
@@ -101,7 +102,7 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     # row and the moves between widths compiled at start, the loop at the widths the occupied
     # slots needed; new prompts and arrivals never compile again (and a call whose shapes differ
     # would fail: programs are compiled ahead of time).
-    buckets = {specjax.api.prompt_bucket(len(r.prompt)) for r in requests}
+    buckets = {admission_bucket(len(r.prompt)) for r in requests}
     prefills = {bucket for kind, bucket in engine._programs if kind == "prefill"}
     assert len(buckets) >= 2 and prefills == buckets | {specjax.api.MIN_BUCKET}
     assert {width for kind, width in engine._programs if kind == "write"} == set(engine._widths)
@@ -126,7 +127,7 @@ def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
     widths = set(engine._widths)
     assert {w for kind, w in engine._programs if kind == "lean"} == widths
     assert {w for kind, w in engine._programs if kind == "resume"} == widths
-    buckets = {specjax.api.prompt_bucket(len(p)) for p in prompts}
+    buckets = {admission_bucket(len(p)) for p in prompts}
     assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.api.MIN_BUCKET}
     assert compiled == 2 * len(widths) + len(buckets - {specjax.api.MIN_BUCKET})
     before = engine.num_compiles
