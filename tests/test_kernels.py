@@ -104,15 +104,16 @@ def _float64_attention(queries, keys, values, length):
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 256])
-@pytest.mark.parametrize("rows", [1, 3, 7, 27])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 27])
 def test_cache_attention_equals_float64(head_dim, rows):
     """Lengths that meet every path of the kernel: nothing committed (output 0, log-sum-exp minus
-    infinity), fewer slots than a vector (15), one vector (16), one block with a ragged end (300),
-    the largest single block (512), one slot past it (513: two equal blocks, 272 and 241 slots, the
-    second ending in one slot on its own), two blocks (1000: 512 and 488) and the whole cache
-    (S = 1100, not a multiple of 16: three blocks). Row counts: one chunk, a ragged chunk, several
-    chunks (head_dim 256 takes its values in two halves)."""
-    lengths = [0, 1, 15, 16, 300, 512, 513, 1000, 1100]
+    infinity), fewer slots than a vector (7), one vector (8), a vector and a ragged end (15), two
+    (16), one block with a ragged end (300), the largest single block (512), one slot past it (513:
+    two equal blocks, 272 and 241 slots, the second ending in one slot on its own), two blocks
+    (1000: 512 and 488) and the whole cache (S = 1100, not a multiple of 16: three blocks). Row
+    counts: one chunk, a full chunk of 6, chunks of 4 and 3, several chunks; the values go 16 head
+    dims at a time (one pass at head_dim 16, sixteen at 256)."""
+    lengths = [0, 1, 7, 8, 15, 16, 300, 512, 513, 1000, 1100]
     N, S = len(lengths), 1100
     rng = np.random.default_rng(head_dim * 100 + rows)
     q = rng.standard_normal((N, rows, head_dim)).astype(np.float32) / np.sqrt(head_dim)

@@ -18,10 +18,10 @@
 // calling thread and XLA's intra-op threads (run_parts, kernels.h), and merges the blocks' partial
 // softmaxes at the end (split-K, as flash-decoding does on GPUs).
 //
-// For one block and at most MaxRows(E / 16) query rows at a time: the scores (16 slots per vector,
-// keys stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
-// subtracted, then the weighted sum of the values (E/16 vectors per row, in registers; at most 8
-// at a time, so E = 256 takes the values' two halves one after the other). The scores
+// For one block and at most kMaxRows query rows at a time: the scores (8 slots per vector, keys
+// stored [E, S] so a slot vector is contiguous), their exponentials with the block's maximum
+// subtracted, then the weighted sum of the values, 16 head dims at a time (sums in registers:
+// attend_block says how they fit AVX2's 16). The scores
 // take kKeyRows key rows at a time, each read along the whole block, and keep their sums in a
 // small array (L1): reading all E rows for 32 slots, then the next 32, made E short strided
 // streams that the hardware prefetcher followed poorly (16-18 GB/s over 900 slots here, against
@@ -35,70 +35,79 @@
 #include "kernels.h"
 
 namespace ffi = xla::ffi;
-using specjax::load16;
-using specjax::store16;
-using specjax::Vec16;
+using specjax::load8;
+using specjax::store8;
+using specjax::Vec8;
 
 namespace {
 
-typedef int32_t Int16 __attribute__((vector_size(64)));
+typedef int32_t Int8 __attribute__((vector_size(32)));
 
-constexpr int64_t kLanes = 16;
+constexpr int64_t kLanes = 16;      // blocks are a multiple of this many slots
+constexpr int64_t kVector = 8;      // floats per vector (Vec8: one AVX2 register)
 constexpr int64_t kMaxBlock = 512;  // slots per part of the work, at most
 constexpr int64_t kKeyRows = 8;     // key rows (head dims) per pass over a block's slots
+constexpr int kMaxRows = 6;         // query rows per chunk (see attend_block)
 
-inline Vec16 splat(float x) { return Vec16{} + x; }
+inline Vec8 splat(float x) { return Vec8{} + x; }
 
-// e^x for 16 floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' expf polynomial
+// e^x for 8 floats: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by Cephes' expf polynomial
 // (relative error about 1e-7), 2^n from the exponent bits. x below -87 (where e^x leaves the
 // normal floats) gives 0.
-inline Vec16 exp16(Vec16 x) {
-  const Vec16 lowest = splat(-87.0f);
-  const Vec16 clamped = x < lowest ? lowest : x;
-  const Vec16 t = clamped * 1.44269504088896341f + 0.5f;
-  Int16 n = __builtin_convertvector(t, Int16);  // rounds toward zero, so up where t < 0:
-  n += __builtin_convertvector(n, Vec16) > t ? Int16{} - 1 : Int16{};  // step down to floor(t)
-  const Vec16 nf = __builtin_convertvector(n, Vec16);
-  const Vec16 r = clamped - nf * 0.693359375f + nf * 2.12194440e-4f;
-  Vec16 p = splat(1.9875691500e-4f);
+inline Vec8 exp8(Vec8 x) {
+  const Vec8 lowest = splat(-87.0f);
+  const Vec8 clamped = x < lowest ? lowest : x;
+  const Vec8 t = clamped * 1.44269504088896341f + 0.5f;
+  Int8 n = __builtin_convertvector(t, Int8);  // rounds toward zero, so up where t < 0:
+  n += __builtin_convertvector(n, Vec8) > t ? Int8{} - 1 : Int8{};  // step down to floor(t)
+  const Vec8 nf = __builtin_convertvector(n, Vec8);
+  const Vec8 r = clamped - nf * 0.693359375f + nf * 2.12194440e-4f;
+  Vec8 p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const Vec16 e_r = p * r * r + r + 1.0f;
-  const Int16 bits = (n + 127) << 23;
-  Vec16 scale;
+  const Vec8 e_r = p * r * r + r + 1.0f;
+  const Int8 bits = (n + 127) << 23;
+  Vec8 scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return x < lowest ? Vec16{} : e_r * scale;
+  return x < lowest ? Vec8{} : e_r * scale;
 }
 
-// Rows [0, R) of q (R a template constant, so the sums stay in registers) against slots
-// s0 .. s0 + count - 1 (count <= kMaxBlock) of one entry: the block's maximum score per row, the sum
-// of exp(score - maximum) and the values weighted by those exponentials, unnormalized. `first`
-// [R] (null where every row sees the whole block): row r's first visible slot; the slots below it
-// get no weight, and a row that sees none of the block gets maximum -inf, sum 0 and output 0.
-template <int R, int EV>
+// Rows [0, R) of q (R <= kMaxRows, a template constant so the sums stay in registers) against
+// slots s0 .. s0 + count - 1 (count <= kMaxBlock) of one entry: the block's maximum score per row,
+// the sum of exp(score - maximum) and the values weighted by those exponentials, unnormalized.
+// `first` [R] (null where every row sees the whole block): row r's first visible slot; the slots
+// below it get no weight, and a row that sees none of the block gets maximum -inf, sum 0 and
+// output 0.
+//
+// Sized for the 16 AVX2 registers (the vectors are 8 floats; GCC splits wider ones into halves
+// and, once their sums outgrow the registers, spills them: with 16-float vectors and up to 8 rows a
+// chunk, sized for AVX-512's 32 registers, this took 0.37 ms per layer for 8 rows of SmolLM2 at
+// 150 slots, 11 ms of a 46 ms step). The scores keep R sums of 8 slots, one key vector and the
+// broadcast query value (R + 2 registers); the values go 16 head dims at a time: R x 2 sums, the
+// slot's 2 value vectors and its broadcast weight (2R + 3 registers, 15 at 6 rows).
+template <int R, int64_t E>
 void attend_block(const float* q, const float* k, const float* v, const int32_t* first, int64_t num_slots,
                   int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
-  constexpr int64_t E = EV * kLanes;
+  static_assert(E % (2 * kVector) == 0 && E % kKeyRows == 0 && R <= kMaxRows);
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   float scores[R][kMaxBlock];
-  const int64_t vectors = count / kLanes;
+  const int64_t vectors = count / kVector;
   for (int r = 0; r < R; ++r)
-    for (int64_t j = 0; j < vectors; ++j) store16(&scores[r][j * kLanes], Vec16{});
-  static_assert(E % kKeyRows == 0);
+    for (int64_t j = 0; j < vectors; ++j) store8(&scores[r][j * kVector], Vec8{});
   for (int64_t e0 = 0; e0 < E; e0 += kKeyRows)
     for (int64_t j = 0; j < vectors; ++j) {
-      Vec16 sums[R];
-      for (int r = 0; r < R; ++r) sums[r] = load16(&scores[r][j * kLanes]);
+      Vec8 sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = load8(&scores[r][j * kVector]);
       for (int64_t e = e0; e < e0 + kKeyRows; ++e) {
-        const Vec16 keys = load16(k + e * num_slots + s0 + j * kLanes);
+        const Vec8 keys = load8(k + e * num_slots + s0 + j * kVector);
         for (int r = 0; r < R; ++r) sums[r] += q[r * E + e] * keys;
       }
-      for (int r = 0; r < R; ++r) store16(&scores[r][j * kLanes], sums[r]);
+      for (int r = 0; r < R; ++r) store8(&scores[r][j * kVector], sums[r]);
     }
-  for (int64_t s = vectors * kLanes; s < count; ++s)  // the last slots, one at a time
+  for (int64_t s = vectors * kVector; s < count; ++s)  // the last slots, one at a time
     for (int r = 0; r < R; ++r) {
       float dot = 0.0f;
       for (int64_t e = 0; e < E; ++e) dot += q[r * E + e] * k[e * num_slots + s0 + s];
@@ -116,15 +125,15 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
     // A row that sees nothing here (top -inf) subtracts 0: every exponential is then e^-inf = 0,
     // where -inf - -inf would be NaN.
     const float shift = top == kNone ? 0.0f : top;
-    Vec16 sums = Vec16{};
-    for (int64_t s = 0; s < vectors * kLanes; s += kLanes) {
-      const Vec16 p = exp16(load16(&scores[r][s]) - shift);
-      store16(&scores[r][s], p);
+    Vec8 sums = Vec8{};
+    for (int64_t s = 0; s < vectors * kVector; s += kVector) {
+      const Vec8 p = exp8(load8(&scores[r][s]) - shift);
+      store8(&scores[r][s], p);
       sums += p;
     }
     float sum = 0.0f;
-    for (int i = 0; i < kLanes; ++i) sum += sums[i];
-    for (int64_t s = vectors * kLanes; s < count; ++s) {
+    for (int i = 0; i < kVector; ++i) sum += sums[i];
+    for (int64_t s = vectors * kVector; s < count; ++s) {
       scores[r][s] = std::exp(scores[r][s] - shift);
       sum += scores[r][s];
     }
@@ -132,39 +141,32 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
     sum_out[r] = sum;
   }
 
-  // The values in groups of G vectors per row (all E/16 of them up to E = 128, two halves at 256),
-  // so that R rows' sums and one slot's value vectors fit the registers.
-  constexpr int G = EV < 8 ? EV : 8;
-  for (int g = 0; g < EV; g += G) {
-    Vec16 acc[R][G];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < G; ++i) acc[r][i] = Vec16{};
+  for (int64_t d = 0; d < E; d += 2 * kVector) {  // 16 head dims at a time
+    Vec8 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec8{};
     for (int64_t s = 0; s < count; ++s) {
-      Vec16 value[G];
-      for (int i = 0; i < G; ++i) value[i] = load16(v + (s0 + s) * E + (g + i) * kLanes);
+      const float* value = v + (s0 + s) * E + d;
+      const Vec8 low = load8(value), high = load8(value + kVector);
       for (int r = 0; r < R; ++r) {
         const float p = scores[r][s];
-        for (int i = 0; i < G; ++i) acc[r][i] += p * value[i];
+        acc[r][0] += p * low;
+        acc[r][1] += p * high;
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < G; ++i) store16(out + r * E + (g + i) * kLanes, acc[r][i]);
+    for (int r = 0; r < R; ++r) {
+      store8(out + r * E + d, acc[r][0]);
+      store8(out + r * E + d + kVector, acc[r][1]);
+    }
   }
 }
 
-// The rows a chunk may hold: its sums and a group of at most 8 value vectors per row (E/16 of them
-// up to E = 128, half of them at 256) fit the 32 vector registers.
-constexpr int MaxRows(int ev) { return ev <= 2 ? 8 : ev == 4 ? 6 : 3; }
-
-// All `rows` of one entry against one block, in chunks of at most MaxRows(EV) rows. `first`
-// [rows] (null without starts): each row's first visible slot; a chunk whose rows all start at or
-// before s0 (every block of full attention, most of a window's) masks nothing.
-template <int EV>
+// All `rows` of one entry against one block, in chunks of at most kMaxRows rows. `first` [rows]
+// (null without starts): each row's first visible slot; a chunk whose rows all start at or before
+// s0 (every block of full attention, most of a window's) masks nothing.
+template <int64_t E>
 void attend_rows(const float* q, const float* k, const float* v, const int32_t* first, int64_t rows,
                  int64_t num_slots, int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
-  constexpr int64_t E = EV * kLanes;
-  constexpr int64_t kMax = MaxRows(EV);
-  const int64_t num_chunks = (rows + kMax - 1) / kMax;
+  const int64_t num_chunks = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {  // chunk sizes as equal as can be
     const int64_t size = (rows - r0) / (num_chunks - c);
     const float* qr = q + r0 * E;
@@ -172,10 +174,8 @@ void attend_rows(const float* q, const float* k, const float* v, const int32_t* 
     if (first != nullptr && std::any_of(first + r0, first + r0 + size, [=](int32_t x) { return x > s0; }))
       f = first + r0;
     float *m = max_out + r0, *l = sum_out + r0, *o = out + r0 * E;
-    // A size above kMax never occurs; its case instantiates the 1-row block rather than one whose
-    // sums would not fit the registers.
 #define SPECJAX_ROWS(n) \
-  case n: attend_block<(n <= kMax ? n : 1), EV>(qr, k, v, f, num_slots, s0, count, m, l, o); break;
+  case n: attend_block<n, E>(qr, k, v, f, num_slots, s0, count, m, l, o); break;
     switch (size) {
       SPECJAX_ROWS(1)
       SPECJAX_ROWS(2)
@@ -183,8 +183,6 @@ void attend_rows(const float* q, const float* k, const float* v, const int32_t* 
       SPECJAX_ROWS(4)
       SPECJAX_ROWS(5)
       SPECJAX_ROWS(6)
-      SPECJAX_ROWS(7)
-      SPECJAX_ROWS(8)
     }
 #undef SPECJAX_ROWS
     r0 += size;
@@ -244,12 +242,12 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     const float* vn = vs + n * num_slots * E;
     const int32_t* first = starts == nullptr ? nullptr : starts + n * rows;
     float *m = maxima + part * rows, *l = sums + part * rows, *o = outs + part * rows * E;
-    switch (E / kLanes) {
-      case 1: attend_rows<1>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      case 2: attend_rows<2>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      case 4: attend_rows<4>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      case 8: attend_rows<8>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      default: attend_rows<16>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+    switch (E) {
+      case 16: attend_rows<16>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 32: attend_rows<32>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 64: attend_rows<64>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 128: attend_rows<128>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      default: attend_rows<256>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
     }
   });
 

@@ -1,4 +1,4 @@
-// What the CPU kernels share: 16-float vectors, and handing one call's work out to threads.
+// What the CPU kernels share: 8-float vectors, and handing one call's work out to threads.
 #pragma once
 
 #include <algorithm>
@@ -12,20 +12,11 @@
 
 namespace specjax {
 
-// GCC's vector types, so the same source builds for AVX-512, AVX2 or NEON.
-typedef float Vec16 __attribute__((vector_size(64)));
-
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
-
-// Eight floats: one AVX2 register. Products keep their sums in these: without AVX-512, GCC 12
-// compiled a 16-float vector times a scalar through stores and reloads on the stack (a panel
-// product of 6 rows ran 20x slower than XLA's).
+// GCC's vector types, so the same source builds for AVX-512, AVX2 or NEON. Eight floats: one AVX2
+// register. The kernels keep their sums in these, as many as the 16 AVX2 registers hold: without
+// AVX-512, GCC 12 compiled a 16-float vector times a scalar through stores and reloads on the
+// stack (a panel product of 6 rows ran 20x slower than XLA's, and attention sized for 16-float
+// vectors 3-6x slower than this way).
 typedef float Vec8 __attribute__((vector_size(32)));
 
 inline Vec8 load8(const float* p) {
