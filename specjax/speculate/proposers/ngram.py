@@ -52,7 +52,8 @@ def ngram_propose(tokens: jax.Array, lengths: jax.Array, k: int, n_max: int, n_m
     match = (ends < last) & (ends >= 0)
     best_end = jnp.full((B,), -1, jnp.int32)
     for i in range(n_max):
-        shifted = jnp.where(ends - i >= 0, tokens[rows, jnp.maximum(ends - i, 0)], -1)
+        # tokens[b, j - i] at column j (-1 where j < i): a shift, not a gather
+        shifted = jnp.pad(tokens[:, : max(S - i, 0)], ((0, 0), (min(i, S), 0)), constant_values=-1)
         suffix_token = tokens[rows, jnp.maximum(last - i, 0)]
         match = match & (shifted == suffix_token) & (last - i >= 0) & (ends - i >= 0)
         n = i + 1
