@@ -23,6 +23,17 @@ NOISY_DRAFT = noisy_copy(TARGET, noise=0.05, seed=0)
 VOCAB = TARGET.config.vocab_size
 
 
+def test_admission_buckets_pad_little():
+    """Multiples of 16 up to 64 tokens, then four buckets per doubling: at most 15 tokens of
+    padding up to 64, under a quarter of the prompt past them."""
+    lengths = (1, 16, 17, 48, 64, 65, 100, 128, 129, 200, 257)
+    assert [admission_bucket(n) for n in lengths] == [16, 16, 32, 48, 64, 80, 112, 128, 160, 224, 320]
+    for n in range(1, 5000):
+        bucket = admission_bucket(n)
+        assert bucket >= n and bucket % 16 == 0
+        assert bucket - n < 16 if n <= 64 else bucket - n < n / 4
+
+
 def _prompts(seed: int, count: int, repetitive: bool = True) -> list[list[int]]:
     """Prompts of varied lengths (several buckets); half repeat a phrase, so prompt lookup drafts."""
     rng = np.random.default_rng(seed)

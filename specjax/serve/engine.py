@@ -86,8 +86,8 @@ MAX_STOP_TOKEN_IDS = 16  # EOS and a request's stop token ids, per slot
 
 def admission_bucket(length: int) -> int:
     """The padded prompt length of an admission's prefill: a multiple of 16 up to 64 tokens, then
-    four buckets per doubling (80, 96, 112, 128, 160, 192, 224, 256, 320, ...), so that padding
-    stays under a quarter of the prompt (an eighth on average).
+    four buckets per doubling (80, 96, 112, 128, 160, 192, 224, 256, 320, ...): at most 15 tokens
+    of padding up to 64 tokens, under a quarter of the prompt past them.
 
     Finer than `generate`'s buckets (api.prompt_bucket: 64 then 128 tokens for a 65-token prompt)
     because an engine compiles only a prefill per bucket, where `generate` compiles its whole loop,
