@@ -42,47 +42,6 @@ constexpr int64_t kBlock = 64;     // inputs per block: 64 x 64 bytes of each pa
 constexpr int64_t kAhead = 128;    // inputs ahead that a block's first chunk prefetches
 constexpr int64_t kGroup = 48;     // rows whose sums a blocked pass keeps (6 KB on the stack)
 
-// Rows [0, R) of x (R <= kChunk, a template constant so the sums stay in registers) times
-// `num` (1 or 2) panels starting at `panel`, written to y's columns from `col`.
-template <int R, int NUM>
-void chunk(const float* x, const float* panel, float* y, int64_t d_in, int64_t d_out, int64_t col) {
-  constexpr int H = 2 * NUM;  // half panels of 8 columns
-  Vec8 sums[R][H];
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) sums[r][h] = Vec8{};
-  const int64_t panel_size = d_in * kPanel;
-  for (int64_t i = 0; i < d_in; ++i) {
-    Vec8 w[H];
-    for (int h = 0; h < H; ++h) w[h] = load8(panel + (h / 2) * panel_size + i * kPanel + (h % 2) * kHalf);
-    for (int r = 0; r < R; ++r) {
-      const float xi = x[r * d_in + i];
-      for (int h = 0; h < H; ++h) sums[r][h] += xi * w[h];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) store8(y + r * d_out + col + h * kHalf, sums[r][h]);
-}
-
-// Rows (at most kFewRows, or the last rows of a group) times `num` panels, in chunks of at most
-// kChunk rows, of sizes as equal as can be (4 rows go as 2 + 2, not 3 + 1: each chunk costs about
-// the same, whatever its size).
-template <int NUM>
-void few_rows_times_panels(const float* x, const float* panel, float* y, int64_t rows, int64_t d_in,
-                           int64_t d_out, int64_t col) {
-  const int64_t num_chunks = (rows + kChunk - 1) / kChunk;
-  for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
-    const int64_t size = (rows - r0) / (num_chunks - c);
-    const float* xr = x + r0 * d_in;
-    float* yr = y + r0 * d_out;
-    switch (size) {
-      case 1: chunk<1, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      case 2: chunk<2, NUM>(xr, panel, yr, d_in, d_out, col); break;
-      default: chunk<3, NUM>(xr, panel, yr, d_in, d_out, col); break;
-    }
-    r0 += size;
-  }
-}
-
 // Rows [0, R) of x times inputs [i0, i1) of `num` (NUM) panels from `panel`, added to the sums
 // `acc` (row r's at acc[4r ...], two vectors per panel). With AHEAD > 0 it also asks for the rows
 // kAhead inputs on (up to d_in) of the AHEAD panels from `ahead`, which later blocks will read.
@@ -108,12 +67,42 @@ void block(const float* x, const float* panel, Vec8* acc, int64_t d_in, int64_t 
     for (int h = 0; h < H; ++h) acc[4 * r + h] = sums[r][h];
 }
 
+// Rows [0, R) of x (R <= kChunk) times all inputs of `num` (NUM) panels from `panel`, written to
+// y's columns from `col`: one block as long as the inputs.
+template <int R, int NUM>
+void chunk(const float* x, const float* panel, float* y, int64_t d_in, int64_t d_out, int64_t col) {
+  Vec8 acc[4 * R] = {};
+  block<R, NUM>(x, panel, acc, d_in, 0, d_in);
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2 * NUM; ++h) store8(y + r * d_out + col + h * kHalf, acc[4 * r + h]);
+}
+
+// Rows (at most kFewRows, or the last rows of a group) times `num` panels, in chunks of at most
+// kChunk rows, of sizes as equal as can be (4 rows go as 2 + 2, not 3 + 1: each chunk costs about
+// the same, whatever its size).
+template <int NUM>
+void few_rows_times_panels(const float* x, const float* panel, float* y, int64_t rows, int64_t d_in,
+                           int64_t d_out, int64_t col) {
+  const int64_t num_chunks = (rows + kChunk - 1) / kChunk;
+  for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
+    const int64_t size = (rows - r0) / (num_chunks - c);
+    const float* xr = x + r0 * d_in;
+    float* yr = y + r0 * d_out;
+    switch (size) {
+      case 1: chunk<1, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      case 2: chunk<2, NUM>(xr, panel, yr, d_in, d_out, col); break;
+      default: chunk<3, NUM>(xr, panel, yr, d_in, d_out, col); break;
+    }
+    r0 += size;
+  }
+}
+
 // Rows [0, rows) (rows <= kGroup) times `num` (NUM) panels, blocked over the inputs: per block,
 // chunks of 6 (or 5) rows over each panel alone, then the last rows (at most 4) over all NUM
 // panels at once; the first chunk of a block prefetches the weights ahead.
 template <int NUM>
-void many_rows_times_panels(const float* x, const float* panel, float* y, int64_t rows, int64_t d_in, int64_t d_out,
-                  int64_t col) {
+void many_rows_times_panels(const float* x, const float* panel, float* y, int64_t rows, int64_t d_in,
+                            int64_t d_out, int64_t col) {
   Vec8 acc[kGroup * 4];
   for (int64_t k = 0; k < rows * 4; ++k) acc[k] = Vec8{};
   const int64_t panel_size = d_in * kPanel;
