@@ -10,8 +10,9 @@ loop of clients over Spec-Bench prompts.
 An Engine of --max-batch slots (plain decoding, the built-in model, greedy) is given `width`
 requests of one short chat prompt at once, so they occupy the first `width` slots and every chunk
 runs at that width; after the first chunk (admissions, compilation) --chunks chunks are timed,
-and the time is divided by their steps. The first width is timed again last, as a check on the
-machine's drift.
+and the time is divided by their steps (`Engine.stats`: --chunk-steps each when the width fills
+the engine, --admission-steps while slots are free). The first width is timed again last, as a
+check on the machine's drift.
 
 --clients: N clients in a closed loop over the prompts (each chat-templated), each sending its
 next request the moment its last one finishes (between two engine steps: no HTTP, no client
@@ -57,7 +58,12 @@ def closed_loops(model, args) -> list[list]:
     rows = []
     for max_len in args.max_model_len:
         engine = Engine(
-            model, None, max_batch=args.max_batch, max_model_len=max_len, chunk_steps=args.chunk_steps
+            model,
+            None,
+            max_batch=args.max_batch,
+            max_model_len=max_len,
+            chunk_steps=args.chunk_steps,
+            admission_steps=args.admission_steps,
         )
         engine.precompile([len(p) for p in prompts])  # no program compiles inside a timed loop
         for clients in sorted({args.max_batch, *args.clients}, reverse=True):
@@ -88,6 +94,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[8, 16, 8])
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--admission-steps", type=int, help="steps per chunk while a slot is free")
     parser.add_argument("--chunks", type=int, default=5)
     parser.add_argument("--clients", type=int, nargs="+", help="time closed loops of this many clients")
     parser.add_argument("--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA)")
@@ -108,16 +115,21 @@ def main() -> None:
     rows = []
     for max_len in args.max_model_len:
         engine = Engine(
-            model, None, max_batch=args.max_batch, max_model_len=max_len, chunk_steps=args.chunk_steps
+            model,
+            None,
+            max_batch=args.max_batch,
+            max_model_len=max_len,
+            chunk_steps=args.chunk_steps,
+            admission_steps=args.admission_steps,
         )
         for width in args.widths:
             for _ in range(width):
                 engine.add(Request(prompt, max_new_tokens=new_tokens))
             engine.step()  # admissions, compilation and the first chunk
-            start = time.perf_counter()
+            engine.stats.reset()
             for _ in range(args.chunks):
                 engine.step()
-            ms = (time.perf_counter() - start) / (args.chunks * args.chunk_steps) * 1e3
+            ms = engine.stats.ms_per_step(width)
             rows.append([max_len, args.max_batch, width, ms])
             print(rows[-1], flush=True)
             while engine.has_work:

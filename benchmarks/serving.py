@@ -1,7 +1,7 @@
 """Serving under load: throughput and latency of `specjax serve` against the number of clients.
 
     .venv/bin/python benchmarks/serving.py [--clients 1 2 4 8 16] [--modes plain ngram dynamic]
-        [--per-category 2] [--max-new-tokens 128] [--max-batch 16] [--chunk-steps 16]
+        [--per-category 2] [--max-new-tokens 128] [--max-batch 16] [--chunk-steps 16] [--admission-steps 4]
         [--llama-cpp-url http://127.0.0.1:8080/v1]
 
 The built-in model is served in this process (the FastAPI app of specjax/serve on uvicorn, on a
@@ -176,6 +176,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--chunk-steps", type=int, default=16)
+    parser.add_argument("--admission-steps", type=int, help="steps per chunk while a slot is free")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
     parser.add_argument("--kernels", default="auto", help="the engine's kernels: auto or xla (generate's)")
@@ -212,6 +213,7 @@ def main() -> None:
             max_batch=args.max_batch,
             max_model_len=args.max_model_len,
             chunk_steps=args.chunk_steps,
+            admission_steps=args.admission_steps,
             kernels=args.kernels,
         )
         start = time.perf_counter()

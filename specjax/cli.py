@@ -665,6 +665,7 @@ def serve_command(args: argparse.Namespace) -> None:
         max_batch=args.max_batch,
         max_model_len=args.max_model_len,
         chunk_steps=args.chunk_steps,
+        admission_steps=args.admission_steps,
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
@@ -699,6 +700,11 @@ def add_serve_command(commands) -> None:
         type=positive_int,
         default=16,
         help="loop steps between two looks at the queue (default 16)",
+    )
+    command.add_argument(
+        "--admission-steps",
+        type=positive_int,
+        help="loop steps between two looks at the queue while a slot is free (default 4; <= --chunk-steps)",
     )
     command.add_argument(
         "--max-waiting",

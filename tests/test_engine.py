@@ -281,6 +281,30 @@ def test_abort_and_counters():
     assert sum(len(u.tokens) for u in updates[1:] + rest) == 30
 
 
+def test_chunks_are_short_while_a_slot_is_free_and_end_when_a_row_finishes():
+    """A chunk runs admission_steps steps while a slot is free (an arrival waits at most that
+    long for its prefill), chunk_steps when every slot is taken, and ends at the step where a row
+    finishes (its last tokens reported at once), whether or not a request waits."""
+    engine = Engine(TARGET, max_batch=2, max_model_len=64, chunk_steps=6, admission_steps=2)
+    long = engine.add(Request([1, 2, 3], max_new_tokens=40))
+    (update,) = engine.step()  # one row, a slot free: 2 steps
+    assert update.request_id == long and len(update.tokens) == 1 + 2
+    short = engine.add(Request([4, 5, 6], max_new_tokens=4))
+    updates = {u.request_id: u for u in engine.step()}  # both slots taken: up to 6 steps
+    assert updates[short].finished and len(updates[short].tokens) == 4  # its prefill's and 3 steps
+    assert len(updates[long].tokens) == 3  # the chunk ended with the short request, nothing waiting
+    (update,) = engine.step()  # a slot free again
+    assert len(update.tokens) == 2 and sum(engine.stats.steps.values()) == 2 + 3 + 2
+    while engine.has_work:
+        engine.step()
+    assert engine.admission_steps == 2
+    assert Engine(TARGET, max_batch=1, max_model_len=64, chunk_steps=3).admission_steps == 3  # min(4, 3)
+    with pytest.raises(ValueError, match="admission_steps=5 exceeds chunk_steps=3"):
+        Engine(TARGET, max_batch=1, max_model_len=64, chunk_steps=3, admission_steps=5)
+    with pytest.raises(ValueError, match="admission_steps must be an integer >= 1, got 0"):
+        Engine(TARGET, max_batch=1, max_model_len=64, admission_steps=0)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -274,15 +274,13 @@ def test_the_engines_chunk_lowers_for_gpu_and_tpu(scan_layers):
 
     params, proposer_params, state = jax.eval_shape(first_state, TARGET.params, proposer_params, inputs)
 
-    def chunk(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
-        return resume_program(
-            spec, params, proposer_params, state, inputs, max_steps, stop_when_freed, reported, 9
-        )
+    def chunk(params, proposer_params, state, inputs, max_steps, reported):
+        return resume_program(spec, params, proposer_params, state, inputs, max_steps, reported, 9)
 
-    scalars = (jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), bool))
+    max_steps = jax.ShapeDtypeStruct((), jnp.int32)
     reported = jax.ShapeDtypeStruct((2,), jnp.int32)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")  # as export_generate
     exported = jax.export.export(jax.jit(chunk), platforms=("cuda", "tpu"), disabled_checks=[triton])(
-        params, proposer_params, state, inputs, *scalars, reported
+        params, proposer_params, state, inputs, max_steps, reported
     )
     assert_accelerator_program(exported)

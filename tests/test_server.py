@@ -607,7 +607,7 @@ def test_stop_strings_past_the_automaton_fail_their_request_alone():
 # the command
 
 
-def test_serve_command_passes_max_waiting_on(monkeypatch):
+def test_serve_command_passes_max_waiting_and_admission_steps_on(monkeypatch):
     from specjax.cli import main
 
     with pytest.raises(ValueError, match="serve: max_waiting must be an integer >= 0, got -1"):
@@ -616,9 +616,11 @@ def test_serve_command_passes_max_waiting_on(monkeypatch):
         make_app(types.SimpleNamespace(model=TEXT_MODEL, max_batch=1), max_waiting=1.5)
     calls = []
     monkeypatch.setattr(specjax.serve.app, "serve", lambda model, config, **options: calls.append(options))
-    assert main(["serve", "m", "--max-batch", "3", "--max-waiting", "0"]) == 0
+    assert main(["serve", "m", "--max-batch", "3", "--max-waiting", "0", "--admission-steps", "2"]) == 0
     assert main(["serve", "m"]) == 0
-    assert [(c["max_batch"], c["max_waiting"]) for c in calls] == [(3, 0), (8, None)]  # None: 4 x max_batch
+    # None: 4 x max_batch waiting, and the engine's admission_steps
+    options = [(c["max_batch"], c["max_waiting"], c["admission_steps"]) for c in calls]
+    assert options == [(3, 0, 2), (8, None, None)]
 
 
 def test_serve_command_errors_are_one_line(tmp_path, capsys):

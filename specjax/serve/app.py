@@ -296,6 +296,7 @@ def serve(
     max_batch: int = 8,
     max_model_len: int | None = None,
     chunk_steps: int = 16,
+    admission_steps: int | None = None,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
@@ -308,8 +309,9 @@ def serve(
         .gguf file), loaded in `dtype` with `quantization` and `group_size` (as `specjax.load`).
     speculative_config: vLLM's / FastDeploy's --speculative-config object (see
         specjax/serve/config.py), or `proposer`: any specjax proposer; neither for plain decoding.
-    max_batch, max_model_len, chunk_steps: the engine's slots, the longest prompt + answer, and
-        the most loop steps between two looks at the queue (specjax.serve.engine.Engine).
+    max_batch, max_model_len, chunk_steps, admission_steps: the engine's slots, the longest
+        prompt + answer, and the most loop steps between two looks at the queue (while a slot is
+        free: admission_steps) (specjax.serve.engine.Engine).
     max_waiting: the most requests waiting for a slot (default 4 x max_batch); past it, 503.
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
     precompile: before listening, compile the loop at every width and the prefill of prompts up to
@@ -333,7 +335,12 @@ def serve(
     if proposer is None:
         proposer = speculative_config_to_proposer(speculative_config, model)
     engine = Engine(
-        model, proposer, max_batch=max_batch, max_model_len=max_model_len, chunk_steps=chunk_steps
+        model,
+        proposer,
+        max_batch=max_batch,
+        max_model_len=max_model_len,
+        chunk_steps=chunk_steps,
+        admission_steps=admission_steps,
     )
     if precompile is not None:
         longest = min(precompile, engine.max_model_len - 1)

@@ -11,9 +11,9 @@ programs move it, each compiled ahead of time (docs/serving.md):
 - resize (one per pair of neighbouring widths, at start): the state one width up (free rows
   added) or down (free slots dropped), run only when the width changes;
 - resume (`loop.resume_program`, one per width, on first use or at `precompile`): the decoding
-  loop over the state, for at most `chunk_steps` steps, or until a row finishes while requests
-  wait for a slot; only each row's new tokens and the metric counters come back to the host. A
-  lean variant serves the chunks whose requests are all greedy without penalties or bias;
+  loop over the state, for at most `chunk_steps` steps (`admission_steps` while a slot is free),
+  or until a row finishes; only each row's new tokens and the metric counters come back to the
+  host. A lean variant serves the chunks whose requests are all greedy without penalties or bias;
 - the state stays on the device between calls (donated: updated in place).
 
 Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
@@ -82,6 +82,9 @@ ALL_OPTIONS = WarpSpec(
     candidates=TOP_P_CANDIDATES,
 )
 MAX_STOP_TOKEN_IDS = 16  # EOS and a request's stop token ids, per slot
+# Steps per chunk at most while a slot is free (Engine's admission_steps): a chunk boundary costs
+# a few milliseconds of host work on a 2-core CPU, under 2% of four steps (docs/serving.md).
+ADMISSION_STEPS = 4
 
 
 def admission_bucket(length: int) -> int:
@@ -171,6 +174,10 @@ class Engine:
     max_model_len: prompt + new tokens of one request, at most (default: the model's context).
     chunk_steps: steps per `step` call at most: fewer report tokens sooner, more cost fewer
         host round trips.
+    admission_steps: steps per `step` call at most while a slot is free (default: 4, or
+        chunk_steps if fewer): a request that arrives during a chunk waits for its end before
+        its prefill, so a free slot is offered to arrivals this often. (A chunk also ends as soon
+        as a row finishes, so that its last tokens are reported and its slot refilled at once.)
     warp: the sampling code paths compiled in (default: every option; a `WarpSpec.of(...)` of the
         requests to come makes a leaner program, and requests needing more are refused).
     kernels, matmul_precision, cache_dtype, scan_layers: as for `generate`.
@@ -192,6 +199,7 @@ class Engine:
         max_batch: int = 8,
         max_model_len: int | None = None,
         chunk_steps: int = 16,
+        admission_steps: int | None = None,
         warp: WarpSpec | None = None,
         kernels: str = "auto",
         matmul_precision: str | None = None,
@@ -206,6 +214,14 @@ class Engine:
         max_model_len = context if max_model_len is None else max_model_len
         _check_int("max_batch", max_batch, 1)
         _check_int("chunk_steps", chunk_steps, 1)
+        if admission_steps is None:
+            admission_steps = min(ADMISSION_STEPS, chunk_steps)
+        _check_int("admission_steps", admission_steps, 1)
+        if admission_steps > chunk_steps:
+            raise ValueError(
+                f"admission_steps={admission_steps} exceeds chunk_steps={chunk_steps}: a chunk runs at "
+                "most chunk_steps steps, and at most admission_steps while a slot is free"
+            )
         _check_int("max_stop_states", max_stop_states, 1)
         _check_int("max_model_len", max_model_len, 2)
         if warp is not None and not isinstance(warp, WarpSpec):
@@ -213,7 +229,7 @@ class Engine:
         if max_model_len > context:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
         self.model, self.max_batch, self.max_model_len = model, max_batch, max_model_len
-        self.chunk_steps, self.proposer = chunk_steps, proposer
+        self.chunk_steps, self.admission_steps, self.proposer = chunk_steps, admission_steps, proposer
         dtype = model.params.dtype.name
         try:
             cache_dtype = dtype if cache_dtype is None else dtype_name(cache_dtype)
@@ -397,6 +413,10 @@ class Engine:
         lean = self._lean is not None and all(
             s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
         )
+        # While a slot is free, an arrival could take it: the chunk is short, so that a request
+        # that comes while it runs waits little for its prefill. A chunk always ends when a row
+        # finishes: its last tokens go out at once and its slot is free for the next request.
+        max_steps = self.admission_steps if None in self._slots else self.chunk_steps
         start = time.perf_counter()
         self._state, window = self._run(
             "lean" if lean else "resume",
@@ -405,8 +425,7 @@ class Engine:
             self._proposer_params,
             self._state,
             self._inputs_at(width),
-            jnp.int32(self.chunk_steps),
-            jnp.asarray(bool(self._waiting)),
+            jnp.int32(max_steps),
             jnp.asarray(reported),
         )
         state = self._state
@@ -450,7 +469,6 @@ class Engine:
                 self._state_shape(width),
                 self._inputs_at(width),
                 jnp.int32(self.chunk_steps),
-                jnp.asarray(False),
                 jnp.zeros((width,), jnp.int32),
             )
             for kind in ("resume", "lean") if self._lean is not None else ("resume",):
@@ -762,17 +780,9 @@ class Engine:
         if kind in ("resume", "lean"):  # the loop over the running state, `bucket` slots wide
             window, narrow = self._window, dataclasses.replace(spec, batch_size=bucket)
 
-            def resume(params, proposer_params, state, inputs, max_steps, stop_when_freed, reported):
+            def resume(params, proposer_params, state, inputs, max_steps, reported):
                 return resume_program(
-                    narrow,
-                    params,
-                    proposer_params,
-                    state,
-                    inputs,
-                    max_steps,
-                    stop_when_freed,
-                    reported,
-                    window,
+                    narrow, params, proposer_params, state, inputs, max_steps, reported, window
                 )
 
             return jax.jit(resume, donate_argnums=2)

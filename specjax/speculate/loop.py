@@ -734,12 +734,11 @@ def resume_program(
     state: DecodeState,
     inputs: GenerationInputs,
     max_steps: jax.Array,
-    stop_when_freed: jax.Array,
     reported: jax.Array,
     window: int,
 ) -> tuple[DecodeState, jax.Array]:
-    """Run the loop from `state` for at most max_steps [] steps, or until a row finishes when
-    stop_when_freed [] is set (requests are waiting for its slot), or until every row is done.
+    """Run the loop from `state` for at most max_steps [] steps, or until a row finishes (its
+    slot is free for the next request), or until every row is done.
 
     The continuous batch's chunk (specjax/serve/engine.py): `params` as `program_params` made
     them (the engine stacks its weights once, not every chunk). Returns the state and, so that
@@ -752,7 +751,7 @@ def resume_program(
         def cond(state: DecodeState) -> jax.Array:
             freed = jnp.any(state.done & ~done_before)
             under = state.step - first_step < max_steps
-            return jnp.any(~state.done) & under & ~(stop_when_freed & freed)
+            return jnp.any(~state.done) & under & ~freed
 
         step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)
         state = jax.lax.while_loop(cond, step, state)
