@@ -305,6 +305,32 @@ def test_chunks_are_short_while_a_slot_is_free_and_end_when_a_row_finishes():
         Engine(TARGET, max_batch=1, max_model_len=64, admission_steps=0)
 
 
+def test_requests_left_past_a_narrower_width_move_down_into_free_slots():
+    """When the requests before them finish, the last two requests (slots 2 and 3 of 4) move into
+    slots 0 and 1 and the batch steps 2 wide: a greedy and a seeded sampled one, each still
+    what it gives alone (its row, key and counters moved with it); nothing compiles for it."""
+    sampling = specjax.Sampling(temperature=0.9, top_p=0.95, seed=77)
+    sampled = Request(_prompts(12, 1)[0], sampling=sampling, max_new_tokens=30)
+    greedy = Request(_prompts(13, 1)[0], max_new_tokens=26)
+    lone = Engine(TARGET, max_batch=1, max_model_len=96, chunk_steps=4)
+    by_itself, _ = drive(lone, [sampled], seed=0)
+    engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4)
+    at_start = set(engine._programs)
+    short = [Request(p, max_new_tokens=3) for p in _prompts(14, 2)]
+    ids = [engine.add(r) for r in (*short, sampled, greedy)]
+    tokens = {i: [] for i in ids}
+    widths = []
+    while engine.has_work:
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+        widths.append(engine._width)
+    assert widths[0] == 4 and 2 in widths  # 4 wide, then 2 once the short ones finished
+    assert tokens[ids[2]] == by_itself[0]
+    assert tokens[ids[3]] == alone(TARGET, greedy)
+    assert {w for kind, w in at_start if kind == "move"} == {2, 4}  # compiled at start
+    assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

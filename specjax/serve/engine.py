@@ -1,13 +1,15 @@
 """Continuous batching over the compiled loop: requests join and leave a running batch.
 
 The engine keeps up to `max_batch` slots on the device: one `DecodeState` of the first `width`
-slots (the smallest of 1, 2, 4, ..., max_batch holding every occupied slot; the slots past it are
-free), with a cache of `max_model_len` tokens (and a verify pass's room) per row. Compiled
+slots (the smallest of 1, 2, 4, ..., max_batch holding the running requests; the slots past it
+are free), with a cache of `max_model_len` tokens (and a verify pass's room) per row. Compiled
 programs move it, each compiled ahead of time (docs/serving.md):
 
 - prefill (one per prompt bucket, on first use or at `precompile`): one request's row (the
   target's cache, its proposer's state, its first token); write (one per width, at start) puts
   it into a free slot, the other slots untouched;
+- move (one per width, at start): a running row copied into a free slot below it, when requests
+  finishing leave the others fitting a narrower width;
 - resize (one per pair of neighbouring widths, at start): the state one width up (free rows
   added) or down (free slots dropped), run only when the width changes;
 - resume (`loop.resume_program`, one per width, on first use or at `precompile`): the decoding
@@ -288,7 +290,7 @@ class Engine:
         self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
         self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
         # The running part of the batch: the state of the first `width` slots, the smallest
-        # program width holding every occupied slot (slots past it are free). It is kept at that
+        # program width holding the running requests (slots past it are free). It is kept at that
         # width between chunks and resized only when the width changes: a chunk that sliced its
         # slots out of a max_batch-wide state and wrote them back copied their KV cache twice
         # (max_model_len slots a row, whatever the requests hold; docs/serving.md).
@@ -402,11 +404,12 @@ class Engine:
         if self.num_running == 0:
             return []
         # The chunk runs over the first `width` slots only: the smallest program width holding
-        # every occupied slot (admission fills the lowest free slot, so the running rows stay
-        # near the front). Free slots past it cost nothing: a lightly loaded engine steps at the
-        # cost of its few rows, not of max_batch.
-        occupied = 1 + max(b for b, slot in enumerate(self._slots) if slot is not None)
-        width = min(w for w in self._widths if w >= occupied)
+        # the running requests. Admission fills the lowest free slot, and requests left past that
+        # width by others finishing move down into free slots: free slots past it cost nothing,
+        # so a lightly loaded engine steps at the cost of its few rows, not of max_batch or of
+        # where its last requests happened to sit.
+        width = min(w for w in self._widths if w >= self.num_running)
+        self._move_below(width)
         self._resize(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
         # A chunk whose requests are all greedy without penalties or bias runs the lean program.
@@ -706,13 +709,27 @@ class Engine:
             to = self._widths[i + 1] if width > self._width else self._widths[i - 1]
             self._state = self._run(("resize", to), self._width, self._state, self._free_row)
 
+    def _move_below(self, width: int) -> None:
+        """Move the requests running in slots past `width` into free slots below it (their rows
+        copied; the state they leave behind is dropped when the state narrows to `width`)."""
+        free = [b for b in range(width) if self._slots[b] is None]
+        for b in range(width, self.max_batch):
+            if self._slots[b] is not None:
+                to = free.pop(0)
+                self._state = self._run("move", self._width, self._state, jnp.int32(b), jnp.int32(to))
+                self._slots[to], self._samplings[to] = self._slots[b], self._samplings[b]
+                self._free(b)
+                self._inputs = {}  # the slots' options moved
+
     def _compile_width_programs(self) -> None:
         """Compile, at start, the small programs that write a prefilled row into the running state
-        at each width and move it to the next width up or down: a request's arrival or a freed
-        slot never compiles while the engine serves."""
+        at each width, move a row between its slots, and move the state to the next width up or
+        down: a request's arrival or a freed slot never compiles while the engine serves."""
         row = self._free_row
         for w in self._widths:
             self._program("write", w, self._state_shape(w), row, jnp.int32(0))
+            if w > 1:
+                self._program("move", w, self._state_shape(w), jnp.int32(0), jnp.int32(0))
         for small, big in itertools.pairwise(self._widths):
             self._program(("resize", big), small, self._state_shape(small), row)
             self._program(("resize", small), big, self._state_shape(big), row)
@@ -793,6 +810,12 @@ class Engine:
                 return _write_row(axes, state, row, slot)
 
             return jax.jit(write, donate_argnums=0)
+        if kind == "move":  # the row in slot `source` copied into slot `slot` (`bucket` slots wide)
+
+            def move(state, source, slot):
+                return _write_row(axes, state, _read_row(axes, state, source, bucket), slot)
+
+            return jax.jit(move, donate_argnums=0)
         if isinstance(kind, tuple) and kind[0] == "resize":  # `bucket` slots wide -> kind[1] wide
             width = kind[1]
 
@@ -849,6 +872,18 @@ def _write_row(axes, state, row, slot):
         return jax.lax.dynamic_update_slice_in_dim(big, small, slot * small.shape[axis], axis)
 
     return jax.tree.map(write, axes, state, row)
+
+
+def _read_row(axes, state, slot, width: int):
+    """Slot `slot` of a `width`-slot state, as a batch of one."""
+
+    def read(axis, x):
+        if axis == SHARED:
+            return x
+        size = x.shape[axis] // width
+        return jax.lax.dynamic_slice_in_dim(x, slot * size, size, axis)
+
+    return jax.tree.map(read, axes, state)
 
 
 def _repeat_rows(axes, batch: int, row):
