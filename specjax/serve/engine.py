@@ -85,7 +85,8 @@ ALL_OPTIONS = WarpSpec(
 )
 MAX_STOP_TOKEN_IDS = 16  # EOS and a request's stop token ids, per slot
 # Steps per chunk at most while a slot is free (Engine's admission_steps): a chunk boundary costs
-# a few milliseconds of host work on a 2-core CPU, under 2% of four steps (docs/serving.md).
+# 2-3 ms of host work on a 2-core CPU, and 4-step chunks stepped within 1% of 16-step ones there
+# (docs/serving.md, "Latency and chunks").
 ADMISSION_STEPS = 4
 
 
