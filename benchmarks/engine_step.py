@@ -51,20 +51,25 @@ def closed_loop(engine, prompts, clients: int, max_new_tokens: int) -> tuple[int
     return tokens, time.perf_counter() - start
 
 
+def plain_engine(model, args, max_len: int) -> Engine:
+    """An engine of the built-in model, plain decoding, with the command line's batch and chunks."""
+    return Engine(
+        model,
+        None,
+        max_batch=args.max_batch,
+        max_model_len=max_len,
+        chunk_steps=args.chunk_steps,
+        admission_steps=args.admission_steps,
+    )
+
+
 def closed_loops(model, args) -> list[list]:
     categories = args.categories.split(",") if args.categories else None
     texts = [p for _, p in spec_bench_prompts(data_dir(args.data), args.per_category, categories)]
     prompts = [specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": t}]) for t in texts]
     rows = []
     for max_len in args.max_model_len:
-        engine = Engine(
-            model,
-            None,
-            max_batch=args.max_batch,
-            max_model_len=max_len,
-            chunk_steps=args.chunk_steps,
-            admission_steps=args.admission_steps,
-        )
+        engine = plain_engine(model, args, max_len)
         engine.precompile([len(p) for p in prompts])  # no program compiles inside a timed loop
         for clients in sorted({args.max_batch, *args.clients}, reverse=True):
             closed_loop(engine, prompts, clients, 8)  # warm-up
@@ -114,14 +119,7 @@ def main() -> None:
     new_tokens = args.chunk_steps * (args.chunks + 2)
     rows = []
     for max_len in args.max_model_len:
-        engine = Engine(
-            model,
-            None,
-            max_batch=args.max_batch,
-            max_model_len=max_len,
-            chunk_steps=args.chunk_steps,
-            admission_steps=args.admission_steps,
-        )
+        engine = plain_engine(model, args, max_len)
         for width in args.widths:
             for _ in range(width):
                 engine.add(Request(prompt, max_new_tokens=new_tokens))
