@@ -403,8 +403,13 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, factor:
     cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
-    x1, x2 = jnp.split(x[..., :R].astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    # (x1 cos - x2 sin, x2 cos + x1 sin) written as x cos' + roll(x) sin': XLA:CPU ran the
+    # concatenation of the two computed halves 13 times slower (60 small fusions in a decoding
+    # step: 1.4 ms of an 8-row step of SmolLM2, 0.15 ms this way). The same products and sums,
+    # though XLA may contract them into FMAs differently: within a rounding of the other form.
+    cos, sin = jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([-sin, sin], axis=-1)
+    turning = x[..., :R].astype(jnp.float32)
+    rotated = (turning * cos + jnp.roll(turning, R // 2, axis=-1) * sin).astype(x.dtype)
     return rotated if R == x.shape[-1] else jnp.concatenate([rotated, x[..., R:]], axis=-1)
 
 
