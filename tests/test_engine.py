@@ -331,6 +331,46 @@ def test_requests_left_past_a_narrower_width_move_down_into_free_slots():
     assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
 
 
+def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
+    """Once the batch has narrowed from max_batch, the max_batch-wide state's buffers are kept, and
+    a burst of arrivals that needs max_batch slots again is written into them (the `fill` program,
+    compiled at start) rather than into a new state: the request running through it and the new
+    ones each still give what they give alone, and the slots left free are free rows again (a
+    row that moved down stays behind in the kept buffers, not done)."""
+    sampling = specjax.Sampling(temperature=0.9, top_p=0.95, seed=5)
+    long = Request(_prompts(21, 1)[0], max_new_tokens=40)
+    later = [Request(_prompts(22, 1)[0], max_new_tokens=12), Request(_prompts(23, 1)[0], sampling, 10)]
+    lone = Engine(TARGET, max_batch=1, max_model_len=96, chunk_steps=4)
+    by_itself, _ = drive(lone, [later[1]], seed=0)
+    engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4)
+    at_start = set(engine._programs)
+    runs = []
+    run = engine._run
+    engine._run = lambda kind, *args: runs.append(kind) or run(kind, *args)
+    short = [Request(p, max_new_tokens=2) for p in _prompts(24, 3)]
+    ids = [engine.add(r) for r in (*short, long)]  # the long one in slot 3
+    tokens = {i: [] for i in ids}
+    while engine._width > 1 or engine.num_running < 1:  # until it moved down and the batch narrowed
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+    ids += [engine.add(r) for r in later]
+    tokens.update({i: [] for i in ids[4:]})
+    updates = engine.step()  # admits both: the state back to 4 slots (2 would not hold 3 rows)
+    assert ("fill", 1) in runs and engine._width == 4
+    done = np.asarray(engine._state.done)
+    assert all(done[b] for b, slot in enumerate(engine._slots) if slot is None)
+    while True:
+        for update in updates:
+            tokens[update.request_id] += update.tokens
+        if not engine.has_work:
+            break
+        updates = engine.step()
+    assert tokens[ids[3]] == alone(TARGET, long)
+    assert tokens[ids[4]] == alone(TARGET, later[0])
+    assert tokens[ids[5]] == by_itself[0]
+    assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

@@ -299,6 +299,11 @@ class Engine:
         # One free slot (self._widths[0] is 1), a copy: the programs take the state donated, and
         # the free row must outlive it.
         self._state = jax.tree.map(jnp.copy, self._free_row)
+        # The buffers of the max_batch-wide state while the engine runs narrower: a later growth
+        # back to max_batch writes into them (`_resize`). Allocating a max_batch-wide state anew
+        # at every burst of arrivals cost its memory's first touch each time, 0.5-2.6 s for 16
+        # rows of the built-in model here (docs/serving.md), against 0.1 s writing in place.
+        self._spare: DecodeState | None = None
         self._step_count = int(self._state.step)  # the loop's step counter, as the host last saw it
         self._compile_width_programs()
 
@@ -391,6 +396,11 @@ class Engine:
     def step(self) -> list[Update]:
         """Admit waiting requests into free slots, run the loop for one chunk, report."""
         start, admitted = time.perf_counter(), self.stats.admissions
+        # The state grows once to the width that the requests admitted below will need (they take
+        # the lowest free slots): growing one width at a time copied most rows several times.
+        free = [b for b, slot in enumerate(self._slots) if slot is None][: len(self._waiting)]
+        if free:
+            self._resize(max(self._width, min(w for w in self._widths if w > free[-1])))
         while self._waiting and None in self._slots:
             request_id, request = self._waiting[0]
             b = self._slots.index(None)
@@ -701,14 +711,23 @@ class Engine:
 
     def _resize(self, width: int) -> None:
         """Bring the running state to `width` slots: its first slots kept, free rows added past
-        them or free slots dropped, one program width at a time (`_compile_width_programs`). While
-        a step up runs, the state before and after it are both in memory (at most 1.5 times a
-        max_batch-wide state's, from max_batch / 2 to max_batch slots), which `_check_memory`
-        does not count."""
-        while self._width != width:
-            i = self._widths.index(self._width)
-            to = self._widths[i + 1] if width > self._width else self._widths[i - 1]
-            self._state = self._run(("resize", to), self._width, self._state, self._free_row)
+        them (in one program from any width: `_compile_width_programs`) or free slots dropped (one
+        program width at a time: a narrower copy is cheap). While a step up runs, the state before
+        and after it are both in memory (at most the two widest program widths together: 1.5
+        times a max_batch-wide state where max_batch is a power of two), and so are the spare
+        max_batch-wide buffers and the running state while the engine runs narrower; neither is
+        counted by `_check_memory`."""
+        if width > self._width and width == self.max_batch and self._spare is not None:
+            spare, self._spare = self._spare, None
+            self._state = self._run(("fill", self._width), width, spare, self._state, self._free_row)
+        elif width > self._width:
+            self._state = self._run(("resize", width), self._width, self._state, self._free_row)
+        while self._width > width:
+            narrower = self._widths[self._widths.index(self._width) - 1]
+            wider = self._state
+            self._state = self._run(("resize", narrower), self._width, self._state, self._free_row)
+            if wider.done.shape[0] == self.max_batch:
+                self._spare = wider
 
     def _move_below(self, width: int) -> None:
         """Move the requests running in slots past `width` into free slots below it (their rows
@@ -724,16 +743,21 @@ class Engine:
 
     def _compile_width_programs(self) -> None:
         """Compile, at start, the small programs that write a prefilled row into the running state
-        at each width, move a row between its slots, and move the state to the next width up or
-        down: a request's arrival or a freed slot never compiles while the engine serves."""
+        at each width, move a row between its slots, move the state to any wider width or to the
+        next narrower one, and fill the kept max_batch-wide buffers from any narrower state: a
+        request's arrival or a freed slot never compiles while the engine serves."""
         row = self._free_row
         for w in self._widths:
             self._program("write", w, self._state_shape(w), row, jnp.int32(0))
             if w > 1:
                 self._program("move", w, self._state_shape(w), jnp.int32(0), jnp.int32(0))
-        for small, big in itertools.pairwise(self._widths):
+        for small, big in itertools.combinations(self._widths, 2):
             self._program(("resize", big), small, self._state_shape(small), row)
+        for small, big in itertools.pairwise(self._widths):
             self._program(("resize", small), big, self._state_shape(big), row)
+        widest = self._state_shape(self.max_batch)
+        for small in self._widths[:-1]:
+            self._program(("fill", small), self.max_batch, widest, self._state_shape(small), row)
 
     def _state_shape(self, width: int):
         """The shapes of a running state `width` slots wide (what its programs compile for)."""
@@ -840,6 +864,24 @@ class Engine:
                 )
 
             return jax.jit(resize)  # (its output has another shape: nothing to donate to)
+        if isinstance(kind, tuple) and kind[0] == "fill":  # kind[1] slots wide -> `bucket` wide, in place
+            narrow = kind[1]
+
+            def fill(spare, state, free_row):  # the spare's rows: the state's, then free rows
+                def put(axis, into, rows):
+                    if axis == SHARED:
+                        return rows
+                    return jax.lax.dynamic_update_slice_in_dim(into, rows, 0, axis)
+
+                # One free row at a time: the free rows repeated would be a temporary as large.
+                return jax.lax.fori_loop(
+                    narrow,
+                    bucket,
+                    lambda slot, into: _write_row(axes, into, free_row, slot),
+                    jax.tree.map(put, axes, spare, state),
+                )
+
+            return jax.jit(fill, donate_argnums=0)
         row_spec = dataclasses.replace(spec, batch_size=1, prompt_bucket=bucket)
 
         def prefill_row(params, proposer_params, inputs):  # kind "prefill": one request's row
