@@ -351,6 +351,7 @@ def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
     ids = [engine.add(r) for r in (*short, long)]  # the long one in slot 3
     tokens = {i: [] for i in ids}
     while engine._width > 1 or engine.num_running < 1:  # until it moved down and the batch narrowed
+        assert engine.has_work, "the batch never narrowed to the long request alone"
         for update in engine.step():
             tokens[update.request_id] += update.tokens
     ids += [engine.add(r) for r in later]

@@ -10,8 +10,11 @@ programs move it, each compiled ahead of time (docs/serving.md):
   it into a free slot, the other slots untouched;
 - move (one per width, at start): a running row copied into a free slot below it, when requests
   finishing leave the others fitting a narrower width;
-- resize (one per pair of neighbouring widths, at start): the state one width up (free rows
-  added) or down (free slots dropped), run only when the width changes;
+- resize (at start: one per pair of widths up, one per neighbouring pair down): the state grown
+  to a wider width in one program (free rows added) or one width down (free slots dropped), run
+  only when the width changes;
+- fill (one per width below max_batch, at start): the growth back to max_batch, written in place
+  into the max_batch-wide buffers kept from the last narrowing;
 - resume (`loop.resume_program`, one per width, on first use or at `precompile`): the decoding
   loop over the state, for at most `chunk_steps` steps (`admission_steps` while a slot is free),
   or until a row finishes; only each row's new tokens and the metric counters come back to the
