@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers.base import Proposal, Wrapper
+from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper
 from specjax.speculate.sampling import _is_int
 
 
@@ -384,11 +384,21 @@ class DynamicSpec(Wrapper):
         """The inner proposal with each row's drafts past its k masked out; at `width` (from
         `widths`) the inner proposer drafts only that many, padded back to K."""
         inner = self.inner
-        if width is not None:  # width 0 still runs the proposer (k=1) so a draft model catches up
+        if width is not None:  # width 0 runs the proposer at k=1 so that a draft model catches up
             inner = narrowed(inner, max(width, 1))
-        proposal, inner_state = inner.propose(
-            target_params, params, state.inner, tokens, lengths, keys, sampling, history
-        )
+
+        def propose():
+            return inner.propose(target_params, params, state.inner, tokens, lengths, keys, sampling, history)
+
+        if width == 0 and isinstance(inner, Stateless):
+            # No running row may draft, and a proposer without state has nothing to catch up on:
+            # skip its lookup (NGram's searches every row's whole history), so that the step costs
+            # what plain decoding's does. An empty proposal of the shapes it would have made.
+            shapes, _ = jax.eval_shape(propose)
+            proposal = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+            inner_state = state.inner
+        else:
+            proposal, inner_state = propose()
         proposal = _pad(proposal, self.k, keep=width if width is not None else self.k)
         depth = np.arange(1, self.k + 1) if self.tree is None else self.tree.depths[1:]
         valid = proposal.valid & (jnp.asarray(depth)[None, :] <= state.schedule.k[:, None])
