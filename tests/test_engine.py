@@ -303,6 +303,8 @@ def test_chunks_are_short_while_a_slot_is_free_and_end_when_a_row_finishes():
         Engine(TARGET, max_batch=1, max_model_len=64, chunk_steps=3, admission_steps=5)
     with pytest.raises(ValueError, match="admission_steps must be an integer >= 1, got 0"):
         Engine(TARGET, max_batch=1, max_model_len=64, admission_steps=0)
+    with pytest.raises(ValueError, match="narrow_after must be an integer >= 0, got -1"):
+        Engine(TARGET, max_batch=1, max_model_len=64, narrow_after=-1)
 
 
 def test_requests_left_past_a_narrower_width_move_down_into_free_slots():
@@ -329,6 +331,45 @@ def test_requests_left_past_a_narrower_width_move_down_into_free_slots():
     assert tokens[ids[3]] == alone(TARGET, greedy)
     assert {w for kind, w in at_start if kind == "move"} == {2, 4}  # compiled at start
     assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
+
+
+def test_the_batch_narrows_only_after_narrow_after_chunks_and_arrivals_meanwhile_take_the_free_slots():
+    """When requests finish, the state keeps its width for `narrow_after` chunks: requests that
+    arrive meanwhile (a served client's next request, milliseconds later) take the free slots
+    with no move, no narrowing and no growth; once the rows have fit a narrower width for longer,
+    the state narrows. Every request still gives what it gives alone."""
+    long = Request(_prompts(31, 1)[0], max_new_tokens=40)
+    engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4, narrow_after=2)
+    runs = []
+    run = engine._run
+    engine._run = lambda kind, *args: runs.append(kind) or run(kind, *args)
+    short = [Request(p, max_new_tokens=2) for p in _prompts(32, 3)]
+    ids = [engine.add(r) for r in (long, *short)]  # the long one in slot 0
+    tokens = {i: [] for i in ids}
+
+    def step():
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+        return engine._width
+
+    assert step() == 4  # all four admitted
+    while engine.num_running > 1:  # the short ones finish
+        assert step() == 4
+    runs.clear()
+    assert step() == 4  # the long request alone, still 4 wide: one chunk of narrow_after
+    later = [Request(p, max_new_tokens=6) for p in _prompts(33, 2)]
+    ids += [engine.add(r) for r in later]
+    tokens.update({i: [] for i in ids[4:]})
+    assert step() == 4  # they took slots 1 and 2 where the state was
+    assert not [kind for kind in runs if kind in ("move", "resize") or kind[0] in ("resize", "fill")]
+    widths = [step() for _ in range(6)]  # the two finish; the long one runs alone again
+    assert engine.num_running == 1 and widths[-1] == 1
+    # once both had finished: narrow_after chunks still 4 wide, then 1
+    assert widths[widths.index(1) - 2 :].count(4) == 2
+    while engine.has_work:
+        step()
+    assert tokens[ids[0]] == alone(TARGET, long)
+    assert [tokens[i] for i in ids[4:]] == [alone(TARGET, r) for r in later]
 
 
 def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
@@ -370,6 +411,34 @@ def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
     assert tokens[ids[4]] == alone(TARGET, later[0])
     assert tokens[ids[5]] == by_itself[0]
     assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
+
+
+def test_growth_back_to_a_width_below_max_batch_writes_into_the_state_it_narrowed_from():
+    """The kept buffers are the widest state the batch narrowed from, whatever its width: an engine
+    of 8 slots running 4 requests narrows to 1, and 3 arrivals grow it back to 4 in place (`fill`
+    from 1 into the 4-wide buffers, no fresh state); every request gives what it gives alone."""
+    long = Request(_prompts(41, 1)[0], max_new_tokens=36)
+    later = [Request(p, max_new_tokens=8) for p in _prompts(42, 3)]
+    engine = Engine(TARGET, max_batch=8, max_model_len=96, chunk_steps=4, narrow_after=0)
+    runs = []
+    run = engine._run
+    engine._run = lambda kind, *args: runs.append((kind, args[0])) or run(kind, *args)
+    ids = [engine.add(r) for r in (long, *[Request(p, max_new_tokens=2) for p in _prompts(43, 3)])]
+    tokens = {i: [] for i in ids}
+    while engine._width > 1 or engine.num_running < 1:
+        assert engine.has_work, "the batch never narrowed to the long request alone"
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+    assert engine._spare is not None and engine._spare.done.shape[0] == 4
+    runs.clear()
+    ids += [engine.add(r) for r in later]
+    tokens.update({i: [] for i in ids[4:]})
+    while engine.has_work:
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+    assert (("fill", 1), 4) in runs and not [r for r in runs if r[0] in (("resize", 4), ("resize", 8))], runs
+    assert tokens[ids[0]] == alone(TARGET, long)
+    assert [tokens[i] for i in ids[4:]] == [alone(TARGET, r) for r in later]
 
 
 @pytest.mark.parametrize(

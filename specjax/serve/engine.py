@@ -9,12 +9,12 @@ programs move it, each compiled ahead of time (docs/serving.md):
   target's cache, its proposer's state, its first token); write (one per width, at start) puts
   it into a free slot, the other slots untouched;
 - move (one per width, at start): a running row copied into a free slot below it, when requests
-  finishing leave the others fitting a narrower width;
+  finishing have left the others fitting a narrower width for more than `narrow_after` chunks;
 - resize (at start: one per pair of widths up, one per neighbouring pair down): the state grown
   to a wider width in one program (free rows added) or one width down (free slots dropped), run
   only when the width changes;
-- fill (one per width below max_batch, at start): the growth back to max_batch, written in place
-  into the max_batch-wide buffers kept from the last narrowing;
+- fill (one per pair of widths, at start): the growth back to a width the state narrowed from,
+  written in place into the buffers of that wider state, kept since;
 - resume (`loop.resume_program`, one per width, on first use or at `precompile`): the decoding
   loop over the state, for at most `chunk_steps` steps (`admission_steps` while a slot is free),
   or until a row finishes; only each row's new tokens and the metric counters come back to the
@@ -91,6 +91,11 @@ MAX_STOP_TOKEN_IDS = 16  # EOS and a request's stop token ids, per slot
 # 2-3 ms of host work on a 2-core CPU, and 4-step chunks stepped within 1% of 16-step ones there
 # (docs/serving.md, "Latency and chunks").
 ADMISSION_STEPS = 4
+# Chunks in a row whose running requests fit a narrower width before the state narrows (Engine's
+# narrow_after): the requests that finish together are usually followed by their clients' next
+# ones within milliseconds, and narrowing then growing back cost a served burst of 8 clients here
+# 0.7-2.4 s of moves and fresh memory, against a few steps at the wider width (docs/serving.md).
+NARROW_AFTER = 2
 
 
 def admission_bucket(length: int) -> int:
@@ -184,6 +189,9 @@ class Engine:
         chunk_steps if fewer): a request that arrives during a chunk waits for its end before
         its prefill, so a free slot is offered to arrivals this often. (A chunk also ends as soon
         as a row finishes, so that its last tokens are reported and its slot refilled at once.)
+    narrow_after: how many chunks in a row the running requests must fit a narrower width before
+        the state narrows to it (0: at once). Until then the chunks step at the wider width, so
+        that requests arriving just after others finished find the slots where they were.
     warp: the sampling code paths compiled in (default: every option; a `WarpSpec.of(...)` of the
         requests to come makes a leaner program, and requests needing more are refused).
     kernels, matmul_precision, cache_dtype, scan_layers: as for `generate`.
@@ -206,6 +214,7 @@ class Engine:
         max_model_len: int | None = None,
         chunk_steps: int = 16,
         admission_steps: int | None = None,
+        narrow_after: int = NARROW_AFTER,
         warp: WarpSpec | None = None,
         kernels: str = "auto",
         matmul_precision: str | None = None,
@@ -229,6 +238,7 @@ class Engine:
                 "most chunk_steps steps, and at most admission_steps while a slot is free"
             )
         _check_int("max_stop_states", max_stop_states, 1)
+        _check_int("narrow_after", narrow_after, 0)
         _check_int("max_model_len", max_model_len, 2)
         if warp is not None and not isinstance(warp, WarpSpec):
             raise ValueError(f"warp must be None (every option) or a WarpSpec, got {warp!r}")
@@ -236,6 +246,8 @@ class Engine:
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
         self.model, self.max_batch, self.max_model_len = model, max_batch, max_model_len
         self.chunk_steps, self.admission_steps, self.proposer = chunk_steps, admission_steps, proposer
+        self.narrow_after = narrow_after
+        self._fitting_narrower = 0  # chunks in a row whose running requests fit a narrower width
         dtype = model.params.dtype.name
         try:
             cache_dtype = dtype if cache_dtype is None else dtype_name(cache_dtype)
@@ -302,10 +314,10 @@ class Engine:
         # One free slot (self._widths[0] is 1), a copy: the programs take the state donated, and
         # the free row must outlive it.
         self._state = jax.tree.map(jnp.copy, self._free_row)
-        # The buffers of the max_batch-wide state while the engine runs narrower: a later growth
-        # back to max_batch writes into them (`_resize`). Allocating a max_batch-wide state anew
-        # at every burst of arrivals cost its memory's first touch each time, 0.5-2.6 s for 16
-        # rows of the built-in model here (docs/serving.md), against 0.1 s writing in place.
+        # The buffers of the widest state the engine narrowed from, while it runs narrower: a
+        # later growth back to that width writes into them (`_resize`). Allocating a wide state
+        # anew at every burst of arrivals cost its memory's first touch each time, 0.5-2.6 s for
+        # 16 rows of the built-in model here (docs/serving.md), against 0.1 s writing in place.
         self._spare: DecodeState | None = None
         self._step_count = int(self._state.step)  # the loop's step counter, as the host last saw it
         self._compile_width_programs()
@@ -418,11 +430,18 @@ class Engine:
         if self.num_running == 0:
             return []
         # The chunk runs over the first `width` slots only: the smallest program width holding
-        # the running requests. Admission fills the lowest free slot, and requests left past that
-        # width by others finishing move down into free slots: free slots past it cost nothing,
-        # so a lightly loaded engine steps at the cost of its few rows, not of max_batch or of
-        # where its last requests happened to sit.
+        # the running requests, once they have fit it for more than narrow_after chunks.
+        # Admission fills the lowest free slot, and requests left past that width by others
+        # finishing move down into free slots: free slots past it cost nothing, so a lightly
+        # loaded engine steps at the cost of its few rows, not of max_batch or of where its last
+        # requests happened to sit.
         width = min(w for w in self._widths if w >= self.num_running)
+        if width < self._width:  # narrow only once it has held for narrow_after chunks
+            self._fitting_narrower += 1
+            if self._fitting_narrower <= self.narrow_after:
+                width = self._width
+        else:
+            self._fitting_narrower = 0
         self._move_below(width)
         self._resize(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
@@ -715,21 +734,27 @@ class Engine:
     def _resize(self, width: int) -> None:
         """Bring the running state to `width` slots: its first slots kept, free rows added past
         them (in one program from any width: `_compile_width_programs`) or free slots dropped (one
-        program width at a time: a narrower copy is cheap). While a step up runs, the state before
-        and after it are both in memory (at most the two widest program widths together: 1.5
-        times a max_batch-wide state where max_batch is a power of two), and so are the spare
-        max_batch-wide buffers and the running state while the engine runs narrower; neither is
-        counted by `_check_memory`."""
-        if width > self._width and width == self.max_batch and self._spare is not None:
+        program width at a time: a narrower copy is cheap).
+
+        Narrowing keeps the widest state it narrowed from (`_spare`), and growth back to exactly
+        that width writes into its buffers (`fill`, in place); growth past it drops it first. So
+        beside the running state the engine may hold the spare, and while a step up into fresh
+        memory runs, the new state too: at most 1.75 times a max_batch-wide state where max_batch
+        is a power of two (a spare of max_batch, the running state of a quarter of it growing to
+        half), which `_check_memory` does not count."""
+        spare_width = None if self._spare is None else int(self._spare.done.shape[0])
+        if width > self._width and width == spare_width:
             spare, self._spare = self._spare, None
             self._state = self._run(("fill", self._width), width, spare, self._state, self._free_row)
         elif width > self._width:
+            if spare_width is not None and spare_width < width:
+                self._spare = None  # past the width it could serve: its memory goes first
             self._state = self._run(("resize", width), self._width, self._state, self._free_row)
         while self._width > width:
             narrower = self._widths[self._widths.index(self._width) - 1]
             wider = self._state
             self._state = self._run(("resize", narrower), self._width, self._state, self._free_row)
-            if wider.done.shape[0] == self.max_batch:
+            if self._spare is None or self._spare.done.shape[0] < wider.done.shape[0]:
                 self._spare = wider
 
     def _move_below(self, width: int) -> None:
@@ -747,7 +772,7 @@ class Engine:
     def _compile_width_programs(self) -> None:
         """Compile, at start, the small programs that write a prefilled row into the running state
         at each width, move a row between its slots, move the state to any wider width or to the
-        next narrower one, and fill the kept max_batch-wide buffers from any narrower state: a
+        next narrower one, and fill the kept buffers of a wider state from any narrower one: a
         request's arrival or a freed slot never compiles while the engine serves."""
         row = self._free_row
         for w in self._widths:
@@ -758,9 +783,8 @@ class Engine:
             self._program(("resize", big), small, self._state_shape(small), row)
         for small, big in itertools.pairwise(self._widths):
             self._program(("resize", small), big, self._state_shape(big), row)
-        widest = self._state_shape(self.max_batch)
-        for small in self._widths[:-1]:
-            self._program(("fill", small), self.max_batch, widest, self._state_shape(small), row)
+        for small, big in itertools.combinations(self._widths, 2):
+            self._program(("fill", small), big, self._state_shape(big), self._state_shape(small), row)
 
     def _state_shape(self, width: int):
         """The shapes of a running state `width` slots wide (what its programs compile for)."""
