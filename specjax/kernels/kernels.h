@@ -57,4 +57,10 @@ void run_parts(xla::ffi::ThreadPool& pool, int64_t num_parts, Part part) {
   while (shared->done.load(std::memory_order_acquire) < num_parts) std::this_thread::yield();
 }
 
+// Rows [0, rows) of x [rows, d_in] times one float32 panel [d_in, 16] (two consecutive ones where
+// `two`), written to y's columns from `col` (y [rows, d_out]): panel_matmul.cc's loops, which
+// quant_matmul.cc runs a many-row product through once it has dequantized the panels.
+void float_panel_rows(const float* x, const float* panels, float* y, int64_t rows, int64_t d_in, int64_t d_out,
+                      int64_t col, bool two);
+
 }  // namespace specjax

@@ -176,6 +176,14 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 
 }  // namespace
 
+void specjax::float_panel_rows(const float* x, const float* panels, float* y, int64_t rows, int64_t d_in,
+                               int64_t d_out, int64_t col, bool two) {
+  if (two)
+    rows_times_panels<2>(x, panels, y, rows, d_in, d_out, col);
+  else
+    rows_times_panels<1>(x, panels, y, rows, d_in, d_out, col);
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()

@@ -69,6 +69,16 @@ constexpr int64_t kChunk4 = 2;
 // 28-35 us over both. Quietly the float32 panels' products reach 26-28 GB/s over both threads, so
 // the split stays.
 constexpr int64_t kPartsPerThread = 8;
+// From this many rows (a prefill, a wide batch's verify pass) each panel is dequantized once into
+// a float32 scratch that stays in cache, and panel_matmul.cc's loops multiply every row by it: the
+// loops below widen and convert the values again for every chunk of 2 or 3 rows, which bounds a
+// long product by its conversions. Measured on SmolLM2's [576, 1536] and [1536, 576] weights
+// (Q4_1- and Q8_0-like, 2 threads, this project's 2-core AMD EPYC, 2026-11-29), microseconds per
+// product with the chunks / dequantized first: 8 rows 73-76 / 93-100 (the dequantization, a
+// float32 write of each panel, is then a third of the product), 16 rows 140-146 / 157-161, 24 rows
+// 209-216 / 191-196, 64 rows 546-575 / 467-491, 1024 rows 8940-9100 / 6760-7160 (float32 panels:
+// 7010-7680, so a long product no longer costs more quantized than in float32).
+constexpr int64_t kDequantizeRows = 24;
 
 typedef int32_t I32x8 __attribute__((vector_size(32)));
 typedef int8_t I8x8 __attribute__((vector_size(8)));
@@ -267,6 +277,31 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
     for (int h = 0; h < H; ++h) store8(a.y + (r0 + r) * a.d_out + panel * kPanel + h * kHalf, total[r][h]);
 }
 
+// Panel `panel` as float32 [D_in, 16] into `out`: W = q * scale (+ offset), the weight the format
+// defines, computed once for all the rows of a long product.
+template <int BITS, bool OFFSETS, typename Meta>
+void dequantize_panel(const Operands<Meta>& a, int64_t panel, float* out) {
+  const int64_t bytes = a.d_in * kPanel * BITS / 8;
+  const uint8_t* values = a.values + panel * bytes;
+  for (int64_t g = 0; g < a.num_groups; ++g)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = (panel * a.num_groups + g) * kPanel + h * kHalf;
+      const Vec8 scale = load_meta(a.scales + at);
+      const Vec8 offset = OFFSETS ? load_meta(a.offsets + at) : Vec8{};
+      for (int64_t i = g * a.group; i < (g + 1) * a.group; i += 8 / BITS) {
+        if constexpr (BITS == 8) {
+          store8(out + i * kPanel + h * kHalf, widen_int8(values + i * kPanel + h * kHalf) * scale + offset);
+        } else {  // one byte row: input rows i (the low nibbles) and i + 1 (the high ones)
+          Vec8 low, whole;
+          widen_int4(values + (i / 2) * kPanel + h * kHalf, low, whole);
+          const Vec8 high = (whole - low) * 0.0625f;  // exact: small integers
+          store8(out + i * kPanel + h * kHalf, low * scale + offset);
+          store8(out + (i + 1) * kPanel + h * kHalf, high * scale + offset);
+        }
+      }
+    }
+}
+
 // All rows times one panel (two where `two`), one row with both panels at once, more rows panel
 // by panel in chunks of at most kChunk8 or kChunk4 rows of sizes as equal as can be (7 rows of
 // int8 go as 2 + 2 + 3).
@@ -357,13 +392,32 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
     using Meta = decltype(meta_type);
     const auto* s = static_cast<const Meta*>(scales.untyped_data());
     const auto* o = offsets ? static_cast<const Meta*>(offsets->untyped_data()) : nullptr;
-    std::vector<float> buffer;
-    const auto a = prepare<BITS, OFFSETS>(x.typed_data(), v, s, o, y->typed_data(), rows, d_in, num_groups,
-                                          num_panels * kPanel, buffer);
     const int64_t num_pairs = (num_panels + 1) / 2;
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
     const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
     const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
+    const int64_t d_out = num_panels * kPanel;
+    if (rows >= kDequantizeRows) {  // each pair of panels dequantized, then the float32 loops
+      const Operands<Meta> a{x.typed_data(), nullptr, v, s, o, y->typed_data(), d_in, d_in / num_groups,
+                             num_groups, d_out};
+      specjax::run_parts(pool, num_parts, [=](int64_t part) {
+        // Each thread's scratch, kept between calls (allocating and zeroing 2 panels for every
+        // part cost a product of 8 rows 40%).
+        thread_local std::vector<float> scratch;
+        if (scratch.size() < size_t(2 * d_in * kPanel)) scratch.resize(2 * d_in * kPanel);
+        const int64_t begin = part * pairs_per_part * 2;
+        for (int64_t p = begin; p < std::min(num_panels, begin + pairs_per_part * 2); p += 2) {
+          const bool two = p + 1 < num_panels;
+          dequantize_panel<BITS, OFFSETS>(a, p, scratch.data());
+          if (two) dequantize_panel<BITS, OFFSETS>(a, p + 1, scratch.data() + d_in * kPanel);
+          specjax::float_panel_rows(a.x, scratch.data(), a.y, rows, d_in, d_out, p * kPanel, two);
+        }
+      });
+      return;
+    }
+    std::vector<float> buffer;
+    const auto a = prepare<BITS, OFFSETS>(x.typed_data(), v, s, o, y->typed_data(), rows, d_in, num_groups,
+                                          d_out, buffer);
     specjax::run_parts(pool, num_parts, [=](int64_t part) {
       const int64_t begin = part * pairs_per_part * 2;
       panels<BITS, OFFSETS>(a, rows, begin, std::min(num_panels, begin + pairs_per_part * 2), num_panels);
