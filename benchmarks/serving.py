@@ -18,8 +18,10 @@ the slots (`verify_cost_by_rows`: it drafts less as rows join). `Engine.precompi
 programs (the admission of each prompt's bucket, the loop at every width, as `specjax serve`
 does before it listens) and one short pass at each level warms the HTTP side before the timed
 levels: a program compiled inside a timed level stalls every request running beside it.
-With --repeats R each level runs R times, interleaved (level 1, 2, ..., then again): the
-throughput is the median of the R runs, the latencies are over all of their requests.
+Every mode's engine and server are up at once, and the runs go in turn: for each repeat, each
+level, each mode, so that the machine's drift falls on all alike. With --repeats R each level
+runs R times per mode: the throughput is the median of the R runs, the latencies are over all of
+their requests.
 
 `--llama-cpp-url` points the same clients at a llama.cpp server (`python -m llama_cpp.server
 --model F32.gguf --n_threads 2 --n_ctx 2048` in its own venv, see ../shared/CPU_PERFORMANCE.md
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import socket
 import threading
 import time
@@ -201,13 +204,12 @@ def main() -> None:
         "itl p99 (ms)",
     ]
     rows = []
-    for mode in args.modes:
-        from specjax.serve import Engine
+    from specjax.serve import Engine
 
-        chat_ids = [
-            specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts
-        ]
-        engine = Engine(
+    chat_ids = [specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    engines = {}
+    for mode in args.modes:
+        engines[mode] = Engine(
             model,
             proposer_for(mode, model, chat_ids, args.max_batch, args.kernels),
             max_batch=args.max_batch,
@@ -217,28 +219,34 @@ def main() -> None:
             kernels=args.kernels,
         )
         start = time.perf_counter()
-        compiled = engine.precompile([len(ids) for ids in chat_ids])
+        compiled = engines[mode].precompile([len(ids) for ids in chat_ids])
         print(f"  {mode}: {compiled} programs compiled in {time.perf_counter() - start:.0f} s", flush=True)
-        ready = engine.num_compiles
-        with Server(engine, max(args.clients)) as server:
-            for clients in sorted({args.max_batch, *args.clients}, reverse=True):  # the HTTP side
+    ready = {mode: engine.num_compiles for mode, engine in engines.items()}
+    with contextlib.ExitStack() as stack:
+        servers = {mode: stack.enter_context(Server(e, max(args.clients))) for mode, e in engines.items()}
+        for server in servers.values():  # the HTTP side
+            for clients in sorted({args.max_batch, *args.clients}, reverse=True):
                 asyncio.run(offered_load(server.url, model.name, prompts, clients, 8))
-            runs = {clients: [] for clients in args.clients}
-            for repeat in range(args.repeats):
-                for clients in args.clients:
+        # Modes in turn within each level, levels in turn within each repeat: the machine's drift
+        # falls on every mode and level alike (modes run one after another in earlier runs).
+        runs = {(mode, clients): [] for mode in args.modes for clients in args.clients}
+        for repeat in range(args.repeats):
+            for clients in args.clients:
+                for mode, server in servers.items():
                     records, wall = asyncio.run(
                         offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
                     )
-                    runs[clients].append((records, wall))
-                    s = summarize(records, wall)
-                    print(f"  {mode}, {clients} clients, run {repeat + 1}: {s['tokens/s']:.2f} tokens/s")
-            for clients, done in runs.items():
-                s = summarize([r for records, _ in done for r in records], None)
-                rate = float(np.median([summarize(records, wall)["tokens/s"] for records, wall in done]))
-                row = ["specjax", mode, clients, rate, s["ttft p50"], s["ttft p99"]]
-                rows.append(row + [s["itl p50 (ms)"], s["itl p99 (ms)"]])
-                print(markdown_table(header, [rows[-1]]).splitlines()[-1], flush=True)
-        assert engine.num_compiles == ready, f"{mode}: a program compiled while serving"
+                    runs[mode, clients].append((records, wall))
+                    rate = summarize(records, wall)["tokens/s"]
+                    print(f"  {mode}, {clients} clients, run {repeat + 1}: {rate:.2f} tokens/s", flush=True)
+    for (mode, clients), done in runs.items():
+        s = summarize([r for records, _ in done for r in records], None)
+        rate = float(np.median([summarize(records, wall)["tokens/s"] for records, wall in done]))
+        row = ["specjax", mode, clients, rate, s["ttft p50"], s["ttft p99"]]
+        rows.append(row + [s["itl p50 (ms)"], s["itl p99 (ms)"]])
+        print(markdown_table(header, [rows[-1]]).splitlines()[-1], flush=True)
+    for mode, engine in engines.items():
+        assert engine.num_compiles == ready[mode], f"{mode}: a program compiled while serving"
     if args.llama_cpp_url:
         for clients in args.clients:
             records, wall = asyncio.run(
