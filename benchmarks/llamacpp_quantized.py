@@ -17,6 +17,9 @@ decoding and its prompt lookup at (k, n) = (5, 2) and (10, 3). specjax.bench.run
 every method and peer in turn on each prompt, so the machine's load falls on all alike. A
 method's "best" is, per category, the fastest of its modes. The Q8_0 copy quantizes every 2-D
 weight to Q8_0 with gguf-py; the F32 copy dequantizes every tensor.
+
+Without --llama-python (where llama-cpp-python does not build) only specjax's columns are
+measured: its plain decoding and best mode at each quantization, and its own ratio to float32.
 """
 
 from __future__ import annotations
@@ -109,7 +112,7 @@ def run_quantization(args, kind: str, prompts) -> tuple[dict, dict]:
     source = builtin_path("smollm2-135m")
     path = source if kind == "Q4_1" else write_copy(source, Path(args.copies) / f"smollm2-{kind}.gguf", kind)
     model = specjax.load(path, quantization=None if kind == "F32" else "gguf")
-    llama = LlamaCpp(args.llama_python, path, args.threads)
+    llama = None if args.llama_python is None else LlamaCpp(args.llama_python, path, args.threads)
     llama_tokens: dict[tuple, list[int]] = {}
 
     def peer(lookup):
@@ -120,20 +123,23 @@ def run_quantization(args, kind: str, prompts) -> tuple[dict, dict]:
 
         return run
 
-    peers = {"llama.cpp plain": peer(None)} | {f"llama.cpp {n}": peer(kn) for n, kn in LOOKUPS.items()}
+    peers = {}
+    if llama is not None:
+        peers = {"llama.cpp plain": peer(None)} | {f"llama.cpp {n}": peer(kn) for n, kn in LOOKUPS.items()}
     methods = {"plain": None, "ngram": specjax.NGram(k=5, n_min=3)}
     try:
         result = run_spec_bench(
             model, prompts, methods, max_new_tokens=args.max_new_tokens, repeats=args.repeats, peers=peers
         )
     finally:
-        llama.close()
+        if llama is not None:
+            llama.close()
     rates = {
         category: {name: category_rate(result, category, name) for name in result.methods}
         for category in result.speeds
     }
     same = {}
-    for category, text in prompts:
+    for category, text in prompts if llama is not None else ():
         ours = specjax.generate(model, [text], max_new_tokens=args.max_new_tokens, chat=True)
         theirs = llama_tokens[(tuple(ours.prompt_tokens[0]), None)]
         same[category] = same.get(category, 0) + int(theirs == ours.tokens[0])
@@ -146,7 +152,9 @@ def main() -> None:
     parser = common_arguments(__doc__.splitlines()[0], timed=False)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per measurement after a warm-up")
     parser.add_argument("--categories", default=",".join(SPEC_BENCH_CATEGORIES), help="comma-separated")
-    parser.add_argument("--llama-python", required=True, help="python of a venv with llama-cpp-python")
+    parser.add_argument(
+        "--llama-python", help="python of a venv with llama-cpp-python (without it: specjax's columns only)"
+    )
     parser.add_argument("--quantizations", default="F32,Q8_0,Q4_1", help="of F32, Q8_0, Q4_1")
     parser.add_argument(
         "--copies", default=str(Path.home() / ".cache" / "specjax" / "llamacpp"), help="where the copies go"
@@ -181,25 +189,17 @@ def main() -> None:
         rates, same = run_quantization(args, kind, prompts)
         for category in (c for c in SPEC_BENCH_CATEGORIES if c in rates):
             r = rates[category]
-            theirs_best = max(r["llama.cpp plain"], *(r[f"llama.cpp {n}"] for n in LOOKUPS))
             ours_best = max(r["plain"], r["ngram"])
             if kind == "F32":
                 float32_plain[category] = r["plain"]
             own = r["plain"] / float32_plain[category] if category in float32_plain else "-"
-            rows.append(
-                [
-                    category,
-                    kind,
-                    r["llama.cpp plain"],
-                    theirs_best,
-                    r["plain"],
-                    ours_best,
-                    r["plain"] / r["llama.cpp plain"],
-                    ours_best / theirs_best,
-                    own,
-                    f"{same[category]}/{args.per_category}",
-                ]
-            )
+            theirs = ["-"] * 5  # llama.cpp's columns, where it ran
+            if "llama.cpp plain" in r:
+                theirs_plain = r["llama.cpp plain"]
+                theirs_best = max(theirs_plain, *(r[f"llama.cpp {n}"] for n in LOOKUPS))
+                ratios = [r["plain"] / theirs_plain, ours_best / theirs_best]
+                theirs = [theirs_plain, theirs_best, *ratios, f"{same[category]}/{args.per_category}"]
+            rows.append([category, kind, *theirs[:2], r["plain"], ours_best, *theirs[2:4], own, theirs[4]])
         print(markdown_table(header, rows), flush=True)
         print()
 
