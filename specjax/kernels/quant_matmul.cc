@@ -401,8 +401,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
       const Operands<Meta> a{x.typed_data(), nullptr, v, s, o, y->typed_data(), d_in, d_in / num_groups,
                              num_groups, d_out};
       specjax::run_parts(pool, num_parts, [=](int64_t part) {
-        // Each thread's scratch, kept between calls (allocating and zeroing 2 panels for every
-        // part cost a product of 8 rows 40%).
+        // Each thread's scratch (two panels' floats), kept between calls rather than allocated
+        // and zeroed for every part.
         thread_local std::vector<float> scratch;
         if (scratch.size() < size_t(2 * d_in * kPanel)) scratch.resize(2 * d_in * kPanel);
         const int64_t begin = part * pairs_per_part * 2;
