@@ -14,6 +14,7 @@ from specjax import api, kernels
 from specjax.kernels.backend import Backend
 from specjax.models import forward, init_cache, init_params
 from specjax.models.llama import (
+    GateUpPanels,
     attention,
     causal_mask,
     forward_hidden,
@@ -92,6 +93,34 @@ def test_panel_params_give_the_plain_models_logits(tied):
     np.testing.assert_allclose(
         np.asarray(lm_head(packed, hidden)), np.asarray(lm_head(model.params, hidden)), rtol=1e-5, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("intermediate_size", [96, 40])
+def test_gate_and_up_multiply_as_one_panel_weight(intermediate_size):
+    """with_panel_weights stores a dense MLP's gate and up as one panel weight (GateUpPanels:
+    gate's panels, then up's; at F = 40 gate's last panel is padded, so up's columns start at 48),
+    which the forward pass multiplies in one kernel call: the compiled pass holds 4 panel products
+    per layer (qkv, o, gate and up, down) and the head's, and gives the plain model's logits."""
+    model = tiny_model(seed=12, intermediate_size=intermediate_size)
+    packed = with_panel_weights(model.params)
+    F = intermediate_size
+    for plain, layer in zip(model.params.layers, packed.layers, strict=True):
+        assert isinstance(layer.gate, GateUpPanels) and layer.up is None
+        assert layer.gate.hidden == F and layer.gate.up_start == -(-F // 16) * 16
+        both = np.asarray(kernels.unpack(layer.gate.both))
+        np.testing.assert_array_equal(both[:, :F], np.asarray(plain.gate))
+        np.testing.assert_array_equal(both[:, layer.gate.up_start :], np.asarray(plain.up))
+    config = model.config
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 5)))
+    positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+    cache = init_cache(config, batch_size=2, capacity=16)
+    run = jax.jit(forward, static_argnums=1)
+    with CPU.tracing():
+        text = run.lower(packed, config, tokens, positions, cache).as_text()
+        got, _, _ = run(packed, config, tokens, positions, cache)
+    assert text.count("custom_call @specjax_panel_matmul(") == 4 * config.num_layers + 1
+    want, _, _ = run(model.params, config, tokens, positions, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 def _float64_attention(queries, keys, values, length):

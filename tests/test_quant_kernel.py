@@ -20,7 +20,7 @@ from specjax.kernels.quantized import (
     unpack_quantized,
 )
 from specjax.models import forward, init_cache
-from specjax.models.llama import PANEL_FIELDS, lm_head, with_panel_weights
+from specjax.models.llama import PANEL_FIELDS, GateUpPanels, lm_head, with_panel_weights
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -173,6 +173,34 @@ def quantize(w: jax.Array, bits: int, group: int) -> QuantizedWeight:
     return QuantizedWeight(jnp.asarray(values), jnp.asarray(scales), jnp.asarray(low), 4, group)
 
 
+def test_gate_and_up_stored_differently_stay_two_products():
+    """A GGUF file may store a layer's gate and up in different types: gate int8 and up 4-bit (or
+    up float32) are not fused, each keeps its own panels, and the logits equal the model's with
+    those weights dequantized."""
+    model = tiny_model(seed=7)
+    layers = []
+    for i, layer in enumerate(model.params.layers):
+        up = quantize(layer.up, 4, 32) if i == 0 else layer.up
+        layers.append(layer.replace(gate=quantize(layer.gate, 8, layer.gate.shape[0]), up=up))
+    params = model.params.replace(layers=tuple(layers))
+    packed = with_panel_weights(params)
+    assert isinstance(packed.layers[0].gate, QuantizedPanelWeight) and packed.layers[0].gate.bits == 8
+    assert isinstance(packed.layers[0].up, QuantizedPanelWeight) and packed.layers[0].up.bits == 4
+    assert isinstance(packed.layers[1].up, kernels.PanelWeight)
+    plain = jax.tree.map(
+        lambda w: dequantize(w) if isinstance(w, QuantizedWeight) else w,
+        params,
+        is_leaf=lambda w: isinstance(w, QuantizedWeight),
+    )
+    config = model.config
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 3)))
+    positions = jnp.broadcast_to(jnp.arange(3), (2, 3))
+    cache = init_cache(config, batch_size=2, capacity=16)
+    want, _, _ = jax.jit(forward, static_argnums=1)(plain, config, tokens, positions, cache)
+    got, _, _ = jax.jit(forward, static_argnums=1)(packed, config, tokens, positions, cache)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("bits, group", [(8, None), (4, 32)])
 def test_quantized_panels_give_the_dequantized_models_logits(bits, group):
     """A model whose projections and head are QuantizedWeights, packed by with_panel_weights,
@@ -191,6 +219,8 @@ def test_quantized_panels_give_the_dequantized_models_logits(bits, group):
     params = params.replace(layers=layers, lm_head=quantized(params.lm_head))
     packed = with_panel_weights(params)
     assert isinstance(packed.layers[0].qkv, QuantizedPanelWeight)
+    fused = packed.layers[0].gate  # gate and up quantized alike: one panel weight
+    assert isinstance(fused, GateUpPanels) and isinstance(fused.both, QuantizedPanelWeight)
     assert isinstance(packed.head_panels, QuantizedPanelWeight) and packed.head_panels.bits == bits
     plain = jax.tree.map(
         lambda w: dequantize(w) if isinstance(w, QuantizedWeight) else w,
