@@ -17,8 +17,9 @@ The kernels are XLA FFI custom calls, compiled from source with the machine's C+
 first use (a few seconds) and kept under `$SPECJAX_CACHE/kernels` (default
 `~/.cache/specjax/kernels`). A program lowered for the CPU alone uses them (the backend seam,
 specjax/kernels/backend.py, decides): `generate` then stores float32 weights as panels
-(`llama.with_panel_weights`), which the seam's products send to `panel_matmul`, and attention reads
-the cache through `cache_attention`.
+(`llama.with_panel_weights`; a dense MLP's gate and up as one, `llama.GateUpPanels`, as each call
+costs a few microseconds beside its product), which the seam's products send to `panel_matmul`,
+and attention reads the cache through `cache_attention`.
 `SPECJAX_CPU_KERNEL=0` turns them off, and where they cannot be built a warning says why and
 decoding keeps XLA's own products.
 """
