@@ -1073,8 +1073,8 @@ class GateUpPanels:
     one-row 4-bit product of SmolLM2's shapes, 15-40 us, feels. Measured here
     (benchmarks/quantized_products.py's harness, one row): a 4-bit [576, 3072] product 39.5 us
     against 2 x 28.1 for two [576, 1536] ones, float32 158 against 2 x 90; the built-in model's
-    Q4_1 decoding step (benchmarks/step_time.py, before and after in turn) 4.61 / 4.52 -> 4.16 /
-    4.31 ms."""
+    Q4_1 generate of 128 tokens, fused and unfused packings of the same weights timed in turn in
+    one process, 6.5% faster fused (float32: the same, 1.009x; docs/benchmarks.md)."""
 
     # Columns [0, hidden): gate's; [up_start, up_start + hidden): up's.
     both: PanelWeight | QuantizedPanelWeight
