@@ -372,6 +372,30 @@ def test_the_batch_narrows_only_after_narrow_after_chunks_and_arrivals_meanwhile
     assert [tokens[i] for i in ids[4:]] == [alone(TARGET, r) for r in later]
 
 
+def test_each_narrowing_waits_narrow_after_chunks_not_only_the_first():
+    """Four requests finishing at three times: the state narrows 4 -> 2 once two rows have fit 2
+    slots for longer than narrow_after chunks, and 2 -> 1 only after the last but one has finished
+    and the long row has fit 1 slot for narrow_after chunks too. The medium request finishes in
+    the first chunk at 2 slots, so a count carried over from the first narrowing would narrow
+    again at once. Every request gives what it gives alone."""
+    long, medium = (Request(p, max_new_tokens=n) for p, n in zip(_prompts(51, 2), (40, 8), strict=True))
+    engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4, narrow_after=1)
+    ids = [engine.add(r) for r in (long, medium, *[Request(p, max_new_tokens=2) for p in _prompts(52, 2)])]
+    tokens = {i: [] for i in ids}
+    running, widths = [], []
+    while engine.has_work:
+        running.append(engine.num_running)
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+        widths.append(engine._width)
+    assert 2 in widths and 1 in widths, widths
+    first_2, first_1 = widths.index(2), widths.index(1)
+    # each narrowing came after a chunk at the wider width whose rows already fit the narrower one
+    assert widths[first_2 - 1] == 4 and running[first_2 - 1] <= 2, (running, widths)
+    assert widths[first_1 - 1] == 2 and running[first_1 - 1] == 1, (running, widths)
+    assert [tokens[i] for i in ids[:2]] == [alone(TARGET, long), alone(TARGET, medium)]
+
+
 def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
     """Once the batch has narrowed from max_batch, the max_batch-wide state's buffers are kept, and
     a burst of arrivals that needs max_batch slots again is written into them (the `fill` program,

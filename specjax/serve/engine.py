@@ -440,6 +440,8 @@ class Engine:
             self._fitting_narrower += 1
             if self._fitting_narrower <= self.narrow_after:
                 width = self._width
+            else:  # narrowing: the count starts again, so that a later narrowing waits too
+                self._fitting_narrower = 0
         else:
             self._fitting_narrower = 0
         self._move_below(width)
