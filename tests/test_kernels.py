@@ -32,15 +32,17 @@ def kernel_loaded():
     assert kernels.available(), "the CPU kernel did not build (see the warning above)"
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 17, 48, 49, 100])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12, 13, 17, 25, 48, 49, 100])
 @pytest.mark.parametrize("d_in, d_out", [(64, 32), (48, 40), (7, 16), (96, 200), (200, 72)])
 def test_panel_matmul_equals_the_float64_product(rows, d_in, d_out):
-    """Every row count the kernel's chunking meets: up to 4 rows in chunks of up to 3 over a panel
-    pair (4 as 2 + 2); more in chunks of 6 or 5 over one panel, the last 1-4 over the pair (7 as
-    6 + 1, 10 as 6 + 2 + 2, 11 as 6 + 5), 48 rows to a group (49: a group and one row; 100: two
-    and 4 rows); inputs in one block, several, and a last partial one (200 = 3 x 64 + 8, past the
-    prefetch distance); output widths that are a whole number of panel pairs, an odd panel count
-    (40, 72: a lone last panel), and widths padded to a panel (40, 200)."""
+    """Every row count the kernel's chunking meets. With 8-float vectors (AVX2): up to 4 rows in
+    chunks of up to 3 over a panel pair (4 as 2 + 2); more in chunks of 6 or 5 over one panel, the
+    last 1-4 over the pair (7 as 6 + 1, 10 as 6 + 2 + 2, 11 as 6 + 5). With AVX-512: one row
+    alone, 2-12 rows in one chunk over the pair, more in chunks of equal sizes (13 as 6 + 7, 17 as
+    8 + 9, 25 as 8 + 8 + 9). Either way 48 rows to a group (49: a group and one row; 100: two and
+    4 rows); inputs in one block, several, and a last partial one (200 = 3 x 64 + 8, 128 + 72,
+    past the prefetch distance); output widths that are a whole number of panel pairs, an odd
+    panel count (40, 72: a lone last panel), and widths padded to a panel (40, 200)."""
     rng = np.random.default_rng(rows * 1000 + d_in + d_out)
     x = rng.standard_normal((rows, d_in)).astype(np.float32)
     w = rng.standard_normal((d_in, d_out)).astype(np.float32)

@@ -57,14 +57,15 @@ def check_product(x: np.ndarray, w: QuantizedWeight, got: np.ndarray) -> None:
 @pytest.mark.parametrize("group, d_in, d_out", [(16, 256, 40), (32, 256, 200), (128, 256, 33), (96, 96, 16)])
 def test_the_kernel_equals_the_float64_product(bits, offsets, group, d_in, d_out):
     """Every row count of a decoding step and its chunks (1 to 9: one row, two, chunks of 2 and 3),
-    23, and from 24 rows the panels dequantized first (24, 25 and a prefill's 64, past 48 rows a
-    group); groups of 16, 32, 128 and the whole input (one group, a scale per output channel);
-    widths that are not whole panels (40, 33, 200) or one panel (16)."""
+    and the panels dequantized first from 24 rows (with AVX-512 from 8 rows of 4-bit, 12 of
+    int8: 11, 12, 23, 24, 25 and a prefill's 64, past 48 rows a group); groups of 16, 32, 128 and
+    the whole input (one group, a scale per output channel); widths that are not whole panels
+    (40, 33, 200) or one panel (16)."""
     rng = np.random.default_rng([bits, group, d_in, d_out, offsets])
     w = random_weight(rng, d_in, d_out, bits, group, offsets)
     packed = pack_quantized(w)
     product = jax.jit(quantized_panel_matmul)
-    for rows in (*range(1, 10), 23, 24, 25, 64):
+    for rows in (*range(1, 10), 11, 12, 23, 24, 25, 64):
         x = rng.standard_normal((rows, d_in)).astype(np.float32)
         check_product(x, w, np.asarray(product(jnp.asarray(x), packed)))
 
@@ -73,22 +74,31 @@ def test_an_odd_input_size_in_one_int8_group():
     """int8 with one group over an odd D_in: the kernel's pairs of input rows leave one over."""
     rng = np.random.default_rng(5)
     w = random_weight(rng, 75, 24, bits=8, group=75, offsets=True)
-    for rows in (1, 2, 7, 24, 31):  # (from 24 rows the panels are dequantized first)
+    for rows in (1, 2, 7, 12, 24, 31):  # (from 24 rows, or 12 with AVX-512, the panels are dequantized first)
         x = rng.standard_normal((rows, 75)).astype(np.float32)
         check_product(x, w, np.asarray(quantized_panel_matmul(jnp.asarray(x), pack_quantized(w))))
 
 
 def test_leading_axes_are_kept_and_rows_never_mix():
-    """x [B, T, D_in] keeps its leading axes, and each row gets what it gets alone."""
+    """x [B, T, D_in] keeps its leading axes, and each row gets what it gets beside other rows:
+    6 rows (chunks of 2) as each row alone, to float32 rounding (one row takes the pair loop);
+    16 rows (dequantized first where the CPU has AVX-512) as the same rows in reverse order, bit
+    for bit (the same loops for every row)."""
     rng = np.random.default_rng(3)
     packed = pack_quantized(random_weight(rng, 64, 48, bits=4, group=32, offsets=True))
-    x = rng.standard_normal((2, 5, 64)).astype(np.float32)
-    got = np.asarray(jax.jit(quantized_panel_matmul)(jnp.asarray(x), packed))
-    assert got.shape == (2, 5, 48)
+    product = jax.jit(quantized_panel_matmul)
+    x = rng.standard_normal((2, 3, 64)).astype(np.float32)
+    got = np.asarray(product(jnp.asarray(x), packed))
+    assert got.shape == (2, 3, 48)
     for b in range(2):
-        for t in range(5):
+        for t in range(3):
             alone = np.asarray(quantized_panel_matmul(jnp.asarray(x[b, t][None]), packed))[0]
             np.testing.assert_allclose(got[b, t], alone, rtol=1e-6, atol=1e-6)
+    x = rng.standard_normal((2, 8, 64)).astype(np.float32)
+    got = np.asarray(product(jnp.asarray(x), packed))
+    reversed_rows = np.asarray(product(jnp.asarray(x.reshape(16, 64)[::-1].copy()), packed))
+    assert got.shape == (2, 8, 48)
+    np.testing.assert_array_equal(got.reshape(16, 48), reversed_rows[::-1])
 
 
 @pytest.mark.parametrize("bits", [8, 4])

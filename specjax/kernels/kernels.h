@@ -27,6 +27,20 @@ inline Vec8 load8(const float* p) {
 
 inline void store8(float* p, Vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 
+#if defined(__AVX512F__)
+// Sixteen floats: one AVX-512 register, a whole row of a panel. Only where the compiler targets
+// AVX-512 (-march=native on such a CPU): elsewhere GCC splits these and spills them (above).
+typedef float Vec16 __attribute__((vector_size(64)));
+
+inline Vec16 load16(const float* p) {
+  Vec16 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+#endif
+
 // Runs part(0) .. part(num_parts - 1), each part handed to whichever thread asks next: the calling
 // thread and the tasks it schedules on XLA's intra-op pool. The caller works too and waits only
 // for parts already taken, so a pool with no idle thread delays nothing; a task that starts after

@@ -78,7 +78,20 @@ constexpr int64_t kPartsPerThread = 8;
 // float32 write of each panel, is then a third of the product), 16 rows 140-146 / 157-161, 24 rows
 // 209-216 / 191-196, 64 rows 546-575 / 467-491, 1024 rows 8940-9100 / 6760-7160 (float32 panels:
 // 7010-7680, so a long product no longer costs more quantized than in float32).
-constexpr int64_t kDequantizeRows = 24;
+//
+// With AVX-512 (panel_matmul.cc's 16-float chunks of up to 12 rows, twice as fast as its 8-float
+// loops from 16 rows on) the float32 loops pay for the dequantization sooner: measured on 2 cores
+// of an AMD EPYC (Zen 5, 2026-11-29), microseconds with the chunks / dequantized first, Q8_0-like
+// int8 (float16 scales) [576, 3072] 8 rows 171 / 206, 16 rows 314 / 262, the [576, 49152] head 8
+// rows 2430 / 3050, 16 rows 4720 / 3950; Q4_1-like 4-bit [576, 3072] 6 rows 125 / 143, 8 rows 160
+// / 152, [1536, 576] 8 rows 90 / 78, the head 8 rows 2296 / 2236.
+template <int BITS>
+constexpr int64_t kDequantizeRows =
+#if defined(__AVX512F__)
+    BITS == 8 ? 12 : 8;
+#else
+    24;
+#endif
 
 typedef int32_t I32x8 __attribute__((vector_size(32)));
 typedef int8_t I8x8 __attribute__((vector_size(8)));
@@ -397,7 +410,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
     const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
     const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
     const int64_t d_out = num_panels * kPanel;
-    if (rows >= kDequantizeRows) {  // each pair of panels dequantized, then the float32 loops
+    if (rows >= kDequantizeRows<BITS>) {  // each pair of panels dequantized, then the float32 loops
       const Operands<Meta> a{x.typed_data(), nullptr, v, s, o, y->typed_data(), d_in, d_in / num_groups,
                              num_groups, d_out};
       specjax::run_parts(pool, num_parts, [=](int64_t part) {
