@@ -79,16 +79,16 @@ constexpr int64_t kPartsPerThread = 8;
 // 209-216 / 191-196, 64 rows 546-575 / 467-491, 1024 rows 8940-9100 / 6760-7160 (float32 panels:
 // 7010-7680, so a long product no longer costs more quantized than in float32).
 //
-// With AVX-512 (panel_matmul.cc's 16-float chunks of up to 12 rows, twice as fast as its 8-float
-// loops from 16 rows on) the float32 loops pay for the dequantization sooner: measured on 2 cores
-// of an AMD EPYC (Zen 5, 2026-11-29), microseconds with the chunks / dequantized first, Q8_0-like
-// int8 (float16 scales) [576, 3072] 8 rows 171 / 206, 16 rows 314 / 262, the [576, 49152] head 8
-// rows 2430 / 3050, 16 rows 4720 / 3950; Q4_1-like 4-bit [576, 3072] 6 rows 125 / 143, 8 rows 160
-// / 152, [1536, 576] 8 rows 90 / 78, the head 8 rows 2296 / 2236.
+// With AVX-512 the loops below run in 16-float vectors (`Wide`) and panel_matmul.cc's float32
+// loops in 16-float chunks of up to 12 rows; measured again there (2 cores of an AMD EPYC, Zen 5,
+// 2026-11-29, microseconds with the chunks / dequantized first), Q8_0-like int8 with float16
+// scales: [576, 3072] 16 rows 213 / 248, 20 rows 259 / 286, the [576, 49152] head 16 rows 3077 /
+// 3695, 20 rows 3813 / 4278; Q4_1-like 4-bit: [576, 3072] 12 rows 161 / 177, 16 rows 214 / 215,
+// the head 12 rows 2208 / 2489, 16 rows 2972 / 2968.
 template <int BITS>
 constexpr int64_t kDequantizeRows =
 #if defined(__AVX512F__)
-    BITS == 8 ? 12 : 8;
+    BITS == 8 ? 24 : 16;
 #else
     24;
 #endif
@@ -125,6 +125,26 @@ inline void widen_int4(const uint8_t* p, Vec8& low, Vec8& whole) {
   whole = __builtin_convertvector(lanes, Vec8);
 #endif
 }
+
+#if defined(__AVX512F__)
+using specjax::load16;
+using specjax::store16;
+using specjax::Vec16;
+
+// Sixteen int8 values (a whole panel row) as floats.
+inline Vec16 widen_int8(const uint8_t* p, Vec16) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Sixteen bytes of two 4-bit values each: the low nibbles and the whole bytes, as widen_int4.
+inline void widen_int4(const uint8_t* p, Vec16& low, Vec16& whole) {
+  const __m512i lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  low = _mm512_cvtepi32_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(15)));
+  whole = _mm512_cvtepi32_ps(lanes);
+}
+#endif
+
+inline Vec8 widen_int8(const uint8_t* p, Vec8) { return widen_int8(p); }
 
 // x as the 4-bit kernel multiplies it: each pair (x_2k, x_2k+1) as (x_2k - x_2k+1 / 16,
 // x_2k+1 / 16), so that with a byte's low nibble lo and whole value b = lo + 16 hi,
@@ -169,6 +189,45 @@ inline Vec8 load_meta(const Half* p) {
 #endif
 }
 
+#if defined(__AVX512F__)
+// Sixteen scales (or offsets) as floats.
+inline Vec16 load_meta16(const float* p) { return load16(p); }
+
+inline Vec16 load_meta16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+// The loops below run in vectors V: 8 floats (two per panel row) or, with AVX-512, 16 (one per
+// panel row: `Wide`), with these to load, widen and store a part of a panel row. The 16-float loops
+// widen and convert 16 values an instruction where the 8-float ones took two, which bound 4-bit
+// products (Zen 5, 2026-11-29, microseconds, 8-float / 16-float loops: the [576, 49152] head at
+// one row 468 / 300, [576, 3072] 50 / 41; int8 at one row, memory-bound, the same); at 2-6 rows
+// both widths gain (6 rows, int8 [576, 3072] 128 / 89, the head 1807 / 1134; 4-bit 127 / 90 and
+// 1741 / 1148), and dequantizing a panel 7-9% (16 rows). The sums add in the same order either
+// way, so the results are bit for bit the same.
+template <typename V>
+constexpr int kLanes = sizeof(V) / sizeof(float);
+
+#if defined(__AVX512F__)
+using Wide = Vec16;
+#else
+using Wide = Vec8;
+#endif
+
+template <typename V, typename Meta>
+inline V load_meta_as(const Meta* p) {
+#if defined(__AVX512F__)
+  if constexpr (kLanes<V> == 16) return load_meta16(p);
+#endif
+  if constexpr (kLanes<V> == 8) return load_meta(p);
+}
+
+inline void store_vec(float* p, Vec8 v) { store8(p, v); }
+#if defined(__AVX512F__)
+inline void store_vec(float* p, Vec16 v) { store16(p, v); }
+#endif
+
 // What one call multiplies: rows of x, one quantized weight in panels, y's columns. Meta: the
 // scales' and offsets' type, float or Half.
 template <typename Meta>
@@ -182,27 +241,28 @@ struct Operands {
   int64_t d_in, group, num_groups, d_out;
 };
 
-// Input rows 2k and 2k+1 of half h (columns 8h .. 8h+7) of the panel whose values start at `v`
+// Input rows 2k and 2k+1 of part h of a panel row (columns h L .. h L + L - 1 for vectors V of L
+// floats: a half with Vec8, the whole row with Vec16) of the panel whose values start at `v`
 // (4-bit: the low nibbles and the whole bytes, see widen_int4).
-template <int BITS>
-inline void pair(const uint8_t* v, int64_t k, int h, Vec8& even, Vec8& odd) {
+template <int BITS, typename V>
+inline void pair(const uint8_t* v, int64_t k, int h, V& even, V& odd) {
   if constexpr (BITS == 8) {
-    even = widen_int8(v + 2 * k * kPanel + h * kHalf);
-    odd = widen_int8(v + (2 * k + 1) * kPanel + h * kHalf);
+    even = widen_int8(v + 2 * k * kPanel + h * kLanes<V>, V{});
+    odd = widen_int8(v + (2 * k + 1) * kPanel + h * kLanes<V>, V{});
   } else {
-    widen_int4(v + k * kPanel + h * kHalf, even, odd);
+    widen_int4(v + k * kPanel + h * kLanes<V>, even, odd);
   }
 }
 
-// Input row 2k + S of half h of the panel whose values start at `v`: a pair's values widened again
-// for each of its rows, which leaves more registers for the sums of several rows.
-template <int BITS, int S>
-inline Vec8 row(const uint8_t* v, int64_t k, int h) {
+// Input row 2k + S of part h of a panel row of the panel whose values start at `v`: a pair's values
+// widened again for each of its rows, which leaves more registers for the sums of several rows.
+template <int BITS, int S, typename V>
+inline V row(const uint8_t* v, int64_t k, int h) {
   if constexpr (BITS == 8) {
-    return widen_int8(v + (2 * k + S) * kPanel + h * kHalf);
+    return widen_int8(v + (2 * k + S) * kPanel + h * kLanes<V>, V{});
   } else {
-    Vec8 even, odd;
-    widen_int4(v + k * kPanel + h * kHalf, even, odd);  // (the compiler keeps the one used)
+    V even, odd;
+    widen_int4(v + k * kPanel + h * kLanes<V>, even, odd);  // (the compiler keeps the one used)
     return S ? odd : even;
   }
 }
@@ -214,19 +274,20 @@ inline void prefetch(const void* base, int64_t bytes) {
 }
 
 // Rows [r0, r0 + R) of x times NUM panels from `panel`, with CHAINS (1 or 2) sums per row and
-// half panel (2: even and odd input rows apart), written to y's columns of those panels. `ahead`:
-// whether to prefetch the panels' later lines (the first chunk over a panel; later chunks find it
-// in cache).
-template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS, typename Meta>
+// part of a panel row (2: even and odd input rows apart), in vectors V, written to y's columns of
+// those panels. `ahead`: whether to prefetch the panels' later lines (the first chunk over a
+// panel; later chunks find it in cache).
+template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS, typename V, typename Meta>
 void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
-  constexpr int H = 2 * NUM;  // half panels
+  constexpr int kParts = kPanel / kLanes<V>;  // vectors per panel row
+  constexpr int H = kParts * NUM;
   constexpr int64_t kStep = 2 * kPanel * BITS / 8;  // bytes of a panel per pair of input rows
   const int64_t bytes = a.d_in * kPanel * BITS / 8;  // one panel's values
   const uint8_t* values = a.values + panel * bytes;
   const float* x = a.x + r0 * a.d_in;
-  Vec8 total[R][H];
+  V total[R][H];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) total[r][h] = Vec8{};
+    for (int h = 0; h < H; ++h) total[r][h] = V{};
   for (int64_t g = 0; g < a.num_groups; ++g) {
     // Prefetches: the lines of the panels NUM on (the next pair for one row, the next panel for
     // more) that match the ones read now, so that memory serves one product's panels a whole
@@ -237,18 +298,18 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
         prefetch(a.scales, at);
         if (OFFSETS) prefetch(a.offsets, at);
       }
-    Vec8 acc[R][H][CHAINS];
+    V acc[R][H][CHAINS];
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < H; ++h)
-        for (int c = 0; c < CHAINS; ++c) acc[r][h][c] = Vec8{};
+        for (int c = 0; c < CHAINS; ++c) acc[r][h][c] = V{};
     const int64_t first = g * a.group;
     for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
       if (ahead && (k * kStep) % 64 == 0)  // a line of values
         for (int n = NUM; n < 2 * NUM; ++n) prefetch(values, n * bytes + k * kStep);
       if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
         for (int h = 0; h < H; ++h) {
-          Vec8 even, odd;
-          pair<BITS>(values + (h / 2) * bytes, k, h % 2, even, odd);
+          V even, odd;
+          pair<BITS, V>(values + (h / kParts) * bytes, k, h % kParts, even, odd);
           for (int r = 0; r < R; ++r) {
             acc[r][h][0] += x[r * a.d_in + 2 * k] * even;
             acc[r][h][1] += x[r * a.d_in + 2 * k + 1] * odd;
@@ -256,11 +317,11 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
         }
       } else {  // more rows: one input row at a time
         for (int h = 0; h < H; ++h) {
-          const Vec8 w = row<BITS, 0>(values + (h / 2) * bytes, k, h % 2);
+          const V w = row<BITS, 0, V>(values + (h / kParts) * bytes, k, h % kParts);
           for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k] * w;
         }
         for (int h = 0; h < H; ++h) {
-          const Vec8 w = row<BITS, 1>(values + (h / 2) * bytes, k, h % 2);
+          const V w = row<BITS, 1, V>(values + (h / kParts) * bytes, k, h % kParts);
           for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + 2 * k + 1] * w;
         }
       }
@@ -268,48 +329,48 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
     if (BITS == 8 && a.group % 2) {  // the one group of an odd D_in: its last row
       const int64_t i = first + a.group - 1;
       for (int h = 0; h < H; ++h) {
-        const Vec8 w = widen_int8(values + (h / 2) * bytes + i * kPanel + (h % 2) * kHalf);
+        const V w = widen_int8(values + (h / kParts) * bytes + i * kPanel + (h % kParts) * kLanes<V>, V{});
         for (int r = 0; r < R; ++r) acc[r][h][0] += x[r * a.d_in + i] * w;
       }
     }
     for (int h = 0; h < H; ++h) {
-      const int64_t at = ((panel + h / 2) * a.num_groups + g) * kPanel + (h % 2) * kHalf;
-      const Vec8 scale = load_meta(a.scales + at);
+      const int64_t at = ((panel + h / kParts) * a.num_groups + g) * kPanel + (h % kParts) * kLanes<V>;
+      const V scale = load_meta_as<V>(a.scales + at);
       for (int r = 0; r < R; ++r) {
-        Vec8 sum = acc[r][h][0];
+        V sum = acc[r][h][0];
         if (CHAINS == 2) sum += acc[r][h][CHAINS - 1];
         total[r][h] += scale * sum;
       }
       if constexpr (OFFSETS) {
-        const Vec8 offset = load_meta(a.offsets + at);
+        const V offset = load_meta_as<V>(a.offsets + at);
         for (int r = 0; r < R; ++r) total[r][h] += a.row_sums[(r0 + r) * a.num_groups + g] * offset;
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) store8(a.y + (r0 + r) * a.d_out + panel * kPanel + h * kHalf, total[r][h]);
+    for (int h = 0; h < H; ++h) store_vec(a.y + (r0 + r) * a.d_out + panel * kPanel + h * kLanes<V>, total[r][h]);
 }
 
 // Panel `panel` as float32 [D_in, 16] into `out`: W = q * scale (+ offset), the weight the format
 // defines, computed once for all the rows of a long product.
-template <int BITS, bool OFFSETS, typename Meta>
+template <int BITS, bool OFFSETS, typename V, typename Meta>
 void dequantize_panel(const Operands<Meta>& a, int64_t panel, float* out) {
   const int64_t bytes = a.d_in * kPanel * BITS / 8;
   const uint8_t* values = a.values + panel * bytes;
   for (int64_t g = 0; g < a.num_groups; ++g)
-    for (int h = 0; h < 2; ++h) {
-      const int64_t at = (panel * a.num_groups + g) * kPanel + h * kHalf;
-      const Vec8 scale = load_meta(a.scales + at);
-      const Vec8 offset = OFFSETS ? load_meta(a.offsets + at) : Vec8{};
+    for (int h = 0; h < kPanel / kLanes<V>; ++h) {
+      const int64_t at = (panel * a.num_groups + g) * kPanel + h * kLanes<V>;
+      const V scale = load_meta_as<V>(a.scales + at);
+      const V offset = OFFSETS ? load_meta_as<V>(a.offsets + at) : V{};
       for (int64_t i = g * a.group; i < (g + 1) * a.group; i += 8 / BITS) {
         if constexpr (BITS == 8) {
-          store8(out + i * kPanel + h * kHalf, widen_int8(values + i * kPanel + h * kHalf) * scale + offset);
+          store_vec(out + i * kPanel + h * kLanes<V>, widen_int8(values + i * kPanel + h * kLanes<V>, V{}) * scale + offset);
         } else {  // one byte row: input rows i (the low nibbles) and i + 1 (the high ones)
-          Vec8 low, whole;
-          widen_int4(values + (i / 2) * kPanel + h * kHalf, low, whole);
-          const Vec8 high = (whole - low) * 0.0625f;  // exact: small integers
-          store8(out + i * kPanel + h * kHalf, low * scale + offset);
-          store8(out + (i + 1) * kPanel + h * kHalf, high * scale + offset);
+          V low, whole;
+          widen_int4(values + (i / 2) * kPanel + h * kLanes<V>, low, whole);
+          const V high = (whole - low) * 0.0625f;  // exact: small integers
+          store_vec(out + i * kPanel + h * kLanes<V>, low * scale + offset);
+          store_vec(out + (i + 1) * kPanel + h * kLanes<V>, high * scale + offset);
         }
       }
     }
@@ -320,11 +381,12 @@ void dequantize_panel(const Operands<Meta>& a, int64_t panel, float* out) {
 // int8 go as 2 + 2 + 3).
 template <int BITS, bool OFFSETS, typename Meta>
 void rows_times_panels(const Operands<Meta>& a, int64_t rows, int64_t panel, bool two) {
+  using V = Wide;
   if (rows == 1) {
     if (two)
-      chunk<BITS, OFFSETS, 1, 2, 2>(a, panel, 0, true);
+      chunk<BITS, OFFSETS, 1, 2, 2, V>(a, panel, 0, true);
     else
-      chunk<BITS, OFFSETS, 1, 1, 2>(a, panel, 0, true);
+      chunk<BITS, OFFSETS, 1, 1, 2, V>(a, panel, 0, true);
     return;
   }
   constexpr int64_t kMost = BITS == 8 ? kChunk8 : kChunk4;
@@ -333,9 +395,9 @@ void rows_times_panels(const Operands<Meta>& a, int64_t rows, int64_t panel, boo
     for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
       const int64_t size = (rows - r0) / (num_chunks - c);
       switch (size) {
-        case 1: chunk<BITS, OFFSETS, 1, 1, 2>(a, p, r0, c == 0); break;
-        case 2: chunk<BITS, OFFSETS, 2, 1, 2>(a, p, r0, c == 0); break;
-        default: chunk<BITS, OFFSETS, 3, 1, 1>(a, p, r0, c == 0); break;
+        case 1: chunk<BITS, OFFSETS, 1, 1, 2, V>(a, p, r0, c == 0); break;
+        case 2: chunk<BITS, OFFSETS, 2, 1, 2, V>(a, p, r0, c == 0); break;
+        default: chunk<BITS, OFFSETS, 3, 1, 1, V>(a, p, r0, c == 0); break;
       }
       r0 += size;
     }
@@ -421,8 +483,8 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
         const int64_t begin = part * pairs_per_part * 2;
         for (int64_t p = begin; p < std::min(num_panels, begin + pairs_per_part * 2); p += 2) {
           const bool two = p + 1 < num_panels;
-          dequantize_panel<BITS, OFFSETS>(a, p, scratch.data());
-          if (two) dequantize_panel<BITS, OFFSETS>(a, p + 1, scratch.data() + d_in * kPanel);
+          dequantize_panel<BITS, OFFSETS, Wide>(a, p, scratch.data());
+          if (two) dequantize_panel<BITS, OFFSETS, Wide>(a, p + 1, scratch.data() + d_in * kPanel);
           specjax::float_panel_rows(a.x, scratch.data(), a.y, rows, d_in, d_out, p * kPanel, two);
         }
       });
