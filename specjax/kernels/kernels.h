@@ -19,26 +19,29 @@ namespace specjax {
 // vectors 3-6x slower than this way).
 typedef float Vec8 __attribute__((vector_size(32)));
 
-inline Vec8 load8(const float* p) {
-  Vec8 v;
+// A vector of floats from memory and back, at any alignment.
+template <typename V>
+inline V load_vec(const float* p) {
+  V v;
   __builtin_memcpy(&v, p, sizeof(v));
   return v;
 }
 
-inline void store8(float* p, Vec8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+template <typename V>
+inline void store_vec(float* p, V v) {
+  __builtin_memcpy(p, &v, sizeof(v));
+}
+
+inline Vec8 load8(const float* p) { return load_vec<Vec8>(p); }
+inline void store8(float* p, Vec8 v) { store_vec(p, v); }
 
 #if defined(__AVX512F__)
 // Sixteen floats: one AVX-512 register, a whole row of a panel. Only where the compiler targets
 // AVX-512 (-march=native on such a CPU): elsewhere GCC splits these and spills them (above).
 typedef float Vec16 __attribute__((vector_size(64)));
 
-inline Vec16 load16(const float* p) {
-  Vec16 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-inline void store16(float* p, Vec16 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+inline Vec16 load16(const float* p) { return load_vec<Vec16>(p); }
+inline void store16(float* p, Vec16 v) { store_vec(p, v); }
 #endif
 
 // Runs part(0) .. part(num_parts - 1), each part handed to whichever thread asks next: the calling

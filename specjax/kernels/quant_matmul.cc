@@ -52,6 +52,7 @@
 namespace ffi = xla::ffi;
 using specjax::load8;
 using specjax::store8;
+using specjax::store_vec;
 using specjax::Vec8;
 
 namespace {
@@ -128,7 +129,6 @@ inline void widen_int4(const uint8_t* p, Vec8& low, Vec8& whole) {
 
 #if defined(__AVX512F__)
 using specjax::load16;
-using specjax::store16;
 using specjax::Vec16;
 
 // Sixteen int8 values (a whole panel row) as floats.
@@ -223,10 +223,6 @@ inline V load_meta_as(const Meta* p) {
   if constexpr (kLanes<V> == 8) return load_meta(p);
 }
 
-inline void store_vec(float* p, Vec8 v) { store8(p, v); }
-#if defined(__AVX512F__)
-inline void store_vec(float* p, Vec16 v) { store16(p, v); }
-#endif
 
 // What one call multiplies: rows of x, one quantized weight in panels, y's columns. Meta: the
 // scales' and offsets' type, float or Half.
