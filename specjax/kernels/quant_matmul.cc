@@ -223,7 +223,6 @@ inline V load_meta_as(const Meta* p) {
   if constexpr (kLanes<V> == 8) return load_meta(p);
 }
 
-
 // What one call multiplies: rows of x, one quantized weight in panels, y's columns. Meta: the
 // scales' and offsets' type, float or Half.
 template <typename Meta>
