@@ -48,28 +48,32 @@ constexpr int64_t kAhead = 128;    // inputs ahead that a block's first chunk pr
 constexpr int64_t kGroup = 48;     // rows whose sums a blocked pass keeps (6 KB on the stack)
 
 // Rows [0, R) of x times inputs [i0, i1) of `num` (NUM) panels from `panel`, added to the sums
-// `acc` (row r's at acc[4r ...], two vectors per panel). With AHEAD > 0 it also asks for the rows
-// kAhead inputs on (up to d_in) of the AHEAD panels from `ahead`, which later blocks will read.
-template <int R, int NUM, int AHEAD = 0>
-void block(const float* x, const float* panel, Vec8* acc, int64_t d_in, int64_t i0, int64_t i1,
+// `acc` in vectors V (row r's at acc[2 kParts r ...], kParts vectors per panel row: two 8-float
+// halves, or one 16-float row with AVX-512). With AHEAD > 0 it also asks for the rows kAhead
+// inputs on (up to d_in) of the AHEAD panels from `ahead`, which later blocks will read.
+template <int R, int NUM, int AHEAD = 0, typename V = Vec8>
+void block(const float* x, const float* panel, V* acc, int64_t d_in, int64_t i0, int64_t i1,
            const float* ahead = nullptr) {
-  constexpr int H = 2 * NUM;
+  constexpr int kLanes = sizeof(V) / sizeof(float);
+  constexpr int kParts = kPanel / kLanes;
+  constexpr int H = kParts * NUM;
   const int64_t panel_size = d_in * kPanel;
-  Vec8 sums[R][H];
+  V sums[R][H];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) sums[r][h] = acc[4 * r + h];
+    for (int h = 0; h < H; ++h) sums[r][h] = acc[2 * kParts * r + h];
   for (int64_t i = i0; i < i1; ++i) {
     if (AHEAD > 0 && i + kAhead < d_in)
       for (int p = 0; p < AHEAD; ++p) __builtin_prefetch(ahead + p * panel_size + (i + kAhead) * kPanel, 0, 3);
-    Vec8 w[H];
-    for (int h = 0; h < H; ++h) w[h] = load8(panel + (h / 2) * panel_size + i * kPanel + (h % 2) * kHalf);
+    V w[H];
+    for (int h = 0; h < H; ++h)
+      w[h] = specjax::load_vec<V>(panel + (h / kParts) * panel_size + i * kPanel + (h % kParts) * kLanes);
     for (int r = 0; r < R; ++r) {
       const float xi = x[r * d_in + i];
       for (int h = 0; h < H; ++h) sums[r][h] += xi * w[h];
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < H; ++h) acc[4 * r + h] = sums[r][h];
+    for (int h = 0; h < H; ++h) acc[2 * kParts * r + h] = sums[r][h];
 }
 
 // Rows [0, R) of x (R <= kChunk) times all inputs of `num` (NUM) panels from `panel`, written to
@@ -152,44 +156,21 @@ void many_rows_times_panels(const float* x, const float* panel, float* y, int64_
 // [576, 3072] 237 -> 191 at 8 rows, 351 -> 227 at 16, 1071 -> 564 at 64; its [576, 49152] head
 // 3862 -> 3079, 5723 -> 3778, 17216 -> 8996; 4 and 6 rows 1.15-1.2x faster, 2 and 3 the same.
 // Chunks of 8 or 10 rows, or blocks of 64 or 256 inputs, ran within a few percent of these.
-using specjax::load16;
 using specjax::store16;
 using specjax::Vec16;
 
 constexpr int64_t kChunk16 = 12;  // rows per chunk
 constexpr int64_t kBlock16 = 128;  // inputs per block when a group takes several chunks: 16 KB of a pair
 
-// Rows [0, R) of x times inputs [i0, i1) of `num` (NUM) panels from `panel`, added to the sums
-// `acc` (row r's at acc[2r ...], one vector per panel); with AHEAD > 0 it also asks for the rows
-// kAhead inputs on of the AHEAD panels from `panel`, which later inputs will read.
-template <int R, int NUM, int AHEAD = 0>
-void block16(const float* x, const float* panel, Vec16* acc, int64_t d_in, int64_t i0, int64_t i1) {
-  const int64_t panel_size = d_in * kPanel;
-  Vec16 sums[R][NUM];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < NUM; ++p) sums[r][p] = acc[2 * r + p];
-  for (int64_t i = i0; i < i1; ++i) {
-    if (AHEAD > 0 && i + kAhead < d_in)
-      for (int p = 0; p < AHEAD; ++p) __builtin_prefetch(panel + p * panel_size + (i + kAhead) * kPanel, 0, 3);
-    Vec16 w[NUM];
-    for (int p = 0; p < NUM; ++p) w[p] = load16(panel + p * panel_size + i * kPanel);
-    for (int r = 0; r < R; ++r) {
-      const float xi = x[r * d_in + i];
-      for (int p = 0; p < NUM; ++p) sums[r][p] += xi * w[p];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < NUM; ++p) acc[2 * r + p] = sums[r][p];
-}
-
-// block16 for a chunk of `rows` (1 .. kChunk16) rows; the first chunk of a block prefetches.
+// `block` in 16-float vectors for a chunk of `rows` (1 .. kChunk16) rows; the first chunk of a
+// block prefetches.
 template <int NUM, int R = kChunk16>
 void chunk16(int64_t rows, bool first, const float* x, const float* panel, Vec16* acc, int64_t d_in, int64_t i0,
              int64_t i1) {
   if constexpr (R > 1) {
     if (rows < R) return chunk16<NUM, R - 1>(rows, first, x, panel, acc, d_in, i0, i1);
   }
-  first ? block16<R, NUM, NUM>(x, panel, acc, d_in, i0, i1) : block16<R, NUM>(x, panel, acc, d_in, i0, i1);
+  first ? block<R, NUM, NUM>(x, panel, acc, d_in, i0, i1, panel) : block<R, NUM, 0>(x, panel, acc, d_in, i0, i1);
 }
 
 // Rows [0, rows) (rows <= kGroup) times `num` (NUM) panels: chunks of at most kChunk16 rows, of
