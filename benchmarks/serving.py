@@ -233,12 +233,18 @@ def main() -> None:
         for repeat in range(args.repeats):
             for clients in args.clients:
                 for mode, server in servers.items():
+                    engines[mode].stats.reset()
                     records, wall = asyncio.run(
                         offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
                     )
                     runs[mode, clients].append((records, wall))
                     rate = summarize(records, wall)["tokens/s"]
-                    print(f"  {mode}, {clients} clients, run {repeat + 1}: {rate:.2f} tokens/s", flush=True)
+                    stats = engines[mode].stats  # where the engine's time went
+                    print(
+                        f"  {mode}, {clients} clients, run {repeat + 1}: {rate:.2f} tokens/s "
+                        f"(admissions {stats.admission_s:.2f} s; steps {stats.summary()})",
+                        flush=True,
+                    )
     for (mode, clients), done in runs.items():
         s = summarize([r for records, _ in done for r in records], None)
         rate = float(np.median([summarize(records, wall)["tokens/s"] for records, wall in done]))

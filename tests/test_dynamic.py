@@ -315,3 +315,22 @@ def test_measure_times_each_batch_size(monkeypatch):
     schedule = GoodputSchedule.measure("model", specjax.NGram(k=3), ["a", "b"], batch_sizes=[4, 1])
     assert schedule.verify_cost == pytest.approx(0.1) and schedule.draft_cost == 0.01
     assert schedule.verify_cost_by_rows == ((1, pytest.approx(0.1)), (4, pytest.approx(0.4)))
+
+
+def test_goodput_join_gives_an_arriving_row_the_batch_k():
+    """A row prefilled alone starts at the prior's k; joining a running batch whose one k is 0 it
+    takes 0 (it would otherwise make every row draft at its k on the next step) and the batch's
+    steps since it drafted (its next probe stays due when it was); per_row keeps the row's own,
+    and so does a batch with no row running."""
+    schedule = GoodputSchedule(verify_cost=0.05)
+    row = schedule.init(1, 4)
+    assert int(row.k[0]) > 0
+    batch = schedule.init(3, 4).replace(k=jnp.array([0, 0, 3]), idle=jnp.array([7, 5, 0]))
+    running = jnp.array([True, True, False])  # slot 2 is free (the one being filled)
+    joined = schedule.join(batch, row, running)
+    assert int(joined.k[0]) == 0 and int(joined.idle[0]) == 5
+    assert float(joined.accepted[0]) == float(row.accepted[0])  # its own estimate stays the prior's
+    same = GoodputSchedule(verify_cost=0.05, per_row=True).join(batch, row, running)
+    assert int(same.k[0]) == int(row.k[0]) and int(same.idle[0]) == 0
+    empty = schedule.join(batch, row, jnp.zeros(3, bool))
+    assert int(empty.k[0]) == int(row.k[0]) and int(empty.idle[0]) == 0

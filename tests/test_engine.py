@@ -128,19 +128,25 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
 
 @pytest.mark.parametrize("name", ["plain", pytest.param("dynamic-ngram", marks=pytest.mark.slow)])
 def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
-    """After `precompile` (the loop at every width, lean and full, and the prefill of the given
-    prompt lengths' buckets), greedy and sampled requests arriving at random steps compile
-    nothing: a compile while serving would stall every running request."""
+    """After `precompile` (the loop at every width, lean and full, with Dynamic the quiet variant of
+    each, and the prefill of the given prompt lengths' buckets), greedy and sampled requests
+    arriving at random steps compile nothing: a compile while serving would stall every running
+    request."""
     proposer = None if name == "plain" else specjax.Dynamic(specjax.NGram(k=3), specjax.GoodputSchedule())
     prompts = _prompts(5, 8)
     engine = Engine(TARGET, proposer, max_batch=4, max_model_len=96, chunk_steps=3)
     compiled = engine.precompile([len(p) for p in prompts])
     widths = set(engine._widths)
-    assert {w for kind, w in engine._programs if kind == "lean"} == widths
-    assert {w for kind, w in engine._programs if kind == "resume"} == widths
+    loops = {"lean", "resume"} | (set() if proposer is None else {"lean-quiet", "resume-quiet"})
+    assert set(engine._loops) == loops
+    for loop in loops:
+        assert {w for kind, w in engine._programs if kind == loop} == widths
     buckets = {admission_bucket(len(p)) for p in prompts}
     assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.api.MIN_BUCKET}
-    assert compiled == 2 * len(widths) + len(buckets - {specjax.api.MIN_BUCKET})
+    checks = {w for kind, w in engine._programs if kind == "may draft"}  # which of the two runs
+    assert checks == (set() if proposer is None else widths)
+    programs = len(loops) + (proposer is not None)
+    assert compiled == programs * len(widths) + len(buckets - {specjax.api.MIN_BUCKET})
     before = engine.num_compiles
     samplings = [specjax.Sampling(), specjax.Sampling(temperature=0.8, seed=3)]
     requests = [Request(p, samplings[i % 3 == 2], max_new_tokens=6 + i) for i, p in enumerate(prompts)]
@@ -193,6 +199,108 @@ def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it(name):
         own, [probe, dataclasses.replace(probe, sampling=dataclasses.replace(sampling, seed=7))], 1
     )
     assert tokens[0] == alone(TARGET, probe, proposer)
+
+
+def _recording_programs(engine: Engine) -> list:
+    """The kinds of every program the engine runs ("write", ("resize", 2), ...), as they run."""
+    kinds: list = []
+    run = engine._run
+    engine._run = lambda kind, *args: kinds.append(kind) or run(kind, *args)
+    return kinds
+
+
+def _recording_chunks(engine: Engine) -> list[str]:
+    """The kinds of program ("lean", "lean-quiet", ...) of the engine's loop chunks, as they run."""
+    kinds: list[str] = []
+    run = engine._run
+
+    def recorded(kind, *args):
+        if kind in engine._loops:
+            kinds.append(kind)
+        return run(kind, *args)
+
+    engine._run = recorded
+    return kinds
+
+
+# A verify pass cheap for one row and dear for more: alone a row drafts, two or three rows stop
+# drafting (k = 0 for the batch) and probe now and then.
+QUIETING = specjax.GoodputSchedule(verify_cost=0.05, verify_cost_by_rows=((1, 0.05), (2, 0.8)), probe_every=2)
+
+
+@pytest.mark.slow
+def test_quiet_chunks_step_as_the_full_program_would():
+    """While the schedule lets no row draft, chunks run the quiet program (one-token steps) and end
+    when a row may draft (a probe), which a full chunk then drafts. The batch decides as it would
+    without quiet chunks: with every request there from the start (so that chunk boundaries
+    cannot move an arrival), the tokens and each request's figures are the same with quiet
+    programs and without, and greedy equals generate alone."""
+    proposer = specjax.Dynamic(specjax.NGram(k=3), QUIETING)
+    requests = [Request(p, max_new_tokens=n) for p, n in zip(_prompts(6, 3), (40, 28, 34), strict=True)]
+    runs, runs_stats = [], []
+    for quiet in (True, False):
+        engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=6)
+        assert {"lean-quiet", "resume-quiet"} <= set(engine._loops)
+        if not quiet:  # every chunk generate's whole loop, as before quiet programs
+            engine._loops = {
+                kind: dataclasses.replace(loop, proposer=dataclasses.replace(loop.proposer, program="whole"))
+                for kind, loop in engine._loops.items()
+                if not kind.endswith("-quiet")
+            }
+        chunks = _recording_chunks(engine)
+        ids = [engine.add(r) for r in requests]
+        tokens, finals = {i: [] for i in ids}, {}
+        while engine.has_work:
+            for update in engine.step():
+                tokens[update.request_id] += update.tokens
+                if update.finished:
+                    finals[update.request_id] = update.metrics
+        runs.append(([tokens[i] for i in ids], [finals[i] for i in ids], chunks))
+        runs_stats.append(engine.stats)
+    (quiet_tokens, quiet_metrics, quiet_chunks), (full_tokens, full_metrics, full_chunks) = runs
+    assert quiet_tokens == full_tokens
+    for i, request in enumerate(requests):
+        assert quiet_tokens[i] == alone(TARGET, request, proposer), i
+        for field in ("steps", "drafting_steps", "drafted", "accepted", "emitted", "accepted_at"):
+            np.testing.assert_array_equal(getattr(quiet_metrics[i], field), getattr(full_metrics[i], field))
+    assert sum(int(m.drafting_steps.sum()) for m in quiet_metrics) > 0  # alone at first, and probes
+    assert quiet_chunks.count("lean-quiet") >= 3 and quiet_chunks.count("lean") >= 3, quiet_chunks
+    stats = runs_stats[0]  # the quiet chunks' steps counted apart, within all of a width's
+    assert 0 < sum(stats.quiet_steps.values()) < sum(stats.steps.values())
+    assert all(
+        stats.quiet_steps[w] <= stats.steps[w] and stats.quiet_s[w] <= stats.chunk_s[w]
+        for w in stats.quiet_steps
+    )
+    assert "quiet" in stats.summary()
+    assert set(full_chunks) == {"lean"}
+
+
+@pytest.mark.slow
+def test_arrivals_join_a_quiet_batch_at_its_k_and_greedy_still_equals_generate_alone():
+    """Requests arriving at random steps into a batch whose schedule stopped drafting: each arrival
+    takes the batch's k (0: the chunk after its admission stays quiet) and every request's greedy
+    tokens equal generate's alone."""
+    proposer = specjax.Dynamic(specjax.NGram(k=3), QUIETING)
+    limits = (30, 12, 26, 18, 22, 9)
+    requests = [Request(p, max_new_tokens=n) for p, n in zip(_prompts(8, 6), limits, strict=True)]
+    engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=4)
+    chunks = _recording_chunks(engine)
+    tokens, _ = drive(engine, requests, seed=9)
+    for i, request in enumerate(requests):
+        assert tokens[i] == alone(TARGET, request, proposer), i
+    assert {"lean-quiet", "lean"} <= set(chunks), chunks
+
+    # An arrival into two rows that stopped drafting (their next probe some 30 steps away): the
+    # chunk after its admission is quiet, where the prior's k would have made the batch draft.
+    engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=4)
+    chunks = _recording_chunks(engine)
+    for request in requests[:2]:
+        engine.add(dataclasses.replace(request, max_new_tokens=60))
+    while chunks[-1:] != ["lean-quiet"]:
+        engine.step()
+    engine.add(requests[2])
+    engine.step()  # admits it, then runs a chunk
+    assert chunks[-1] == "lean-quiet" and engine.num_running == 3
 
 
 WORDY = specjax.Model(TARGET.config, TARGET.params, tiny_tokenizer(), name="tiny-wordy")
@@ -370,6 +478,21 @@ def test_the_batch_narrows_only_after_narrow_after_chunks_and_arrivals_meanwhile
         step()
     assert tokens[ids[0]] == alone(TARGET, long)
     assert [tokens[i] for i in ids[4:]] == [alone(TARGET, r) for r in later]
+
+
+def test_the_batch_does_not_narrow_for_rows_that_end_within_a_chunk():
+    """The tail of a burst: once the rows left all end within chunk_steps steps, the state keeps
+    its width (a narrowing's moves and copy would cost more than its cheaper steps save); with
+    more left to generate, it narrows after narrow_after chunks as before."""
+    for left, narrows in ((6, False), (30, True)):
+        engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=8, narrow_after=0)
+        runs = _recording_programs(engine)
+        requests = [Request(p, max_new_tokens=2) for p in _prompts(34, 3)]
+        requests.append(Request(_prompts(35, 1)[0], max_new_tokens=3 + left))
+        tokens = engine.run(requests)
+        narrowed = [kind for kind in runs if isinstance(kind, tuple) and kind[0] == "resize" and kind[1] < 4]
+        assert bool(narrowed) == narrows, (left, runs)
+        assert tokens[3] == alone(TARGET, requests[3])
 
 
 def test_each_narrowing_waits_narrow_after_chunks_not_only_the_first():

@@ -168,12 +168,32 @@ class EngineStats:
     admission_s: float = 0.0  # prefills and writes into slots, while the running rows wait
     steps: dict[int, int] = dataclasses.field(default_factory=dict)  # loop steps, by chunk width
     chunk_s: dict[int, float] = dataclasses.field(default_factory=dict)  # chunks' seconds, by width
+    # Of those, the quiet chunks' (Dynamic's chunks in which no row may draft), by width
+    quiet_steps: dict[int, int] = dataclasses.field(default_factory=dict)
+    quiet_s: dict[int, float] = dataclasses.field(default_factory=dict)
 
     def reset(self) -> None:
         self.admissions, self.admission_s, self.steps, self.chunk_s = 0, 0.0, {}, {}
+        self.quiet_steps, self.quiet_s = {}, {}
 
     def ms_per_step(self, width: int) -> float:
         return 1e3 * self.chunk_s[width] / max(self.steps[width], 1)
+
+    def add_chunk(self, width: int, steps: int, seconds: float, quiet: bool) -> None:
+        for counts, times in ((self.steps, self.chunk_s), (self.quiet_steps, self.quiet_s))[: 1 + quiet]:
+            counts[width] = counts.get(width, 0) + steps
+            times[width] = times.get(width, 0.0) + seconds
+
+    def summary(self) -> str:
+        """Steps by width and their milliseconds each, the quiet ones apart: "16: 120 x 29.1 ms
+        (quiet 80 x 28.0)"."""
+        parts = []
+        for w in sorted(self.steps):
+            part = f"{w}: {self.steps[w]} x {self.ms_per_step(w):.1f} ms"
+            if self.quiet_steps.get(w):
+                part += f" (quiet {self.quiet_steps[w]} x {1e3 * self.quiet_s[w] / self.quiet_steps[w]:.1f})"
+            parts.append(part)
+        return ", ".join(parts)
 
 
 class Engine:
@@ -202,7 +222,8 @@ class Engine:
     `stats` (EngineStats) says where the time went: admissions, and chunks and steps by width.
     `num_compiles` counts the programs compiled: the empty batch's prefill, one admission per
     prompt bucket, and the loop at each width (a lean one for all-greedy chunks, the full one for
-    the rest), each on first use unless `precompile` compiled it before.
+    the rest; with Dynamic, a quiet variant of each for chunks in which no row drafts, and a
+    check of which runs), each on first use unless `precompile` compiled it before.
     """
 
     def __init__(
@@ -288,6 +309,18 @@ class Engine:
             lean_proposer, lean_params = resolve(proposer, model, WarpSpec(), None)
             if jax.tree.structure(lean_params) == jax.tree.structure(resolved_params):
                 self._lean = dataclasses.replace(self.spec, warp=WarpSpec(), proposer=lean_proposer)
+        # The loop's programs by kind: "resume" (every sampling option) and "lean". A Dynamic
+        # proposer that can skip drafting splits each in two (DynamicSpec.chunk_programs): chunks
+        # in which no row may draft (a batch under load whose schedule turned drafting off) run a
+        # quiet program ("resume-quiet", "lean-quiet") of plain decoding's one-token steps, and
+        # end as soon as a row may draft (a probe); the others end as soon as none may.
+        self._loops = {"resume": self.spec} | ({} if self._lean is None else {"lean": self._lean})
+        for kind, loop in list(self._loops.items()):
+            split = getattr(loop.proposer, "chunk_programs", None)
+            programs = None if split is None else split()
+            if programs is not None:
+                drafting, quiet = (dataclasses.replace(loop, proposer=p) for p in programs)
+                self._loops |= {kind: drafting, f"{kind}-quiet": quiet}
         self._widths = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length())} | {max_batch})
         self.k = self.spec.k
         self._window = chunk_steps * (self.k + 1) + 1
@@ -438,7 +471,10 @@ class Engine:
         width = min(w for w in self._widths if w >= self.num_running)
         if width < self._width:  # narrow only once it has held for narrow_after chunks
             self._fitting_narrower += 1
-            if self._fitting_narrower <= self.narrow_after:
+            # ... and not when every running request ends within this chunk (the tail of a burst
+            # whose rows finish a few steps apart): the moves and the copy into a narrower state
+            # cost more than its cheaper steps would save over one chunk (docs/serving.md).
+            if self._fitting_narrower <= self.narrow_after or self._steps_left() <= self.chunk_steps:
                 width = self._width
             else:  # narrowing: the count starts again, so that a later narrowing waits too
                 self._fitting_narrower = 0
@@ -447,17 +483,21 @@ class Engine:
         self._move_below(width)
         self._resize(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
-        # A chunk whose requests are all greedy without penalties or bias runs the lean program.
+        # A chunk whose requests are all greedy without penalties or bias runs the lean program;
+        # one in which no row may draft, its quiet variant.
         lean = self._lean is not None and all(
             s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
         )
+        kind = "lean" if lean else "resume"
+        if f"{kind}-quiet" in self._loops and not self._run("may draft", width, self._state):
+            kind = f"{kind}-quiet"
         # While a slot is free, an arrival could take it: the chunk is short, so that a request
         # that comes while it runs waits little for its prefill. A chunk always ends when a row
         # finishes: its last tokens go out at once and its slot is free for the next request.
         max_steps = self.admission_steps if None in self._slots else self.chunk_steps
         start = time.perf_counter()
         self._state, window = self._run(
-            "lean" if lean else "resume",
+            kind,
             width,
             self._params,
             self._proposer_params,
@@ -470,15 +510,20 @@ class Engine:
         window, lengths, done, nonfinite, counters, step = jax.device_get(
             (window, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
-        stats = self.stats
-        stats.chunk_s[width] = stats.chunk_s.get(width, 0.0) + time.perf_counter() - start
-        stats.steps[width] = stats.steps.get(width, 0) + int(step) - self._step_count
+        self.stats.add_chunk(
+            width, int(step) - self._step_count, time.perf_counter() - start, kind.endswith("-quiet")
+        )
         self._step_count = int(step)
         updates = []
         for b, slot in enumerate(self._slots):
             if slot is not None:
                 updates.append(self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters))
         return updates
+
+    def _steps_left(self) -> int:
+        """The most steps the running requests can still take: their largest count of tokens
+        left to generate (each step commits at least one token a row; a stop ends one sooner)."""
+        return max(s.request.max_new_tokens - len(s.tokens) for s in self._slots if s is not None)
 
     def precompile(self, prompt_lengths: Sequence[int] = ()) -> int:
         """Compile now what a chunk or an admission would otherwise compile on first use: the
@@ -509,8 +554,10 @@ class Engine:
                 jnp.int32(self.chunk_steps),
                 jnp.zeros((width,), jnp.int32),
             )
-            for kind in ("resume", "lean") if self._lean is not None else ("resume",):
+            for kind in self._loops:
                 self._program(kind, width, *args)
+            if "resume-quiet" in self._loops:
+                self._program("may draft", width, self._state_shape(width))
         return self.num_compiles - before
 
     def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
@@ -845,10 +892,10 @@ class Engine:
         return self._programs[key]
 
     def _make_program(self, kind: str, bucket: int):
-        spec = self._lean if kind == "lean" else self.spec
+        spec = self._loops.get(kind, self.spec)
         on = spec.backend
         axes = self._batch_axes()
-        if kind in ("resume", "lean"):  # the loop over the running state, `bucket` slots wide
+        if kind in self._loops:  # the loop over the running state, `bucket` slots wide
             window, narrow = self._window, dataclasses.replace(spec, batch_size=bucket)
 
             def resume(params, proposer_params, state, inputs, max_steps, reported):
@@ -857,10 +904,20 @@ class Engine:
                 )
 
             return jax.jit(resume, donate_argnums=2)
+        if kind == "may draft":  # whether the next chunk runs a drafting program or a quiet one
+
+            def may_draft(state):
+                return spec.proposer.may_draft(state.proposer_state, ~state.done)
+
+            return jax.jit(may_draft)
         if kind == "write":  # a prefilled row into slot `slot` of the running state
+            join = getattr(spec.proposer, "join", None)  # Dynamic's schedule: one k for the batch
 
             def write(state, row, slot):
                 row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))  # its steps count from here
+                if join is not None:  # (the slot is free: ~done marks the rows running beside it)
+                    joined = join(state.proposer_state, row.proposer_state, ~state.done)
+                    row = row.replace(proposer_state=joined)
                 return _write_row(axes, state, row, slot)
 
             return jax.jit(write, donate_argnums=0)

@@ -612,6 +612,10 @@ def _propose_and_verify_widths(spec: LoopSpec, params, proposer_params, state: D
     widths = spec.proposer.widths
     assert widths[0] == 0, widths
     running = ~state.done
+    if widths == (0,):  # a quiet program's step (DynamicSpec.chunk_programs): no row drafts, and
+        # the one-token pass writes the cache itself, as plain decoding's does
+        proposal, proposer_state = _propose(spec, params, proposer_params, state, inputs, keys, width=0)
+        return _skip(spec, params, state, proposal, inputs, keys), proposer_state, proposal.valid
     need = spec.proposer.needed_width(state.proposer_state, running)
     branch = jnp.searchsorted(jnp.asarray(widths), need)  # the smallest width >= need
     drafts = [
@@ -745,13 +749,18 @@ def resume_program(
     only new tokens go to the host, tokens [B, window] of each row from column reported[b] on
     (the host's count of the row's tokens it has seen; `window` static, >= the tokens a chunk
     can commit past it)."""
+    ends_chunk = getattr(spec.proposer, "ends_chunk", None)
     with (spec.backend or backend.active()).tracing():
         first_step, done_before = state.step, state.done
 
         def cond(state: DecodeState) -> jax.Array:
             freed = jnp.any(state.done & ~done_before)
             under = state.step - first_step < max_steps
-            return jnp.any(~state.done) & under & ~freed
+            go_on = jnp.any(~state.done) & under & ~freed
+            if ends_chunk is not None:  # Dynamic's programs for steps that draft and for those that
+                # don't (DynamicSpec.chunk_programs), after at least one step
+                go_on &= ~ends_chunk(state.proposer_state, ~state.done) | (state.step == first_step)
+            return go_on
 
         step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)
         state = jax.lax.while_loop(cond, step, state)

@@ -271,6 +271,19 @@ class GoodputSchedule:
         probe = (k == 0) & (idle >= every - 1)
         return state.replace(k=jnp.full_like(state.k, jnp.where(probe, smallest, k)))
 
+    def join(self, batch: ScheduleState, row: ScheduleState, running: jax.Array) -> ScheduleState:
+        """The state of a row (a batch of one) joining a running batch (`running` [B] bool): with
+        one k for the batch, it takes the batch's k and steps since the batch drafted, so that
+        an arrival does not make every row draft at the prior's k (what a row alone starts at)
+        nor put off the batch's next probe; its own acceptance estimate (the prior) enters the
+        batch's choice at the next step. With `per_row`, or into an empty batch, it keeps its own."""
+        if self.per_row:
+            return row
+        joins = jnp.any(running)
+        k = jnp.max(jnp.where(running, batch.k, 0))
+        idle = jnp.min(jnp.where(running, batch.idle, jnp.iinfo(jnp.int32).max))
+        return row.replace(k=jnp.where(joins, k, row.k), idle=jnp.where(joins, idle, row.idle))
+
     @classmethod
     def measure(
         cls,
@@ -356,6 +369,10 @@ def narrowed(inner, k: int):
 class DynamicSpec(Wrapper):
     inner: Any
     schedule: Any
+    # The continuous batch's chunks (`chunk_programs`): "whole" runs every step (generate's loop);
+    # "quiet" only steps in which no row may draft, as one-token passes; "drafting" ends its chunk
+    # as soon as no row may draft, for a quiet one to run the steps that follow.
+    program: str = "whole"
     always_drafts = False  # a row at k = 0 drafts nothing
 
     @property
@@ -367,7 +384,32 @@ class DynamicSpec(Wrapper):
         """Draft widths the loop switches between (0, 1, 2, 4, ..., K), or None: always K."""
         if narrowed(self.inner, 1) is None:
             return None
+        if self.program == "quiet":
+            return (0,)
         return tuple(sorted({0, self.k} | {1 << i for i in range(self.k.bit_length()) if 1 << i < self.k}))
+
+    def chunk_programs(self) -> tuple[DynamicSpec, DynamicSpec] | None:
+        """(drafting, quiet): the specs of a continuous batch's two programs, one for the chunks
+        in which a row may draft and one for those in which none may (a batch under load whose
+        schedule turned drafting off): the quiet program's steps are plain decoding's one-token
+        passes, without the switch over draft widths that costs a step at k = 0 1-4% more
+        (docs/serving.md). None where the loop cannot skip drafting (a proposer without `widths`
+        drafts K every step and masks)."""
+        if self.widths is None:
+            return None
+        return dataclasses.replace(self, program="drafting"), dataclasses.replace(self, program="quiet")
+
+    def may_draft(self, state: DynamicState, running: jax.Array) -> jax.Array:
+        """[] whether a running row may draft at the next step (its k is above 0: a probe, or
+        drafting that pays): which of `chunk_programs` runs, and where its chunk ends."""
+        return self.needed_width(state, running) > 0
+
+    def ends_chunk(self, state: DynamicState, running: jax.Array) -> jax.Array:
+        """[] whether the loop's chunk ends before the next step (`chunk_programs`)."""
+        if self.program == "whole":
+            return jnp.zeros((), bool)
+        drafts = self.may_draft(state, running)
+        return drafts if self.program == "quiet" else ~drafts
 
     def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
         inner = self.inner.init(target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden)
@@ -404,6 +446,15 @@ class DynamicSpec(Wrapper):
         valid = proposal.valid & (jnp.asarray(depth)[None, :] <= state.schedule.k[:, None])
         num_drafted = jnp.max(jnp.where(valid, jnp.asarray(depth)[None, :], 0), axis=1).astype(jnp.int32)
         return proposal.replace(valid=valid), DynamicState(inner_state, state.schedule, num_drafted)
+
+    def join(self, state: DynamicState, row: DynamicState, running: jax.Array) -> DynamicState:
+        """A row's state (a batch of one, as prefilled alone) as it joins a running batch
+        (`running` [B] bool; the continuous batch's admission): its schedule's, where the
+        schedule chooses for the batch (`GoodputSchedule.join`)."""
+        join = getattr(self.schedule, "join", None)
+        if join is None:
+            return row
+        return row.replace(schedule=join(state.schedule, row.schedule, running))
 
     counts_running_rows = True  # the loop passes `running` to update: see verify_cost_by_rows
 
