@@ -213,13 +213,7 @@ def _recording_chunks(engine: Engine) -> list[str]:
     """The kinds of program ("lean", "lean-quiet", ...) of the engine's loop chunks, as they run."""
     kinds: list[str] = []
     run = engine._run
-
-    def recorded(kind, *args):
-        if kind in engine._loops:
-            kinds.append(kind)
-        return run(kind, *args)
-
-    engine._run = recorded
+    engine._run = lambda kind, *args: (kind in engine._loops and kinds.append(kind)) or run(kind, *args)
     return kinds
 
 
@@ -235,7 +229,7 @@ def test_quiet_chunks_step_as_the_full_program_would():
     without quiet chunks: with every request there from the start (so that chunk boundaries
     cannot move an arrival), the tokens and each request's figures are the same with quiet
     programs and without, and greedy equals generate alone."""
-    proposer = specjax.Dynamic(specjax.NGram(k=3), QUIETING)
+    proposer = specjax.Dynamic(specjax.DraftModel(NOISY_DRAFT, k=3), QUIETING)  # catches up in quiet steps
     requests = [Request(p, max_new_tokens=n) for p, n in zip(_prompts(6, 3), (40, 28, 34), strict=True)]
     runs, runs_stats = [], []
     for quiet in (True, False):
@@ -264,6 +258,9 @@ def test_quiet_chunks_step_as_the_full_program_would():
         for field in ("steps", "drafting_steps", "drafted", "accepted", "emitted", "accepted_at"):
             np.testing.assert_array_equal(getattr(quiet_metrics[i], field), getattr(full_metrics[i], field))
     assert sum(int(m.drafting_steps.sum()) for m in quiet_metrics) > 0  # alone at first, and probes
+    accepted = sum(int(m.accepted.sum()) for m in quiet_metrics)
+    drafted = sum(int(m.drafted.sum()) for m in quiet_metrics)
+    assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)  # rejections too
     assert quiet_chunks.count("lean-quiet") >= 3 and quiet_chunks.count("lean") >= 3, quiet_chunks
     stats = runs_stats[0]  # the quiet chunks' steps counted apart, within all of a width's
     assert 0 < sum(stats.quiet_steps.values()) < sum(stats.steps.values())
@@ -280,14 +277,16 @@ def test_arrivals_join_a_quiet_batch_at_its_k_and_greedy_still_equals_generate_a
     """Requests arriving at random steps into a batch whose schedule stopped drafting: each arrival
     takes the batch's k (0: the chunk after its admission stays quiet) and every request's greedy
     tokens equal generate's alone."""
-    proposer = specjax.Dynamic(specjax.NGram(k=3), QUIETING)
+    proposer = specjax.Dynamic(specjax.DraftModel(NOISY_DRAFT, k=3), QUIETING)  # catches up in quiet steps
     limits = (30, 12, 26, 18, 22, 9)
     requests = [Request(p, max_new_tokens=n) for p, n in zip(_prompts(8, 6), limits, strict=True)]
     engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=4)
     chunks = _recording_chunks(engine)
-    tokens, _ = drive(engine, requests, seed=9)
+    tokens, finals = drive(engine, requests, seed=9)
     for i, request in enumerate(requests):
         assert tokens[i] == alone(TARGET, request, proposer), i
+    accepted, drafted = accepted_and_drafted(finals)
+    assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
     assert {"lean-quiet", "lean"} <= set(chunks), chunks
 
     # An arrival into two rows that stopped drafting (their next probe some 30 steps away): the
