@@ -1,14 +1,19 @@
 """Serving under load: throughput and latency of `specjax serve` against the number of clients.
 
     .venv/bin/python benchmarks/serving.py [--clients 1 2 4 8 16] [--modes plain ngram dynamic]
-        [--per-category 2] [--max-new-tokens 128] [--max-batch 16] [--chunk-steps 16] [--admission-steps 4]
+        [--per-category 2] [--requests-per-client 4] [--max-new-tokens 128] [--max-batch 16]
+        [--chunk-steps 16] [--admission-steps 4]
         [--llama-cpp-url http://127.0.0.1:8080/v1]
 
 The built-in model is served in this process (the FastAPI app of specjax/serve on uvicorn, on a
 free localhost port) with max_batch slots; for each level of offered load, N clients (the
 official `openai` async client) each take the next Spec-Bench prompt from one shared list and send
 it as a streamed chat completion (greedy, max_new_tokens, the prompt's first turn), then the
-next, until the list is done: a closed loop of N requests in flight. Per level: output tokens per
+next, until the list is done: a closed loop of N requests in flight. The list goes round as many
+whole times as it takes for each client to send at least `--requests-per-client` requests (so every
+level sends each prompt equally often): with one or two requests a client, the run's end, where
+fewer than N requests are left in flight, weighs as much as the load itself (docs/benchmarks.md,
+run 17). Per level: output tokens per
 second of wall time (all requests), time to first token and inter-token latency (the gaps between
 a request's streamed chunks over the tokens they carried), p50 and p99, and the drafts accepted.
 
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import socket
 import threading
 import time
@@ -122,12 +128,15 @@ async def one_request(client, model_name: str, prompt: str, max_new_tokens: int)
     return {"start": start, "arrivals": arrivals, "tokens": tokens, "end": time.perf_counter()}
 
 
-async def offered_load(url: str, model_name: str, prompts: list[str], clients: int, max_new_tokens: int):
-    """N clients in a closed loop over the prompts; returns the per-request records and wall time."""
+async def offered_load(
+    url: str, model_name: str, prompts: list[str], clients: int, max_new_tokens: int, per_client: int = 1
+):
+    """N clients in a closed loop over the prompts, the list as many whole times as it takes for
+    `per_client` requests a client; returns the per-request records and wall time."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=url, api_key="unused", timeout=3600, max_retries=0)
-    queue = list(prompts)
+    queue = list(prompts) * math.ceil(per_client * clients / len(prompts))
     records = []
 
     async def worker():
@@ -174,6 +183,9 @@ def main() -> None:
     )
     parser.add_argument("--data", help="folder with spec_bench_question.jsonl (default: $SPECJAX_DATA)")
     parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument(
+        "--requests-per-client", type=int, default=4, help="at least this many (whole rounds of the prompts)"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -186,6 +198,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs of each level (median throughput)")
     parser.add_argument("--llama-cpp-url", help="a llama.cpp server's /v1 URL, for a side-by-side row")
     args = parser.parse_args()
+    if args.requests_per_client < 1:
+        parser.error(f"--requests-per-client must be at least 1, got {args.requests_per_client}")
+    per_client = args.requests_per_client
 
     categories = SPEC_BENCH_CATEGORIES if args.categories is None else args.categories.split(",")
     prompts = [p for _, p in spec_bench_prompts(data_dir(args.data), args.per_category, categories)]
@@ -234,14 +249,16 @@ def main() -> None:
             for clients in args.clients:
                 for mode, server in servers.items():
                     engines[mode].stats.reset()
-                    records, wall = asyncio.run(
-                        offered_load(server.url, model.name, prompts, clients, args.max_new_tokens)
+                    load = offered_load(
+                        server.url, model.name, prompts, clients, args.max_new_tokens, per_client
                     )
+                    records, wall = asyncio.run(load)
                     runs[mode, clients].append((records, wall))
                     rate = summarize(records, wall)["tokens/s"]
                     stats = engines[mode].stats  # where the engine's time went
                     print(
-                        f"  {mode}, {clients} clients, run {repeat + 1}: {rate:.2f} tokens/s "
+                        f"  {mode}, {clients} clients, run {repeat + 1}: {len(records)} requests, "
+                        f"{rate:.2f} tokens/s "
                         f"(admissions {stats.admission_s:.2f} s; steps {stats.summary()})",
                         flush=True,
                     )
@@ -255,9 +272,10 @@ def main() -> None:
         assert engine.num_compiles == ready[mode], f"{mode}: a program compiled while serving"
     if args.llama_cpp_url:
         for clients in args.clients:
-            records, wall = asyncio.run(
-                offered_load(args.llama_cpp_url, "model", prompts, clients, args.max_new_tokens)
+            load = offered_load(
+                args.llama_cpp_url, "model", prompts, clients, args.max_new_tokens, per_client
             )
+            records, wall = asyncio.run(load)
             s = summarize(records, wall)
             row = ["llama.cpp", "plain", clients, s["tokens/s"], s["ttft p50"], s["ttft p99"]]
             rows.append(row + [s["itl p50 (ms)"], s["itl p99 (ms)"]])
