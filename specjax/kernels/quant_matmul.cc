@@ -27,7 +27,12 @@
 // short streams (a 4-bit panel of SmolLM2 is 9 KB), which the hardware prefetcher follows badly:
 // a [576, 1536] 4-bit product read 7-8.6 GB/s on one thread, 10.6-13 GB/s with the next panels'
 // lines prefetched as the current ones are read and the nibble change; int8 12.6-14 -> 16.5-19.4
-// GB/s (a plain read of memory: 18-19 GB/s at the time).
+// GB/s (a plain read of memory: 18-19 GB/s at the time). On the Zen 5 with AVX-512 (2026-11-29),
+// prefetching a one-row product's panels two pairs ahead rather than one: the 30 layers' one-row
+// products of the built-in model, chained as in a step (2 threads, builds alternated 3 times,
+// medians of 7 x 300 chains, the machine drifting by a third meanwhile), Q8_0 3.99 / 4.08 / 4.26
+// -> 3.91 / 4.01 / 3.69 ms, Q4_1 3.26 / 3.37 / 2.59 -> 3.18 / 2.95 / 2.39 ms; three or four pairs
+// ahead were no better, nor an L2 hint (prefetcht2) at one pair.
 //
 // The work splits over panels as in panel_matmul.cc. For one row, two panels at a time with even
 // and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
@@ -277,6 +282,7 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
   constexpr int kParts = kPanel / kLanes<V>;  // vectors per panel row
   constexpr int H = kParts * NUM;
   constexpr int64_t kStep = 2 * kPanel * BITS / 8;  // bytes of a panel per pair of input rows
+  constexpr int kAhead = R == 1 ? 2 : 1;  // chunks of NUM panels ahead to prefetch (below)
   const int64_t bytes = a.d_in * kPanel * BITS / 8;  // one panel's values
   const uint8_t* values = a.values + panel * bytes;
   const float* x = a.x + r0 * a.d_in;
@@ -284,9 +290,11 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) total[r][h] = V{};
   for (int64_t g = 0; g < a.num_groups; ++g) {
-    // Prefetches: the lines of the panels NUM on (the next pair for one row, the next panel for
-    // more) that match the ones read now, so that memory serves one product's panels a whole
-    // panel ahead; past the last panel they point beyond the arrays, which a prefetch may.
+    // Prefetches: the lines of the panels kAhead * NUM on (one row: the pair after next; more: the
+    // next panel) that match the values read now, so that memory serves one product's panels that
+    // far ahead (for one row, the next pair was slower: see the top of the file; more rows were
+    // not measured again); past the last panel they point beyond the arrays, which a prefetch
+    // may. The scales, a sixteenth of the values, NUM panels ahead.
     if (ahead)  // this group's scales (and offsets)
       for (int n = NUM; n < 2 * NUM; ++n) {
         const int64_t at = ((panel + n) * a.num_groups + g) * kPanel * int64_t{sizeof(Meta)};
@@ -300,7 +308,8 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
     const int64_t first = g * a.group;
     for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
       if (ahead && (k * kStep) % 64 == 0)  // a line of values
-        for (int n = NUM; n < 2 * NUM; ++n) prefetch(values, n * bytes + k * kStep);
+        for (int n = kAhead * NUM; n < (kAhead + 1) * NUM; ++n)
+          prefetch(values, n * bytes + k * kStep);
       if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
         for (int h = 0; h < H; ++h) {
           V even, odd;
