@@ -527,7 +527,8 @@ class Engine:
 
     def precompile(self, prompt_lengths: Sequence[int] = ()) -> int:
         """Compile now what a chunk or an admission would otherwise compile on first use: the
-        loop at every width (the lean variant and the full one), and the prefill of the buckets of
+        loop at every width (the lean variant and the full one; with Dynamic, the quiet variant of
+        each and the check of which one a chunk runs), and the prefill of the buckets of
         `prompt_lengths`. A server calls it before taking requests: a program compiled while the
         engine serves stalls every running request for as long as it compiles (tens of seconds for
         a speculative loop on a small CPU). Returns the number of programs it compiled."""
