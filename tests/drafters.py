@@ -130,7 +130,11 @@ def noisy_copy(model: Model, noise: float, seed: int = 0, extra_layers: int = 1)
     ]
     params = jax.tree.unflatten(treedef, noisy)
     config = dataclasses.replace(model.config, num_layers=model.config.num_layers + extra_layers)
-    extra = init_params(dataclasses.replace(config, num_layers=extra_layers), keys[-1]).layers
+    extra = (
+        ()
+        if extra_layers == 0
+        else init_params(dataclasses.replace(config, num_layers=extra_layers), keys[-1]).layers
+    )
     layers = (*params.layers, *(scale_residual_updates(layer, noise) for layer in extra))
     return Model(config, params.replace(layers=layers), model.tokenizer, name=f"{model.name}-noisy-{noise}")
 

@@ -63,6 +63,9 @@ def drafting(name: str):
         return TARGET, specjax.Dynamic(specjax.NGram(k=3))
     if name == "draft":
         return layered(), specjax.DraftModel(noisy_copy(layered(), noise=0.05), k=3)
+    if name == "draft_prompt":  # the draft's stacked cache starts as the target's
+        copy = noisy_copy(layered(), noise=0.05, extra_layers=0)
+        return layered(), specjax.DraftModel(copy, k=3, prompt_from_target=True)
     if name == "self_draft":
         return layered(), specjax.SelfDraft(layers=1, k=2)
     if name == "medusa_tree":
@@ -87,6 +90,7 @@ NAMES = (
     "ngram",
     "forced",
     "draft",
+    "draft_prompt",
     "self_draft",
     "medusa_tree",
     "eagle",
@@ -95,7 +99,10 @@ NAMES = (
     "hybrid",
     "dynamic",
 )
-DEFAULT = {("forced", "pallas:tpu", 4)}  # the rest (eagle3_tree on pallas:cuda: 18 s) in make test-all
+DEFAULT = {
+    ("forced", "pallas:tpu", 4),
+    ("draft_prompt", "pallas:cuda", 4),
+}  # the rest (eagle3_tree on pallas:cuda: 18 s) in make test-all
 CASES = [
     pytest.param(name, kernels, batch, marks=() if (name, kernels, batch) in DEFAULT else pytest.mark.slow)
     for name in NAMES
@@ -113,7 +120,7 @@ def run(model, proposer, kernels, batch):
 # accepted and rejected drafts both. At batch 4 they accept 0.38 to 0.78 here, where random heads
 # (or SelfDraft of a target without small later layers) accepted 0.19 at most; the batch of one,
 # 20 repeats of one token, accepts nearly every draft.
-MODEL_DRAFTS = ("draft", "self_draft", "medusa_tree", "eagle", "eagle3_tree", "dflash")
+MODEL_DRAFTS = ("draft", "draft_prompt", "self_draft", "medusa_tree", "eagle", "eagle3_tree", "dflash")
 
 
 @pytest.mark.parametrize("name, kernels, batch", CASES)

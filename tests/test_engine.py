@@ -82,6 +82,10 @@ def accepted_and_drafted(finals) -> tuple[int, int]:
 PROPOSERS = {
     "plain": lambda: None,
     "draft": lambda: specjax.DraftModel(NOISY_DRAFT, k=3),
+    # its cache starts as the target's over each admitted prompt
+    "draft-prompt": lambda: specjax.DraftModel(
+        noisy_copy(TARGET, noise=0.05, extra_layers=0), k=3, prompt_from_target=True
+    ),
     "self": lambda: specjax.SelfDraft(layers=1, k=3),
     "ngram": lambda: specjax.NGram(k=3),
     "eagle-tree": lambda: specjax.Eagle(

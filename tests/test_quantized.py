@@ -307,6 +307,24 @@ def test_greedy_speculative_equals_plain_on_a_quantized_model(name, kind):
     assert 0.1 <= accepted_fraction(result.metrics) <= 0.9
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("prompt_from_target", [False, True])
+def test_a_quantized_copy_drafts_for_its_float_model(kind, prompt_from_target):
+    """A float target drafted by its own weights quantized (a quarter or an eighth of the bytes),
+    prefilling the prompt itself or starting from the target's keys and values: the target's
+    greedy tokens; the int8 copy proposes exactly them here (every draft accepted, full chains),
+    the int4 copy's rounding flips some (measured 0.73 accepted both ways)."""
+    target = LAYERED()
+    proposer = specjax.DraftModel(quantized(target, kind), k=3, prompt_from_target=prompt_from_target)
+    plain = specjax.generate(target, PROMPTS, max_new_tokens=12)
+    result = specjax.generate(target, PROMPTS, proposer=proposer, max_new_tokens=12)
+    assert result.tokens == plain.tokens
+    if kind == "int8":
+        assert accepted_fraction(result.metrics) == 1.0
+    else:
+        assert 0.5 <= accepted_fraction(result.metrics) < 1.0
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_scanned_and_unrolled_layers_give_the_same_logits(kind):
     """The forward over stacked quantized layers (accelerators' form) and over one layer at a time
@@ -558,17 +576,19 @@ def test_the_builtin_model_keeps_its_blocks():
     assert nbytes(model.params.layers) < 0.2 * 4 * 134_515_008  # well under a float32 copy's layers
 
 
-@pytest.mark.slow  # about 2 min here: two loads and four generations of 24 tokens
+@pytest.mark.slow  # about 3 min here: two loads and six generations of 24 tokens
 def test_the_builtin_model_with_blocks_gives_the_float32_models_tokens():
     """Its float32 weights are the dequantized file: the same greedy tokens (no near-tie met on
-    these prompts)."""
+    these prompts); and the file's blocks, drafting for the float32 model, propose its tokens: every
+    draft accepted on these prompts (benchmarks/llamacpp_quantized.py's "Q4_1 draft" mode)."""
     prompts = ["What is the capital of France?", "Write a haiku about the sea.", "def fibonacci(n):"]
     blocks = specjax.load("smollm2-135m", quantization="gguf")
     plain = specjax.load("smollm2-135m")
-    assert (
-        specjax.generate(blocks, prompts, max_new_tokens=24).tokens
-        == specjax.generate(plain, prompts, max_new_tokens=24).tokens
-    )
+    expected = specjax.generate(plain, prompts, max_new_tokens=24).tokens
+    assert specjax.generate(blocks, prompts, max_new_tokens=24).tokens == expected
+    drafted = specjax.generate(plain, prompts, proposer=specjax.DraftModel(blocks, k=4), max_new_tokens=24)
+    assert drafted.tokens == expected
+    assert accepted_fraction(drafted.metrics) == 1.0
 
 
 def test_mixed_qkv_types_fuse_to_float32(tmp_path):

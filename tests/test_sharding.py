@@ -47,6 +47,9 @@ if jax.device_count() < 8:  # conftest.py sets the flag; a jax imported earlier 
 TARGET = layered_target(seed=11, late_scale=0.3, num_heads=16, num_kv_heads=8, head_dim=8)
 DRAFT = noisy_copy(TARGET, noise=0.05, seed=0)  # replicated, or split like the target (tensor_parallel)
 # 4 / 2 heads: splits over model degree 2 at most.
+# The target with noise, its layers only: a draft whose cache starts as the target's over the prompt
+# (prompt_from_target), replicated while the target's cache is split.
+COPY = noisy_copy(TARGET, noise=0.05, seed=1, extra_layers=0)
 SMALL_DRAFT = tiny_model(seed=12, num_layers=1, hidden_size=32, num_heads=4, num_kv_heads=2)
 PROMPTS = [  # repeats for n-gram matches, different lengths in one batch
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
@@ -70,6 +73,10 @@ def make_proposer(name, k=3):
         "ngram": lambda: specjax.NGram(k=k, n_max=3, n_min=1),
         "draft": lambda: specjax.DraftModel(DRAFT, k=k),
         "draft-tp": lambda: specjax.DraftModel(DRAFT, k=k, tensor_parallel=True),
+        "draft-prompt": lambda: specjax.DraftModel(COPY, k=k, prompt_from_target=True),
+        "draft-prompt-tp": lambda: specjax.DraftModel(
+            COPY, k=k, tensor_parallel=True, prompt_from_target=True
+        ),
         "self": lambda: specjax.SelfDraft(layers=1, k=k),
         "medusa-tree": lambda: specjax.Medusa(medusa_heads(), tree=tree),
         "medusa-chain": lambda: specjax.Medusa(medusa_heads()),  # one draft per head
@@ -92,6 +99,8 @@ def one_device_greedy():
 ACCEPTING = (
     "draft",
     "draft-tp",
+    "draft-prompt",
+    "draft-prompt-tp",
     "self",
     "medusa-tree",
     "medusa-chain",
@@ -120,6 +129,8 @@ FAST = {
     (2, 2, "ngram"),
     (8, 1, "self"),  # on 2 x 2 with `make test-all`
     (2, 2, "draft-tp"),
+    (2, 2, "draft-prompt"),
+    (2, 2, "draft-prompt-tp"),
     (2, 2, "eagle-tree"),  # a chain is its one-branch case (eagle-chain: `make test-all`)
     (2, 2, "hybrid"),
     (2, 2, "dynamic"),  # a wrapped draft model's weights placed on the mesh (they once were not)

@@ -16,7 +16,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax.models import forward, init_cache
-from specjax.speculate.proposers import ngram_propose
+from specjax.speculate.proposers import ngram_propose, resolve
 from specjax.speculate.sampling import SamplingParams, WarpSpec, warp_logits
 
 # A 2-layer target whose second layer adds small updates, so that SelfDraft(layers=1) drafts its next
@@ -266,6 +266,10 @@ def test_single_top_level_while_with_a_proposer():
         (lambda: specjax.NGram(n_min=3, n_max=2), r"NGram n_min \(3\) must not exceed n_max \(2\)"),
         (lambda: specjax.DraftModel(DRAFT, k=0), "DraftModel k must be"),
         (lambda: specjax.DraftModel("small", k=2), "DraftModel model must be a specjax.Model"),
+        (
+            lambda: specjax.DraftModel(DRAFT, prompt_from_target=1),
+            "DraftModel prompt_from_target must be a bool, got 1",
+        ),
         (lambda: specjax.SelfDraft(layers=0), "SelfDraft layers must be an integer >= 1"),
         (lambda: specjax.SelfDraft(k=20), "SelfDraft k must be"),
     ],
@@ -280,6 +284,10 @@ def test_bad_proposer_arguments(make, message):
     [
         (specjax.SelfDraft(layers=2), r"SelfDraft layers must be in 1..1 for a target of 2 layers, got 2"),
         (specjax.DraftModel(tiny_model(vocab_size=50), k=2), "vocab_size 50, the target 97"),
+        (
+            specjax.DraftModel(tiny_model(num_layers=1), prompt_from_target=True),
+            r"prompt_from_target=True needs a draft with the target's config .*num_layers 1 \(target 2\)",
+        ),
         (object(), "proposer must be None, one of"),
     ],
 )
@@ -399,3 +407,34 @@ def test_ngram_invariants(rows, k, n_max, n_min):
         assert valid[b, :count].all() and not valid[b, count:].any()  # a prefix
         assert draft[b, :count].tolist() == ngram_reference(seq, k, n_max, n_min)
         assert set(draft[b, :count].tolist()) <= set(seq)
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["layer by layer", "stacked"])
+def test_a_draft_prompt_from_target_starts_from_the_targets_cache(stacked):
+    """DraftModel(prompt_from_target=True): the draft's state after the prompt is the target's
+    cache, laid out as the draft's layers are (one buffer per layer, or a stack's), not a prefill
+    of its own."""
+    copy = noisy_copy(TARGET, noise=0.05, extra_layers=0)
+    spec, params = resolve(specjax.DraftModel(copy, k=2, prompt_from_target=True), TARGET, WarpSpec())
+    if stacked:
+        params = spec.stack_layers(params)
+    lengths = jnp.array([5, 3], jnp.int32)
+    empty = init_cache(TARGET.config, 2, 16)
+    keys = iter(jax.random.split(jax.random.key(0), 2 * len(empty.k)))
+    target_cache = empty.replace(
+        k=tuple(jax.random.normal(next(keys), b.shape) for b in empty.k),
+        v=tuple(jax.random.normal(next(keys), b.shape) for b in empty.v),
+        lengths=lengths,
+    )
+    prompts = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], jnp.int32)
+    state = spec.init(TARGET.params, params, prompts, lengths, 16, None, target_cache=target_cache)
+    assert state.cache.layout == ((2,) if stacked else (None, None))
+    per_layer = (
+        [(k[i], v[i]) for k, v in zip(state.cache.k, state.cache.v, strict=True) for i in range(2)]
+        if stacked
+        else list(zip(state.cache.k, state.cache.v, strict=True))
+    )
+    for (k, v), k_target, v_target in zip(per_layer, target_cache.k, target_cache.v, strict=True):
+        np.testing.assert_array_equal(k, k_target)
+        np.testing.assert_array_equal(v, v_target)
+    np.testing.assert_array_equal(state.cache.lengths, lengths)

@@ -236,6 +236,31 @@ def init_cache(
     )
 
 
+def starting_from(empty: KVCache, source: KVCache) -> KVCache:
+    """`empty`'s buffers holding the keys and values of `source`'s first layers, each cast to
+    `empty`'s dtype and laid out as `empty` is (single layers or stacks), with `source`'s lengths:
+    a draft's cache started from the target's over the prompt. Their rows, kv heads, dims and
+    capacity must agree."""
+    layers = []  # (k, v) per layer of source
+    for k, v in zip(source.k, source.v, strict=True):
+        layers.extend([(k, v)] if k.ndim == 3 else [(k[i], v[i]) for i in range(k.shape[0])])
+    k_buffers, v_buffers, start = [], [], 0
+    for k, v in zip(empty.k, empty.v, strict=True):
+        n = layers_in(k)
+        taken = layers[start : start + n]
+        start += n
+        k_new = taken[0][0] if k.ndim == 3 else jnp.stack([pair[0] for pair in taken])
+        v_new = taken[0][1] if v.ndim == 3 else jnp.stack([pair[1] for pair in taken])
+        if k_new.shape != k.shape or v_new.shape != v.shape:
+            raise ValueError(
+                f"a cache of buffers {k.shape}, {v.shape} cannot start from one of "
+                f"{k_new.shape}, {v_new.shape}"
+            )
+        k_buffers.append(k_new.astype(k.dtype))
+        v_buffers.append(v_new.astype(v.dtype))
+    return KVCache(k=tuple(k_buffers), v=tuple(v_buffers), lengths=source.lengths)
+
+
 def layers_in(buffer: jax.Array) -> int:
     """How many layers a cache buffer holds: 1, or a stack's n ([n, B*K, ...])."""
     return 1 if buffer.ndim == 3 else buffer.shape[0]

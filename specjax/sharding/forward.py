@@ -24,7 +24,7 @@ from specjax.models import llama
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import LlamaParams
-from specjax.sharding.mesh import MODEL
+from specjax.sharding.mesh import DATA, MODEL
 from specjax.sharding.specs import cache_specs, fresh_specs, params_specs_like, row_spec
 
 
@@ -109,3 +109,26 @@ def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_sp
     cache_spec = cache_specs(cache.layout, not cache.is_latent)
     sharded = jax.shard_map(update, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
     return sharded(cache, argument)
+
+
+def mesh_entries_by_row(mesh: Mesh | None, cache: KVCache) -> KVCache:
+    """A cache split over ("data", "model") as a tensor-parallel model's is, its entries put in the
+    order of one split over "data" alone (a replicated draft's, `tensor_parallel=False`).
+
+    Seen whole, a split cache's merged axis is the devices' blocks one after another, data-major:
+    block (d, m) holds rows d*B/D .. of kv heads m*K/M .., b-major. Split over "data" alone, block
+    d holds its rows with every kv head. Reordering [D, M, B/D, K/M] to [D, B/D, M, K/M] turns one
+    into the other; with mesh None, a model degree of 1 or a latent cache (never split over
+    "model"), the order is already the same."""
+    if mesh is None or mesh.shape[MODEL] == 1 or cache.is_latent:
+        return cache
+    D, M, B = mesh.shape[DATA], mesh.shape[MODEL], cache.batch_size
+
+    def reorder(buffer: jax.Array) -> jax.Array:
+        axis = buffer.ndim - 3  # the merged axis: after a stack's layer axis
+        lead, entries, rest = buffer.shape[:axis], buffer.shape[axis], buffer.shape[axis + 1 :]
+        K = entries // B
+        blocks = buffer.reshape(*lead, D, M, B // D, K // M, *rest)
+        return jax.numpy.swapaxes(blocks, axis + 1, axis + 2).reshape(buffer.shape)
+
+    return cache.replace(k=tuple(map(reorder, cache.k)), v=tuple(map(reorder, cache.v)))

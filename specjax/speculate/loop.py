@@ -33,6 +33,7 @@ from specjax.models.llama import LlamaParams, attention_workspace_bytes, layers_
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
+from specjax.speculate.proposers.base import init_state
 from specjax.speculate.proposers.forced import ForcedVerifier
 from specjax.speculate.sampling import (
     SamplingParams,
@@ -269,8 +270,15 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     cache = cache.advance(inputs.prompt_lengths)
     proposer_state = None
     if spec.proposer is not None:
-        proposer_state = spec.proposer.init(
-            params, proposer_params, inputs.prompt_tokens, inputs.prompt_lengths, spec.capacity, features
+        proposer_state = init_state(
+            spec.proposer,
+            params,
+            proposer_params,
+            inputs.prompt_tokens,
+            inputs.prompt_lengths,
+            spec.capacity,
+            features,
+            cache,
         )
     history = None
     if spec.warp.penalties:

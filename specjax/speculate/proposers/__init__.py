@@ -15,9 +15,10 @@ params pytree (or None) passed as an argument. A spec provides:
 
 and optionally `observe(target_params, params, state, tokens, lengths) -> state`: keep the state
 current on a step it is not asked to draft (a gated Hybrid's fallback; without it, Hybrid drafts
-and discards). `Stateless` supplies state_bytes, init, update and observe for a proposer without
-state; a token tree proposer has `tree` (a TokenTree: the Proposal then holds one token per tree
-node).
+and discards); and `reads_target_cache = True`, for which `init` also takes `target_cache=`, the
+target's KVCache after the prompt (DraftModel(prompt_from_target=True) starts its own from it).
+`Stateless` supplies state_bytes, init, update and observe for a proposer without state; a token
+tree proposer has `tree` (a TokenTree: the Proposal then holds one token per tree node).
 `target_hidden [B, T, D]` is the target's final-normed hidden states over the prompt, and
 `path_hidden [B, K+1, D]` the target's hidden states at the last token and the accepted drafts
 of a step: trained heads (Medusa, EAGLE) draft from them.

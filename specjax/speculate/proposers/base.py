@@ -91,6 +91,19 @@ def draft_distribution(proposal: Proposal, vocab_size: int) -> jax.Array:
     return jax.nn.one_hot(proposal.draft_tokens, vocab_size, dtype=jnp.float32)
 
 
+def init_state(
+    spec, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache
+):
+    """`spec.init(...)`, handed the target's cache after the prompt (`target_cache=`) where the spec
+    reads it (`reads_target_cache`: a draft that starts from the target's keys and values instead
+    of running the prompt itself); other specs, a researcher's own among them, keep the six
+    arguments of the protocol (proposers/__init__.py)."""
+    args = (target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden)
+    if getattr(spec, "reads_target_cache", False):
+        return spec.init(*args, target_cache=target_cache)
+    return spec.init(*args)
+
+
 def draft_keys(keys: jax.Array, k: int) -> jax.Array:
     """One key per row [B] -> one per draft position and row [k, B]."""
     return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, k))(keys), 0, 1)
@@ -136,8 +149,12 @@ class Wrapper:
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return self.inner.state_bytes(batch_size, capacity)
 
-    def init(self, *args):
-        return self.inner.init(*args)
+    @property
+    def reads_target_cache(self) -> bool:
+        return getattr(self.inner, "reads_target_cache", False)
+
+    def init(self, *args, **target_cache):
+        return self.inner.init(*args, **target_cache)
 
     def propose(self, *args):
         return self.inner.propose(*args)

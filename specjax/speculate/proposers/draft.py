@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.cache import KVCache, cache_bytes, init_cache
+from specjax.models.cache import KVCache, cache_bytes, init_cache, starting_from
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import lm_head, stack_layers
 from specjax.models.model import Model
-from specjax.sharding import check_model_split, mesh_forward_hidden, shard_params
+from specjax.sharding import check_model_split, mesh_entries_by_row, mesh_forward_hidden, shard_params
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.proposers.base import Proposal, check_k, choose_draft, draft_keys
 from specjax.speculate.sampling import SamplingParams, WarpSpec
@@ -45,7 +45,12 @@ class DraftSpec:
     mesh: Any = None  # a jax Mesh to run on, or None (one device)
     tensor_parallel: bool = False  # heads split over the mesh like the target's; else replicated
     dtype: str = "float32"  # the draft's weights, which its KV cache follows
+    prompt_from_target: bool = False  # the draft's cache starts as the target's over the prompt
     always_drafts = True  # every row drafts k tokens every step
+
+    @property
+    def reads_target_cache(self) -> bool:
+        return self.prompt_from_target
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         """Device memory of the state (the draft's KV cache), to check before allocating."""
@@ -57,12 +62,18 @@ class DraftSpec:
             self.mesh, params, self.config, tokens, positions, cache, empty_cache, self.tensor_parallel
         )
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+    def init(
+        self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache=None
+    ):
         params = target_params if self.shares_target_params else params
         B, T = prompt_tokens.shape
         cache = init_cache(
             self.config, B, capacity, self.dtype, num_layers=self.num_layers, like=params.layers
         )
+        if self.prompt_from_target:  # no prefill of its own: the target's keys and values
+            if not self.tensor_parallel:  # split by row alone, where the target's is by head too
+                target_cache = mesh_entries_by_row(self.mesh, target_cache)
+            return DraftState(cache=starting_from(cache, target_cache))
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         _, cache = self._forward(params, prompt_tokens, positions, cache, empty_cache=True)
         return DraftState(cache=cache.advance(prompt_lengths))
@@ -140,11 +151,19 @@ class DraftModel:
     device holds it whole and drafts its rows with no communication, the better choice for a
     draft small enough to be latency-bound), or with `tensor_parallel=True` split over the
     mesh's model axis like the target (its heads and ffw size must divide the model degree).
+
+    `prompt_from_target=True` is for a draft with the target's config, above all a quantized copy
+    of the target (`DraftModel(specjax.load(source, quantization="int8"), prompt_from_target=True)`):
+    its KV cache starts as the target's keys and values over the prompt instead of a prefill of
+    its own, which would cost about what the target's does (a quantized prefill computes in float
+    too). Its drafts then attend to keys and values that its own weights would have made only
+    approximately: that may change what it proposes, never what is generated.
     """
 
     model: Model
     k: int = 4
     tensor_parallel: bool = False
+    prompt_from_target: bool = False
 
     def __post_init__(self):
         if not isinstance(self.model, Model):
@@ -152,9 +171,23 @@ class DraftModel:
         check_k("DraftModel", self.k)
         if not isinstance(self.tensor_parallel, bool):
             raise ValueError(f"DraftModel tensor_parallel must be a bool, got {self.tensor_parallel!r}")
+        if not isinstance(self.prompt_from_target, bool):
+            raise ValueError(f"DraftModel prompt_from_target must be a bool, got {self.prompt_from_target!r}")
 
     def spec(self, target: Model, warp: WarpSpec, mesh=None) -> DraftSpec:
         check_same_vocabulary(target, self.model)
+        if self.prompt_from_target and self.model.config != target.config:
+            pairs = [
+                (field.name, getattr(self.model.config, field.name), getattr(target.config, field.name))
+                for field in dataclasses.fields(target.config)
+            ]
+            differ = [
+                f"{name} {ours!r} (target {theirs!r})" for name, ours, theirs in pairs if ours != theirs
+            ]
+            raise ValueError(
+                "DraftModel prompt_from_target=True needs a draft with the target's config (a "
+                f"quantized copy of it, say); the draft's differs: {', '.join(differ)}"
+            )
         if mesh is not None and self.tensor_parallel:
             check_model_split(mesh, self.model.config, who="DraftModel(tensor_parallel=True) draft")
         return DraftSpec(
@@ -166,6 +199,7 @@ class DraftModel:
             mesh=mesh,
             tensor_parallel=self.tensor_parallel,
             dtype=self.model.params.dtype.name,
+            prompt_from_target=self.prompt_from_target,
         )
 
     def params(self, target: Model):

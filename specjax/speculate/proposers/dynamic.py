@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper
+from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper, init_state
 from specjax.speculate.sampling import _is_int
 
 
@@ -411,8 +411,19 @@ class DynamicSpec(Wrapper):
         drafts = self.may_draft(state, running)
         return drafts if self.program == "quiet" else ~drafts
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
-        inner = self.inner.init(target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden)
+    def init(
+        self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache=None
+    ):
+        inner = init_state(
+            self.inner,
+            target_params,
+            params,
+            prompt_tokens,
+            prompt_lengths,
+            capacity,
+            target_hidden,
+            target_cache,
+        )
         B = prompt_tokens.shape[0]
         return DynamicState(inner, self.schedule.init(B, self.k), jnp.zeros((B,), jnp.int32))
 

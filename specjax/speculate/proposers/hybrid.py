@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.sharding import replicate
-from specjax.speculate.proposers.base import Proposal, draft_distribution, kept_inputs
+from specjax.speculate.proposers.base import Proposal, draft_distribution, init_state, kept_inputs
 from specjax.speculate.proposers.dynamic import GoodputSchedule, ScheduleState
 
 _COUNTERS = ("steps", "drafted", "accepted")
@@ -129,13 +129,19 @@ class HybridSpec:
 
         return HybridParams(stacked(self.first, params.first), stacked(self.then, params.then))
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+    @property
+    def reads_target_cache(self) -> bool:
+        return any(getattr(part, "reads_target_cache", False) for part in (self.first, self.then))
+
+    def init(
+        self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache=None
+    ):
         B = prompt_tokens.shape[0]
-        args = (prompt_tokens, prompt_lengths, capacity, target_hidden)
+        args = (prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache)
         gate = None if self.gate is None else self.gate.init(B, self.then.k, self._gate_choices)
         return HybridState(
-            first=self.first.init(target_params, params.first, *args),
-            then=self.then.init(target_params, params.then, *args),
+            first=init_state(self.first, target_params, params.first, *args),
+            then=init_state(self.then, target_params, params.then, *args),
             chosen=jnp.zeros((B,), jnp.int32),
             counts=jnp.zeros((B, 2, len(_COUNTERS)), jnp.int32),
             num_valid=jnp.zeros((B,), jnp.int32),

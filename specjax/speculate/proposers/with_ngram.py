@@ -52,8 +52,8 @@ class WithNGramSpec(Wrapper):
         """The model's drafts alone (no row matched), or the whole chain."""
         return (self.inner.k, self.k)
 
-    def init(self, *args) -> WithNGramState:
-        inner = self.inner.init(*args)
+    def init(self, *args, **target_cache) -> WithNGramState:
+        inner = self.inner.init(*args, **target_cache)
         B = args[2].shape[0]  # prompt_tokens
         zeros = jnp.zeros((B, len(_PARTS)), jnp.int32)
         return WithNGramState(inner, jnp.zeros((B, len(_PARTS), len(_COUNTERS)), jnp.int32), zeros)
