@@ -126,7 +126,15 @@ def test_drafts_equal_a_from_scratch_recomputation(name):
     for b, prompt in enumerate(prompts):
         tokens[b, : len(prompt) + 1] = prompt + [int(rng.integers(V))]  # and the prefill's token
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state = spec.init(TARGET.params, params, jnp.asarray(tokens[:, :16]), prompt_lengths, S, None)
+    init_args = (TARGET.params, params, jnp.asarray(tokens[:, :16]), prompt_lengths, S, None)
+    if spec.reads_target_cache:  # SelfDraft starts from the target's cache over the prompt
+        positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (B, 16))
+        *_, cache = forward(
+            TARGET.params, TARGET.config, init_args[2], positions, init_cache(TARGET.config, B, S)
+        )
+        state = spec.init(*init_args, target_cache=cache.replace(lengths=prompt_lengths))
+    else:
+        state = spec.init(*init_args)
     lengths = np.asarray(prompt_lengths) + 1
     keys = jax.random.split(jax.random.key(0), B)
     sampling = SamplingParams.of(specjax.Sampling(), B)

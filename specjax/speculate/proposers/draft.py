@@ -208,7 +208,8 @@ class DraftModel:
 
 @dataclasses.dataclass(frozen=True)
 class SelfDraft:
-    """Early-exit self-drafting: the target's first `layers` layers, its final norm and its head."""
+    """Early-exit self-drafting: the target's first `layers` layers, its final norm and its head.
+    Its cache starts as those layers' part of the target's over the prompt (no prefill of its own)."""
 
     layers: int = 8
     k: int = 4
@@ -233,6 +234,9 @@ class SelfDraft:
             mesh=mesh,
             tensor_parallel=True,  # the target's weights, split as they are
             dtype=target.params.dtype.name,
+            # Its layers are the target's first ones: the target's keys and values over the prompt
+            # are what a prefill of its own would compute.
+            prompt_from_target=True,
         )
 
     def params(self, target: Model):
