@@ -16,7 +16,8 @@ params pytree (or None) passed as an argument. A spec provides:
 and optionally `observe(target_params, params, state, tokens, lengths) -> state`: keep the state
 current on a step it is not asked to draft (a gated Hybrid's fallback; without it, Hybrid drafts
 and discards); and `reads_target_cache = True`, for which `init` also takes `target_cache=`, the
-target's KVCache after the prompt (DraftModel(prompt_from_target=True) starts its own from it).
+target's KVCache after the prompt (SelfDraft and DraftModel(prompt_from_target=True) start
+their own from it).
 `Stateless` supplies state_bytes, init, update and observe for a proposer without state; a token
 tree proposer has `tree` (a TokenTree: the Proposal then holds one token per tree node).
 `target_hidden [B, T, D]` is the target's final-normed hidden states over the prompt, and
