@@ -22,6 +22,7 @@ import specjax
 from specjax.models import DFlashHead, Eagle3Head, EagleHead, MedusaHead, MLPSpeculatorHead, init_params
 from specjax.models.families import config_from_hf
 from specjax.models.mtp import init_mtp_layer
+from specjax.models.quantized import quantize_params
 from specjax.speculate.tree import TokenTree
 
 # Head dim 64: a size the accelerators' kernels are built for (tiny_model's default is 16).
@@ -53,6 +54,10 @@ def proposers():
         "ngram": specjax.NGram(k=3),
         "draft": specjax.DraftModel(tiny_model(seed=4, hidden_size=128, num_heads=2, num_kv_heads=1), k=3),
         "self_draft": specjax.SelfDraft(layers=1, k=2),
+        # the target's int8 copy, its cache started from the target's over the prompt
+        "draft_prompt": specjax.DraftModel(
+            specjax.Model(TARGET.config, quantize_params(TARGET.params, "int8")), k=3, prompt_from_target=True
+        ),
         "medusa_tree": specjax.Medusa(medusa, tree=TokenTree.top_k((2, 2))),
         "eagle": specjax.Eagle(EagleHead.init(TARGET, key), k=3),
         "eagle3_tree": specjax.Eagle3(eagle3, tree=TokenTree.top_k((2, 1))),
@@ -95,6 +100,17 @@ def test_a_data_2_model_2_mesh_lowers():
     exported = specjax.export_generate(
         model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8, mesh=mesh
     )
+    assert exported.nr_devices == 4
+    assert_accelerator_program(exported)
+
+
+def test_a_replicated_draft_from_the_targets_split_cache_lowers():
+    """DraftModel(prompt_from_target=True), replicated on a data 2 x model 2 mesh: the target's
+    split cache reordered into the draft's rows (sharding.mesh_entries_by_row) in the program."""
+    mesh = specjax.sharding.make_mesh(data=2, model=2)
+    model = tiny_model(seed=3, hidden_size=256, num_heads=4, num_kv_heads=2, num_layers=2)
+    proposer = specjax.DraftModel(model, k=3, prompt_from_target=True)
+    exported = specjax.export_generate(model, PROMPTS, proposer=proposer, max_new_tokens=8, mesh=mesh)
     assert exported.nr_devices == 4
     assert_accelerator_program(exported)
 
