@@ -198,7 +198,7 @@ def _build() -> Path:
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
+    compiler = _compiler()
     # Built under a temporary name and renamed: concurrent first uses (test workers) never load
     # a half-written file.
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
@@ -208,6 +208,11 @@ def _build() -> Path:
         subprocess.run(command, check=True, capture_output=True, text=True)
         os.replace(partial, library)
     return library
+
+
+def _compiler() -> str:
+    """The C++ compiler the kernels are built with: $CXX, else g++ or c++ from the PATH."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or "c++"
 
 
 def _cpu_features() -> str:

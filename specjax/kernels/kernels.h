@@ -74,6 +74,70 @@ void run_parts(xla::ffi::ThreadPool& pool, int64_t num_parts, Part part) {
   while (shared->done.load(std::memory_order_acquire) < num_parts) std::this_thread::yield();
 }
 
+// Runs unit(i, direction) for every i in [0, num_units) on the calling thread and the tasks it
+// schedules on XLA's intra-op pool, each thread walking one contiguous run of units: the units
+// split into one segment per two threads; one thread of a segment takes its units from the front
+// in increasing order (direction +1), the other from the back in decreasing order (direction -1),
+// one unit at a time, until they meet; a thread whose segment is done goes on to the next ones
+// from the same end. So each thread reads its operands as one stream that its prefetches can run
+// ahead of (`direction` says which way), and a thread that starts late, or never, leaves its units
+// to the others: the caller waits only for units already taken. (run_parts hands out parts in
+// order to whichever thread asks, so two threads alternate and each one's next part starts where
+// its prefetches did not reach: quant_matmul.cc says what that cost.)
+// (Pool: xla::ffi::ThreadPool, or anything with num_threads() and Schedule(task), as the
+// scheduling test's pool, tests/test_kernel_threads.py.)
+template <class Pool, class Unit>
+void run_from_both_ends(Pool& pool, int64_t num_units, Unit unit) {
+  const int64_t threads = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), num_units);
+  if (threads < 2) {
+    for (int64_t i = 0; i < num_units; ++i) unit(i, +1);
+    return;
+  }
+  struct Shared {
+    Unit unit;
+    int64_t num_segments;
+    // Per segment, the units [front, back) still to take, as front | back << 32, so that one
+    // compare-and-swap takes a unit from either end.
+    std::unique_ptr<std::atomic<uint64_t>[]> ends;
+    std::atomic<int64_t> done{0};
+
+    Shared(Unit u, int64_t num_units, int64_t segments)
+        : unit(std::move(u)), num_segments(segments), ends(new std::atomic<uint64_t>[segments]) {
+      for (int64_t s = 0; s < segments; ++s) {
+        const uint64_t front = num_units * s / segments, back = num_units * (s + 1) / segments;
+        ends[s].store(front | back << 32, std::memory_order_relaxed);
+      }
+    }
+
+    // The next unit of segment s from its front or its back, into i; false where none is left.
+    bool take(int64_t s, bool front, int64_t& i) {
+      uint64_t both = ends[s].load(std::memory_order_relaxed);
+      for (;;) {
+        const uint64_t first = both & 0xffffffffu, end = both >> 32;
+        if (first >= end) return false;
+        const uint64_t next = front ? (first + 1) | end << 32 : first | (end - 1) << 32;
+        if (ends[s].compare_exchange_weak(both, next, std::memory_order_relaxed)) {
+          i = static_cast<int64_t>(front ? first : end - 1);
+          return true;
+        }
+      }
+    }
+
+    void work(int64_t worker) {  // worker 0: the caller
+      const bool front = worker % 2 == 0;
+      for (int64_t k = 0; k < num_segments; ++k)
+        for (int64_t i, s = (worker / 2 + k) % num_segments; take(s, front, i);) {
+          unit(i, front ? +1 : -1);
+          done.fetch_add(1, std::memory_order_release);
+        }
+    }
+  };
+  auto shared = std::make_shared<Shared>(std::move(unit), num_units, (threads + 1) / 2);
+  for (int64_t w = 1; w < threads; ++w) pool.Schedule([shared, w] { shared->work(w); });
+  shared->work(0);
+  while (shared->done.load(std::memory_order_acquire) < num_units) std::this_thread::yield();
+}
+
 // Rows [0, rows) of x [rows, d_in] times one float32 panel [d_in, 16] (two consecutive ones where
 // `two`), written to y's columns from `col` (y [rows, d_out]): panel_matmul.cc's loops, which
 // quant_matmul.cc runs a many-row product through once it has dequantized the panels.

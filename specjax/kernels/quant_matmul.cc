@@ -34,7 +34,7 @@
 // -> 3.91 / 4.01 / 3.69 ms, Q4_1 3.26 / 3.37 / 2.59 -> 3.18 / 2.95 / 2.39 ms; three or four pairs
 // ahead were no better, nor an L2 hint (prefetcht2) at one pair.
 //
-// The work splits over panels as in panel_matmul.cc. For one row, two panels at a time with even
+// The work splits over pairs of panels (see run_from_both_ends below). For one row, two panels at a time with even
 // and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
 // otherwise bound the loop); for more rows, one panel at a time, in chunks of rows (a prefill's
 // later chunks find the panel in cache): int8 in chunks of at most 3 rows with one sum per row,
@@ -66,15 +66,16 @@ constexpr int64_t kPanel = 16;
 constexpr int64_t kHalf = 8;  // columns per vector: a panel row is two halves
 constexpr int64_t kChunk8 = 3;  // rows per chunk at most (see above)
 constexpr int64_t kChunk4 = 2;
-// Parts of a few panel pairs each, handed out as threads ask: a quantized product is short (tens of
-// microseconds), and 2 parts per thread left one thread a quarter more work than the other.
-// The hand-off itself (measured in a harness with an Eigen pool like XLA's, 2026-11-28, the machine
-// busy with other work): scheduling a task costs the caller 0.4 us when a pool thread is spinning
-// (products back to back) but 8-46 us when the pool threads sleep, the woken one often taking the
-// caller's core; there a 4-bit [576, 576] product ran 18.6 us on the calling thread alone and
-// 28-35 us over both. Quietly the float32 panels' products reach 26-28 GB/s over both threads, so
-// the split stays.
-constexpr int64_t kPartsPerThread = 8;
+// The threads share a product by panel pairs, each walking one contiguous run of them
+// (run_from_both_ends, kernels.h: the caller from the first pair up, XLA's other thread from the last
+// pair down, until they meet), its prefetches running ahead in its own direction. Handed out in
+// parts of a few pairs to whichever thread asked next, as before, the two threads alternated parts,
+// and each part's first pairs were ones no prefetch had asked for: the 30 layers' one-row products
+// of the built-in model chained as in a step (2 cores of an AMD EPYC, Zen 5, 2026-11-29, settings
+// alternated in one process, medians of 25 x 100 chains) took Q8_0 3.35-4.00 ms in parts of a few
+// pairs, 2.95-3.63 from both ends, Q4_1 2.78 -> 2.10 (in two halves, one per thread). The helper
+// thread joined 0.8 us after the call began on average and took 47% of the pairs. A simple read of
+// memory on both threads reaches 41-48 GB/s here; the [576, 3072] products now read about 44.
 // From this many rows (a prefill, a wide batch's verify pass) each panel is dequantized once into
 // a float32 scratch that stays in cache, and panel_matmul.cc's loops multiply every row by it: the
 // loops below widen and convert the values again for every chunk of 2 or 3 rows, which bounds a
@@ -267,18 +268,40 @@ inline V row(const uint8_t* v, int64_t k, int h) {
   }
 }
 
+// Whether the weights' prefetches are non-temporal (prefetchnta): on AMD CPUs. A decoding step
+// streams every weight once, 140 MB for the built-in model at Q8_0, through an L3 of 32 MB here;
+// asked for as non-temporal, they pass without evicting what the step reads again (the KV cache, the
+// activations, XLA's buffers), and the products themselves ran no slower (the 30 layers' chained
+// one-row products, 2 cores of an AMD EPYC, Zen 5, 2026-11-29, in one process, medians of 15 x 100
+// chains: Q8_0 2.99 -> 2.90 ms, Q4_1 2.30 -> 2.25). Q8_0 plain decoding of 128 tokens ran 196 ->
+// 208 tokens/s, the cache's attention reading its slots faster (4.5 us a block of about 100 slots,
+// 5.3 before). Elsewhere (not measured) the ordinary hint: on Intel CPUs a non-temporal line may
+// leave L1 before the loop reaches it, with this prefetch distance (up to 98 KB ahead).
+const bool kNonTemporal = [] {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") != 0;
+#else
+  return false;
+#endif
+}();
+
 // Asks for the cache line at `bytes` past `base`, which may lie past the array (a prefetch never
 // faults; the address is computed as an integer, as pointer arithmetic past an array is undefined).
 inline void prefetch(const void* base, int64_t bytes) {
-  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes));
+  const auto* at = reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(base) + bytes);
+  if (kNonTemporal)
+    __builtin_prefetch(at, 0, 0);
+  else
+    __builtin_prefetch(at);
 }
 
 // Rows [r0, r0 + R) of x times NUM panels from `panel`, with CHAINS (1 or 2) sums per row and
 // part of a panel row (2: even and odd input rows apart), in vectors V, written to y's columns of
-// those panels. `ahead`: whether to prefetch the panels' later lines (the first chunk over a
-// panel; later chunks find it in cache).
+// those panels. `ahead`: the direction in which this thread walks the panels (+1 up, -1 down), whose
+// next ones the first chunk over a panel prefetches; 0 for later chunks, which find it in cache.
 template <int BITS, bool OFFSETS, int R, int NUM, int CHAINS, typename V, typename Meta>
-void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
+void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, int ahead) {
   constexpr int kParts = kPanel / kLanes<V>;  // vectors per panel row
   constexpr int H = kParts * NUM;
   constexpr int64_t kStep = 2 * kPanel * BITS / 8;  // bytes of a panel per pair of input rows
@@ -290,14 +313,14 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < H; ++h) total[r][h] = V{};
   for (int64_t g = 0; g < a.num_groups; ++g) {
-    // Prefetches: the lines of the panels kAhead * NUM on (one row: the pair after next; more: the
-    // next panel) that match the values read now, so that memory serves one product's panels that
+    // Prefetches: the lines of the panels kAhead * NUM on in the thread's direction (one row: the
+    // pair after next; more: the next panel) that match the values read now, so that memory serves one product's panels that
     // far ahead (for one row, the next pair was slower: see the top of the file; for 6 rows two
     // panels ahead was not faster, the Q8_0 layers' chain 7.92 / 7.96 / 6.56 ms against 7.61 /
-    // 7.55 / 6.69); past the last panel they point beyond the arrays, which a prefetch may. The
-    // scales, a sixteenth of the values, NUM panels ahead.
+    // 7.55 / 6.69); past the last panel (or before the first) they point outside the arrays, which a
+    // prefetch may. The scales, a sixteenth of the values, NUM panels ahead.
     if (ahead)  // this group's scales (and offsets)
-      for (int n = NUM; n < 2 * NUM; ++n) {
+      for (int n = ahead > 0 ? NUM : -NUM; n < (ahead > 0 ? 2 * NUM : 0); ++n) {
         const int64_t at = ((panel + n) * a.num_groups + g) * kPanel * int64_t{sizeof(Meta)};
         prefetch(a.scales, at);
         if (OFFSETS) prefetch(a.offsets, at);
@@ -309,7 +332,7 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, bool ahead) {
     const int64_t first = g * a.group;
     for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
       if (ahead && (k * kStep) % 64 == 0)  // a line of values
-        for (int n = kAhead * NUM; n < (kAhead + 1) * NUM; ++n)
+        for (int n = ahead > 0 ? kAhead * NUM : -kAhead * NUM; n < (ahead > 0 ? kAhead + 1 : 1 - kAhead) * NUM; ++n)
           prefetch(values, n * bytes + k * kStep);
       if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
         for (int h = 0; h < H; ++h) {
@@ -383,36 +406,31 @@ void dequantize_panel(const Operands<Meta>& a, int64_t panel, float* out) {
 
 // All rows times one panel (two where `two`), one row with both panels at once, more rows panel
 // by panel in chunks of at most kChunk8 or kChunk4 rows of sizes as equal as can be (7 rows of
-// int8 go as 2 + 2 + 3).
+// int8 go as 2 + 2 + 3), in the thread's `direction` (+1: the lower panel first; -1: the higher).
 template <int BITS, bool OFFSETS, typename Meta>
-void rows_times_panels(const Operands<Meta>& a, int64_t rows, int64_t panel, bool two) {
+void rows_times_panels(const Operands<Meta>& a, int64_t rows, int64_t panel, bool two, int direction) {
   using V = Wide;
   if (rows == 1) {
     if (two)
-      chunk<BITS, OFFSETS, 1, 2, 2, V>(a, panel, 0, true);
+      chunk<BITS, OFFSETS, 1, 2, 2, V>(a, panel, 0, direction);
     else
-      chunk<BITS, OFFSETS, 1, 1, 2, V>(a, panel, 0, true);
+      chunk<BITS, OFFSETS, 1, 1, 2, V>(a, panel, 0, direction);
     return;
   }
   constexpr int64_t kMost = BITS == 8 ? kChunk8 : kChunk4;
-  for (int64_t p = panel; p < panel + (two ? 2 : 1); ++p) {
+  const int64_t last = panel + (two ? 1 : 0);
+  for (int64_t p = direction > 0 ? panel : last; panel <= p && p <= last; p += direction) {
     const int64_t num_chunks = (rows + kMost - 1) / kMost;
     for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {
       const int64_t size = (rows - r0) / (num_chunks - c);
       switch (size) {
-        case 1: chunk<BITS, OFFSETS, 1, 1, 2, V>(a, p, r0, c == 0); break;
-        case 2: chunk<BITS, OFFSETS, 2, 1, 2, V>(a, p, r0, c == 0); break;
-        default: chunk<BITS, OFFSETS, 3, 1, 1, V>(a, p, r0, c == 0); break;
+        case 1: chunk<BITS, OFFSETS, 1, 1, 2, V>(a, p, r0, c == 0 ? direction : 0); break;
+        case 2: chunk<BITS, OFFSETS, 2, 1, 2, V>(a, p, r0, c == 0 ? direction : 0); break;
+        default: chunk<BITS, OFFSETS, 3, 1, 1, V>(a, p, r0, c == 0 ? direction : 0); break;
       }
       r0 += size;
     }
   }
-}
-
-// Panels [begin, end) (begin even) for every row: one part of a product.
-template <int BITS, bool OFFSETS, typename Meta>
-void panels(const Operands<Meta>& a, int64_t rows, int64_t begin, int64_t end, int64_t num_panels) {
-  for (int64_t p = begin; p < end; p += 2) rows_times_panels<BITS, OFFSETS>(a, rows, p, p + 1 < num_panels);
 }
 
 // The sum of x[0 .. n), eight lanes at a time (one float chain of 576 additions alone took about
@@ -472,35 +490,29 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
     using Meta = decltype(meta_type);
     const auto* s = static_cast<const Meta*>(scales.untyped_data());
     const auto* o = offsets ? static_cast<const Meta*>(offsets->untyped_data()) : nullptr;
-    const int64_t num_pairs = (num_panels + 1) / 2;
-    const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-    const int64_t pairs_per_part = std::max<int64_t>(1, num_pairs / (threads * kPartsPerThread));
-    const int64_t num_parts = (num_pairs + pairs_per_part - 1) / pairs_per_part;
+    const int64_t num_pairs = (num_panels + 1) / 2;  // the units of work (run_from_both_ends)
     const int64_t d_out = num_panels * kPanel;
     if (rows >= kDequantizeRows<BITS>) {  // each pair of panels dequantized, then the float32 loops
       const Operands<Meta> a{x.typed_data(), nullptr, v, s, o, y->typed_data(), d_in, d_in / num_groups,
                              num_groups, d_out};
-      specjax::run_parts(pool, num_parts, [=](int64_t part) {
+      specjax::run_from_both_ends(pool, num_pairs, [=](int64_t pair, int) {
         // Each thread's scratch (two panels' floats), kept between calls rather than allocated
-        // and zeroed for every part.
+        // and zeroed for every pair.
         thread_local std::vector<float> scratch;
         if (scratch.size() < size_t(2 * d_in * kPanel)) scratch.resize(2 * d_in * kPanel);
-        const int64_t begin = part * pairs_per_part * 2;
-        for (int64_t p = begin; p < std::min(num_panels, begin + pairs_per_part * 2); p += 2) {
-          const bool two = p + 1 < num_panels;
-          dequantize_panel<BITS, OFFSETS, Wide>(a, p, scratch.data());
-          if (two) dequantize_panel<BITS, OFFSETS, Wide>(a, p + 1, scratch.data() + d_in * kPanel);
-          specjax::float_panel_rows(a.x, scratch.data(), a.y, rows, d_in, d_out, p * kPanel, two);
-        }
+        const int64_t p = 2 * pair;
+        const bool two = p + 1 < num_panels;
+        dequantize_panel<BITS, OFFSETS, Wide>(a, p, scratch.data());
+        if (two) dequantize_panel<BITS, OFFSETS, Wide>(a, p + 1, scratch.data() + d_in * kPanel);
+        specjax::float_panel_rows(a.x, scratch.data(), a.y, rows, d_in, d_out, p * kPanel, two);
       });
       return;
     }
     std::vector<float> buffer;
     const auto a = prepare<BITS, OFFSETS>(x.typed_data(), v, s, o, y->typed_data(), rows, d_in, num_groups,
                                           d_out, buffer);
-    specjax::run_parts(pool, num_parts, [=](int64_t part) {
-      const int64_t begin = part * pairs_per_part * 2;
-      panels<BITS, OFFSETS>(a, rows, begin, std::min(num_panels, begin + pairs_per_part * 2), num_panels);
+    specjax::run_from_both_ends(pool, num_pairs, [=](int64_t pair, int direction) {
+      rows_times_panels<BITS, OFFSETS>(a, rows, 2 * pair, 2 * pair + 1 < num_panels, direction);
     });
   };
   if (meta == ffi::DataType::F16)
