@@ -34,8 +34,8 @@
 // -> 3.91 / 4.01 / 3.69 ms, Q4_1 3.26 / 3.37 / 2.59 -> 3.18 / 2.95 / 2.39 ms; three or four pairs
 // ahead were no better, nor an L2 hint (prefetcht2) at one pair.
 //
-// The work splits over pairs of panels (see run_from_both_ends below). For one row, two panels at a time with even
-// and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
+// The work splits over pairs of panels (run_from_both_ends, below). For one row, two panels at a
+// time with even and odd input rows in separate sums (8 independent sums of 8 floats: an FMA's latency would
 // otherwise bound the loop); for more rows, one panel at a time, in chunks of rows (a prefill's
 // later chunks find the panel in cache): int8 in chunks of at most 3 rows with one sum per row,
 // 4-bit in chunks of at most 2 with even/odd sums. With one sum per row each sum takes two
@@ -68,9 +68,9 @@ constexpr int64_t kChunk8 = 3;  // rows per chunk at most (see above)
 constexpr int64_t kChunk4 = 2;
 // The threads share a product by panel pairs, each walking one contiguous run of them
 // (run_from_both_ends, kernels.h: the caller from the first pair up, XLA's other thread from the last
-// pair down, until they meet), its prefetches running ahead in its own direction. Handed out in
-// parts of a few pairs to whichever thread asked next, as before, the two threads alternated parts,
-// and each part's first pairs were ones no prefetch had asked for: the 30 layers' one-row products
+// pair down, until they meet), its prefetches running ahead in its own direction. Handed out instead
+// in parts of a few pairs to whichever thread asks next (run_parts), the two threads alternate parts,
+// and each part's first pairs are ones no prefetch has asked for: the 30 layers' one-row products
 // of the built-in model chained as in a step (2 cores of an AMD EPYC, Zen 5, 2026-11-29, settings
 // alternated in one process, medians of 25 x 100 chains) took Q8_0 3.35-4.00 ms in parts of a few
 // pairs, 2.95-3.63 from both ends, Q4_1 2.78 -> 2.10 (in two halves, one per thread). The helper
@@ -306,6 +306,11 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, int ahead) {
   constexpr int H = kParts * NUM;
   constexpr int64_t kStep = 2 * kPanel * BITS / 8;  // bytes of a panel per pair of input rows
   constexpr int kAhead = R == 1 ? 2 : 1;  // chunks of NUM panels ahead to prefetch (below)
+  // The first of the NUM panels whose values, and whose scales, to prefetch: kAhead chunks of NUM
+  // panels on, and the next chunk's, in the direction `ahead` (up from the first of this chunk's
+  // panels, or down: the chunks come one below the other).
+  const int values_ahead = ahead >= 0 ? kAhead * NUM : -kAhead * NUM;
+  const int scales_ahead = ahead >= 0 ? NUM : -NUM;
   const int64_t bytes = a.d_in * kPanel * BITS / 8;  // one panel's values
   const uint8_t* values = a.values + panel * bytes;
   const float* x = a.x + r0 * a.d_in;
@@ -314,13 +319,14 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, int ahead) {
     for (int h = 0; h < H; ++h) total[r][h] = V{};
   for (int64_t g = 0; g < a.num_groups; ++g) {
     // Prefetches: the lines of the panels kAhead * NUM on in the thread's direction (one row: the
-    // pair after next; more: the next panel) that match the values read now, so that memory serves one product's panels that
-    // far ahead (for one row, the next pair was slower: see the top of the file; for 6 rows two
-    // panels ahead was not faster, the Q8_0 layers' chain 7.92 / 7.96 / 6.56 ms against 7.61 /
-    // 7.55 / 6.69); past the last panel (or before the first) they point outside the arrays, which a
-    // prefetch may. The scales, a sixteenth of the values, NUM panels ahead.
+    // pair after next; more: the next panel) that match the values read now, so that memory serves
+    // one product's panels that far ahead (for one row, the next pair was slower: see the top of
+    // the file; for 6 rows two panels ahead was not faster, the Q8_0 layers' chain 7.92 / 7.96 /
+    // 6.56 ms against 7.61 / 7.55 / 6.69); past the last panel (or before the first) they point
+    // outside the arrays, which a prefetch may. The scales, a sixteenth of the values, NUM panels
+    // ahead.
     if (ahead)  // this group's scales (and offsets)
-      for (int n = ahead > 0 ? NUM : -NUM; n < (ahead > 0 ? 2 * NUM : 0); ++n) {
+      for (int n = scales_ahead; n < scales_ahead + NUM; ++n) {
         const int64_t at = ((panel + n) * a.num_groups + g) * kPanel * int64_t{sizeof(Meta)};
         prefetch(a.scales, at);
         if (OFFSETS) prefetch(a.offsets, at);
@@ -332,8 +338,7 @@ void chunk(const Operands<Meta>& a, int64_t panel, int64_t r0, int ahead) {
     const int64_t first = g * a.group;
     for (int64_t k = first / 2; k < (first + a.group) / 2; ++k) {
       if (ahead && (k * kStep) % 64 == 0)  // a line of values
-        for (int n = ahead > 0 ? kAhead * NUM : -kAhead * NUM; n < (ahead > 0 ? kAhead + 1 : 1 - kAhead) * NUM; ++n)
-          prefetch(values, n * bytes + k * kStep);
+        for (int n = values_ahead; n < values_ahead + NUM; ++n) prefetch(values, n * bytes + k * kStep);
       if constexpr (CHAINS == 2) {  // one or two rows: by pairs of input rows
         for (int h = 0; h < H; ++h) {
           V even, odd;
