@@ -158,12 +158,13 @@ def test_gpt_oss_pieces_matter(built):
 
 
 @pytest.mark.parametrize(
-    "kernels", ["xla", "pallas:tpu", pytest.param("pallas:cuda", marks=pytest.mark.slow)]
+    "kernels", ["auto", "xla", "pallas:tpu", pytest.param("pallas:cuda", marks=pytest.mark.slow)]
 )
 def test_gpt_oss_greedy_through_every_kernel(built, kernels):
-    """gpt-oss's sinks through the other attention paths of the loop: plain XLA (the write-first
-    decoding pass over the whole cache) and each Pallas kernel in the interpreter (the blocked
-    prefill, the decode kernel merged with the fresh token), against transformers' greedy tokens."""
+    """gpt-oss's sinks through every attention path of the loop: the CPU kernel ("auto": one-token
+    passes read their own slot from the cache, the sink scaling the output), plain XLA (the
+    write-first decoding pass over the whole cache) and each Pallas kernel in the interpreter (the
+    blocked prefill, the decode kernel), against transformers' greedy tokens."""
     model, torch_model = built("gpt_oss")
     prompts = families.prompts(lengths=(20, 33), seed=1)
     ours = specjax.generate(model, prompts, max_new_tokens=24, kernels=kernels).tokens

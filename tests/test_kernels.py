@@ -51,6 +51,53 @@ def test_panel_matmul_equals_the_float64_product(rows, d_in, d_out):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5)
 
 
+def float64_rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Llama's RMSNorm of x's rows in float64."""
+    x = x.astype(np.float64)
+    return weight * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 25, 49])
+@pytest.mark.parametrize("d_in, d_out", [(48, 40), (200, 72), (7, 16)])
+def test_panel_matmul_norms_its_rows_and_adds_a_residual(rows, d_in, d_out):
+    """With `norm` the kernel RMS-norms the rows before the product, with `residual` it adds the
+    residual after (one of them, or both): float64 numpy's norm, product and sum within 1e-5, for
+    the one-row loop, chunks, a group and one more row (49), inputs that are no whole vector (7)
+    and output widths padded to a panel (40, 72)."""
+    rng = np.random.default_rng(rows * 1000 + d_in + d_out)
+    x = rng.standard_normal((rows, d_in)).astype(np.float32) * 3
+    w = rng.standard_normal((d_in, d_out)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, d_in).astype(np.float32)
+    residual = rng.standard_normal((rows, d_out)).astype(np.float32)
+
+    @jax.jit
+    def product(x, w, weight, residual):  # (eps is the kernel's attribute: not traced)
+        return kernels.panel_matmul(x, w, None if weight is None else (weight, 1e-5), residual)
+
+    for norm, add in ((True, False), (False, True), (True, True)):
+        got = product(
+            jnp.asarray(x),
+            kernels.pack(w),
+            jnp.asarray(weight) if norm else None,
+            jnp.asarray(residual) if add else None,
+        )
+        rows_in = float64_rms_norm(x, weight, 1e-5) if norm else x.astype(np.float64)
+        want = rows_in @ w + (residual if add else 0)
+        # within 1e-5 of the terms' sizes: a sum's float32 rounding grows with them, not with the
+        # result (which may cancel to near 0)
+        scale = np.abs(rows_in) @ np.abs(w) + (np.abs(residual) if add else 0)
+        assert np.all(np.abs(np.asarray(got) - want) <= 1e-5 * scale), (norm, add)
+
+
+def test_norm_and_residual_of_the_wrong_shape_are_clear_errors():
+    w = kernels.pack(np.ones((8, 16), np.float32))
+    x = jnp.ones((2, 8))
+    with pytest.raises(ValueError, match=r"norm: weight of shape \(7,\)"):
+        kernels.panel_matmul(x, w, (jnp.ones(7), 1e-5))
+    with pytest.raises(ValueError, match=r"residual of shape \(2, 15\)"):
+        kernels.panel_matmul(x, w, residual=jnp.ones((2, 15)))
+
+
 def test_panel_matmul_keeps_leading_axes_and_rows_apart():
     """x [B, T, D_in] keeps its leading axes; each row's result is what it gets alone, bit for bit
     (rows never mix, and every path adds a row's products in the same order: 14 rows go blocked,
@@ -102,7 +149,8 @@ def test_gate_and_up_multiply_as_one_panel_weight(intermediate_size):
     """with_panel_weights stores a dense MLP's gate and up as one panel weight (GateUpPanels:
     gate's panels, then up's; at F = 40 gate's last panel is padded, so up's columns start at 48),
     which the forward pass multiplies in one kernel call: the compiled pass holds 4 panel products
-    per layer (qkv, o, gate and up, down) and the head's, and gives the plain model's logits."""
+    per layer (qkv, o, gate and up, down) and the head's, and gives the plain model's logits. The
+    layers' norms go with their products: the final norm is the pass's one rsqrt."""
     model = tiny_model(seed=12, intermediate_size=intermediate_size)
     packed = with_panel_weights(model.params)
     F = intermediate_size
@@ -121,6 +169,7 @@ def test_gate_and_up_multiply_as_one_panel_weight(intermediate_size):
         text = run.lower(packed, config, tokens, positions, cache).as_text()
         got, _, _ = run(packed, config, tokens, positions, cache)
     assert text.count("custom_call @specjax_panel_matmul(") == 4 * config.num_layers + 1
+    assert text.count("stablehlo.rsqrt") == 1
     want, _, _ = run(model.params, config, tokens, positions, cache)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -266,24 +315,25 @@ def test_cache_attention_refuses_an_unsupported_head_dim():
         kernels.cache_attention(q, jnp.zeros((1, 8, 16)), jnp.zeros((1, 16, 8)), jnp.zeros((1,), jnp.int32))
 
 
-@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("tree, T", [(False, 1), (False, 5), (True, 5)])
 @pytest.mark.parametrize("write", [True, False])
-def test_kernel_attention_equals_xlas_forms(write, tree):
+def test_kernel_attention_equals_xlas_forms(write, tree, T):
     """`attention` with `committed` (the kernel, plus the fresh tokens merged in) equals XLA's
     write-first form and its read-only form, for a chain's causal mask and a tree's ancestor
-    mask, with rows of different lengths (one with nothing committed)."""
-    B, T, K, G, E, S = 3, 5, 2, 3, 16, 80
+    mask, with rows of different lengths (one with nothing committed); one token written first
+    is read from its slot by the kernel, with no merge."""
+    B, K, G, E, S = 3, 2, 3, 16, 80
     lengths = np.array([0, 17, 70])
     rng = np.random.default_rng(int(write) * 2 + int(tree))
     q = jnp.asarray(rng.standard_normal((B, T, K * G, E)), jnp.float32)
     k_new, v_new = (jnp.asarray(rng.standard_normal((B, T, K, E)), jnp.float32) for _ in range(2))
     k_cache = rng.standard_normal((B * K, E, S)).astype(np.float32)
     v_cache = rng.standard_normal((B * K, S, E)).astype(np.float32)
-    # A tree: node 0 the root, 1 and 2 its children, 3 a child of 1, 4 a child of 2.
-    mask = np.eye(T, dtype=bool)
-    for node, parent in ((1, 0), (2, 0), (3, 1), (4, 2)):
-        mask[node] |= mask[parent]
-    mask = mask if tree else causal_mask(T)
+    mask = causal_mask(T)
+    if tree:  # node 0 the root, 1 and 2 its children, 3 a child of 1, 4 a child of 2
+        mask = np.eye(T, dtype=bool)
+        for node, parent in ((1, 0), (2, 0), (3, 1), (4, 2)):
+            mask[node] |= mask[parent]
     if write:  # the write-first form: the fresh entries already sit at slots lengths .. + T - 1
         for b in range(B):
             for t in range(T):

@@ -70,6 +70,30 @@ def test_the_kernel_equals_the_float64_product(bits, offsets, group, d_in, d_out
         check_product(x, w, np.asarray(product(jnp.asarray(x), packed)))
 
 
+@pytest.mark.parametrize("offsets", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_kernel_norms_its_rows_and_adds_a_residual(bits, offsets):
+    """With `norm` and `residual` (specjax.kernels.around) the product is float64 numpy's of the
+    RMS-normed rows, plus the residual, for one row, chunks and the dequantize-first path (24
+    and 64 rows), at a width that is no whole panel."""
+    rng = np.random.default_rng([bits, offsets, 7])
+    d_in, d_out = 256, 40
+    w = random_weight(rng, d_in, d_out, bits, 32, offsets)
+    weight = rng.uniform(0.5, 1.5, d_in).astype(np.float32)
+
+    @jax.jit
+    def product(x, w, weight, residual):  # (eps is the kernel's attribute: not traced)
+        return quantized_panel_matmul(x, w, (weight, 1e-6), residual)
+
+    for rows in (1, 5, 24, 64):
+        x = rng.standard_normal((rows, d_in)).astype(np.float32) * 3
+        residual = rng.standard_normal((rows, d_out)).astype(np.float32)
+        got = product(jnp.asarray(x), pack_quantized(w), jnp.asarray(weight), jnp.asarray(residual))
+        x64 = x.astype(np.float64)
+        normed = weight * x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6)
+        check_product(normed, w, np.asarray(got) - residual)
+
+
 def test_an_odd_input_size_in_one_int8_group():
     """int8 with one group over an odd D_in: the kernel's pairs of input rows leave one over."""
     rng = np.random.default_rng(5)

@@ -11,7 +11,9 @@ quarter and an eighth of the bytes.
 XLA:CPU also computes a decoding step's attention over every slot of the static cache, committed
 or not, at a fraction of the bandwidth; `cache_attention.cc` reads each row's committed slots only
 (`cache_attention`; with a sliding window, only those inside it), and the model merges in the pass's
-own fresh tokens.
+own fresh tokens (a one-token pass, whose token is already written, reads its slot too). The
+products also take a layer's RMSNorm before them and its residual sum after (`around`), which XLA
+would run as small ops between the calls.
 
 The kernels are XLA FFI custom calls, compiled from source with the machine's C++ compiler on
 first use (a few seconds) and kept under `$SPECJAX_CACHE/kernels` (default
@@ -29,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import shutil
@@ -40,6 +43,7 @@ from pathlib import Path
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 PANEL = 16  # columns per panel: one 64-byte vector of float32 (kPanel in the source)
 SOURCES = tuple(
@@ -86,14 +90,47 @@ def unpack(w: PanelWeight) -> jax.Array:
     return w.panels.transpose(1, 0, 2).reshape(d_in, num_panels * PANEL)[:, : w.d_out]
 
 
-def panel_matmul(x: jax.Array, w: PanelWeight) -> jax.Array:
-    """x [..., D_in] @ w: [..., D_out] in float32, through the kernel."""
+def panel_matmul(
+    x: jax.Array,
+    w: PanelWeight,
+    norm: tuple[jax.Array, float] | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
+    """x [..., D_in] @ w: [..., D_out] in float32, through the kernel. `norm` (weight [D_in], eps)
+    and `residual` [..., D_out]: see `around`."""
     _require()
     d_in = w.panels.shape[1]
     rows = x.reshape(-1, d_in).astype(jnp.float32)
     out_type = jax.ShapeDtypeStruct((rows.shape[0], w.panels.shape[0] * PANEL), jnp.float32)
-    out = jax.ffi.ffi_call("specjax_panel_matmul", out_type, vmap_method="sequential")(rows, w.panels)
+    extra, eps = around(rows.shape[0], d_in, w.d_out, norm, residual)
+    out = jax.ffi.ffi_call("specjax_panel_matmul", out_type, vmap_method="sequential")(
+        rows, w.panels, *extra, eps=eps
+    )
     return out[:, : w.d_out].reshape(*x.shape[:-1], w.d_out).astype(x.dtype)
+
+
+def around(
+    num_rows: int, d_in: int, d_out: int, norm: tuple[jax.Array, float] | None, residual: jax.Array | None
+) -> tuple[list[jax.Array], np.float32]:
+    """The operands with which a product kernel does a layer's work on either side of it (XLA
+    would run them as small ops of about 1 us each, five a layer: kernels.h, `Around`): the norm
+    weight [D_in] (or an empty array) and residual rows [N, D_out] (or an empty array), and the
+    attribute eps. `norm` (weight, eps): the N input rows are RMS-normed first, Llama's form (x
+    times 1/sqrt(mean(x^2) + eps), then times the weight, in float32; `llama.rms_norm`'s "rms");
+    `residual` [..., D_out]: added to the product."""
+    empty = jnp.zeros((0,), jnp.float32)
+    weight, eps = (empty, 0.0) if norm is None else norm
+    if norm is not None and jnp.shape(weight) != (d_in,):
+        raise ValueError(
+            f"norm: weight of shape {jnp.shape(weight)}; allowed: ({d_in},), the input's features"
+        )
+    if residual is not None and math.prod(jnp.shape(residual)) != num_rows * d_out:
+        raise ValueError(
+            f"residual of shape {jnp.shape(residual)}; allowed: {num_rows} rows of the product's {d_out} "
+            "columns"
+        )
+    rows = empty if residual is None else residual.reshape(num_rows, d_out).astype(jnp.float32)
+    return [weight.astype(jnp.float32), rows], np.float32(eps)
 
 
 def cache_attention(

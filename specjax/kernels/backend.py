@@ -148,10 +148,16 @@ class Backend:
 
     # -- what model code asks ---------------------------------------------------------------
 
-    def matmul(self, x: jax.Array, w) -> jax.Array:
+    def fuses_around(self, w) -> bool:
+        """Whether `matmul` takes a norm and a residual for weight `w`: panels, whose CPU kernels
+        do that work inside their call (specjax.kernels.around)."""
+        return isinstance(w, (cpu_kernels.PanelWeight, QuantizedPanelWeight))
+
+    def matmul(self, x: jax.Array, w, norm=None, residual=None) -> jax.Array:
         """x [..., D_in] @ w [D_in, D_out] (`w` an array, panels for the CPU kernels: float32 ones
         or quantized ones, or a QuantizedWeight: its integers dequantized inside the product,
-        `quantized.xla_product`).
+        `quantized.xla_product`). `norm` (weight [D_in], eps) and `residual` [..., D_out]: for
+        panels only (`fuses_around`), see `specjax.kernels.around`.
 
         On the CPU, one or two rows (a batch of one decoding, or a verify pass with k = 1) go as
         two half-products over the two halves of D_in, summed, one row at a time: XLA:CPU runs
@@ -162,9 +168,11 @@ class Backend:
         product.
         """
         if isinstance(w, cpu_kernels.PanelWeight):
-            return cpu_kernels.panel_matmul(x, w)
+            return cpu_kernels.panel_matmul(x, w, norm, residual)
         if isinstance(w, QuantizedPanelWeight):
-            return quantized_panel_matmul(x, w).astype(x.dtype)
+            return quantized_panel_matmul(x, w, norm, residual).astype(x.dtype)
+        if norm is not None or residual is not None:
+            raise ValueError(f"matmul: norm and residual are for panel weights only, not {type(w).__name__}")
         if isinstance(w, QuantizedWeight):
             return xla_product(x, w, form=self.quantized_product_form)
         rows = math.prod(x.shape[:-1])

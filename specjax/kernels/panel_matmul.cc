@@ -27,6 +27,7 @@
 // 8-float loops left half of each unit idle.
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 
@@ -215,16 +216,23 @@ void rows_times_panels(const float* x, const float* panel, float* y, int64_t row
 #endif
 }
 
-ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::F32> panels, ffi::ResultBuffer<ffi::F32> y) {
+// y = x @ panels, with x's rows normed first and a residual added after where those operands are
+// not empty (specjax::Around).
+ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                           ffi::Buffer<ffi::F32> norm, ffi::Buffer<ffi::F32> residual,
+                           ffi::ResultBuffer<ffi::F32> y, float eps) {
   const auto xd = x.dimensions();
   const auto pd = panels.dimensions();
   if (xd.size() != 2 || pd.size() != 3 || pd[2] != kPanel || pd[1] != xd[1])
     return ffi::Error::InvalidArgument("panel_matmul: expected x [T, D_in], panels [P, D_in, 16]");
-  const float* xs = x.typed_data();
+  const int64_t rows = xd[0], d_in = xd[1], num_panels = pd[0], d_out = num_panels * kPanel;
+  specjax::Around around;
+  if (auto error = specjax::read_around(norm, residual, eps, rows, d_in, d_out, around); error.failure())
+    return error;
+  thread_local std::vector<float> normed;  // the normed rows, kept between calls
+  const float* xs = around.input(x.typed_data(), rows, d_in, normed);
   const float* all_panels = panels.typed_data();
   float* ys = y->typed_data();
-  const int64_t rows = xd[0], d_in = xd[1], num_panels = pd[0], d_out = num_panels * kPanel;
   const int64_t num_pairs = (num_panels + 1) / 2;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // About kPartsPerThread parts per thread, so that a thread that starts late still gets a share.
@@ -240,6 +248,7 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         rows_times_panels<1>(xs, panel, ys, rows, d_in, d_out, p * kPanel);
     }
   });
+  around.finish(ys, rows, d_out);
   return ffi::Error::Success();
 }
 
@@ -256,6 +265,9 @@ void specjax::float_panel_rows(const float* x, const float* panels, float* y, in
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PanelMatmul, PanelMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // panels
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // norm
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // residual
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("eps"));

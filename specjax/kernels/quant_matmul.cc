@@ -470,7 +470,8 @@ Operands<Meta> prepare(const float* x, const uint8_t* values, const Meta* scales
 // intra-op pool. `offsets`: null without offsets.
 template <int BITS, bool OFFSETS>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& values, ffi::AnyBuffer& scales,
-               ffi::AnyBuffer* offsets, ffi::ResultBuffer<ffi::F32>& y) {
+               ffi::AnyBuffer* offsets, ffi::Buffer<ffi::F32>& norm, ffi::Buffer<ffi::F32>& residual,
+               float eps, ffi::ResultBuffer<ffi::F32>& y) {
   const auto xd = x.dimensions();
   const auto vd = values.dimensions();
   const auto sd = scales.dimensions();
@@ -490,6 +491,12 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
       return ffi::Error::InvalidArgument("quantized_panel_matmul: offsets and scales differ in shape or type");
   }
   const int64_t rows = xd[0], d_in = xd[1], num_panels = vd[0], num_groups = sd[1];
+  specjax::Around around;
+  if (auto error = specjax::read_around(norm, residual, eps, rows, d_in, num_panels * kPanel, around);
+      error.failure())
+    return error;
+  thread_local std::vector<float> normed;  // the normed rows, kept between calls
+  const float* xs = around.input(x.typed_data(), rows, d_in, normed);
   const auto* v = static_cast<const uint8_t*>(values.untyped_data());
   auto product = [&](auto meta_type) {
     using Meta = decltype(meta_type);
@@ -498,8 +505,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
     const int64_t num_pairs = (num_panels + 1) / 2;  // the units of work (run_from_both_ends)
     const int64_t d_out = num_panels * kPanel;
     if (rows >= kDequantizeRows<BITS>) {  // each pair of panels dequantized, then the float32 loops
-      const Operands<Meta> a{x.typed_data(), nullptr, v, s, o, y->typed_data(), d_in, d_in / num_groups,
-                             num_groups, d_out};
+      const Operands<Meta> a{xs, nullptr, v, s, o, y->typed_data(), d_in, d_in / num_groups, num_groups, d_out};
       specjax::run_from_both_ends(pool, num_pairs, [=](int64_t pair, int) {
         // Each thread's scratch (two panels' floats), kept between calls rather than allocated
         // and zeroed for every pair.
@@ -514,8 +520,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
       return;
     }
     std::vector<float> buffer;
-    const auto a = prepare<BITS, OFFSETS>(x.typed_data(), v, s, o, y->typed_data(), rows, d_in, num_groups,
-                                          d_out, buffer);
+    const auto a = prepare<BITS, OFFSETS>(xs, v, s, o, y->typed_data(), rows, d_in, num_groups, d_out, buffer);
     specjax::run_from_both_ends(pool, num_pairs, [=](int64_t pair, int direction) {
       rows_times_panels<BITS, OFFSETS>(a, rows, 2 * pair, 2 * pair + 1 < num_panels, direction);
     });
@@ -524,19 +529,24 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
     product(Half{});
   else
     product(float{});
+  around.finish(y->typed_data(), rows, num_panels * kPanel);
   return ffi::Error::Success();
 }
 
+// The handlers: x, the weight's arrays, then norm and residual (specjax::Around; empty where not
+// asked for), and the norm's eps.
 template <int BITS>
 ffi::Error Plain(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values, ffi::AnyBuffer scales,
-                 ffi::ResultBuffer<ffi::F32> y) {
-  return Run<BITS, false>(pool, x, values, scales, nullptr, y);
+                 ffi::Buffer<ffi::F32> norm, ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y,
+                 float eps) {
+  return Run<BITS, false>(pool, x, values, scales, nullptr, norm, residual, eps, y);
 }
 
 template <int BITS>
 ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer values,
-                       ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::ResultBuffer<ffi::F32> y) {
-  return Run<BITS, true>(pool, x, values, scales, &offsets, y);
+                       ffi::AnyBuffer scales, ffi::AnyBuffer offsets, ffi::Buffer<ffi::F32> norm,
+                       ffi::Buffer<ffi::F32> residual, ffi::ResultBuffer<ffi::F32> y, float eps) {
+  return Run<BITS, true>(pool, x, values, scales, &offsets, norm, residual, eps, y);
 }
 
 }  // namespace
@@ -548,7 +558,10 @@ ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::AnyBuffer>()       \
                                     .Arg<ffi::AnyBuffer>()       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<float>("eps"));
 #define SPECJAX_WITH_OFFSETS(name, bits)                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(name, WithOffsets<bits>,         \
                                 ffi::Ffi::Bind()                 \
@@ -557,7 +570,10 @@ ffi::Error WithOffsets(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBu
                                     .Arg<ffi::AnyBuffer>()       \
                                     .Arg<ffi::AnyBuffer>()       \
                                     .Arg<ffi::AnyBuffer>()       \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<float>("eps"));
 
 SPECJAX_PLAIN(QuantMatmulInt8, 8)
 SPECJAX_WITH_OFFSETS(QuantMatmulInt8Offsets, 8)

@@ -264,15 +264,22 @@ def unpack_quantized(w: QuantizedPanelWeight) -> QuantizedWeight:
     return QuantizedWeight(columns(w.values), scales, offsets, bits=w.bits, group=w.group)
 
 
-def quantized_panel_matmul(x: jax.Array, w: QuantizedPanelWeight) -> jax.Array:
-    """x [..., D_in] @ w: [..., D_out], through the kernel; computed and returned in float32."""
+def quantized_panel_matmul(
+    x: jax.Array,
+    w: QuantizedPanelWeight,
+    norm: tuple[jax.Array, float] | None = None,
+    residual: jax.Array | None = None,
+) -> jax.Array:
+    """x [..., D_in] @ w: [..., D_out], through the kernel; computed and returned in float32.
+    `norm` (weight [D_in], eps) and `residual` [..., D_out]: see `specjax.kernels.around`."""
     kernels._require()
     d_in = w.shape[0]
     if x.shape[-1] != d_in:
         raise ValueError(f"quantized_panel_matmul: x has {x.shape[-1]} features, the weight {d_in}")
     rows = x.reshape(-1, d_in).astype(jnp.float32)
     target = f"specjax_quant_matmul_int{w.bits}" + ("" if w.offsets is None else "_offsets")
-    operands = [rows, w.values, w.scales] + ([] if w.offsets is None else [w.offsets])
+    extra, eps = kernels.around(rows.shape[0], d_in, w.d_out, norm, residual)
+    operands = [rows, w.values, w.scales] + ([] if w.offsets is None else [w.offsets]) + extra
     out_type = jax.ShapeDtypeStruct((rows.shape[0], w.values.shape[0] * PANEL), jnp.float32)
-    out = jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*operands)
+    out = jax.ffi.ffi_call(target, out_type, vmap_method="sequential")(*operands, eps=eps)
     return out[:, : w.d_out].reshape(*x.shape[:-1], w.d_out)

@@ -630,7 +630,17 @@ def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed,
 
 
 def _kernel_attention(
-    q, k_new, v_new, k_cache, v_cache, committed, fresh_mask, starts=None, layer=None, sinks=None
+    q,
+    k_new,
+    v_new,
+    k_cache,
+    v_cache,
+    committed,
+    fresh_mask,
+    starts=None,
+    layer=None,
+    sinks=None,
+    written=False,
 ):
     """T queries [B, T, K, G, E] attend, in one softmax, to each row's committed cache slots
     (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the backend's
@@ -645,6 +655,11 @@ def _kernel_attention(
     their common log-sum-exp. With `layer`, the caches are a stack's ([n, B*K, ...]) and the
     kernel reads that layer of them in place. A head's sink (sinks [K, G]) is one more term of
     that log-sum-exp, with no value: it only scales both parts down.
+
+    `written`: the fresh keys and values are already in the cache, at slots committed[b] on. A
+    pass of one token then needs no merge: the kernel reads one slot more, the token's own (a
+    decoding step ran 8 small XLA ops a layer for the merge, about 1 us each, where its layer's
+    kernels take 100-400 us in float32 and 40-150 in Q8_0).
     """
     B, T, K, G, E = q.shape
     queries = q.transpose(0, 2, 3, 1, 4).reshape(B * K, G * T, E)  # entry b*K + k: its G*T queries
@@ -652,9 +667,17 @@ def _kernel_attention(
         starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
     kernel = backend.active().cache_attention(E, q.dtype)
     stacked = {} if layer is None else {"layer": layer}
-    old, old_lse = kernel(queries, k_cache, v_cache, jnp.repeat(committed, K), starts, **stacked)
+    # (A one-token pass's mask is [[True]]: it sees itself. A cache of another dtype holds the
+    # token's key rounded, which the merge below does not read.)
+    own_slot = written and T == 1 and k_cache.dtype == k_new.dtype and v_cache.dtype == v_new.dtype
+    lengths = jnp.repeat(committed + 1 if own_slot else committed, K)
+    old, old_lse = kernel(queries, k_cache, v_cache, lengths, starts, **stacked)
     old = old.reshape(B, K, G, T, E)
     old_lse = old_lse.reshape(B, K, G, T)
+    if own_slot:
+        if sinks is not None:  # the sink's share of the softmax scales the output down
+            old = old * jax.nn.sigmoid(old_lse - _head_sinks(sinks).astype(jnp.float32))[..., None]
+        return old.transpose(0, 3, 1, 2, 4).astype(q.dtype)
     scores = _masked_scores(q, k_new, fresh_mask).astype(jnp.float32)  # [B, K, G, T, T]
     new_lse = jax.nn.logsumexp(scores, axis=-1)  # finite: a fresh token always sees itself
     new = jnp.einsum("bkgtu,buke->bkgte", jnp.exp(scores - new_lse[..., None]), v_new.astype(jnp.float32))
@@ -711,7 +734,9 @@ def attention(
     fresh = fresh_mask if window_keep is None else jnp.asarray(fresh_mask) & window_keep
     sinks = None if sinks is None else sinks.reshape(K, H // K)  # [K, G]: as the queries' heads
     if committed is not None:
-        out = _kernel_attention(q, k_new, v_new, k_cache, v_cache, committed, fresh, starts, layer, sinks)
+        out = _kernel_attention(
+            q, k_new, v_new, k_cache, v_cache, committed, fresh, starts, layer, sinks, written=write
+        )
     elif visible is None:
         out = _fresh_attention(q, k_new, v_new, fresh_mask, window_keep, window, positions, sinks)
     else:
@@ -766,14 +791,17 @@ def _gated(config: LlamaConfig, gate: jax.Array, up: jax.Array) -> jax.Array:
     return jax.nn.silu(gate) * up
 
 
-def _gated_mlp(config: LlamaConfig, h: jax.Array, gate, up, down) -> jax.Array:
+def _gated_mlp(config: LlamaConfig, h: jax.Array, gate, up, down, norm=None, residual=None) -> jax.Array:
     """A gated MLP over h [..., D]: a layer's dense MLP, or an MoE layer's shared experts. `gate`
-    may be both projections as one panel weight (GateUpPanels; `up` is None then)."""
+    may be both projections as one panel weight (GateUpPanels; `up` is None then). `norm` and
+    `residual`: h normed first, the residual added to the output (see `project`)."""
     if isinstance(gate, GateUpPanels):
-        both = project(h, gate.both)
+        both = project(h, gate.both, norm=norm)
         F = gate.hidden
-        return project(_gated(config, both[..., :F], both[..., gate.up_start : gate.up_start + F]), down)
-    return project(_gated(config, project(h, gate), project(h, up)), down)
+        activations = _gated(config, both[..., :F], both[..., gate.up_start : gate.up_start + F])
+    else:
+        activations = _gated(config, project(h, gate, norm=norm), project(h, up, norm=norm))
+    return project(activations, down, residual=residual)
 
 
 def route(config: LlamaConfig, x: jax.Array, lp: LayerParams) -> tuple[jax.Array, jax.Array]:
@@ -944,16 +972,19 @@ def _layer(
     """
     B, T, _ = x.shape
     E, G = config.head_dim, config.num_heads // config.num_kv_heads
-    if attention_input is None:
-        h, residual = _norm(config, x, lp.attn_norm), x
-    else:
+    norm = None
+    if attention_input is not None:
         h, residual = attention_input(x, lp)
+    elif config.kv_lora_rank:
+        h, residual = _norm(config, x, lp.attn_norm), x
+    else:  # the norm goes with qkv's product (`project`)
+        h, residual, norm = x, x, (config, lp.attn_norm)
     if config.kv_lora_rank:  # DeepSeek's latent attention (models/mla.py)
         out, k_new, v_new = mla.mla_attention(
             config, masks, inv_freq, positions, cache, fresh_mask, h, lp, k_buf, v_buf, write, layer
         )
         return (residual_mlp(config, residual + reduce(out), lp, reduce), k_new, v_new)
-    qkv = project(h, lp.qkv)
+    qkv = project(h, lp.qkv, norm=norm)
     if config.qkv_bias:
         qkv = qkv + lp.qkv_bias
     qkv = qkv.reshape(B, T, -1, G + 2, E)  # [B, T, K, G+2, E]: K local kv heads, see fuse_qkv
@@ -984,16 +1015,22 @@ def _layer(
         layer=layer,
         sinks=lp.sinks,
     )
-    out = reduce(project(attended, lp.o))
-    if lp.o_bias is not None:  # whole on every device: after the sum of the slices' products
-        out = out + lp.o_bias
-    x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
+    if reduce is _identity and lp.o_bias is None and lp.attn_out_norm is None:
+        x = project(attended, lp.o, residual=residual)  # the sum goes with the product
+    else:
+        out = reduce(project(attended, lp.o))
+        if lp.o_bias is not None:  # whole on every device: after the sum of the slices' products
+            out = out + lp.o_bias
+        x = residual + (out if lp.attn_out_norm is None else _norm(config, out, lp.attn_out_norm))
     x = residual_mlp(config, x, lp, reduce)
     return (x, k_buf, v_buf) if write else (x, k, v)
 
 
 def residual_mlp(config: LlamaConfig, x: jax.Array, lp: LayerParams, reduce) -> jax.Array:
     """x [B, T, D] plus the layer's MLP (dense or experts) of its normed x."""
+    if lp.router is None and reduce is _identity and lp.mlp_out_norm is None:
+        # the norm and the sum go with the products (`project`)
+        return _gated_mlp(config, x, lp.gate, lp.up, lp.down, norm=(config, lp.mlp_norm), residual=x)
     h = _norm(config, x, lp.mlp_norm)
     if lp.router is None:
         out = reduce(_gated_mlp(config, h, lp.gate, lp.up, lp.down))
@@ -1028,11 +1065,27 @@ def attention_keys_values(
     return apply_rope(k, positions, rope_inverse_frequencies(config, layer), config.rotary_factor), v
 
 
-def project(x: jax.Array, w: jax.Array) -> jax.Array:
+def project(x: jax.Array, w: jax.Array, norm=None, residual: jax.Array | None = None) -> jax.Array:
     """x [..., D_in] @ w [D_in, D_out], as the active backend multiplies (specjax/kernels/backend.py: on
     the CPU, weights stored as panels go through the CPU kernel and one or two rows are split for
-    both cores; elsewhere the plain product)."""
-    return backend.active().matmul(x, w)
+    both cores; elsewhere the plain product).
+
+    `norm` (config, weight [D_in]): x normed first (`_norm`); `residual` [..., D_out]: added to the
+    product. The CPU kernels do both inside their call for float32 rows and Llama's form of the
+    norm (specjax.kernels.around): as XLA ops they were five of a one-row step's 24 small ops a
+    layer (a norm alone four), about 1 us each. Elsewhere they are XLA's, as written."""
+    on = backend.active()
+    if on.fuses_around(w) and x.dtype == jnp.float32 and (norm is None or norm[0].norm in _KERNEL_NORMS):
+        kernel_norm = None if norm is None else (norm[1], norm[0].rms_norm_eps)
+        return on.matmul(x, w, norm=kernel_norm, residual=residual)
+    if norm is not None:
+        x = _norm(norm[0], x, norm[1])
+    out = on.matmul(x, w)
+    return out if residual is None else residual + out
+
+
+# The norms the CPU kernels compute: in float32 both are x times its inverse RMS, times the weight.
+_KERNEL_NORMS = ("rms", "rms_float32")
 
 
 PANEL_FIELDS = ("qkv", "o", "gate", "up", "down")
