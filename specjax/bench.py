@@ -580,10 +580,11 @@ def run_spec_bench(
     peers: dict[str, Callable[[list[int]], int]] | None = None,
     progress: Callable[[Tick], None] | None = None,
 ) -> SpecBenchResult:
-    """Run every method (`methods`: display name -> proposer, "plain" -> None first) on every
-    (category, prompt) pair, then every peer: display name -> a function of the prompt's token ids
-    that generates and returns the number of new tokens (e.g. HF transformers), timed the same way.
-    `progress` is called after every generate call."""
+    """Run every method (`methods`: display name -> proposer, "plain" -> None first) and every
+    peer (display name -> a function of the prompt's token ids that generates and returns the
+    number of new tokens, e.g. HF transformers or llama.cpp) on every (category, prompt) pair,
+    timed the same way and in the same rounds (`interleaved`). `progress` is called after every
+    generate call."""
     import specjax
 
     if not prompts:
@@ -606,7 +607,11 @@ def run_spec_bench(
     def interleaved(calls: dict[str, Callable[[], Any]], category, index) -> dict[str, tuple[Any, list]]:
         """{name: (the warm-up call's output, seconds of each of `repeats` timed calls)}: every call
         warmed up first, then `repeats` rounds that run each in turn, so that the machine's load
-        at any moment falls on every method alike; progress is reported outside the timed spans."""
+        at any moment falls on every method alike; progress is reported outside the timed spans.
+        The peers run in the same rounds as specjax's methods: this machine's speed drifts by up
+        to a third over tens of seconds (the same float32 program decoding 95, then 79, then 70
+        tokens/s a minute apart, 2026-11-29), so a peer timed after all of specjax's calls met
+        another machine."""
 
         def tick(name):
             nonlocal done
@@ -637,6 +642,15 @@ def run_spec_bench(
             )
             for name, proposer in methods.items()
         }
+        prompt_ids: list[int] = []  # plain's, which the peers generate from
+
+        def plain_call(generate=calls["plain"], ids=prompt_ids):
+            out = generate()
+            ids[:] = out.prompt_tokens[0]
+            return out
+
+        calls["plain"] = plain_call  # (warmed up first, so the peers' calls find the ids)
+        calls |= {name: functools.partial(peer, prompt_ids) for name, peer in peers.items()}
         timed = interleaved(calls, category, index)
         plain = timed["plain"][0]
         for name, proposer in methods.items():
@@ -652,8 +666,8 @@ def run_spec_bench(
                 by_method[name] = by_method.get(name, 0) + m.accepted_at.sum(0)
                 by_method = reached_at.setdefault(category, {})
                 by_method[name] = by_method.get(name, 0) + m.reached_at.sum(0)
-        peer_calls = {name: functools.partial(peer, plain.prompt_tokens[0]) for name, peer in peers.items()}
-        for name, (n_new, seconds) in interleaved(peer_calls, category, index).items():
+        for name in peers:
+            n_new, seconds = timed[name]
             record(category, name, n_new, seconds)
 
     counts = [sum(1 for c, _ in prompts if c == category) for category in speeds]

@@ -331,6 +331,32 @@ def test_bench_table_arithmetic():
     assert not bench.uses_trained_head(specjax.Dynamic(specjax.NGram(k=2)))
 
 
+def test_peers_run_in_specjaxs_rounds_from_plains_prompt_ids(tiny_folder):
+    """A peer (llama.cpp, HF) is warmed up after specjax's methods and then timed in the same
+    rounds as they are, one call each in turn (the machine's speed drifts: a peer timed after all
+    of specjax's calls would meet another machine), and generates from the token ids of plain's
+    prompt."""
+    model = specjax.load(tiny_folder)
+    seen = []
+
+    def peer(ids):
+        seen.append(list(ids))
+        return 5
+
+    ticks = []
+    prompts = [("qa", "abc abc abc"), ("rag", "xyz")]
+    methods = {"plain": None, "ngram": specjax.NGram(k=2)}
+    result = bench.run_spec_bench(
+        model, prompts, methods, max_new_tokens=8, repeats=2, peers={"peer": peer}, progress=ticks.append
+    )
+    assert [t.method for t in ticks] == ["plain", "ngram", "peer"] * 6
+    for (category, text), calls in zip(prompts, (seen[:3], seen[3:]), strict=True):
+        ids = specjax.generate(model, [text], max_new_tokens=1, chat=True).prompt_tokens[0]
+        assert calls == [ids] * 3
+        assert [n for n, _ in result.rounds[category]["peer"]] == [5]
+    assert result.methods == ["plain", "ngram", "peer"]
+
+
 def test_run_spec_bench_ticks_and_catches_lossy_methods(tiny_folder):
     """One tick per generate call; a lossy method (forced acceptance) is reported as differing from
     plain greedy, a lossless one is not."""
