@@ -229,7 +229,7 @@ ffi::Error PanelMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   specjax::Around around;
   if (auto error = specjax::read_around(norm, residual, eps, rows, d_in, d_out, around); error.failure())
     return error;
-  thread_local std::vector<float> normed;  // the normed rows, kept between calls
+  std::vector<float> normed;  // the normed rows (a prefill's too: not kept after the call)
   const float* xs = around.input(x.typed_data(), rows, d_in, normed);
   const float* all_panels = panels.typed_data();
   float* ys = y->typed_data();

@@ -495,7 +495,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::AnyBuffer& 
   if (auto error = specjax::read_around(norm, residual, eps, rows, d_in, num_panels * kPanel, around);
       error.failure())
     return error;
-  thread_local std::vector<float> normed;  // the normed rows, kept between calls
+  std::vector<float> normed;  // the normed rows (a prefill's too: not kept after the call)
   const float* xs = around.input(x.typed_data(), rows, d_in, normed);
   const auto* v = static_cast<const uint8_t*>(values.untyped_data());
   auto product = [&](auto meta_type) {
