@@ -151,7 +151,7 @@ void run_from_both_ends(Pool& pool, int64_t num_units, Unit unit) {
 // four, a residual add one), about 1 us each. `Around` reads the two optional operands, empty
 // where not asked for:
 // - norm [d_in]: the rows are RMS-normed first, Llama's way (x times 1/sqrt(mean(x^2) + eps),
-//   rounded, times norm), on the calling thread before the work is shared out;
+//   times norm, in float32), on the calling thread before the work is shared out;
 // - residual [rows, cols]: added to y's first cols columns of each row at the end (y's rows are
 //   the padded panels' width, cols the weight's true width).
 struct Around {
