@@ -610,7 +610,7 @@ def run_spec_bench(
         at any moment falls on every method alike; progress is reported outside the timed spans.
         The peers run in the same rounds as specjax's methods: this machine's speed drifts by up
         to a third over tens of seconds (the same float32 program decoding 95, then 79, then 70
-        tokens/s a minute apart, 2026-11-29), so a peer timed after all of specjax's calls met
+        tokens/s within a minute, 2026-11-29), so a peer timed after all of specjax's calls met
         another machine."""
 
         def tick(name):
