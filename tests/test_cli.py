@@ -351,7 +351,7 @@ def test_peers_run_in_specjaxs_rounds_from_plains_prompt_ids(tiny_folder):
     )
     assert [t.method for t in ticks] == ["plain", "ngram", "peer"] * 6
     for (category, text), calls in zip(prompts, (seen[:3], seen[3:]), strict=True):
-        ids = specjax.generate(model, [text], max_new_tokens=1, chat=True).prompt_tokens[0]
+        ids = specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": text}])
         assert calls == [ids] * 3
         assert [n for n, _ in result.rounds[category]["peer"]] == [5]
     assert result.methods == ["plain", "ngram", "peer"]
