@@ -14,7 +14,8 @@ layers, DeepSeek-V3's latent attention and experts, gpt-oss's sinks), and the en
 `--model builtin` the built-in model's plain and n-gram programs.
 
 Normalized: source metadata, stack-frame tables, dot precision attributes (XLA:CPU computes float32
-products in float32 at every precision) and every instruction's and parameter's name are dropped,
+products in float32 at every precision) and every instruction's and parameter's name (a
+computation's parameters in its signature too) are dropped,
 and the lines sorted: what is compared is the multiset of instructions (opcode, shapes, operands'
 shapes, attributes), which a renumbering elsewhere in the program does not change. Programs are
 captured where jax compiles them (`jax.stages.Lowered.compile`), so the script reads the same at
@@ -47,6 +48,7 @@ def normalized(text: str) -> str:
         text = re.sub(pattern, "", text)
     text = re.sub(r"^HloModule.*$", "", text, flags=re.M)
     text = re.sub(r"%[\w.\-]+", "%", text)  # instruction and parameter names
+    text = re.sub(r"\b[A-Za-z_]\w*(\.\d+)+: ", ": ", text)  # a computation's parameter names
     text = re.sub(r"\bparam_\d+\.\d+", "param", text)
     lines = (line.strip().rstrip(",") for line in text.splitlines())
     return "\n".join(sorted(line for line in lines if line and not re.match(r'^\d+ (\{|")', line)))

@@ -32,7 +32,7 @@ from common import data_dir, machine, markdown_table
 import specjax
 from specjax.bench import spec_bench_prompts
 from specjax.serve import Engine
-from specjax.serve.engine import Request
+from specjax.serve.engine_config import Request
 
 PROMPT = [{"role": "user", "content": "Write a long story about a river town and its boats."}]
 

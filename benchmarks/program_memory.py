@@ -10,7 +10,7 @@ prefill and the decoding loop, and the share inside the model's decoder layers; 
 compiled into the loop (calls of the attention kernel: 30 per target pass); what its memory
 analysis reports (generated code, temporaries); the growth of resident memory over its compilation
 (after returning freed heap with malloc_trim, before and after); what it really held (resident
-memory freed when it is dropped); what the program cache records for it (`api._measured_bytes`);
+memory freed when it is dropped); what the program cache records for it (`programs._measured_bytes`);
 its memory maps.
 
 dynamic: a Dynamic proposer compiled with one `lax.switch` over its widths whose branches each
@@ -41,7 +41,7 @@ import numpy as np
 from common import machine, markdown_table
 
 import specjax
-from specjax import api
+from specjax import programs
 from specjax.models import EagleHead, MedusaHead
 from specjax.models import llama as llama_module
 from specjax.speculate import loop
@@ -70,20 +70,20 @@ class _Captured(Exception):
 def program_arguments(model, prompts, proposer=None, max_new_tokens=128, sampling=None):
     """(spec, params, proposer_params, inputs) exactly as `generate` builds them for this call."""
     captured = {}
-    real = api.compile_program
+    real = programs.compile_program
 
     def intercept(*args):
         captured["args"] = args
         raise _Captured
 
-    api.clear_compiled_programs()
-    api.compile_program = intercept
+    programs.clear_compiled_programs()
+    programs.compile_program = intercept
     try:
         specjax.generate(model, prompts, proposer=proposer, max_new_tokens=max_new_tokens, sampling=sampling)
     except _Captured:
         pass
     finally:
-        api.compile_program = real
+        programs.compile_program = real
     return captured["args"]
 
 
@@ -150,7 +150,7 @@ def measure(args) -> dict:
     """Compile the program for `args`, measure it, drop it."""
     before, maps_before = resident(), memory_maps()
     start = time.perf_counter()
-    compiled = api.compile_program(*args)
+    compiled = programs.compile_program(*args)
     compile_time = time.perf_counter() - start
     after, maps_after = resident(), memory_maps()
     analysis = compiled.memory_analysis()
@@ -160,7 +160,7 @@ def measure(args) -> dict:
         "code_MB": analysis.generated_code_size_in_bytes / MB,
         "temp_MB": analysis.temp_size_in_bytes / MB,
         "growth_MB": (after - before) / MB,
-        "recorded_MB": api._measured_bytes(compiled, after - before) / MB,
+        "recorded_MB": programs._measured_bytes(compiled, after - before) / MB,
         "maps": maps_after - maps_before,
     }
     held_before = resident()
@@ -287,7 +287,7 @@ def part_dynamic(model, repeats: int) -> None:
                     loop._propose_and_verify_widths = widths
                 try:
                     sizes[name] = measure(args)
-                    programs[name] = api.compile_program(*args)
+                    programs[name] = programs.compile_program(*args)
                 finally:
                     loop._propose_and_verify_widths = two
             outputs = [jax.device_get((p(*args[1:]).tokens, p(*args[1:]).lengths)) for p in programs.values()]
@@ -312,7 +312,7 @@ def part_prefill(model, repeats: int) -> None:
             llama_module.MIN_PREFILL_CHUNK = chunk
             try:
                 sizes[f"chunks of >= {chunk}"] = measure(args)
-                programs[f"chunks of >= {chunk}"] = api.compile_program(*args)
+                programs[f"chunks of >= {chunk}"] = programs.compile_program(*args)
             finally:
                 llama_module.MIN_PREFILL_CHUNK = old
         timing = alternate(programs, args[1:], repeats)
@@ -335,7 +335,7 @@ def main() -> None:
     print(machine())
     model = specjax.load("smollm2-135m")
     specjax.generate(model, [[1, 2, 3]], max_new_tokens=2)  # pack the panel weights once
-    api.clear_compiled_programs()
+    programs.clear_compiled_programs()
     for part in options.parts:
         if part == "sizes":
             part_sizes(model)

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import specjax
-from specjax import api, bench
+from specjax import bench, planner
 from specjax.models import forward, init_cache
 
 VARIANTS = {
@@ -51,7 +51,7 @@ def main() -> None:
     rows = []  # (category, full ids, first answer position)
     for category, text in prompts:
         result = specjax.generate(reference, [text], chat=True, max_new_tokens=args.max_new_tokens)
-        prompt_ids = api._prompt_ids(reference, text, "prompts", chat=True)  # generate's own ids
+        prompt_ids = planner.prompt_ids(reference, text, "prompts", chat=True)  # generate's own ids
         rows.append((category, prompt_ids + result.tokens[0], len(prompt_ids)))
 
     print(

@@ -3,19 +3,14 @@
 from specjax import models, sharding, speculate
 from specjax._version import __version__
 from specjax.ablation import ablate, load_ablation, save_ablation
-from specjax.api import (
-    GenerateResult,
-    ProgramCacheInfo,
-    clear_compiled_programs,
-    generate,
-    load,
-    program_cache_info,
-    set_program_cache,
-)
+from specjax.api import GenerateResult, generate, load
 from specjax.costs import measure_step_costs
 from specjax.export import export_arguments, export_generate
 from specjax.memory import MemoryEstimate, estimate_memory
 from specjax.models import Model, load_head
+from specjax.programs import ProgramCacheInfo, clear_compiled_programs, program_cache_info, set_program_cache
+from specjax.serve.engine import Engine
+from specjax.serve.engine_config import EngineConfig, Request
 from specjax.serve.stream import StreamDelta, stream
 from specjax.speculate import (
     MTP,
@@ -37,6 +32,7 @@ from specjax.speculate import (
     TokenTree,
     WithNGram,
 )
+from specjax.speculate.proposers import Capabilities, Proposal, Proposer, ProposerSpec
 from specjax.text import TextDeltas, chat_prompt_ids
 
 
@@ -54,8 +50,11 @@ __all__ = [
     "__version__",
     "stream",
     "StreamDelta",
+    "Capabilities",
     "DraftModel",
     "Dynamic",
+    "Engine",
+    "EngineConfig",
     "ForcedAcceptance",
     "GoodputSchedule",
     "HeuristicSchedule",
@@ -71,6 +70,10 @@ __all__ = [
     "MLPSpeculator",
     "Model",
     "NGram",
+    "Proposal",
+    "Proposer",
+    "ProposerSpec",
+    "Request",
     "Sampling",
     "SelfDraft",
     "SpecMetrics",

@@ -393,7 +393,7 @@ def ablate(
     # The programs of a group (configuration, sampling's static part, category) are finished after
     # its last cell, once every group that used them is: they become the first the program cache
     # drops when it reaches its budget (specjax.set_program_cache), before programs still ahead.
-    from specjax import api
+    from specjax import programs
     from specjax.speculate.sampling import WarpSpec
 
     entries = [(None, None), *configs]
@@ -422,7 +422,7 @@ def ablate(
                     for index, (label, proposer) in enumerate(entries):
                         name = label or proposer_label(proposer)
                         bar.set_postfix_str(f"{category} {name} t={sampling.temperature} seed={seed}")
-                        with api.programs_used() as used:
+                        with programs.programs_used() as used:
                             metrics = _run_cell(
                                 model, texts, proposer, sampling, seed, max_new_tokens, chat, batch_size, bar
                             )
@@ -431,7 +431,7 @@ def ablate(
                             users.setdefault(key, set()).add(group)
                         remaining[group] -= 1
                         if remaining[group] == 0:
-                            api.retire_programs(
+                            programs.retire_programs(
                                 [k for k, groups in users.items() if all(remaining[g] == 0 for g in groups)]
                             )
                         row = _metric_row(metrics)

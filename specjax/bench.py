@@ -211,15 +211,7 @@ def first_turns(path: Path) -> set[str]:
 def heads_of(proposer) -> list:
     """The trained heads a proposer drafts with (Medusa, EAGLE, EAGLE-3, DFlash; inside a Hybrid or
     Dynamic too)."""
-    if proposer is None:
-        return []
-    head = getattr(proposer, "head", None)
-    found = [] if head is None else [head]
-    for name in ("first", "then", "proposer"):
-        part = getattr(proposer, name, None)
-        if part is not None:
-            found += heads_of(part)
-    return found
+    return [] if proposer is None else list(proposer.trained_heads())
 
 
 def uses_trained_head(proposer) -> bool:
@@ -230,14 +222,12 @@ def uses_trained_head(proposer) -> bool:
 def split_of(head) -> HeadsSplit | None:
     """The named split a head saved by `specjax train-* --split` records in its meta; None for a
     head trained otherwise or published elsewhere (its meta names no split of SPLITS)."""
-    meta = getattr(head, "meta", None)
-    return SPLITS.get(meta.get("split")) if isinstance(meta, dict) else None
+    return SPLITS.get(head.meta.get("split"))  # (every trained head keeps a meta dict)
 
 
 def training_of(head) -> str:
     """What a head was distilled from, in words, from its meta."""
-    meta = getattr(head, "meta", None)
-    meta = meta if isinstance(meta, dict) else {}
+    meta = head.meta
     split = split_of(head)
     parts = [split.describe()] if split else []
     if not split and meta.get("prompts_file"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 TRAIN_HELP = """    specjax train-medusa [--prompts FILE.jsonl] [--self-instruct N] --out DIR [options]
@@ -262,8 +263,7 @@ GENERATE_HELP = """Generate text for prompts given as arguments and/or read from
         --head heads/eagle/head --k 4 --json > out.jsonl
     specjax generate "Hi" --proposer '{"name": "dynamic", "proposer": {"name": "ngram", "k": 6}}'
 
-The proposer is a name (plain, ngram, self_draft, draft_model, medusa, eagle, eagle3, dflash,
-mlp_speculator, mtp, with_ngram, hybrid, forced, dynamic) or a JSON object with "name" and its
+The proposer is a name ({names}) or a JSON object with "name" and its
 options (see specjax.named); --k, --layers, --head, --tree and --draft-model add the common
 options to it. The chat template is
 applied to every prompt unless --no-chat. Prints the texts on stdout and a metrics line per call
@@ -439,10 +439,13 @@ def generate_command(args: argparse.Namespace) -> None:
 
 
 def add_generate_command(commands) -> None:
+    from specjax.named import PROPOSER_NAMES  # (the proposers' registry)
+
+    names = textwrap.fill(", ".join(PROPOSER_NAMES), width=80, initial_indent=" " * 25)[25:]
     command = commands.add_parser(
         "generate",
         help="generate text, with or without a proposer",
-        description=GENERATE_HELP,
+        description=GENERATE_HELP.replace("{names}", names),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     command.add_argument("prompts", nargs="*", metavar="PROMPT", help="prompt texts")

@@ -23,7 +23,8 @@ import time
 
 from specjax.api import generate
 from specjax.speculate.proposers.dynamic import set_cost_meter
-from specjax.speculate.proposers.forced import ForcedAcceptance, _draft_positions
+from specjax.speculate.proposers.forced import ForcedAcceptance
+from specjax.speculate.proposers.protocol import Proposer
 from specjax.speculate.sampling import Sampling
 
 _clock = time.perf_counter  # the tests put a clock of their own here
@@ -36,9 +37,9 @@ def measure_step_costs(
     one more drafted token, each as a fraction of a plain decoding step (never below 0), the
     medians over `rounds` rounds (module doc). `generate_options` (kernels, ...) go to every timed
     `generate` call: time what will run."""
-    k = _draft_positions(proposer)
-    if k is None:
-        raise ValueError(f"proposer must be a proposer with a k (NGram, DraftModel, ...), got {proposer!r}")
+    if not isinstance(proposer, Proposer):
+        raise ValueError(f"proposer must be a specjax proposer (NGram, DraftModel, ...), got {proposer!r}")
+    k = proposer.draft_positions
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
         raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
     eos = set(model.config.eos_token_ids)

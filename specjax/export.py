@@ -1,7 +1,7 @@
 """`export_generate`: the whole generation program lowered for other platforms (a GPU, a TPU) from
 any host, to serialize here and run there.
 
-The program is the one `generate` compiles on the accelerator itself (specjax/api.py `prepare`):
+The program is the one `generate` compiles on the accelerator itself (specjax/planner.py `plan`):
 the same loop, with the kernels the backend seam (specjax/kernels/backend.py) gives those platforms, so
 Pallas attention on "cuda" and "tpu" and never the CPU's FFI kernels, which are built for this
 host. Lowered for several platforms at once, the program holds each platform's kernels and picks
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import jax
 
-from specjax import api
+from specjax import planner
 from specjax.kernels.backend import PLATFORMS
 from specjax.speculate.loop import generate_program
 
@@ -111,8 +111,8 @@ _OPTIONS = (
 )
 
 
-def _prepare(model, prompts, platforms, arguments: dict) -> api.Prepared:
-    return api.prepare(model, prompts, **{name: arguments[name] for name in _OPTIONS}, platforms=platforms)
+def _prepare(model, prompts, platforms, arguments: dict) -> planner.Plan:
+    return planner.plan(model, prompts, **{name: arguments[name] for name in _OPTIONS}, platforms=platforms)
 
 
 def _check_platforms(platforms) -> tuple[str, ...]:

@@ -61,6 +61,13 @@ def check_messages(messages, name: str = "messages") -> list[dict[str, str]]:
     return checked
 
 
+def has_chat_template(tokenizer) -> bool:
+    """Whether a tokenizer (HF's, or any with `apply_chat_template`) has a chat template to render
+    messages with: an HF tokenizer built without one has `chat_template` None; other tokenizers
+    may not have the attribute at all."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
 def chat_prompt_ids(tokenizer, messages: Sequence[Message], name: str = "messages") -> list[int]:
     """The prompt token ids of a conversation: `messages` rendered by the tokenizer's chat template
     with the assistant's turn opened (`add_generation_prompt=True`), then tokenized without
@@ -70,7 +77,7 @@ def chat_prompt_ids(tokenizer, messages: Sequence[Message], name: str = "message
     tokenize=True)`. ValueError, naming `name`, for malformed messages or a tokenizer without a chat
     template."""
     checked = check_messages(messages, name)
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError(
             f"{name}: the tokenizer has no chat template to render messages with; give the prompt as "
             "text formatted by hand (with chat=False) or as token ids"

@@ -157,7 +157,7 @@ def _free_compiled_programs():
     yield
     import jax
 
-    from specjax.api import clear_compiled_programs
+    from specjax.programs import clear_compiled_programs
 
     clear_compiled_programs()
     jax.clear_caches()

@@ -8,7 +8,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers import Proposal, Stateless
+from specjax.speculate.proposers import Capabilities, Proposal, Proposer, Stateless
 from specjax.speculate.tree import TokenTree
 
 
@@ -16,14 +16,17 @@ from specjax.speculate.tree import TokenTree
 class OracleSpec(Stateless):
     tree: TokenTree
     vocab_size: int
-    always_drafts = True
 
     @property
     def k(self):
         return self.tree.depth
 
-    def propose(self, target_params, reference, state, tokens, lengths, keys, sampling, history):
-        tree = self.tree
+    @property
+    def capabilities(self):
+        return Capabilities(tree=self.tree, stateless=True)
+
+    def propose(self, ctx, state):
+        tree, reference, lengths = self.tree, ctx.params, ctx.lengths
         B, R = reference.shape
         depth, rank = jnp.asarray(tree.depths[1:]), jnp.asarray(tree.ranks[1:])
         position = lengths[:, None] + depth[None, :] - 1  # [B, N]: where the node's token goes
@@ -35,7 +38,7 @@ class OracleSpec(Stateless):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Oracle:
+class Oracle(Proposer):
     tree: TokenTree
     reference: np.ndarray  # [B, R] each row's prompt and reference continuation
 

@@ -335,7 +335,7 @@ def test_ks_give_each_proposer_at_each_k():
 
 def test_a_repeated_sweep_compiles_nothing(sweep, model):
     # The first sweep compiled each program in a warm-up call; the same grid again reuses them all.
-    before = specjax.api.compiled_program_count()
+    before = specjax.programs.compiled_program_count()
     again = specjax.ablate(
         model,
         {"a": PROMPTS["a"]},
@@ -346,7 +346,7 @@ def test_a_repeated_sweep_compiles_nothing(sweep, model):
         batch_size=2,
         progress=False,
     )
-    assert specjax.api.compiled_program_count() == before
+    assert specjax.programs.compiled_program_count() == before
     assert (again["compile_time_s"] == 0).all()
     assert (sweep.loc[sweep["seed"] == 0].groupby("proposer")["compile_time_s"].sum() > 0).all()
 

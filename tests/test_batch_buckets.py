@@ -11,8 +11,8 @@ import pytest
 from tiny import tiny_model, tiny_tokenizer
 
 import specjax
-from specjax import api
-from specjax.api import batch_bucket
+from specjax import programs
+from specjax.planner import batch_bucket
 
 TARGET = tiny_model(seed=21)
 WORDY = specjax.Model(TARGET.config, TARGET.params, tiny_tokenizer(), name="tiny-wordy-21")
@@ -33,27 +33,27 @@ def _batch_sizes(used) -> list[int]:
 
 def test_batch_sizes_in_one_bucket_share_a_program():
     model = tiny_model(seed=21, num_layers=3)  # a config no other test compiles
-    count = api.compiled_program_count()
-    with api.programs_used() as used:
+    count = programs.compiled_program_count()
+    with programs.programs_used() as used:
         three = specjax.generate(model, PROMPTS[:3], max_new_tokens=4)
         specjax.generate(model, PROMPTS[:4], max_new_tokens=4)
-    assert _batch_sizes(used) == [4] and api.compiled_program_count() == count + 1
+    assert _batch_sizes(used) == [4] and programs.compiled_program_count() == count + 1
     assert len(three.tokens) == 3 and three.metrics.emitted.tolist() == [4, 4, 4]
-    with api.programs_used() as used:
+    with programs.programs_used() as used:
         specjax.generate(model, PROMPTS[:5], max_new_tokens=4)
-    assert _batch_sizes(used) == [8] and api.compiled_program_count() == count + 2
+    assert _batch_sizes(used) == [8] and programs.compiled_program_count() == count + 2
 
 
 def test_the_callers_batch_buckets():
     model = tiny_model(seed=21, num_layers=3)
-    count = api.compiled_program_count()
-    with api.programs_used() as used:
+    count = programs.compiled_program_count()
+    with programs.programs_used() as used:
         for n in (2, 3):
             specjax.generate(model, PROMPTS[:n], max_new_tokens=4, batch_buckets=[3, 6])
-    assert _batch_sizes(used) == [3] and api.compiled_program_count() == count + 1
-    with api.programs_used() as used:
+    assert _batch_sizes(used) == [3] and programs.compiled_program_count() == count + 1
+    with programs.programs_used() as used:
         result = specjax.generate(model, PROMPTS[:4], max_new_tokens=4, batch_buckets=(3, 6))
-    assert _batch_sizes(used) == [6] and api.compiled_program_count() == count + 2
+    assert _batch_sizes(used) == [6] and programs.compiled_program_count() == count + 2
     assert len(result.tokens) == 4
 
 

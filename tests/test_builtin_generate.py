@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import specjax
-from specjax import api
+from specjax import planner
 from specjax.models import forward, init_cache
 
 NEW_TOKENS = 64
@@ -28,7 +28,7 @@ def prompts(spec_bench):
 def prompt_ids(prompts, smollm2):
     """The token ids generate feeds for each prompt with the chat template (its own tokenizing
     step; a generate call of one new token compiled a program of 8 rows for this, 15 s)."""
-    return api._tokenize(smollm2, prompts, chat=True)
+    return planner.tokenize(smollm2, prompts, chat=True)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import pytest
 from tiny import tiny_model, tiny_tokenizer
 
 import specjax
-from specjax import api
+from specjax import planner
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hello!"}],
@@ -46,8 +46,10 @@ def test_chat_prompt_ids_are_apply_chat_templates(smollm2, index):
 def test_a_str_is_one_user_message(chat_model):
     """With chat=True a str prompt is the conversation of one user message, as before."""
     messages = [{"role": "user", "content": "Hello!"}]
-    assert api._tokenize(chat_model, "Hello!", chat=True) == [template_ids(chat_model.tokenizer, messages)]
-    assert api._tokenize(chat_model, "Hello!", chat=True) == api._tokenize(chat_model, messages, chat=True)
+    assert planner.tokenize(chat_model, "Hello!", chat=True) == [template_ids(chat_model.tokenizer, messages)]
+    assert planner.tokenize(chat_model, "Hello!", chat=True) == planner.tokenize(
+        chat_model, messages, chat=True
+    )
 
 
 def test_generate_takes_a_conversation_and_a_batch_of_them(chat_model):

@@ -58,10 +58,10 @@ def test_dynamic_greedy_equals_plain_without_recompiling(plain_greedy, name):
         check_drafted_acceptance(m, 0.4, 0.9)
     elif name != "ngram-heuristic":  # model drafts accept part of the time: 0.10 to 0.66 here
         check_acceptance(m, 0.05, 0.9)
-    compiled = specjax.api.compiled_program_count()
+    compiled = specjax.programs.compiled_program_count()
     other = [p[:-1] for p in PROMPTS]  # new prompt lengths, same bucket: the same program
     specjax.generate(TARGET, other, proposer=proposer, max_new_tokens=32)
-    assert specjax.api.compiled_program_count() == compiled
+    assert specjax.programs.compiled_program_count() == compiled
 
 
 def _forced_loop(schedule, k=8, max_new_tokens=40):

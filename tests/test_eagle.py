@@ -6,6 +6,7 @@ first layer whose drafts are accepted part of the time, and bad arguments are re
 import dataclasses
 import functools
 
+import by_hand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,9 +146,11 @@ def test_drafts_equal_a_from_scratch_reference(head, shape):
     tokens, hidden = committed_rows(prompts, S)
     bucket = 12
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state = spec.init(TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, hidden[:, :bucket])
+    state = by_hand.init(
+        spec, TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, hidden[:, :bucket]
+    )
     lengths = prompt_lengths + 1  # the first token came from the prefill
-    propose, observe = jax.jit(spec.propose), jax.jit(spec.observe)
+    propose, observe = by_hand.propose_fn(spec), by_hand.observe_fn(spec)
     schedule = [(0, 2), (3, 1), (1, 0), (2, 3), (0, 0)]  # accepted drafts per row and step
     for step, accepted in enumerate(schedule):
         if step in observed:
@@ -160,7 +163,7 @@ def test_drafts_equal_a_from_scratch_reference(head, shape):
         n = jnp.asarray(accepted, jnp.int32)
         rows = jnp.arange(2)[:, None]
         path_hidden = hidden[rows, (lengths - 1)[:, None] + jnp.arange(spec.accepts + 1)[None, :]]
-        state = spec.update(state, path_hidden, n)
+        state = by_hand.update(spec, state, path_hidden, n)
         lengths = lengths + n + 1
 
 
@@ -185,11 +188,11 @@ def test_observe_writes_what_a_catch_up_writes(proposer):
     tokens = jnp.asarray(rng.integers(0, TARGET.config.vocab_size, (B, S)), jnp.int32)
     features = jnp.asarray(3.0 * rng.standard_normal((B, 12, width)), jnp.float32)  # far from unit RMS
     prompt_lengths = jnp.asarray([12, 7], jnp.int32)
-    state = spec.init(TARGET.params, params, tokens[:, :12], prompt_lengths, S, features)
+    state = by_hand.init(spec, TARGET.params, params, tokens[:, :12], prompt_lengths, S, features)
     pending = jnp.asarray(3.0 * rng.standard_normal((B, 5, width)), jnp.float32)
-    state = spec.update(state, pending, jnp.asarray([4, 1], jnp.int32))  # 5 and 2 pending pairs
+    state = by_hand.update(spec, state, pending, jnp.asarray([4, 1], jnp.int32))  # 5 and 2 pending pairs
     lengths = prompt_lengths + jnp.asarray([6, 3], jnp.int32)
-    observed = spec.observe(TARGET.params, params, state, tokens, lengths)
+    observed = by_hand.observe(spec, TARGET.params, params, state, tokens, lengths)
     _, caught_up = spec._catch_up(TARGET.params, params, state, tokens, lengths)
     np.testing.assert_array_equal(observed.cache.lengths, caught_up.lengths)
     for b in range(B):  # keys [B*K, E, S], values [B*K, S, E]: the committed slots of row b
@@ -251,14 +254,14 @@ def test_a_threshold_keeps_the_drafts_whose_path_probability_reaches_it():
     threshold = 0.0075  # between the second drafts' path probabilities on these rows (0.004-0.03)
     spec = specjax.Eagle(HEAD, k=3, confidence_threshold=threshold).spec(TARGET)
     params = specjax.Eagle(HEAD, k=3).params(TARGET)
-    assert spec.verify_widths == (1, 2, 3) and not spec.always_drafts
+    assert spec.capabilities.verify_widths == (1, 2, 3) and not spec.capabilities.always_drafts
     prompts = [PROMPTS[0], PROMPTS[1]]
     S = 64
     tokens, hidden = committed_rows(prompts, S)
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state = spec.init(TARGET.params, params, tokens[:, :12], prompt_lengths, S, hidden[:, :12])
+    state = by_hand.init(spec, TARGET.params, params, tokens[:, :12], prompt_lengths, S, hidden[:, :12])
     lengths = prompt_lengths + 1
-    propose = jax.jit(spec.propose)
+    propose = by_hand.propose_fn(spec)
     seen = set()
     for accepted in [(0, 2), (3, 1), (1, 0), (2, 3), (0, 0), (1, 1)]:
         proposal, state = propose(TARGET.params, params, state, tokens, lengths, None, None, None)
@@ -273,7 +276,7 @@ def test_a_threshold_keeps_the_drafts_whose_path_probability_reaches_it():
             seen.add(sum(want))
         n = jnp.asarray(accepted, jnp.int32)
         path_hidden = hidden[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(4)[None, :]]
-        state = spec.update(state, path_hidden, n)
+        state = by_hand.update(spec, state, path_hidden, n)
         lengths = lengths + n + 1
     assert seen == {1, 2}  # both lengths of confident prefix occurred
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import by_hand
 import families
 import jax
 import jax.numpy as jnp
@@ -140,7 +141,7 @@ def test_drafts_equal_a_from_scratch_reference(head, shape, observed):
     if shape == "chain1-accepting3":
         spec = spec.accepting(3)
         assert (spec.k, spec.accepts) == (1, 3)
-    assert spec.feature_layers == AUX
+    assert spec.capabilities.feature_layers == AUX
     tree = spec.drafting_tree
     prompts = [PROMPTS[0], PROMPTS[1]]
     plain = specjax.generate(TARGET, prompts, max_new_tokens=30).tokens
@@ -161,9 +162,9 @@ def test_drafts_equal_a_from_scratch_reference(head, shape, observed):
     )
     bucket = 12
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    state = spec.init(TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, aux[:, :bucket])
+    state = by_hand.init(spec, TARGET.params, params, tokens[:, :bucket], prompt_lengths, S, aux[:, :bucket])
     lengths = prompt_lengths + 1
-    propose, observe = jax.jit(spec.propose), jax.jit(spec.observe)
+    propose, observe = by_hand.propose_fn(spec), by_hand.observe_fn(spec)
     for step, accepted in enumerate([(0, 2), (3, 1), (1, 0), (2, 3)]):
         if step in observed:  # a gated Hybrid's step without this head's drafts: only catch up
             state = observe(TARGET.params, params, state, tokens, lengths)
@@ -174,7 +175,7 @@ def test_drafts_equal_a_from_scratch_reference(head, shape, observed):
             assert np.asarray(proposal.draft_tokens[b]).tolist() == expected, (accepted, b)
         n = jnp.asarray(accepted, jnp.int32)
         path = aux[jnp.arange(2)[:, None], (lengths - 1)[:, None] + jnp.arange(spec.accepts + 1)[None, :]]
-        state = spec.update(state, path, n)
+        state = by_hand.update(spec, state, path, n)
         lengths = lengths + n + 1
 
 
@@ -219,7 +220,7 @@ def test_a_thresholded_eagle3_chain_and_its_hybrid_equal_plain(plain_greedy):
     assert 0 < m.drafting_steps.sum() < m.steps.sum() and (m.drafted < 3 * m.drafting_steps).any()
     check_drafted_acceptance(m, 0.2, 0.9)  # 0.52 here
     hybrid = specjax.Hybrid(specjax.NGram(k=4, n_min=2), dataclasses.replace(head, k=2))
-    assert hybrid.spec(TARGET).verify_widths == (1, 2, 4)
+    assert hybrid.spec(TARGET).capabilities.verify_widths == (1, 2, 4)
     result = specjax.generate(TARGET, PROMPTS, proposer=hybrid, max_new_tokens=24)
     assert result.tokens == plain_greedy
     counts = result.metrics.proposer

@@ -15,7 +15,7 @@ from tiny import tiny_model, tiny_tokenizer
 
 import specjax
 from specjax.serve import Engine, Request
-from specjax.serve.engine import admission_bucket
+from specjax.serve.engine_config import admission_bucket
 from specjax.speculate.sampling import WarpSpec
 
 TARGET = layered_target(seed=11, late_scale=0.3)
@@ -119,7 +119,7 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     # would fail: programs are compiled ahead of time).
     buckets = {admission_bucket(len(r.prompt)) for r in requests}
     prefills = {bucket for kind, bucket in engine._programs if kind == "prefill"}
-    assert len(buckets) >= 2 and prefills == buckets | {specjax.api.MIN_BUCKET}
+    assert len(buckets) >= 2 and prefills == buckets | {specjax.planner.MIN_BUCKET}
     assert {width for kind, width in engine._programs if kind == "write"} == set(engine._widths)
     widths = {width for kind, width in engine._programs if kind == "lean"}
     assert widths <= set(engine._widths) and len(widths) >= 2  # chunks ran at the occupied width
@@ -146,11 +146,11 @@ def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
     for loop in loops:
         assert {w for kind, w in engine._programs if kind == loop} == widths
     buckets = {admission_bucket(len(p)) for p in prompts}
-    assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.api.MIN_BUCKET}
-    checks = {w for kind, w in engine._programs if kind == "may draft"}  # which of the two runs
+    assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.planner.MIN_BUCKET}
+    checks = {w for kind, w in engine._programs if kind == "may_draft"}  # which of the two runs
     assert checks == (set() if proposer is None else widths)
     programs = len(loops) + (proposer is not None)
-    assert compiled == programs * len(widths) + len(buckets - {specjax.api.MIN_BUCKET})
+    assert compiled == programs * len(widths) + len(buckets - {specjax.planner.MIN_BUCKET})
     before = engine.num_compiles
     samplings = [specjax.Sampling(), specjax.Sampling(temperature=0.8, seed=3)]
     requests = [Request(p, samplings[i % 3 == 2], max_new_tokens=6 + i) for i, p in enumerate(prompts)]

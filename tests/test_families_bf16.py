@@ -35,7 +35,7 @@ from logit_check import prefill_and_decode, torch_logits
 from test_families import NEW_TOKENS, proposers
 
 import specjax
-from specjax import api
+from specjax import programs
 from specjax.models.checkpoint import flatten
 
 GAIN = 0.7
@@ -155,7 +155,7 @@ def test_cache_dtype_and_memory_follow_the_dtypes(built, monkeypatch):
     model, _, _ = built("llama3")
     prompts = families.prompts(lengths=(20,))
     seen = []
-    real = api._compiled
+    real = programs.compiled
 
     def compiled(spec, params, proposer_params, inputs):
         seen.append(spec)
@@ -164,7 +164,7 @@ def test_cache_dtype_and_memory_follow_the_dtypes(built, monkeypatch):
         assert all(buffer.dtype == jnp.dtype(spec.cache_dtype) for buffer in state.cache.k + state.cache.v)
         return program, seconds
 
-    monkeypatch.setattr(api, "_compiled", compiled)
+    monkeypatch.setattr(programs, "compiled", compiled)
     specjax.generate(model, prompts, max_new_tokens=8)
     specjax.generate(model, prompts, max_new_tokens=8, cache_dtype="float32")
     assert (seen[0].dtype, seen[0].cache_dtype) == ("bfloat16", "bfloat16")

@@ -8,9 +8,10 @@ from laws import check_counts
 from tiny import tiny_model
 
 import specjax
-from specjax.api import compiled_program_count, prompt_bucket
 from specjax.models import forward, init_cache
 from specjax.models.llama import lm_head, project
+from specjax.planner import prompt_bucket
+from specjax.programs import compiled_program_count
 
 
 def reference_greedy(model, prompt, num_tokens, width=64):

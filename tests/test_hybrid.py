@@ -16,7 +16,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax.speculate.loop import smallest_width
-from specjax.speculate.proposers import Proposal, Stateless
+from specjax.speculate.proposers import Capabilities, Proposal, Proposer, Stateless
 
 # A target whose first layer asks one query whatever the token, with quiet embeddings and small
 # later layers, and EAGLE-3 and DFlash heads built from that layer (tests/drafters.py): their drafts
@@ -168,10 +168,10 @@ def test_parts_of_different_lengths_equal_plain(plain_greedy, then, gate):
 def test_verify_widths_of_a_hybrid():
     """A Hybrid of a long and a short part verifies at either width; of equal parts, at k alone."""
     mixed = specjax.Hybrid(specjax.NGram(k=5), specjax.Eagle3(HEAD, k=1)).spec(TARGET)
-    assert mixed.verify_widths == (1, 5) and mixed.k == 5
+    assert mixed.capabilities.verify_widths == (1, 5) and mixed.k == 5
     assert mixed.then.accepts == 5 and mixed.then.k == 1
     equal = specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle3(HEAD, k=4)).spec(TARGET)
-    assert equal.verify_widths is None
+    assert equal.capabilities.verify_widths is None
 
 
 def test_smallest_width_covers_every_running_row():
@@ -192,20 +192,17 @@ def test_smallest_width_covers_every_running_row():
 
 @dataclasses.dataclass(frozen=True)
 class _Guess(Stateless):
-    """A proposer with state it cannot widen (no `accepting`): its last token once."""
+    """A proposer with state it cannot widen (it does not catch up): its last token once."""
 
     k: int = 1
-    always_drafts = True
+    capabilities = Capabilities()  # stands for a state sized by its own k
 
-    def update(self, state, path_hidden, num_accepted):  # stands for a state sized by its own k
-        return state
-
-    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
-        last = tokens[jnp.arange(tokens.shape[0]), lengths - 1][:, None]
+    def propose(self, ctx, state):
+        last = ctx.tokens[jnp.arange(ctx.tokens.shape[0]), ctx.lengths - 1][:, None]
         return Proposal(last, jnp.ones(last.shape, bool)), state
 
 
-class _OneGuess:
+class _OneGuess(Proposer):
     def spec(self, target, warp=None, mesh=None):
         return _Guess()
 

@@ -3,6 +3,7 @@ numpy, the packed model against the plain one, and generate's use of them."""
 
 from __future__ import annotations
 
+import by_hand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 from tiny import tiny_config, tiny_model
 
 import specjax
-from specjax import api, kernels
+from specjax import kernels, planner, programs
 from specjax.kernels.backend import Backend
 from specjax.models import forward, init_cache, init_params
 from specjax.models.llama import (
@@ -406,13 +407,13 @@ def test_generate_decodes_through_the_kernel(monkeypatch):
     model = tiny_model(seed=2)
     prompts = [[1, 2, 3], [9, 8, 7, 6, 5, 4]]
     seen = []
-    real = api._compiled
+    real = programs.compiled
 
     def compiled(spec, params, *rest):
         seen.append(params)
         return real(spec, params, *rest)
 
-    monkeypatch.setattr(api, "_compiled", compiled)
+    monkeypatch.setattr(programs, "compiled", compiled)
     with_kernel = specjax.generate(model, prompts, max_new_tokens=12)
     again = specjax.generate(model, prompts, proposer=specjax.NGram(k=3), max_new_tokens=12)
     monkeypatch.setenv("SPECJAX_CPU_KERNEL", "0")
@@ -468,11 +469,11 @@ def test_heads_with_panel_weights_draft_what_plain_heads_draft(kind):
     streams = {"eagle": 1, "eagle3": 3, "dflash": 2}[kind]  # target features the head reads
     features = jnp.asarray(rng.standard_normal((B, 10, streams * model.config.hidden_size)), jnp.float32)
     prompt_lengths = jnp.asarray([10, 6], jnp.int32)
-    target = api._with_panels(model.params)
+    target = planner._with_panels(model.params)
 
     def draft(p):
-        state = spec.init(target, p, tokens[:, :10], prompt_lengths, S, features)
-        return spec.propose(target, p, state, tokens, prompt_lengths + 1, None, None, None)
+        state = by_hand.init(spec, target, p, tokens[:, :10], prompt_lengths, S, features)
+        return by_hand.propose(spec, target, p, state, tokens, prompt_lengths + 1, None, None, None)
 
     text = jax.jit(draft).lower(packed).as_text()
     assert "specjax_panel_matmul" in text
@@ -489,13 +490,13 @@ def test_generate_packs_a_heads_weights_once(monkeypatch):
     model = tiny_model(seed=3)
     prompts = [[1, 2, 3, 1, 2], [9, 8, 7]]
     seen = []
-    real = api._compiled
+    real = programs.compiled
 
     def compiled(spec, params, proposer_params, *rest):
         seen.append(proposer_params)
         return real(spec, params, proposer_params, *rest)
 
-    monkeypatch.setattr(api, "_compiled", compiled)
+    monkeypatch.setattr(programs, "compiled", compiled)
     heads = _heads(model)
     hybrid = specjax.Hybrid(specjax.NGram(k=4), specjax.Eagle3(heads["eagle3"].head, k=1))
     for proposer in (heads["eagle"], hybrid):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 
+import by_hand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -149,7 +150,8 @@ def test_draft_logits_and_drafts_match_the_float64_reference(tmp_path, inner_dim
     spec = specjax.MLPSpeculator(head).spec(TARGET, WarpSpec())
     lengths = jnp.full((B,), 5, jnp.int32)
     committed = jnp.zeros((B, 8), jnp.int32).at[:, 4].set(jnp.asarray(tokens[:, 0]))
-    proposal, _ = spec.propose(
+    proposal, _ = by_hand.propose(
+        spec,
         TARGET.params,
         head.params,
         LastHiddenState(hidden=jnp.asarray(hidden)),

@@ -4,6 +4,7 @@ transformers' MtpModel on the same weights, and lossless in the loop with accept
 import functools
 import json
 
+import by_hand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,11 +142,15 @@ def test_draft_logits_match_transformers_mtp_model(tmp_path, monkeypatch, family
     @jax.jit
     def propose(state, tokens, lengths):  # and each draft's logits [1, n, V]
         seen.clear()
-        proposal, state = spec.propose(model.params, params, state, tokens, lengths, None, greedy, None)
+        proposal, state = by_hand.propose(
+            spec, model.params, params, state, tokens, lengths, None, greedy, None
+        )
         return proposal, state, jnp.stack(seen, axis=1)
 
     capacity = P + 16
-    state = spec.init(model.params, params, jnp.asarray([prompt]), jnp.asarray([P]), capacity, hidden)
+    state = by_hand.init(
+        spec, model.params, params, jnp.asarray([prompt]), jnp.asarray([P]), capacity, hidden
+    )
     sequence = prompt + [first]
     for accepted in (min(a, num_mtp) for a in (1, 0, 2)):
         L = len(sequence)
@@ -159,7 +164,7 @@ def test_draft_logits_match_transformers_mtp_model(tmp_path, monkeypatch, family
         sequence = sequence + drafts[:accepted] + [bonus]
         path = _hidden(model, sequence)[:, L - 1 : L + accepted]  # at the last token and the accepted drafts
         path = jnp.pad(path, ((0, 0), (0, num_mtp - accepted), (0, 0)))
-        state = spec.update(state, path, jnp.asarray([accepted]))
+        state = by_hand.update(spec, state, path, jnp.asarray([accepted]))
 
 
 @pytest.fixture(scope="module")

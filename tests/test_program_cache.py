@@ -8,31 +8,33 @@ import pytest
 from tiny import tiny_model
 
 import specjax
-from specjax import api
+from specjax import programs
 
 TARGET = tiny_model(seed=1)
 
 
 def test_programs_are_reused_and_freed_near_the_map_limit(monkeypatch):
     specjax.generate(TARGET, [[1, 2, 3]], max_new_tokens=8)
-    count = api.compiled_program_count()
+    count = programs.compiled_program_count()
     specjax.generate(TARGET, [[4, 5]], max_new_tokens=8)  # the same program
-    assert api.compiled_program_count() == count
-    held, limit = api._memory_maps()
+    assert programs.compiled_program_count() == count
+    held, limit = programs._memory_maps()
     assert 0 < held < limit
-    monkeypatch.setattr(api, "MAX_MAP_FRACTION", held / limit / 2)  # as if near the limit
-    assert api._free_programs_near_the_map_limit()
+    monkeypatch.setattr(programs, "MAX_MAP_FRACTION", held / limit / 2)  # as if near the limit
+    assert programs._free_programs_near_the_map_limit()
     gc.collect()
-    assert not api._COMPILED
-    assert api._memory_maps()[0] < held  # the executables' maps are gone
+    assert not programs._COMPILED
+    assert programs._memory_maps()[0] < held  # the executables' maps are gone
     specjax.generate(TARGET, [[1, 2, 3]], max_new_tokens=8)  # compiles again, and works
-    assert api.compiled_program_count() == count + 1
+    assert programs.compiled_program_count() == count + 1
 
 
 @pytest.fixture
 def default_limits():
     yield
-    specjax.set_program_cache(max_bytes=api.DEFAULT_MAX_PROGRAM_BYTES, max_programs=api.DEFAULT_MAX_PROGRAMS)
+    specjax.set_program_cache(
+        max_bytes=programs.DEFAULT_MAX_PROGRAM_BYTES, max_programs=programs.DEFAULT_MAX_PROGRAMS
+    )
 
 
 def _call(batch: int):
@@ -48,31 +50,31 @@ def test_the_budget_drops_least_recently_used_programs(default_limits):
         _call(batch)
     info = specjax.program_cache_info()
     assert info.programs == 3 and info.bytes > 0
-    sizes = {key[0].batch_size: p.nbytes for key, p in api._COMPILED.items()}
+    sizes = {key[0].batch_size: p.nbytes for key, p in programs._COMPILED.items()}
     assert info.bytes == sum(sizes.values())
     _call(1)  # batch 1 is now the most recently used, batch 2 the least
     info = specjax.set_program_cache(max_bytes=info.bytes - 1)
-    assert sorted(key[0].batch_size for key in api._COMPILED) == [1, 4]
+    assert sorted(key[0].batch_size for key in programs._COMPILED) == [1, 4]
     assert info.bytes == sizes[1] + sizes[4] <= info.max_bytes
     # The program a call needs is kept even alone over the budget; the rest go.
     specjax.set_program_cache(max_bytes=0)
     assert specjax.program_cache_info().programs == 0
-    count = api.compiled_program_count()
+    count = programs.compiled_program_count()
     _call(2)
-    assert [key[0].batch_size for key in api._COMPILED] == [2]
+    assert [key[0].batch_size for key in programs._COMPILED] == [2]
     _call(2)  # kept: not compiled again
-    assert api.compiled_program_count() == count + 1
+    assert programs.compiled_program_count() == count + 1
     specjax.set_program_cache(max_bytes=1 << 40, max_programs=2)
     _call(1)
     _call(4)
-    assert [key[0].batch_size for key in api._COMPILED] == [1, 4]
+    assert [key[0].batch_size for key in programs._COMPILED] == [1, 4]
 
 
 def test_a_dropped_program_is_freed():
     # jax's own caches must not keep it: only the program cache held a reference.
     specjax.clear_compiled_programs()
     _call(1)
-    (program,) = [p.executable for p in api._COMPILED.values()]
+    (program,) = [p.executable for p in programs._COMPILED.values()]
     dropped = weakref.ref(program)
     del program
     specjax.clear_compiled_programs()
@@ -82,16 +84,16 @@ def test_a_dropped_program_is_freed():
 def test_what_a_program_is_measured_to_hold():
     specjax.clear_compiled_programs()
     _call(1)
-    (program,) = api._COMPILED.values()
+    (program,) = programs._COMPILED.values()
     module = program.executable.runtime_executable().hlo_modules()[0]
     instructions = sum(len(c.instructions()) for c in module.computations())
-    estimate = instructions * api.HOST_BYTES_PER_INSTRUCTION
+    estimate = instructions * programs.HOST_BYTES_PER_INSTRUCTION
     analysis = program.executable.memory_analysis()
     device = analysis.generated_code_size_in_bytes + analysis.temp_size_in_bytes
     # Without a reading of resident memory, or with an implausibly small one, the estimate.
-    assert api._measured_bytes(program.executable, None) == device + estimate
-    assert api._measured_bytes(program.executable, estimate // 5) == device + estimate
-    assert api._measured_bytes(program.executable, 3 * estimate) == device + 3 * estimate
+    assert programs._measured_bytes(program.executable, None) == device + estimate
+    assert programs._measured_bytes(program.executable, estimate // 5) == device + estimate
+    assert programs._measured_bytes(program.executable, 3 * estimate) == device + 3 * estimate
     assert program.nbytes >= device + estimate // 4
 
 
@@ -113,7 +115,7 @@ def test_set_program_cache_refuses_bad_bounds(arguments, message, default_limits
 def test_ablate_retires_the_programs_of_finished_groups(monkeypatch):
     specjax.clear_compiled_programs()
     retired = []  # (cells run so far, whether each retired program is greedy)
-    real_retire = api.retire_programs
+    real_retire = programs.retire_programs
     cells = []
     real_run_cell = specjax.ablation._run_cell
 
@@ -126,7 +128,7 @@ def test_ablate_retires_the_programs_of_finished_groups(monkeypatch):
         real_retire(keys)
 
     monkeypatch.setattr(specjax.ablation, "_run_cell", run_cell)
-    monkeypatch.setattr(api, "retire_programs", retire)
+    monkeypatch.setattr(programs, "retire_programs", retire)
     specjax.ablate(
         TARGET,
         {"a": [[1, 2, 3, 1, 2]]},

@@ -36,6 +36,7 @@ from hf_export import save_hf_folder
 from tiny import tiny_model
 
 import specjax
+from specjax import planner
 from specjax.kernels import backend as backends
 from specjax.kernels.quantized import PRODUCT_FORMS, QuantizedWeight, dequantize, xla_product
 from specjax.models import Model, forward, init_cache
@@ -673,12 +674,11 @@ def test_estimate_memory_counts_the_quantized_sizes(kind, group):
 
 
 def test_the_memory_check_counts_the_quantized_stacked_copy():
-    from specjax import api
     from specjax.speculate.loop import memory_bytes
 
     model = quantized(LAYERED(), "int4")
-    scanned = api.prepare(model, PROMPTS, max_new_tokens=8, scan_layers=True, kernels="xla")
-    unrolled = api.prepare(model, PROMPTS, max_new_tokens=8, scan_layers=False, kernels="xla")
+    scanned = planner.plan(model, PROMPTS, max_new_tokens=8, scan_layers=True, kernels="xla")
+    unrolled = planner.plan(model, PROMPTS, max_new_tokens=8, scan_layers=False, kernels="xla")
     stacked = memory_bytes(scanned.spec, model.params) - memory_bytes(unrolled.spec, model.params)
     assert stacked == nbytes(model.params.layers) < nbytes(LAYERED().params.layers) / 4
 

@@ -345,7 +345,7 @@ def test_speculative_greedy_with_options_equals_plain(greedy_with_options, name,
 
 
 def test_mixed_options_share_one_program():
-    from specjax.api import compiled_program_count
+    from specjax.programs import compiled_program_count
 
     model = tiny_model(seed=11, num_layers=3)  # a config no other test compiles
     first = [specjax.Sampling(temperature=0.5, top_k=3, frequency_penalty=0.2), specjax.Sampling()]
@@ -513,7 +513,7 @@ def test_nonfinite_logits_name_the_row_and_the_step(proposer):
 def test_a_cache_too_big_for_the_device_is_refused_before_allocating(monkeypatch):
     import specjax.api
 
-    monkeypatch.setattr(specjax.api, "available_memory_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(specjax.planner, "available_memory_bytes", lambda: 1 << 20)
     message = r"8 rows with prompts padded to 16 tokens .* needs about [\d,]+ bytes \(0\.\d\d GiB: .*\), but"
     with pytest.raises(ValueError, match=message):
         specjax.generate(TARGET, [[1, 2, 3]] * 8, max_new_tokens=200)
@@ -556,16 +556,16 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
     from specjax.speculate.loop import memory_bytes
 
     seen = []
-    real = specjax.api._check_memory
+    real = specjax.planner.check_memory
     check = lambda spec, *rest: seen.append(spec) or real(spec, *rest)  # noqa: E731
-    monkeypatch.setattr(specjax.api, "_check_memory", check)
+    monkeypatch.setattr(specjax.planner, "check_memory", check)
     specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
     spec = seen[0]
     from specjax.models.cache import cache_bytes
 
     cache = cache_bytes(TARGET.config, 1, spec.capacity)
     assert memory_bytes(spec) > cache + 2 * TARGET.config.num_heads * 64 * 448 * 4
-    monkeypatch.setattr(specjax.api, "available_memory_bytes", lambda: memory_bytes(spec) - 1)
+    monkeypatch.setattr(specjax.planner, "available_memory_bytes", lambda: memory_bytes(spec) - 1)
     with pytest.raises(ValueError, match=r"1 rows with prompts padded to 448 tokens"):
         specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
 

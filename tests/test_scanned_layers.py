@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 from tiny import tiny_model
 
 import specjax
-from specjax import api, sharding
+from specjax import planner, sharding
 from specjax.kernels.backend import Backend
 from specjax.models import Eagle3Head
 from specjax.models.cache import init_cache
@@ -140,7 +140,7 @@ def count_ops(jaxpr, name: str) -> int:
 
 def traced_products(num_layers: int, scan: bool, **config) -> int:
     model = tiny_model(seed=35, num_layers=num_layers, **config)
-    prepared = api.prepare(model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8, scan_layers=scan)
+    prepared = planner.plan(model, PROMPTS, proposer=specjax.NGram(k=3), max_new_tokens=8, scan_layers=scan)
     args = (prepared.params, prepared.proposer_params, prepared.inputs)
     jaxpr = jax.make_jaxpr(generate_program, static_argnums=0)(prepared.spec, *args)
     return count_ops(jaxpr.jaxpr, "dot_general")
@@ -162,8 +162,8 @@ def test_interleaved_windows_do_not_grow_a_scanned_program():
 
 
 def test_the_memory_check_counts_the_stacked_copy():
-    prepared = api.prepare(TARGET, PROMPTS, max_new_tokens=8, scan_layers=True)
-    unrolled = api.prepare(TARGET, PROMPTS, max_new_tokens=8, scan_layers=False)
+    prepared = planner.plan(TARGET, PROMPTS, max_new_tokens=8, scan_layers=True)
+    unrolled = planner.plan(TARGET, PROMPTS, max_new_tokens=8, scan_layers=False)
     layers = sum(w.nbytes for w in jax.tree.leaves(TARGET.params.layers))
     assert memory_bytes(prepared.spec) - memory_bytes(unrolled.spec) == layers
 

@@ -152,7 +152,7 @@ def test_chat_requests_apply_the_chat_template(smollm2):
     assert request.max_new_tokens == 100 - len(request.prompt)  # a chat answer may fill the context
     # generate(chat=True) builds the same ids for one user message
     one = [{"role": "user", "content": "Hi there"}]
-    expected = specjax.api._tokenize(smollm2, ["Hi there"], chat=True)[0]
+    expected = specjax.planner.tokenize(smollm2, ["Hi there"], chat=True)[0]
     assert parse_request({"messages": one}, CHAT, tokenizer, 49152, 100).prompt == expected
     # OpenAI's content parts; max_completion_tokens over max_tokens
     parts = [{"role": "user", "content": [{"type": "text", "text": "Hi there"}]}]

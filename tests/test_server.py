@@ -133,7 +133,7 @@ def generated(model, prompt, max_new_tokens, chat=False, **sampling):
         model, [prompt], sampling=specjax.Sampling(**sampling), max_new_tokens=max_new_tokens, chat=chat
     )
     tokens = result.tokens[0]
-    stopped = len(tokens) < max_new_tokens or tokens[-1] in specjax.api._eos_ids(model)
+    stopped = len(tokens) < max_new_tokens or tokens[-1] in specjax.planner.eos_ids(model)
     return result.texts[0], tokens, "stop" if stopped else "length"
 
 
@@ -317,7 +317,7 @@ def test_chat_completions_equal_generate(chat_model, chat_server, stream):
         got, finish_reason, usage, spec = chat(chat_server, content, 16, stream=stream)
         assert (got, finish_reason, spec) == (text, reason, None)  # plain decoding: no figures
         if usage is not None:
-            prompt = specjax.api._tokenize(chat_model, [content], chat=True)[0]
+            prompt = specjax.planner.tokenize(chat_model, [content], chat=True)[0]
             assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), len(tokens))
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import api
+from specjax import planner, programs
 from specjax.models import forward, init_cache
 
 MiB = 1 << 20
@@ -110,8 +110,8 @@ def mixed_calls(seed: int = 0) -> list[tuple[str, str, int, bool]]:
 @pytest.mark.slow
 def test_long_mixed_session_stays_right_and_bounded(smollm2):
     model = smollm2
-    maps_limit = api._memory_maps()  # None where /proc cannot be read: maps are then not checked
-    ids = {length: api._tokenize(model, texts, chat=True) for length, texts in TEXTS.items()}
+    maps_limit = programs._memory_maps()  # None where /proc cannot be read: maps are then not checked
+    ids = {length: planner.tokenize(model, texts, chat=True) for length, texts in TEXTS.items()}
     # Warm-up: plain greedy of every prompt alone (the reference), then no program kept.
     reference = {
         (length, i): specjax.generate(model, [row], max_new_tokens=NEW_TOKENS).tokens[0]
@@ -122,7 +122,7 @@ def test_long_mixed_session_stays_right_and_bounded(smollm2):
     specjax.set_program_cache(max_bytes=BUDGET)
     try:
         baseline = resident_bytes()
-        compiled_before = api.compiled_program_count()
+        compiled_before = programs.compiled_program_count()
         peak, peak_maps, seen, history = baseline, 0, {}, []
         for call, (name, length, batch, sampled) in enumerate(mixed_calls()):
             rows = list(range(batch))
@@ -151,7 +151,7 @@ def test_long_mixed_session_stays_right_and_bounded(smollm2):
             if key in seen:
                 assert result.tokens == seen[key], f"call {call}: {key} changed its output"
             seen[key] = result.tokens
-            rss, maps = resident_bytes(), (api._memory_maps() or (0, 0))[0]
+            rss, maps = resident_bytes(), (programs._memory_maps() or (0, 0))[0]
             peak, peak_maps = max(peak, rss), max(peak_maps, maps)
             info = specjax.program_cache_info()
             history.append((rss, info.bytes))
@@ -161,7 +161,7 @@ def test_long_mixed_session_stays_right_and_bounded(smollm2):
                 f"cache {info.programs:2d} programs {info.bytes / MiB:5.0f} MiB maps {maps}"
             )
             assert info.bytes <= BUDGET or info.programs == 1
-        compiled = api.compiled_program_count() - compiled_before
+        compiled = programs.compiled_program_count() - compiled_before
         weights = sum(x.nbytes for x in jax.tree.leaves(model.params))
         bound = baseline + BUDGET + SOAK_CONSTANT
         half = len(history) // 2
@@ -179,5 +179,5 @@ def test_long_mixed_session_stays_right_and_bounded(smollm2):
         if maps_limit is not None:  # Linux (CI and here): the guard this checks reads /proc too
             assert peak_maps < maps_limit[1] // 4
     finally:
-        specjax.set_program_cache(max_bytes=api.DEFAULT_MAX_PROGRAM_BYTES)
+        specjax.set_program_cache(max_bytes=programs.DEFAULT_MAX_PROGRAM_BYTES)
         specjax.clear_compiled_programs()

@@ -4,6 +4,7 @@ that accept part of the time and whose caches roll back, the n-gram rule, metric
 import dataclasses
 import functools
 
+import by_hand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,18 +128,18 @@ def test_drafts_equal_a_from_scratch_recomputation(name):
         tokens[b, : len(prompt) + 1] = prompt + [int(rng.integers(V))]  # and the prefill's token
     prompt_lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     init_args = (TARGET.params, params, jnp.asarray(tokens[:, :16]), prompt_lengths, S, None)
-    if spec.reads_target_cache:  # SelfDraft starts from the target's cache over the prompt
+    if spec.capabilities.reads_target_cache:  # SelfDraft starts from the target's cache over the prompt
         positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (B, 16))
         *_, cache = forward(
             TARGET.params, TARGET.config, init_args[2], positions, init_cache(TARGET.config, B, S)
         )
-        state = spec.init(*init_args, target_cache=cache.replace(lengths=prompt_lengths))
+        state = by_hand.init(spec, *init_args, target_cache=cache.replace(lengths=prompt_lengths))
     else:
-        state = spec.init(*init_args)
+        state = by_hand.init(spec, *init_args)
     lengths = np.asarray(prompt_lengths) + 1
     keys = jax.random.split(jax.random.key(0), B)
     sampling = SamplingParams.of(specjax.Sampling(), B)
-    propose = jax.jit(spec.propose)
+    propose = by_hand.propose_fn(spec)
     schedule = [(0, 2, 3), (3, 1, 0), (1, 0, 3), (2, 3, 1), (0, 0, 2), (3, 3, 0)]  # accepted per row
     for accepted in schedule:
         proposal, state = propose(
@@ -150,7 +151,7 @@ def test_drafts_equal_a_from_scratch_recomputation(name):
             rejected = drafts[b, n] if n < k else -1
             bonus = next(t for t in rng.permutation(V) if t != rejected)
             tokens[b, lengths[b] : lengths[b] + n + 1] = [*drafts[b, :n], bonus]
-        state = spec.update(state, None, jnp.asarray(accepted, jnp.int32))
+        state = by_hand.update(spec, state, None, jnp.asarray(accepted, jnp.int32))
         lengths = lengths + np.asarray(accepted) + 1
 
 
@@ -243,7 +244,7 @@ def test_ngram_row_without_match_still_gains_a_token():
 
 
 def test_single_top_level_while_with_a_proposer():
-    from specjax.api import prompt_bucket
+    from specjax.planner import prompt_bucket
     from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
     from specjax.speculate.proposers import resolve
 
@@ -435,7 +436,7 @@ def test_a_draft_prompt_from_target_starts_from_the_targets_cache(stacked):
         lengths=lengths,
     )
     prompts = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]], jnp.int32)
-    state = spec.init(TARGET.params, params, prompts, lengths, 16, None, target_cache=target_cache)
+    state = by_hand.init(spec, TARGET.params, params, prompts, lengths, 16, None, target_cache=target_cache)
     assert state.cache.layout == ((2,) if stacked else (None, None))
     per_layer = (
         [(k[i], v[i]) for k, v in zip(state.cache.k, state.cache.v, strict=True) for i in range(2)]

@@ -7,6 +7,7 @@ the tree code, which must give the chain code's tokens bit for bit."""
 import dataclasses
 import functools
 
+import by_hand
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax.models import MedusaHead
-from specjax.speculate.proposers import Proposal, Stateless, ngram_propose
+from specjax.speculate.proposers import Capabilities, Proposal, Proposer, Stateless, ngram_propose
 from specjax.speculate.tree import TokenTree
 
 # A target whose second layer adds small updates (tests/drafters.py), so that heads trained on its
@@ -123,19 +124,18 @@ def test_wrong_tree_tokens_are_never_accepted(plain_greedy):
 class LookupSpec(Stateless):
     k: int
     as_tree: bool
-    always_drafts = True
 
     @property
-    def tree(self):
-        return TokenTree.chain(self.k) if self.as_tree else None
+    def capabilities(self):
+        return Capabilities(tree=TokenTree.chain(self.k) if self.as_tree else None, stateless=True)
 
-    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
-        proposal = ngram_propose(tokens, lengths, self.k, 3, 1)
+    def propose(self, ctx, state):
+        proposal = ngram_propose(ctx.tokens, ctx.lengths, self.k, 3, 1)
         return Proposal(proposal.draft_tokens, jnp.ones_like(proposal.valid)), state
 
 
 @dataclasses.dataclass(frozen=True)
-class Lookup:
+class Lookup(Proposer):
     k: int
     as_tree: bool
 
@@ -189,7 +189,7 @@ def test_subset_heads_draft_only_their_vocabulary():
     spec, params = proposer.spec(TARGET), proposer.params(TARGET)
     hidden = jax.random.normal(jax.random.key(2), (3, TARGET.config.hidden_size))
     state = specjax.speculate.proposers.medusa.MedusaState(hidden=hidden)
-    proposal, _ = spec.propose(TARGET.params, params, state, None, None, None, None, None)
+    proposal, _ = by_hand.propose(spec, TARGET.params, params, state, None, None, None, None, None)
     drafted = np.asarray(proposal.draft_tokens)
     assert set(drafted.ravel().tolist()) <= set(SUBSET_HEAD.vocab.tolist())
     features = specjax.models.medusa.medusa_hidden(SUBSET_HEAD.params, hidden)  # [3, M, D]

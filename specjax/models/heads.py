@@ -132,7 +132,7 @@ def _save_specjax(path: str | Path, head: MedusaHead | EagleHead | MTPLayers) ->
         arrays = _mtp_arrays(head)
     else:
         arrays = _eagle_arrays(head) if kind == "eagle" else {"w": head.params.w, "b": head.params.b}
-    if getattr(head, "vocab", None) is not None:
+    if kind != "mtp":  # Medusa and EAGLE heads draft over a vocabulary of their own
         arrays["vocab"] = np.asarray(head.vocab, np.int32)
     with ocp.StandardCheckpointer() as checkpointer:
         checkpointer.save(path / "params", jax.tree.map(np.asarray, arrays), force=True)

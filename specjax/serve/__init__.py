@@ -1,7 +1,7 @@
 """Online mode: continuous batching over the compiled loop (`Engine`), and the OpenAI-compatible
 server over it (`specjax serve MODEL`).
 
-    specjax.serve.Engine(model, proposer, ...)                         continuous batching
+    specjax.serve.Engine(model, proposer, EngineConfig(...))           continuous batching
     specjax.serve.serve(model_or_path, speculative_config=None, ...)   run the server (blocks)
     specjax.serve.make_app(engine, ...)                                the FastAPI app over an Engine
     specjax.serve.speculative_config_to_proposer(config, target)       vLLM's --speculative-config
@@ -12,7 +12,8 @@ load without it.
 """
 
 from specjax.serve.config import speculative_config_to_proposer
-from specjax.serve.engine import Engine, Request, Update
+from specjax.serve.engine import Engine
+from specjax.serve.engine_config import EngineConfig, Request, Update
 
 
 def __getattr__(name: str):
@@ -23,4 +24,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'specjax.serve' has no attribute {name!r}")
 
 
-__all__ = ["Engine", "Request", "Update", "make_app", "serve", "speculative_config_to_proposer"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "Request",
+    "Update",
+    "make_app",
+    "serve",
+    "speculative_config_to_proposer",
+]

@@ -32,7 +32,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from specjax.models import Model, load
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
-from specjax.serve.engine import Request as EngineRequest
+from specjax.serve.engine_config import EngineConfig
+from specjax.serve.engine_config import Request as EngineRequest
 from specjax.serve.metrics import ServerMetrics
 from specjax.serve.protocol import (
     CHAT,
@@ -334,14 +335,13 @@ def serve(
         model = load(model, dtype=dtype, quantization=quantization, group_size=group_size)
     if proposer is None:
         proposer = speculative_config_to_proposer(speculative_config, model)
-    engine = Engine(
-        model,
-        proposer,
+    config = EngineConfig(
         max_batch=max_batch,
         max_model_len=max_model_len,
         chunk_steps=chunk_steps,
         admission_steps=admission_steps,
     )
+    engine = Engine(model, proposer, config)
     if precompile is not None:
         longest = min(precompile, engine.max_model_len - 1)
         start = time.perf_counter()

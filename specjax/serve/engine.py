@@ -47,100 +47,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.api import (
-    CAPACITY_GRANULE,
-    MIN_BUCKET,
-    _check_token_options,
-    _eos_ids,
-    _finish_reasons,
-    as_key,
-    available_memory_bytes,
-    kernel_weights,
-)
-from specjax.kernels import backend as backends
-from specjax.models.checkpoint import dtype_name
+from specjax import planner
+from specjax.checks import is_int
 from specjax.models.model import Model
-from specjax.speculate.loop import (
-    DecodeState,
-    GenerationInputs,
-    LoopSpec,
-    memory_bytes,
-    num_drafted,
-    prefill,
-    program_params,
-    resume_program,
+from specjax.serve import engine_programs
+from specjax.serve.engine_config import (
+    MAX_STOP_TOKEN_IDS,
+    EngineConfig,
+    EngineStats,
+    Request,
+    Update,
+    admission_bucket,
+    check_request,
 )
+from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, memory_bytes, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
-from specjax.speculate.sampling import TOP_P_CANDIDATES, Sampling, SamplingParams, WarpSpec
+from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
 from specjax.speculate.stops import MAX_STOP_STRINGS, StopStringSet, cut_text
 
-# Every sampling option on, so that any request runs in the same program; greedy rows are
-# unaffected (neutral values leave their logits bit for bit as they are).
-ALL_OPTIONS = WarpSpec(
-    greedy=False,
-    top_k=True,
-    top_p=True,
-    min_p=True,
-    penalties=True,
-    logit_bias=True,
-    candidates=TOP_P_CANDIDATES,
-)
-MAX_STOP_TOKEN_IDS = 16  # EOS and a request's stop token ids, per slot
-# Steps per chunk at most while a slot is free (Engine's admission_steps): a chunk boundary costs
-# 2-3 ms of host work on a 2-core CPU, and 4-step chunks stepped within 1% of 16-step ones there
-# (docs/serving.md, "Latency and chunks").
-ADMISSION_STEPS = 4
-# Chunks in a row whose running requests fit a narrower width before the state narrows (Engine's
-# narrow_after): the requests that finish together are usually followed by their clients' next
-# ones within milliseconds, and narrowing then growing back cost a served burst of 8 clients here
-# 0.7-2.4 s of moves and fresh memory, against a few steps at the wider width (docs/serving.md).
-NARROW_AFTER = 2
-
-
-def admission_bucket(length: int) -> int:
-    """The padded prompt length of an admission's prefill: a multiple of 16 up to 64 tokens, then
-    four buckets per doubling (80, 96, 112, 128, 160, 192, 224, 256, 320, ...): at most 15 tokens
-    of padding up to 64 tokens, under a quarter of the prompt past them.
-
-    Finer than `generate`'s buckets (api.prompt_bucket: 64 then 128 tokens for a 65-token prompt)
-    because an engine compiles only a prefill per bucket, where `generate` compiles its whole loop,
-    and because prefills are a quarter of a busy engine's time on a small CPU (docs/serving.md):
-    chat prompts of 40 to 127 tokens spent 30% of their prefill on padding with the coarse ones.
-    """
-    step = max(MIN_BUCKET, 1 << max(0, (length - 1).bit_length() - 3))
-    return max(MIN_BUCKET, -(-length // step) * step)
-
-
-@dataclasses.dataclass
-class Request:
-    """One generation: a prompt's token ids and its options (as `generate` takes them)."""
-
-    prompt: Sequence[int]
-    sampling: Sampling = dataclasses.field(default_factory=Sampling)
-    max_new_tokens: int = 128
-    # False: the request's drafts are never verified (it decodes one token per step, plainly)
-    # while the batch around it speculates; its output is the same either way.
-    speculate: bool = True
-    # The PRNG key a sampled request without a seed draws from (as `generate`'s key for a batch
-    # of this one request); None: the engine's key folded with the request's id.
-    key: jax.Array | None = None
-
-
-@dataclasses.dataclass
-class Update:
-    """What one engine step reports for one request: its new tokens, and counters since its
-    previous Update."""
-
-    request_id: int
-    tokens: list[int]  # committed since the previous Update (a stop token included, as generate does)
-    finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (non-finite logits) once finished
-    num_drafts: int  # drafting steps (vLLM's num_drafts)
-    num_draft_tokens: int
-    num_accepted_tokens: int
-    accepted_per_pos: list[int]  # accepted drafts at each draft position (k of them)
-    metrics: SpecMetrics | None = None  # the request's whole figures, once finished
+MIN_BUCKET = planner.MIN_BUCKET
 
 
 @dataclasses.dataclass
@@ -159,65 +85,14 @@ class _Running:
 _DELTAS = ("drafting_steps", "drafted", "accepted", "accepted_at")
 
 
-@dataclasses.dataclass
-class EngineStats:
-    """Where an engine's time went, in host wall-clock seconds since it started (or since
-    `reset`): what a benchmark divides to tell prefill from decoding, and each width's step."""
-
-    admissions: int = 0
-    admission_s: float = 0.0  # prefills and writes into slots, while the running rows wait
-    steps: dict[int, int] = dataclasses.field(default_factory=dict)  # loop steps, by chunk width
-    chunk_s: dict[int, float] = dataclasses.field(default_factory=dict)  # chunks' seconds, by width
-    # Of those, the quiet chunks' (Dynamic's chunks in which no row may draft), by width
-    quiet_steps: dict[int, int] = dataclasses.field(default_factory=dict)
-    quiet_s: dict[int, float] = dataclasses.field(default_factory=dict)
-
-    def reset(self) -> None:
-        self.admissions, self.admission_s, self.steps, self.chunk_s = 0, 0.0, {}, {}
-        self.quiet_steps, self.quiet_s = {}, {}
-
-    def ms_per_step(self, width: int) -> float:
-        return 1e3 * self.chunk_s[width] / max(self.steps[width], 1)
-
-    def add_chunk(self, width: int, steps: int, seconds: float, quiet: bool) -> None:
-        for counts, times in ((self.steps, self.chunk_s), (self.quiet_steps, self.quiet_s))[: 1 + quiet]:
-            counts[width] = counts.get(width, 0) + steps
-            times[width] = times.get(width, 0.0) + seconds
-
-    def summary(self) -> str:
-        """Steps by width and their milliseconds each, the quiet ones apart: "16: 120 x 29.1 ms
-        (quiet 80 x 28.0)"."""
-        parts = []
-        for w in sorted(self.steps):
-            part = f"{w}: {self.steps[w]} x {self.ms_per_step(w):.1f} ms"
-            if self.quiet_steps.get(w):
-                part += f" (quiet {self.quiet_steps[w]} x {1e3 * self.quiet_s[w] / self.quiet_steps[w]:.1f})"
-            parts.append(part)
-        return ", ".join(parts)
-
-
 class Engine:
-    """A batch of `max_batch` slots that requests join and leave (see the module's docstring).
+    """A batch of `config.max_batch` slots that requests join and leave (see the module's docstring).
 
     Drive it from one thread: `add` requests, call `step` while `has_work`, read the Updates.
 
     model: a specjax Model; proposer: any proposer `generate` takes (None: plain decoding).
-    max_model_len: prompt + new tokens of one request, at most (default: the model's context).
-    chunk_steps: steps per `step` call at most: fewer report tokens sooner, more cost fewer
-        host round trips.
-    admission_steps: steps per `step` call at most while a slot is free (default: 4, or
-        chunk_steps if fewer): a request that arrives during a chunk waits for its end before
-        its prefill, so a free slot is offered to arrivals this often. (A chunk also ends as soon
-        as a row finishes, so that its last tokens are reported and its slot refilled at once.)
-    narrow_after: how many chunks in a row the running requests must fit a narrower width before
-        the state narrows to it (0: at once). Until then the chunks step at the wider width, so
-        that requests arriving just after others finished find the slots where they were.
-    warp: the sampling code paths compiled in (default: every option; a `WarpSpec.of(...)` of the
-        requests to come makes a leaner program, and requests needing more are refused).
-    kernels, matmul_precision, cache_dtype, scan_layers: as for `generate`.
-    key: the PRNG key that requests without a seed draw from (request i uses it folded with i).
-    max_stop_states: the size of the stop-string automaton shared by the running requests (a
-        request whose strings do not fit beside theirs waits; one that never fits is refused).
+    config: an EngineConfig (its fields' docstrings say what each does); or its fields as keyword
+    arguments, `Engine(model, proposer, max_batch=16, chunk_steps=8)`.
 
     `stats` (EngineStats) says where the time went: admissions, and chunks and steps by width.
     `num_compiles` counts the programs compiled: the empty batch's prefill, one admission per
@@ -226,115 +101,63 @@ class Engine:
     check of which runs), each on first use unless `precompile` compiled it before.
     """
 
-    def __init__(
-        self,
-        model: Model,
-        proposer=None,
-        *,
-        max_batch: int = 8,
-        max_model_len: int | None = None,
-        chunk_steps: int = 16,
-        admission_steps: int | None = None,
-        narrow_after: int = NARROW_AFTER,
-        warp: WarpSpec | None = None,
-        kernels: str = "auto",
-        matmul_precision: str | None = None,
-        cache_dtype=None,
-        scan_layers: bool | None = None,
-        key: jax.Array | None = None,
-        max_stop_states: int = 64,
-    ):
-        if not isinstance(model, Model):
-            raise ValueError(f"model must be a specjax.Model (from specjax.load), got {type(model).__name__}")
+    def __init__(self, model: Model, proposer=None, config: EngineConfig | None = None, **options):
+        planner.check_model(model)
+        if config is not None and options:
+            raise ValueError(f"Engine: give a config or its fields ({', '.join(options)}), not both")
+        if config is None:
+            config = EngineConfig(**options)
+        elif not isinstance(config, EngineConfig):
+            raise ValueError(f"config must be a specjax.EngineConfig, got {type(config).__name__}")
         context = model.config.max_position_embeddings
-        max_model_len = context if max_model_len is None else max_model_len
-        _check_int("max_batch", max_batch, 1)
-        _check_int("chunk_steps", chunk_steps, 1)
-        if admission_steps is None:
-            admission_steps = min(ADMISSION_STEPS, chunk_steps)
-        _check_int("admission_steps", admission_steps, 1)
-        if admission_steps > chunk_steps:
+        if config.max_model_len is None:
+            config = dataclasses.replace(config, max_model_len=context)
+        if config.max_model_len > context:
             raise ValueError(
-                f"admission_steps={admission_steps} exceeds chunk_steps={chunk_steps}: a chunk runs at "
-                "most chunk_steps steps, and at most admission_steps while a slot is free"
+                f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens"
             )
-        _check_int("max_stop_states", max_stop_states, 1)
-        _check_int("narrow_after", narrow_after, 0)
-        _check_int("max_model_len", max_model_len, 2)
-        if warp is not None and not isinstance(warp, WarpSpec):
-            raise ValueError(f"warp must be None (every option) or a WarpSpec, got {warp!r}")
-        if max_model_len > context:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
-        self.model, self.max_batch, self.max_model_len = model, max_batch, max_model_len
-        self.chunk_steps, self.admission_steps, self.proposer = chunk_steps, admission_steps, proposer
-        self.narrow_after = narrow_after
+        self.model, self.proposer, self.config = model, proposer, config
         self._fitting_narrower = 0  # chunks in a row whose running requests fit a narrower width
-        dtype = model.params.dtype.name
-        try:
-            cache_dtype = dtype if cache_dtype is None else dtype_name(cache_dtype)
-        except ValueError as error:
-            raise ValueError(f"cache_dtype: {error}") from None
-        warp = ALL_OPTIONS if warp is None else warp
-        precision = backends.default_precision(dtype, matmul_precision)
-        backend = backends.for_devices(jax.devices()[:1], kernels, precision, False, scan_layers)
+        warp = config.sampling_paths
+        backend = planner.backend_for(model, config.kernels, config.matmul_precision, config.scan_layers)
         proposer_spec, proposer_params = resolve(proposer, model, warp, None)
         resolved_params = proposer_params
-        width = num_drafted(proposer_spec)
-        capacity = -(-(max_model_len + width + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
         self.spec = LoopSpec(
             config=model.config,
-            batch_size=max_batch,
+            batch_size=config.max_batch,
             prompt_bucket=MIN_BUCKET,
-            capacity=capacity,
+            capacity=planner.capacity(config.max_model_len, proposer_spec),
             warp=warp,
             proposer=proposer_spec,
-            dtype=dtype,
-            cache_dtype=cache_dtype,
+            dtype=model.params.dtype.name,
+            cache_dtype=planner.cache_dtype_of(model, config.cache_dtype),
             backend=backend,
         )
         self._check_memory()
-        params, proposer_params = kernel_weights(self.spec, model.params, proposer_params)
+        params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
             with backend.tracing():
                 params, proposer_params = jax.jit(program_params, static_argnums=0)(
                     self.spec, params, proposer_params
                 )
         self._params, self._proposer_params = params, proposer_params
-        # The same loop for chunks whose requests are all greedy, without penalties or logit bias
-        # (the common case), compiled without the sampling paths: the full program's filters
-        # and draws cost every row's logits a sort and a softmax per step. Its state is the full
-        # program's (penalty counts kept up to date, unread).
-        self._lean = None
-        if warp != WarpSpec():
-            lean_proposer, lean_params = resolve(proposer, model, WarpSpec(), None)
-            if jax.tree.structure(lean_params) == jax.tree.structure(resolved_params):
-                self._lean = dataclasses.replace(self.spec, warp=WarpSpec(), proposer=lean_proposer)
-        # The loop's programs by kind: "resume" (every sampling option) and "lean". A Dynamic
-        # proposer that can skip drafting splits each in two (DynamicSpec.chunk_programs): chunks
-        # in which no row may draft (a batch under load whose schedule turned drafting off) run a
-        # quiet program ("resume-quiet", "lean-quiet") of plain decoding's one-token steps, and
-        # end as soon as a row may draft (a probe); the others end as soon as none may.
-        self._loops = {"resume": self.spec} | ({} if self._lean is None else {"lean": self._lean})
-        for kind, loop in list(self._loops.items()):
-            split = getattr(loop.proposer, "chunk_programs", None)
-            programs = None if split is None else split()
-            if programs is not None:
-                drafting, quiet = (dataclasses.replace(loop, proposer=p) for p in programs)
-                self._loops |= {kind: drafting, f"{kind}-quiet": quiet}
-        self._widths = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length())} | {max_batch})
+        self._lean = self._lean_loop(resolved_params)
+        self._loops = self._loop_specs()
+        self._widths = config.widths
         self.k = self.spec.k
-        self._window = chunk_steps * (self.k + 1) + 1
-        self._key = jax.random.key(0) if key is None else as_key(key)
-        self._eos = frozenset(_eos_ids(model))
-        self._max_stop_states = max_stop_states
+        self._window = config.chunk_steps * (self.k + 1) + 1
+        self._key = jax.random.key(0) if config.key is None else planner.as_key(config.key)
+        self._eos = frozenset(planner.eos_ids(model))
+        self._max_stop_states = config.max_stop_states
         self._programs: dict[Any, Any] = {}
+        self._axes = None  # per leaf of a DecodeState, its rows' axis (`_batch_axes`), found once
         self.num_compiles = 0
         self.stats = EngineStats()
 
         self._ids = itertools.count()
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
-        self._slots: list[_Running | None] = [None] * max_batch
-        self._samplings: list[Sampling] = [Sampling()] * max_batch
+        self._slots: list[_Running | None] = [None] * config.max_batch
+        self._samplings: list[Sampling] = [Sampling()] * config.max_batch
         self._stop_strings = StopStringSet(()) if model.tokenizer is not None else None
         self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
         self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
@@ -355,10 +178,37 @@ class Engine:
         self._step_count = int(self._state.step)  # the loop's step counter, as the host last saw it
         self._compile_width_programs()
 
+    def _lean_loop(self, proposer_params) -> LoopSpec | None:
+        """The loop for chunks whose requests are all greedy, without penalties or logit bias (the
+        common case), compiled without the sampling paths: the full program's filters and draws
+        cost every row's logits a sort and a softmax per step. Its state is the full program's
+        (penalty counts kept up to date, unread). None where the full loop is lean already, or
+        where the proposer's params differ without the sampling paths."""
+        if self.spec.warp == WarpSpec():
+            return None
+        lean_proposer, lean_params = resolve(self.proposer, self.model, WarpSpec(), None)
+        if jax.tree.structure(lean_params) != jax.tree.structure(proposer_params):
+            return None
+        return dataclasses.replace(self.spec, warp=WarpSpec(), proposer=lean_proposer)
+
+    def _loop_specs(self) -> dict[str, LoopSpec]:
+        """The loop's programs by kind: "resume" (every sampling option) and "lean". A Dynamic
+        proposer that can skip drafting splits each in two (DynamicSpec.chunk_programs): chunks
+        in which no row may draft (a batch under load whose schedule turned drafting off) run a
+        quiet program ("resume-quiet", "lean-quiet") of plain decoding's one-token steps, and end
+        as soon as a row may draft (a probe); the others end as soon as none may."""
+        loops = {"resume": self.spec} | ({} if self._lean is None else {"lean": self._lean})
+        for kind, loop in list(loops.items()):
+            programs = None if loop.proposer is None else loop.proposer.chunk_programs()
+            if programs is not None:
+                drafting, quiet = (dataclasses.replace(loop, proposer=p) for p in programs)
+                loops |= {kind: drafting, f"{kind}-quiet": quiet}
+        return loops
+
     def _check_memory(self) -> None:
         """Refuse a batch whose caches and working memory do not fit (before allocating them)."""
         spec = dataclasses.replace(self.spec, prompt_bucket=self._bucket(self.max_model_len))
-        needed, available = memory_bytes(spec, self.model.params), available_memory_bytes()
+        needed, available = memory_bytes(spec, self.model.params), planner.available_memory_bytes()
         if available is not None and needed > available:
             gib = 1 << 30
             raise ValueError(
@@ -369,6 +219,26 @@ class Engine:
             )
 
     # ----- the public face -------------------------------------------------------------------
+
+    @property
+    def max_batch(self) -> int:
+        return self.config.max_batch
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def chunk_steps(self) -> int:
+        return self.config.chunk_steps
+
+    @property
+    def admission_steps(self) -> int:
+        return self.config.admission_steps
+
+    @property
+    def narrow_after(self) -> int:
+        return self.config.narrow_after
 
     @property
     def num_waiting(self) -> int:
@@ -384,25 +254,8 @@ class Engine:
 
     def add(self, request: Request) -> int:
         """Check a request and queue it; returns its id. ValueError naming what is wrong."""
-        if not isinstance(request, Request):
-            raise ValueError(f"request must be a specjax.serve.Request, got {type(request).__name__}")
-        prompt = request.prompt
-        listed = isinstance(prompt, Sequence | np.ndarray) and not isinstance(prompt, str | bytes)
-        if not listed or len(prompt) == 0:
-            raise ValueError(f"prompt must be a non-empty list of token ids, got {prompt!r:.80}")
-        vocab = self.model.config.vocab_size
-        for t in prompt:
-            if isinstance(t, bool) or not isinstance(t, int | np.integer) or not 0 <= t < vocab:
-                raise ValueError(f"prompt holds {t!r}: token ids must be integers in [0, {vocab})")
-        _check_int("max_new_tokens", request.max_new_tokens, 1)
-        if len(prompt) + request.max_new_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_new_tokens={request.max_new_tokens}: with a prompt of {len(prompt)} tokens it "
-                f"exceeds the engine's max_model_len of {self.max_model_len} tokens"
-            )
-        if not isinstance(request.sampling, Sampling):
-            raise ValueError(f"sampling must be a specjax.Sampling, got {type(request.sampling).__name__}")
-        _check_token_options([request.sampling], self.model)
+        prompt = check_request(request, self.model.config.vocab_size, self.max_model_len)
+        planner.check_token_options([request.sampling], self.model)
         self._check_warp(request.sampling)
         stop_ids = self._eos | set(request.sampling.stop_token_ids)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
@@ -418,11 +271,9 @@ class Engine:
                     f"states; the engine holds at most {MAX_STOP_STRINGS} strings in "
                     f"max_stop_states={self._max_stop_states} states; use fewer or shorter stop strings"
                 )
-        if not isinstance(request.speculate, bool):
-            raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
         if request.key is not None:
-            request = dataclasses.replace(request, key=as_key(request.key))
-        request = dataclasses.replace(request, prompt=[int(t) for t in prompt])
+            request = dataclasses.replace(request, key=planner.as_key(request.key))
+        request = dataclasses.replace(request, prompt=prompt)
         request_id = next(self._ids)
         self._waiting.append((request_id, request))
         return request_id
@@ -489,7 +340,7 @@ class Engine:
             s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
         )
         kind = "lean" if lean else "resume"
-        if f"{kind}-quiet" in self._loops and not self._run("may draft", width, self._state):
+        if f"{kind}-quiet" in self._loops and not self._run("may_draft", width, self._state):
             kind = f"{kind}-quiet"
         # While a slot is free, an arrival could take it: the chunk is short, so that a request
         # that comes while it runs waits little for its prefill. A chunk always ends when a row
@@ -534,11 +385,7 @@ class Engine:
         a speculative loop on a small CPU). Returns the number of programs it compiled."""
         lengths = list(prompt_lengths)
         for length in lengths:
-            if (
-                isinstance(length, bool)
-                or not isinstance(length, int | np.integer)
-                or not (1 <= length <= self.max_model_len)
-            ):
+            if not is_int(length) or not (1 <= length <= self.max_model_len):
                 raise ValueError(
                     f"prompt_lengths holds {length!r}: lengths must be integers in [1, {self.max_model_len}]"
                 )
@@ -558,7 +405,7 @@ class Engine:
             for kind in self._loops:
                 self._program(kind, width, *args)
             if "resume-quiet" in self._loops:
-                self._program("may draft", width, self._state_shape(width))
+                self._program("may_draft", width, self._state_shape(width))
         return self.num_compiles - before
 
     def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
@@ -643,7 +490,7 @@ class Engine:
             text = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
             cut = cut_text(text, request.sampling.stop) != text
         at_limit = len(tokens) == request.max_new_tokens
-        return _finish_reasons(self.model, [tokens], [request.sampling], [at_limit], [cut])[0]
+        return planner.finish_reasons(self.model, [tokens], [request.sampling], [at_limit], [cut])[0]
 
     def _final(self, request_id, tokens, reason, metrics) -> Update:
         return Update(request_id, tokens, True, reason, 0, 0, 0, [0] * self.k, metrics)
@@ -838,7 +685,9 @@ class Engine:
 
     def _state_shape(self, width: int):
         """The shapes of a running state `width` slots wide (what its programs compile for)."""
-        return jax.eval_shape(functools.partial(_repeat_rows, self._batch_axes(), width), self._free_row)
+        return jax.eval_shape(
+            functools.partial(engine_programs.repeat_rows, self._batch_axes(), width), self._free_row
+        )
 
     def _row_inputs_free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
         """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
@@ -863,163 +712,53 @@ class Engine:
     def _batch_axes(self):
         """Per leaf of a DecodeState, the axis that holds its rows (SHARED by all rows: the step
         counter), found by comparing the state's shapes at batch sizes 1 and 2."""
-        if getattr(self, "_axes", None) is None:
-            one, two = (self._state_shapes(n) for n in (1, 2))
-            self._axes = jax.tree.map(_differing_axis, one, two)
+        if self._axes is None:
+            self._axes = engine_programs.batch_axes(*(self._state_shapes(n) for n in (1, 2)))
         return self._axes
 
     def _state_shapes(self, batch: int):
         spec = dataclasses.replace(self.spec, batch_size=batch)
         inputs = self._row_inputs_free(batch)
 
-        def traced(params, proposer_params, inputs):
-            with spec.backend.tracing():
-                return prefill(spec, params, proposer_params, inputs)
-
+        traced = functools.partial(engine_programs.prefill_row, spec)
         return jax.eval_shape(traced, self._params, self._proposer_params, inputs)
 
-    def _run(self, kind, bucket: int, *args):
+    def _run(self, kind, size: int, *args):
         """Call a program, compiled ahead of time on its first call: a later call whose shapes
         differ is an error, never a silent recompilation (`num_compiles` counts them all)."""
-        return self._program(kind, bucket, *args)(*args)
+        return self._program(kind, size, *args)(*args)
 
-    def _program(self, kind, bucket: int, *args):
-        """The compiled program of (kind, bucket), compiled for `args` (arrays or their shapes)
-        if it is not yet."""
-        key = (kind, bucket)
+    def _program(self, kind, size: int, *args):
+        """The compiled program (kind, size), compiled for `args` (arrays or their shapes) if it is
+        not yet. `size` is the width in slots of the state it takes (a prompt bucket for
+        "prefill"); ("resize", to) and ("fill", from) also name the other width."""
+        key = (kind, size)
         if key not in self._programs:
-            self._programs[key] = self._make_program(kind, bucket).lower(*args).compile()
+            program, statics = self._statics(kind, size)
+            self._programs[key] = engine_programs.jitted(program, *statics).lower(*args).compile()
             self.num_compiles += 1
         return self._programs[key]
 
-    def _make_program(self, kind: str, bucket: int):
-        spec = self._loops.get(kind, self.spec)
-        on = spec.backend
-        axes = self._batch_axes()
-        if kind in self._loops:  # the loop over the running state, `bucket` slots wide
-            window, narrow = self._window, dataclasses.replace(spec, batch_size=bucket)
-
-            def resume(params, proposer_params, state, inputs, max_steps, reported):
-                return resume_program(
-                    narrow, params, proposer_params, state, inputs, max_steps, reported, window
-                )
-
-            return jax.jit(resume, donate_argnums=2)
-        if kind == "may draft":  # whether the next chunk runs a drafting program or a quiet one
-
-            def may_draft(state):
-                return spec.proposer.may_draft(state.proposer_state, ~state.done)
-
-            return jax.jit(may_draft)
-        if kind == "write":  # a prefilled row into slot `slot` of the running state
-            join = getattr(spec.proposer, "join", None)  # Dynamic's schedule: one k for the batch
-
-            def write(state, row, slot):
-                row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))  # its steps count from here
-                if join is not None:  # (the slot is free: ~done marks the rows running beside it)
-                    joined = join(state.proposer_state, row.proposer_state, ~state.done)
-                    row = row.replace(proposer_state=joined)
-                return _write_row(axes, state, row, slot)
-
-            return jax.jit(write, donate_argnums=0)
-        if kind == "move":  # the row in slot `source` copied into slot `slot` (`bucket` slots wide)
-
-            def move(state, source, slot):
-                return _write_row(axes, state, _read_row(axes, state, source, bucket), slot)
-
-            return jax.jit(move, donate_argnums=0)
-        if isinstance(kind, tuple) and kind[0] == "resize":  # `bucket` slots wide -> kind[1] wide
-            width = kind[1]
-
-            def resize(state, free_row):
-                if width < bucket:
-                    return jax.tree.map(
-                        lambda axis, x: (
-                            x
-                            if axis == SHARED
-                            else jax.lax.slice_in_dim(x, 0, x.shape[axis] // bucket * width, axis=axis)
-                        ),
-                        axes,
-                        state,
-                    )
-                extra = _repeat_rows(axes, width - bucket, free_row)
-                return jax.tree.map(
-                    lambda axis, x, y: x if axis == SHARED else jnp.concatenate([x, y], axis),
-                    axes,
-                    state,
-                    extra,
-                )
-
-            return jax.jit(resize)  # (its output has another shape: nothing to donate to)
-        if isinstance(kind, tuple) and kind[0] == "fill":  # kind[1] slots wide -> `bucket` wide, in place
-            narrow = kind[1]
-
-            def fill(spare, state, free_row):  # the spare's rows: the state's, then free rows
-                def put(axis, into, rows):
-                    if axis == SHARED:
-                        return rows
-                    return jax.lax.dynamic_update_slice_in_dim(into, rows, 0, axis)
-
-                # One free row at a time: the free rows repeated would be a temporary as large.
-                return jax.lax.fori_loop(
-                    narrow,
-                    bucket,
-                    lambda slot, into: _write_row(axes, into, free_row, slot),
-                    jax.tree.map(put, axes, spare, state),
-                )
-
-            return jax.jit(fill, donate_argnums=0)
-        row_spec = dataclasses.replace(spec, batch_size=1, prompt_bucket=bucket)
-
-        def prefill_row(params, proposer_params, inputs):  # kind "prefill": one request's row
-            with on.tracing():
-                return prefill(row_spec, params, proposer_params, inputs)
-
-        return jax.jit(prefill_row)
-
-
-def _check_int(name: str, value, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
-        raise ValueError(f"{name} must be an integer >= {least}, got {value!r}")
-
-
-SHARED = -1  # the batch axis of a leaf that all rows share
-
-
-def _differing_axis(one, two) -> int:
-    """The axis along which a leaf grows with the batch (SHARED when it does not)."""
-    axes = [i for i, (a, b) in enumerate(zip(one.shape, two.shape, strict=True)) if a != b]
-    assert len(axes) <= 1 and all(two.shape[i] == 2 * one.shape[i] for i in axes), (one, two)
-    return axes[0] if axes else SHARED
-
-
-def _write_row(axes, state, row, slot):
-    """`state` with slot `slot` replaced by `row` (a batch of one) in every per-row leaf."""
-
-    def write(axis, big, small):
-        if axis == SHARED:
-            return big
-        return jax.lax.dynamic_update_slice_in_dim(big, small, slot * small.shape[axis], axis)
-
-    return jax.tree.map(write, axes, state, row)
-
-
-def _read_row(axes, state, slot, width: int):
-    """Slot `slot` of a `width`-slot state, as a batch of one."""
-
-    def read(axis, x):
-        if axis == SHARED:
-            return x
-        size = x.shape[axis] // width
-        return jax.lax.dynamic_slice_in_dim(x, slot * size, size, axis)
-
-    return jax.tree.map(read, axes, state)
-
-
-def _repeat_rows(axes, batch: int, row):
-    """A batch of `batch` copies of `row` (a batch of one)."""
-
-    def repeat(axis, x):
-        return x if axis == SHARED else jnp.concatenate([x] * batch, axis)
-
-    return jax.tree.map(repeat, axes, row)
+    def _statics(self, kind, size: int) -> tuple[str, tuple]:
+        """(the engine_programs kind, its static arguments) of the engine's program (kind, size):
+        a loop by its name in `_loops` ("resume", "lean", their "-quiet" variants), or one of
+        engine_programs.PROGRAMS; anything else is an error."""
+        if kind in self._loops:  # the loop over the running state, `size` slots wide
+            return "resume", (dataclasses.replace(self._loops[kind], batch_size=size), self._window)
+        if kind == "prefill":  # one request's row, its prompt padded to `size`
+            return kind, (dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size),)
+        if kind == "may_draft":
+            return kind, (self.spec,)
+        axes = self._batch_axes()  # the programs over the running state read its rows' axes
+        if kind == "write":
+            return kind, (self.spec, axes)
+        if kind == "move":
+            return kind, (axes, size)
+        if isinstance(kind, tuple) and kind[0] == "resize":  # `size` slots wide -> kind[1] wide
+            return "resize", (axes, size, kind[1])
+        if isinstance(kind, tuple) and kind[0] == "fill":  # kind[1] slots wide -> `size` wide, in place
+            return "fill", (axes, kind[1], size)
+        raise ValueError(
+            f"unknown engine program {kind!r}: a loop ({', '.join(self._loops)}) or one of "
+            f"{', '.join(engine_programs.PROGRAMS)}"
+        )

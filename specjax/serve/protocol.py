@@ -32,7 +32,7 @@ import uuid
 from typing import Any
 
 from specjax.speculate.sampling import MAX_SEED, Sampling
-from specjax.text import chat_prompt_ids
+from specjax.text import chat_prompt_ids, has_chat_template
 
 CHAT, COMPLETION = "chat", "completion"
 # OpenAI's default token budget of a completion; a chat completion may fill the context.
@@ -271,7 +271,7 @@ def _message_text(message, i: int):
 def chat_prompt(tokenizer, messages) -> list[int]:
     """The prompt token ids of a chat request: the chat template over the messages with the
     assistant's turn opened (`specjax.chat_prompt_ids`, which `generate` uses too)."""
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise RequestError("the served model's tokenizer has no chat template: use /v1/completions")
     if isinstance(messages, list):
         messages = [

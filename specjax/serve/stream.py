@@ -18,16 +18,11 @@ from collections.abc import Iterator
 
 import jax
 
-from specjax.api import (
-    CAPACITY_GRANULE,
-    _check_token_options,
-    _key,
-    _per_row_sampling,
-    _tokenize,
-    prompt_bucket,
-)
+from specjax import planner
+from specjax.checks import check_int
 from specjax.models.model import Model
-from specjax.serve.engine import Engine, Request
+from specjax.serve.engine import Engine
+from specjax.serve.engine_config import Request
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.sampling import Sampling, WarpSpec
 from specjax.text import TextDeltas
@@ -76,21 +71,16 @@ def stream(
 
     Closing the generator early (a `break`) frees its slot.
     """
-    ids = _tokenize(model, [prompt], chat)[0]
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    sampling = _per_row_sampling(sampling, 1)[0]
-    _check_token_options([sampling], model)
-    key = _key(key, [sampling])
-    context = model.config.max_position_embeddings
-    if len(ids) + max_new_tokens > context:
-        raise ValueError(
-            f"prompt: {len(ids)} tokens with max_new_tokens={max_new_tokens} exceed the model's context "
-            f"of {context} tokens"
-        )
+    ids = planner.tokenize(model, [prompt], chat)[0]
+    check_int("max_new_tokens", max_new_tokens, 1)
+    sampling = planner.row_samplings(sampling, 1)[0]
+    planner.check_token_options([sampling], model)
+    key = planner.call_key(key, [sampling])
+    planner.check_fits_context(model, len(ids), max_new_tokens, "prompt")
     # Engines are shared by calls whose lengths round to the same capacity, as generate's programs are.
-    length = prompt_bucket(len(ids)) + max_new_tokens
-    max_model_len = min(context, -(-length // CAPACITY_GRANULE) * CAPACITY_GRANULE)
+    length = planner.prompt_bucket(len(ids)) + max_new_tokens
+    granule = planner.CAPACITY_GRANULE
+    max_model_len = min(model.config.max_position_embeddings, -(-length // granule) * granule)
     options = dict(
         max_model_len=max_model_len,
         chunk_steps=chunk_steps,

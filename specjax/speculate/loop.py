@@ -33,8 +33,7 @@ from specjax.models.llama import LlamaParams, attention_workspace_bytes, layers_
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
-from specjax.speculate.proposers.base import init_state
-from specjax.speculate.proposers.forced import ForcedVerifier
+from specjax.speculate.proposers.protocol import InitContext, ProposeContext, UpdateContext
 from specjax.speculate.sampling import (
     SamplingParams,
     WarpSpec,
@@ -44,7 +43,6 @@ from specjax.speculate.sampling import (
     warp_logits,
 )
 from specjax.speculate.stops import StopStrings
-from specjax.speculate.verifiers import LOSSLESS
 from specjax.speculate.verify import rejection_sample
 
 
@@ -57,7 +55,7 @@ class LoopSpec:
     prompt_bucket: int  # prompts are right-padded to this many tokens
     capacity: int  # slots per row in the token buffer and the KV cache
     warp: WarpSpec
-    proposer: Any = None  # a proposer spec (see speculate/proposers), None for plain decoding
+    proposer: Any = None  # a ProposerSpec (speculate/proposers/protocol.py), None for plain decoding
     mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
     dtype: str = "float32"  # the target's weights and activations
     cache_dtype: str = "float32"  # the target's KV cache
@@ -72,8 +70,8 @@ class LoopSpec:
 
     @property
     def tree(self):
-        """The proposer's TokenTree, or None for a chain of k drafts."""
-        return getattr(self.proposer, "tree", None)
+        """The proposer's TokenTree, or None for a chain of k drafts (or plain decoding)."""
+        return None if self.proposer is None else self.proposer.capabilities.tree
 
     @property
     def num_drafted(self) -> int:
@@ -85,7 +83,7 @@ def num_drafted(proposer) -> int:
     length, less one): k for a chain, a tree's node count, 0 for plain decoding."""
     if proposer is None:
         return 0
-    tree = getattr(proposer, "tree", None)
+    tree = proposer.capabilities.tree
     return proposer.k if tree is None else tree.num_nodes
 
 
@@ -270,16 +268,17 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     cache = cache.advance(inputs.prompt_lengths)
     proposer_state = None
     if spec.proposer is not None:
-        proposer_state = init_state(
-            spec.proposer,
-            params,
-            proposer_params,
-            inputs.prompt_tokens,
-            inputs.prompt_lengths,
-            spec.capacity,
-            features,
-            cache,
+        context = InitContext(
+            target_params=params,
+            params=proposer_params,
+            prompt_tokens=inputs.prompt_tokens,
+            prompt_lengths=inputs.prompt_lengths,
+            capacity=spec.capacity,
+            target_features=features,
+            target_cache=cache,
         )
+        with jax.named_scope("propose"):
+            proposer_state = spec.proposer.init(context)
     history = None
     if spec.warp.penalties:
         history = TokenHistory.of_prompts(inputs.prompt_tokens, inputs.prompt_lengths, spec.config.vocab_size)
@@ -327,9 +326,9 @@ def _target_forward(
 
 def _forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, **options):
     """(final-normed hidden states [B, T, D], the proposer's features, cache). The features are
-    the hidden states, or, for a proposer with `feature_layers` (EAGLE-3), the residual streams
-    entering those layers side by side [B, T, n*D], taken in the same pass."""
-    layers = getattr(spec.proposer, "feature_layers", None)
+    the hidden states, or, for a proposer whose capabilities name feature layers (EAGLE-3), the
+    residual streams entering those layers side by side [B, T, n*D], taken in the same pass."""
+    layers = None if spec.proposer is None else spec.proposer.capabilities.feature_layers
     if not layers:
         hidden, cache = mesh_forward_hidden(
             spec.mesh, params, spec.config, tokens, positions, cache, **options
@@ -441,11 +440,10 @@ def _verify_drafts(
 
 
 def verifier(spec: LoopSpec):
-    """What decides each verify pass (speculate/verifiers.py): the lossless verifier, or, for a
-    ForcedAcceptance proposer (a measurement tool, possibly inside Dynamic), its ForcedVerifier
-    wrapped around the lossless one."""
-    rates = getattr(spec.proposer, "forced_acceptance", None)
-    return LOSSLESS if rates is None else ForcedVerifier(rates, LOSSLESS)
+    """What decides each verify pass (speculate/verifiers.py): the one the proposer declares, the
+    lossless verifier unless it is a measurement tool (ForcedAcceptance, possibly inside another
+    wrapper)."""
+    return spec.proposer.capabilities.verifier
 
 
 def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, proposal, sampling, keys):
@@ -533,18 +531,18 @@ def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
 def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs, keys, width=None):
     """Draft, at `width` for a Dynamic proposer that switches widths. Returns (Proposal over
     spec.k positions, proposer state)."""
-    extra = {} if width is None else {"width": width}
-    proposal, proposer_state = spec.proposer.propose(
-        params,
-        proposer_params,
-        state.proposer_state,
-        state.tokens,
-        state.lengths,
-        keys[:, 0],
-        inputs.sampling,
-        state.history,
-        **extra,
+    context = ProposeContext(
+        target_params=params,
+        params=proposer_params,
+        tokens=state.tokens,
+        lengths=state.lengths,
+        keys=keys[:, 0],
+        sampling=inputs.sampling,
+        history=state.history,
+        width=width,
     )
+    with jax.named_scope("propose"):
+        proposal, proposer_state = spec.proposer.propose(context, state.proposer_state)
     if inputs.speculate is not None:
         proposal = proposal.replace(valid=proposal.valid & inputs.speculate[:, None])
     return proposal, proposer_state
@@ -553,18 +551,20 @@ def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs
 def _verify(spec: LoopSpec, params, state: DecodeState, proposal, inputs, keys, width=None, write=True):
     """Score and verify a proposal (its first `width` drafts when given): a Verdict padded to spec.k
     positions; with `write=False` it holds the pass's entries, not the written cache."""
-    if spec.tree is not None:
-        return _verify_tree(spec, params, state, proposal, inputs.sampling, keys[:, 1])
-    if width is not None:  # verify only the drafted width
-        proposal = jax.tree.map(lambda x: x[:, : max(width, 1)], proposal)
-    return _pad_verdict(
-        _verify_drafts(spec, params, state, proposal, inputs.sampling, keys[:, 1], write), spec.k
-    )
+    with jax.named_scope("verify"):
+        if spec.tree is not None:
+            return _verify_tree(spec, params, state, proposal, inputs.sampling, keys[:, 1])
+        if width is not None:  # verify only the drafted width
+            proposal = jax.tree.map(lambda x: x[:, : max(width, 1)], proposal)
+        return _pad_verdict(
+            _verify_drafts(spec, params, state, proposal, inputs.sampling, keys[:, 1], write), spec.k
+        )
 
 
 def _skip(spec: LoopSpec, params, state: DecodeState, proposal, inputs, keys, write=True):
     """`_verify` when no running row drafted: a one-token pass (see `_no_drafts`)."""
-    return _no_drafts(spec, params, state, inputs.sampling, keys[:, 1], write)
+    with jax.named_scope("verify"):
+        return _no_drafts(spec, params, state, inputs.sampling, keys[:, 1], write)
 
 
 def _propose_and_verify(
@@ -575,7 +575,7 @@ def _propose_and_verify(
     proposal, proposer_state = _propose(spec, params, proposer_params, state, inputs, keys)
     valid = proposal.valid
     verify = functools.partial(_verify, spec, params, inputs=inputs, keys=keys, write=write)
-    if spec.proposer.always_drafts:
+    if spec.proposer.capabilities.always_drafts:
         verdict = verify(state, proposal)
     else:
         skip = functools.partial(_skip, spec, params, inputs=inputs, keys=keys, write=write)
@@ -596,7 +596,7 @@ def _verify_at_widths(spec: LoopSpec, params, proposer_params, state: DecodeStat
     every running row's drafts, or make a one-token pass when no running row drafted. A batch-wide
     `lax.switch`: a step whose rows drafted with the shorter part pays for its width only."""
     proposal, proposer_state = _propose(spec, params, proposer_params, state, inputs, keys)
-    widths = (0, *spec.proposer.verify_widths)
+    widths = (0, *spec.proposer.capabilities.verify_widths)
     branch = smallest_width(widths, proposal.valid, ~state.done)
     verdict = jax.lax.switch(branch, _passes(spec, params, inputs, keys, widths), state, proposal)
     return verdict, proposer_state, proposal.valid
@@ -617,7 +617,7 @@ def _propose_and_verify_widths(spec: LoopSpec, params, proposer_params, state: D
     branch) when no running row drafted. Two switches: one switch whose branches each drafted,
     verified and held their own one-token pass compiled that pass once per width, a third of a
     Dynamic(NGram) program's size (docs/benchmarks.md, "What a compiled program holds")."""
-    widths = spec.proposer.widths
+    widths = spec.proposer.capabilities.widths
     assert widths[0] == 0, widths
     running = ~state.done
     if widths == (0,):  # a quiet program's step (DynamicSpec.chunk_programs): no row drafts, and
@@ -631,7 +631,7 @@ def _propose_and_verify_widths(spec: LoopSpec, params, proposer_params, state: D
         for w in widths
     ]
     proposal, proposer_state = jax.lax.switch(branch, drafts, state)
-    if not spec.proposer.always_drafts:
+    if not spec.proposer.capabilities.always_drafts:
         branch = jnp.where(jnp.any(proposal.valid & running[:, None]), branch, 0)
     verdict = jax.lax.switch(branch, _passes(spec, params, inputs, keys, widths), state, proposal)
     return verdict, proposer_state, proposal.valid
@@ -654,12 +654,13 @@ def speculative_step(
     state = state.replace(step=state.step + 1)
     keys = jax.vmap(jax.random.split)(_step_keys(state.keys, _row_step(state)))  # [B, 2]
 
-    widths = getattr(spec.proposer, "widths", None)
-    verify_widths = None if spec.tree is not None else getattr(spec.proposer, "verify_widths", None)
+    capabilities = spec.proposer.capabilities
+    widths = capabilities.widths
+    verify_widths = None if spec.tree is not None else capabilities.verify_widths
     # Passes inside a cond or switch leave the cache to `_store` (see FreshEntries). A tree's
     # verifier writes, since it moves entries after writing them (tree proposers always draft,
     # so no cond holds their pass).
-    write = spec.tree is not None or (widths is None and spec.proposer.always_drafts)
+    write = spec.tree is not None or (widths is None and capabilities.always_drafts)
     if widths is not None:
         verdict, proposer_state, valid = _propose_and_verify_widths(
             spec, params, proposer_params, state, inputs, keys
@@ -671,12 +672,12 @@ def speculative_step(
             spec, params, proposer_params, state, inputs, keys, write=write
         )
     num_accepted = verdict.num_accepted
-    state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
+    with jax.named_scope("commit"):
+        state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
     state = _flag_nonfinite(state, verdict.finite, running)
-    if getattr(spec.proposer, "counts_running_rows", False):  # it keeps metrics of its own (Hybrid)
-        proposer_state = spec.proposer.update(proposer_state, verdict.path_hidden, num_accepted, running)
-    else:
-        proposer_state = spec.proposer.update(proposer_state, verdict.path_hidden, num_accepted)
+    with jax.named_scope("propose"):  # the proposer catching up on the verdict
+        context = UpdateContext(path_features=verdict.path_hidden, num_accepted=num_accepted, running=running)
+        proposer_state = spec.proposer.update(context, proposer_state)
 
     m = state.metrics
     live = running[:, None]
@@ -726,9 +727,8 @@ def program_params(spec: LoopSpec, params: LlamaParams, proposer_params):
     if not (spec.backend or backend.active()).scans_layers:
         return params, proposer_params
     params = stack_layers(params, spec.config)
-    stack_own = getattr(spec.proposer, "stack_layers", None)  # a draft model's own layers
-    if stack_own is not None and proposer_params is not None:
-        proposer_params = stack_own(proposer_params)
+    if spec.proposer is not None and proposer_params is not None:  # a draft model's own layers
+        proposer_params = spec.proposer.stack_layers(proposer_params)
     return params, proposer_params
 
 
@@ -757,7 +757,6 @@ def resume_program(
     only new tokens go to the host, tokens [B, window] of each row from column reported[b] on
     (the host's count of the row's tokens it has seen; `window` static, >= the tokens a chunk
     can commit past it)."""
-    ends_chunk = getattr(spec.proposer, "ends_chunk", None)
     with (spec.backend or backend.active()).tracing():
         first_step, done_before = state.step, state.done
 
@@ -765,9 +764,12 @@ def resume_program(
             freed = jnp.any(state.done & ~done_before)
             under = state.step - first_step < max_steps
             go_on = jnp.any(~state.done) & under & ~freed
-            if ends_chunk is not None:  # Dynamic's programs for steps that draft and for those that
-                # don't (DynamicSpec.chunk_programs), after at least one step
-                go_on &= ~ends_chunk(state.proposer_state, ~state.done) | (state.step == first_step)
+            ends = (
+                None if spec.proposer is None else spec.proposer.ends_chunk(state.proposer_state, ~state.done)
+            )
+            if ends is not None:  # Dynamic's programs for steps that draft and for those that don't
+                # (DynamicSpec.chunk_programs), after at least one step
+                go_on &= ~ends | (state.step == first_step)
             return go_on
 
         step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)

@@ -42,10 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS
 from specjax.speculate.sampling import greedy_argmax
 from specjax.speculate.verify import keys_per_row, residual_floor
 
+# Draft positions (k, a chain's length or a tree's depth): more buys nothing measurable and bloats
+# the verify pass.
+MAX_SPECULATIVE_TOKENS = 16
 MAX_TREE_NODES = 128  # drafted nodes; a verify pass over more costs more than it can win back
 
 

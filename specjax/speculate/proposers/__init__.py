@@ -1,42 +1,30 @@
 """Proposers: cheap guesses of the next k tokens.
 
-The user-facing objects (NGram, DraftModel, SelfDraft, Medusa, MLPSpeculator, Eagle, or a
-researcher's own object with `spec(target, warp, mesh)` and `params(target)` methods) resolve, per
-call, to a frozen, hashable *proposer spec* that the compiled loop holds as a static value, plus a
-params pytree (or None) passed as an argument. A spec provides:
+What a proposer is, and what the loop may ask of one, is declared in one place: protocol.py
+(`Proposer`, the user-facing config; `ProposerSpec`, what it resolves to for one call, with its
+functions over context objects and its `Capabilities` record). Each proposer is one file here,
+and one entry in registry.py, which the proposers' names (specjax/named.py), the server's
+`--speculative-config` methods and the docs read.
 
-    k: int                         number of speculative tokens
-    always_drafts: bool            True when every row drafts k tokens every step
-    state_bytes(batch_size, capacity) -> int   device memory of its state (checked up front)
-    init(target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden) -> state
-    propose(target_params, params, state, tokens, lengths, keys, sampling, history)
-        -> (Proposal, state)
-    update(state, path_hidden, num_accepted) -> state
-
-and optionally `observe(target_params, params, state, tokens, lengths) -> state`: keep the state
-current on a step it is not asked to draft (a gated Hybrid's fallback; without it, Hybrid drafts
-and discards); and `reads_target_cache = True`, for which `init` also takes `target_cache=`, the
-target's KVCache after the prompt (SelfDraft and DraftModel(prompt_from_target=True) start
-their own from it).
-`Stateless` supplies state_bytes, init, update and observe for a proposer without state; a token
-tree proposer has `tree` (a TokenTree: the Proposal then holds one token per tree node).
-`target_hidden [B, T, D]` is the target's final-normed hidden states over the prompt, and
-`path_hidden [B, K+1, D]` the target's hidden states at the last token and the accepted drafts
-of a step: trained heads (Medusa, EAGLE) draft from them.
-
-`propose` sees the committed sequence (`tokens[b, :lengths[b]]`), one PRNG key per row, the
-per-row sampling values and the penalty history (None when no row has a penalty), and returns a
-Proposal (its draft_probs None for a deterministic proposer, whose q is one-hot); the loop
-verifies it, commits what was accepted, and calls `propose` again. A drafting proposer adjusts
-and warps its logits with the same functions as the target (speculate/sampling.py).
+Wrappers compose other proposers: `Dynamic` (a per-row k chosen by a schedule), `Hybrid` (per row,
+one of two proposers' drafts), `ForcedAcceptance` (a measurement tool that forces acceptance) and
+`WithNGram` (a model's drafts extended by prompt lookup).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
-from specjax.models.model import Model
-from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Stateless
+from specjax.speculate.proposers.base import (
+    MAX_SPECULATIVE_TOKENS,
+    FromLastHidden,
+    HeadInputs,
+    LastHiddenState,
+    Proposal,
+    Stateless,
+    check_k,
+    choose_draft,
+    draft_distribution,
+    draft_keys,
+)
 from specjax.speculate.proposers.dflash import DFlash, DFlashSpec
 from specjax.speculate.proposers.draft import DraftModel, DraftSpec, SelfDraft
 from specjax.speculate.proposers.dynamic import Dynamic, DynamicSpec, GoodputSchedule, HeuristicSchedule
@@ -48,117 +36,74 @@ from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorSpec
 from specjax.speculate.proposers.mtp import MTP, MTPSpec
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
-from specjax.speculate.proposers.with_ngram import WithNGram, WithNGramSpec
-from specjax.speculate.sampling import WarpSpec
-
-PROPOSER_TYPES = (
-    NGram,
-    DraftModel,
-    SelfDraft,
-    Medusa,
-    MLPSpeculator,
-    Eagle,
-    Eagle3,
-    DFlash,
-    MTP,
-    WithNGram,
-    Hybrid,
-    Dynamic,
-    ForcedAcceptance,
+from specjax.speculate.proposers.protocol import (
+    FINAL_HIDDEN,
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+    Wrapper,
+    resolve,
 )
+from specjax.speculate.proposers.with_ngram import WithNGram, WithNGramSpec
 
 
-def resolve(proposer, target: Model, warp: WarpSpec, mesh=None):
-    """(spec, params) for a user-facing proposer; (None, None) for plain decoding. With a jax Mesh,
-    a model-based proposer's spec runs its forward on it."""
-    if proposer is None:
-        return None, None
-    if isinstance(proposer, NGram):
-        return proposer, None
-    if isinstance(
-        proposer,
-        DraftModel
-        | SelfDraft
-        | Medusa
-        | MLPSpeculator
-        | Eagle
-        | Eagle3
-        | DFlash
-        | MTP
-        | WithNGram
-        | Hybrid
-        | Dynamic
-        | ForcedAcceptance,
-    ):
-        return proposer.spec(target, warp, mesh), proposer.params(target)
-    if callable(getattr(proposer, "spec", None)) and callable(getattr(proposer, "params", None)):
-        return proposer.spec(target, warp, mesh), proposer.params(target)  # a custom proposer
-    names = ", ".join(t.__name__ for t in PROPOSER_TYPES)
-    raise ValueError(
-        f"proposer must be None, one of specjax.{{{names}}} or an object with spec() and params() "
-        f"methods (see specjax/speculate/proposers), got {type(proposer).__name__}"
-    )
-
-
-def with_k(proposer, k: int):
-    """The same proposer drafting k tokens (at most k for Dynamic); ValueError for one whose draft
-    length is fixed by a token tree (Medusa, an Eagle tree). DFlash drafts k through a block of
-    k + 1; Hybrid changes both parts."""
-    if isinstance(proposer, NGram | SelfDraft | DraftModel | MLPSpeculator):  # (at most n_predict)
-        return dataclasses.replace(proposer, k=k)
-    if isinstance(proposer, Eagle | Eagle3 | MTP) and proposer.tree is None:
-        return dataclasses.replace(proposer, k=k)  # keeps its confidence threshold
-    if isinstance(proposer, DFlash):
-        return DFlash(proposer.head, block=k + 1)
-    if isinstance(proposer, WithNGram):  # the model part keeps its k, the lookup takes the rest
-        model_k = getattr(proposer.proposer, "k", None)
-        if not isinstance(model_k, int) or k <= model_k:
-            raise ValueError(
-                f"k={k}: WithNGram's proposer drafts k={model_k}; k must exceed it (the lookup's share)"
-            )
-        return WithNGram(proposer.proposer, dataclasses.replace(proposer.ngram, k=k - model_k))
-    if isinstance(proposer, Hybrid):
-        return Hybrid(with_k(proposer.first, k), with_k(proposer.then, k), proposer.gate)
-    if isinstance(proposer, Dynamic):
-        return Dynamic(with_k(proposer.proposer, k), proposer.schedule)
-    if isinstance(proposer, ForcedAcceptance):
-        return proposer.with_k(k)
-    raise ValueError(
-        f"k={k}: cannot change k of {type(proposer).__name__}: its draft length is fixed (a Medusa "
-        "head's count or a token tree's depth)"
-    )
+def with_k(proposer: Proposer, k: int) -> Proposer:
+    """The same proposer drafting k tokens (at most k for Dynamic): `proposer.with_k(k)`; a
+    ValueError for one whose draft length is fixed by a token tree (Medusa, an Eagle tree). DFlash
+    drafts k through a block of k + 1; Hybrid changes both parts."""
+    if not isinstance(proposer, Proposer):
+        raise ValueError(f"with_k: proposer must be a specjax proposer, got {type(proposer).__name__}")
+    return proposer.with_k(k)
 
 
 __all__ = [
+    "FINAL_HIDDEN",
     "MAX_SPECULATIVE_TOKENS",
+    "Capabilities",
+    "DFlash",
+    "DFlashSpec",
     "DraftModel",
     "DraftSpec",
     "Dynamic",
     "DynamicSpec",
-    "ForcedAcceptance",
-    "ForcedSpec",
-    "GoodputSchedule",
-    "HeuristicSchedule",
     "Eagle",
     "Eagle3",
     "Eagle3Spec",
-    "DFlash",
-    "DFlashSpec",
+    "EagleSpec",
+    "ForcedAcceptance",
+    "ForcedSpec",
+    "FromLastHidden",
+    "GoodputSchedule",
+    "HeadInputs",
+    "HeuristicSchedule",
     "Hybrid",
     "HybridSpec",
-    "EagleSpec",
-    "Medusa",
-    "MedusaSpec",
+    "InitContext",
+    "LastHiddenState",
     "MLPSpeculator",
     "MLPSpeculatorSpec",
     "MTP",
     "MTPSpec",
+    "Medusa",
+    "MedusaSpec",
     "NGram",
     "Proposal",
+    "ProposeContext",
+    "Proposer",
+    "ProposerSpec",
     "SelfDraft",
     "Stateless",
+    "UpdateContext",
     "WithNGram",
     "WithNGramSpec",
+    "Wrapper",
+    "check_k",
+    "choose_draft",
+    "draft_distribution",
+    "draft_keys",
     "ngram_propose",
     "resolve",
     "with_k",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -10,10 +11,16 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.sharding import replicate
+from specjax.speculate.proposers.protocol import (
+    FINAL_HIDDEN,
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    ProposerSpec,
+    UpdateContext,
+)
 from specjax.speculate.sampling import adjust_logits, choose_tokens
-
-MAX_SPECULATIVE_TOKENS = 16  # k above this buys nothing measurable and bloats the verify pass
+from specjax.speculate.tree import MAX_SPECULATIVE_TOKENS
 
 
 @flax.struct.dataclass
@@ -35,21 +42,24 @@ def check_k(owner: str, k) -> None:
         raise ValueError(f"{owner} k must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
 
 
-class Stateless:
+class Stateless(ProposerSpec):
     """Defaults for a proposer spec that keeps no state of its own (NGram, or a researcher's own
     rule over the tokens): no memory, nothing to set up after the prefill, nothing to catch up on.
-    A subclass supplies `k`, `always_drafts` and `propose` (see proposers/__init__.py)."""
+    A subclass supplies `k` and `propose` (see protocol.py), and `capabilities` where it is not a
+    chain drafter's that drafts k every step."""
+
+    capabilities = Capabilities(stateless=True)
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return 0
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
+    def init(self, ctx: InitContext):
         return None
 
-    def update(self, state, path_hidden, num_accepted):
+    def update(self, ctx: UpdateContext, state):
         return state
 
-    def observe(self, target_params, params, state, tokens, lengths):
+    def observe(self, ctx: ProposeContext, state):
         return state
 
 
@@ -58,29 +68,35 @@ class LastHiddenState:
     hidden: jax.Array  # [B, D] the target's final-normed hidden state the last token came from
 
 
-class FromLastHidden:
+class FromLastHidden(ProposerSpec):
     """Defaults for a proposer spec that drafts from one hidden state per row (Medusa, the MLP
     speculator): the target's, at the token before the last committed one (the state the last
-    token was predicted from). A subclass supplies `hidden_size`, `k` and `propose`."""
+    token was predicted from). A subclass is a frozen dataclass with `hidden_size`, `k` and a
+    `max_accepted` field (None), and supplies `propose`."""
 
     hidden_size: int
+    max_accepted: int | None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(target_features=FINAL_HIDDEN, catches_up=True, accepts=self.max_accepted)
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return batch_size * self.hidden_size * 4
 
-    def init(self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden):
-        rows = jnp.arange(prompt_tokens.shape[0])
-        return LastHiddenState(hidden=target_hidden[rows, prompt_lengths - 1])
+    def init(self, ctx: InitContext) -> LastHiddenState:
+        rows = jnp.arange(ctx.prompt_tokens.shape[0])
+        return LastHiddenState(hidden=ctx.target_features[rows, ctx.prompt_lengths - 1])
 
-    def update(self, state: LastHiddenState, path_hidden, num_accepted) -> LastHiddenState:
-        rows = jnp.arange(path_hidden.shape[0])
-        return LastHiddenState(hidden=path_hidden[rows, num_accepted])
+    def update(self, ctx: UpdateContext, state: LastHiddenState) -> LastHiddenState:
+        rows = jnp.arange(ctx.path_features.shape[0])
+        return LastHiddenState(hidden=ctx.path_features[rows, ctx.num_accepted])
 
     def accepting(self, K: int):
-        """Itself: `update` takes the hidden state after any number of accepted drafts."""
-        return self
+        """Itself, reading the hidden state after up to K accepted drafts (`update` takes any)."""
+        return self if K <= self.accepts else dataclasses.replace(self, max_accepted=K)
 
-    def observe(self, target_params, params, state: LastHiddenState, tokens, lengths) -> LastHiddenState:
+    def observe(self, ctx: ProposeContext, state: LastHiddenState) -> LastHiddenState:
         return state  # nothing to catch up on: `update` keeps the one hidden state it drafts from
 
 
@@ -89,19 +105,6 @@ def draft_distribution(proposal: Proposal, vocab_size: int) -> jax.Array:
     if proposal.draft_probs is not None:
         return proposal.draft_probs.astype(jnp.float32)
     return jax.nn.one_hot(proposal.draft_tokens, vocab_size, dtype=jnp.float32)
-
-
-def init_state(
-    spec, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache
-):
-    """`spec.init(...)`, handed the target's cache after the prompt (`target_cache=`) where the spec
-    reads it (`reads_target_cache`: a draft that starts from the target's keys and values instead
-    of running the prompt itself); other specs, a researcher's own among them, keep the six
-    arguments of the protocol (proposers/__init__.py)."""
-    args = (target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden)
-    if getattr(spec, "reads_target_cache", False):
-        return spec.init(*args, target_cache=target_cache)
-    return spec.init(*args)
 
 
 def draft_keys(keys: jax.Array, k: int) -> jax.Array:
@@ -122,60 +125,6 @@ def choose_draft(keys, logits, sampling, warp, history, counts):
     if history is not None:
         counts = counts.at[jnp.arange(token.shape[0]), token].add(1)
     return token, probs, counts
-
-
-class Wrapper:
-    """Defaults for a proposer spec that wraps another one, `inner` (ForcedSpec, DynamicSpec):
-    everything it does not change is the inner spec's."""
-
-    inner: Any
-
-    @property
-    def k(self) -> int:
-        return self.inner.k
-
-    @property
-    def tree(self):
-        return getattr(self.inner, "tree", None)
-
-    @property
-    def always_drafts(self) -> bool:
-        return self.inner.always_drafts
-
-    @property
-    def feature_layers(self):
-        return getattr(self.inner, "feature_layers", None)
-
-    def state_bytes(self, batch_size: int, capacity: int) -> int:
-        return self.inner.state_bytes(batch_size, capacity)
-
-    @property
-    def reads_target_cache(self) -> bool:
-        return getattr(self.inner, "reads_target_cache", False)
-
-    def init(self, *args, **target_cache):
-        return self.inner.init(*args, **target_cache)
-
-    def propose(self, *args):
-        return self.inner.propose(*args)
-
-    def update(self, state, path_hidden, num_accepted):
-        return self.inner.update(state, path_hidden, num_accepted)
-
-    def with_panel_weights(self, params):
-        """The inner spec's params for drafting on the CPU (a trained head's panels), if it has any."""
-        packing = getattr(self.inner, "with_panel_weights", None)
-        return params if packing is None else packing(params)
-
-    def place_params(self, params, mesh):
-        """The inner spec's params placed on `mesh` as it asks (a draft model's), else replicated."""
-        placing = getattr(self.inner, "place_params", None)
-        return replicate(params, mesh) if placing is None else placing(params, mesh)
-
-    def stack_layers(self, params):
-        """The inner spec's params with a draft model's layers stacked (see DraftSpec), if it has any."""
-        stacking = getattr(self.inner, "stack_layers", None)
-        return params if stacking is None else stacking(params)
 
 
 def kept_inputs(owner, target, build: Callable[[Any], Any]):

@@ -35,6 +35,14 @@ from specjax.models.dflash import (
 )
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, HeadInputs, Proposal, kept_inputs
+from specjax.speculate.proposers.protocol import (
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+)
 
 
 @flax.struct.dataclass
@@ -45,42 +53,39 @@ class DFlashState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashSpec:
+class DFlashSpec(ProposerSpec):
     config: DFlashConfig
     block: int  # the anchor and block - 1 drafts
     target_config: LlamaConfig  # for reading tokens through the target's head
     dtype: str = "float32"
     max_accepted: int | None = None  # more than k when paired with a longer drafter (`accepting`)
-    always_drafts = True
 
     @property
     def k(self) -> int:
         return self.block - 1
 
     @property
-    def accepts(self) -> int:
-        """The most drafts one step may accept: k, or more as a Hybrid part beside a longer drafter
-        (its pending features hold that many plus one)."""
-        return self.k if self.max_accepted is None else self.max_accepted
+    def capabilities(self) -> Capabilities:
+        # Its pending features hold `accepts` + 1 of the target's: more than k as a Hybrid part
+        # beside a longer drafter.
+        return Capabilities(
+            target_features=self.config.aux_layer_ids, catches_up=True, accepts=self.max_accepted
+        )
 
     def accepting(self, K: int) -> DFlashSpec:
         """This spec, catching up on up to K accepted drafts a step (K >= k)."""
         return self if K <= self.accepts else dataclasses.replace(self, max_accepted=K)
-
-    @property
-    def feature_layers(self) -> tuple[int, ...]:
-        return self.config.aux_layer_ids
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
         pending = batch_size * (self.accepts + 1) * self.config.feature_size * 4
         return cache_bytes(self.config.layer_config, batch_size, capacity, itemsize) + pending
 
-    def init(
-        self, target_params, params: HeadInputs, prompt_tokens, prompt_lengths, capacity, target_features
-    ):
+    def init(self, ctx: InitContext) -> DFlashState:
         """Project the prompt's features into the context: positions 0 .. L - 2 once the first
         token is committed (the padding past each prompt is written too, stale and masked)."""
+        params, prompt_tokens, prompt_lengths = ctx.params, ctx.prompt_tokens, ctx.prompt_lengths
+        capacity, target_features = ctx.capacity, ctx.target_features
         B, T = prompt_tokens.shape
         cache = init_cache(self.config.layer_config, B, capacity, self.dtype)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -95,8 +100,9 @@ class DFlashSpec:
             return params
         return params.replace(head=dflash_panel_weights(params.head))
 
-    def update(self, state: DFlashState, path_features, num_accepted) -> DFlashState:
-        return state.replace(pending=path_features.astype(state.pending.dtype), num_pending=num_accepted + 1)
+    def update(self, ctx: UpdateContext, state: DFlashState) -> DFlashState:
+        pending = ctx.path_features.astype(state.pending.dtype)
+        return state.replace(pending=pending, num_pending=ctx.num_accepted + 1)
 
     def _catch_up(self, params: HeadInputs, state: DFlashState, lengths):
         """The context cache with the pending features projected in: positions 0 .. L - 2."""
@@ -107,13 +113,12 @@ class DFlashSpec:
         )
         return cache.advance(state.num_pending)
 
-    def observe(self, target_params, params: HeadInputs, state: DFlashState, tokens, lengths) -> DFlashState:
+    def observe(self, ctx: ProposeContext, state: DFlashState) -> DFlashState:
         """A step it does not draft (Hybrid's gate held it back): only the catch-up."""
-        return state.replace(cache=self._catch_up(params, state, lengths))
+        return state.replace(cache=self._catch_up(ctx.params, state, ctx.lengths))
 
-    def propose(
-        self, target_params, params: HeadInputs, state: DFlashState, tokens, lengths, keys, sampling, history
-    ):
+    def propose(self, ctx: ProposeContext, state: DFlashState):
+        target_params, params, tokens, lengths = ctx.target_params, ctx.params, ctx.tokens, ctx.lengths
         B = tokens.shape[0]
         rows = jnp.arange(B)
         cache = self._catch_up(params, state, lengths)
@@ -128,7 +133,7 @@ class DFlashSpec:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DFlash:
+class DFlash(Proposer):
     """A DFlash head (specjax.models.DFlashHead: trained here or read with specjax.load_head)
     drafting `block - 1` tokens per step from one forward pass (default: the head's own block
     size), verified as a chain."""
@@ -157,6 +162,12 @@ class DFlash:
     @property
     def k(self) -> int:
         return self.block - 1
+
+    def with_k(self, k: int) -> DFlash:
+        return DFlash(self.head, block=k + 1)  # the anchor and k drafts
+
+    def trained_heads(self) -> tuple:
+        return (self.head,)
 
     def spec(self, target: Model, warp=None, mesh=None) -> DFlashSpec:
         self.head.check_target(target)

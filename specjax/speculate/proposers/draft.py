@@ -20,12 +20,19 @@ import numpy as np
 
 from specjax.models.cache import KVCache, cache_bytes, init_cache, starting_from
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import lm_head, stack_layers
+from specjax.models.llama import lm_head, stack_layers, with_panel_weights
 from specjax.models.model import Model
 from specjax.sharding import check_model_split, mesh_entries_by_row, mesh_forward_hidden, shard_params
-from specjax.speculate.history import TokenHistory
 from specjax.speculate.proposers.base import Proposal, check_k, choose_draft, draft_keys
-from specjax.speculate.sampling import SamplingParams, WarpSpec
+from specjax.speculate.proposers.protocol import (
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+)
+from specjax.speculate.sampling import WarpSpec
 
 
 @flax.struct.dataclass
@@ -34,7 +41,7 @@ class DraftState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftSpec:
+class DraftSpec(ProposerSpec):
     """The static, hashable part of a model-based proposer."""
 
     config: LlamaConfig  # the draft's config (for SelfDraft: the target's)
@@ -46,11 +53,14 @@ class DraftSpec:
     tensor_parallel: bool = False  # heads split over the mesh like the target's; else replicated
     dtype: str = "float32"  # the draft's weights, which its KV cache follows
     prompt_from_target: bool = False  # the draft's cache starts as the target's over the prompt
-    always_drafts = True  # every row drafts k tokens every step
 
     @property
-    def reads_target_cache(self) -> bool:
-        return self.prompt_from_target
+    def capabilities(self) -> Capabilities:
+        # Every row drafts k tokens every step; the cache holds the draft's own drafts.
+        return Capabilities(narrows=True, caches_own_drafts=True, reads_target_cache=self.prompt_from_target)
+
+    def narrowed(self, k: int) -> DraftSpec:
+        return dataclasses.replace(self, k=k)
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         """Device memory of the state (the draft's KV cache), to check before allocating."""
@@ -62,23 +72,22 @@ class DraftSpec:
             self.mesh, params, self.config, tokens, positions, cache, empty_cache, self.tensor_parallel
         )
 
-    def init(
-        self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache=None
-    ):
-        params = target_params if self.shares_target_params else params
-        B, T = prompt_tokens.shape
+    def init(self, ctx: InitContext) -> DraftState:
+        params = ctx.target_params if self.shares_target_params else ctx.params
+        B, T = ctx.prompt_tokens.shape
         cache = init_cache(
-            self.config, B, capacity, self.dtype, num_layers=self.num_layers, like=params.layers
+            self.config, B, ctx.capacity, self.dtype, num_layers=self.num_layers, like=params.layers
         )
         if self.prompt_from_target:  # no prefill of its own: the target's keys and values
+            target_cache = ctx.target_cache
             if not self.tensor_parallel:  # split by row alone, where the target's is by head too
                 target_cache = mesh_entries_by_row(self.mesh, target_cache)
             return DraftState(cache=starting_from(cache, target_cache))
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        _, cache = self._forward(params, prompt_tokens, positions, cache, empty_cache=True)
-        return DraftState(cache=cache.advance(prompt_lengths))
+        _, cache = self._forward(params, ctx.prompt_tokens, positions, cache, empty_cache=True)
+        return DraftState(cache=cache.advance(ctx.prompt_lengths))
 
-    def update(self, state: DraftState, path_hidden, num_accepted) -> DraftState:
+    def update(self, ctx: UpdateContext, state: DraftState) -> DraftState:
         return state  # the draft catches up inside propose (see the module docstring)
 
     def place_params(self, params, mesh):
@@ -88,27 +97,23 @@ class DraftSpec:
             return None
         return shard_params(params, self.config, mesh, self.tensor_parallel)
 
+    def with_panel_weights(self, params):
+        """A draft model's own weights as panels for the CPU kernels, which compute in float32 (a
+        draft of another dtype keeps XLA's products; a SelfDraft has no params of its own)."""
+        return with_panel_weights(params) if self.dtype == "float32" else params
+
     def stack_layers(self, params):
         """A draft model's own params with its layers stacked, for a program that scans layers
         (a SelfDraft runs the target's, which the loop stacks)."""
         return params if self.shares_target_params else stack_layers(params, self.config)
 
-    def propose(
-        self,
-        target_params,
-        params,
-        state: DraftState,
-        tokens,
-        lengths,
-        keys,
-        sampling: SamplingParams,
-        history: TokenHistory | None,
-    ):
+    def propose(self, ctx: ProposeContext, state: DraftState):
         """Draft k tokens per row, each drawn from the draft's logits adjusted and warped exactly as
         the target's are (bias, penalties with the counts as they would stand after the drafts so
         far, temperature and filters); draft_probs is that distribution (None if every row is
         greedy)."""
-        params = target_params if self.shares_target_params else params
+        params = ctx.target_params if self.shares_target_params else ctx.params
+        tokens, lengths, sampling, history = ctx.tokens, ctx.lengths, ctx.sampling, ctx.history
         B = tokens.shape[0]
         rows = jnp.arange(B)[:, None]
         cache = state.cache.replace(lengths=lengths - 2)
@@ -120,7 +125,7 @@ class DraftSpec:
             token, probs, counts = choose_draft(step_keys, logits, sampling, self.warp, history, counts)
             return cache, counts, token, probs
 
-        keys = draft_keys(keys, self.k)  # [K, B]
+        keys = draft_keys(ctx.keys, self.k)  # [K, B]
         counts = None if history is None else history.counts
         first_positions = lengths[:, None] - 2 + jnp.arange(2)[None, :]  # [B, 2]
         cache, counts, token, probs = draft_one(
@@ -144,7 +149,7 @@ class DraftSpec:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DraftModel:
+class DraftModel(Proposer):
     """Draft with a separate model that shares the target's vocabulary.
 
     On a mesh the draft is placed independently of the target: replicated by default (every
@@ -205,9 +210,12 @@ class DraftModel:
     def params(self, target: Model):
         return self.model.params
 
+    def with_k(self, k: int) -> DraftModel:
+        return dataclasses.replace(self, k=k)
+
 
 @dataclasses.dataclass(frozen=True)
-class SelfDraft:
+class SelfDraft(Proposer):
     """Early-exit self-drafting: the target's first `layers` layers, its final norm and its head.
     Its cache starts as those layers' part of the target's over the prompt (no prefill of its own)."""
 
@@ -239,8 +247,8 @@ class SelfDraft:
             prompt_from_target=True,
         )
 
-    def params(self, target: Model):
-        return None
+    def with_k(self, k: int) -> SelfDraft:
+        return dataclasses.replace(self, k=k)
 
 
 def check_same_vocabulary(target: Model, draft: Model) -> None:

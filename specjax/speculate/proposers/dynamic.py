@@ -44,7 +44,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper, init_state
+from specjax.speculate.proposers.base import Proposal
+from specjax.speculate.proposers.protocol import (
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+    Wrapper,
+)
 from specjax.speculate.sampling import _is_int
 
 
@@ -89,10 +98,15 @@ class HeuristicSchedule:
     def init(self, B: int, K: int) -> ScheduleState:
         return _start(self.initial_k, B, K)
 
-    def update(self, state: ScheduleState, num_accepted, num_drafted, K: int) -> ScheduleState:
+    def update(self, state: ScheduleState, num_accepted, num_drafted, K: int, running=None) -> ScheduleState:
+        """The state after a step (each row on its own: `running` is not read)."""
         all_accepted = num_accepted >= num_drafted
         k = jnp.clip(jnp.where(all_accepted, state.k + 2, state.k - 1), 1, K)
         return state.replace(k=jnp.where(num_drafted > 0, k, state.k))
+
+    def join(self, batch: ScheduleState, row: ScheduleState, running: jax.Array) -> ScheduleState:
+        """A row joining a running batch keeps its own state: each row's k is its own."""
+        return row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,38 +365,35 @@ class DynamicState:
     num_drafted: jax.Array  # [B] int32: valid draft positions of the step in flight
 
 
-def narrowed(inner, k: int):
-    """The inner spec drafting k tokens with the same state, or None if it cannot (module doc)."""
-    from specjax.speculate.proposers.draft import DraftSpec
-    from specjax.speculate.proposers.forced import ForcedSpec, FreeDrafts
-    from specjax.speculate.proposers.ngram import NGram
-
-    if isinstance(inner, NGram | DraftSpec | FreeDrafts):
-        return dataclasses.replace(inner, k=k)
-    if isinstance(inner, ForcedSpec):
-        narrow = narrowed(inner.inner, k)
-        return None if narrow is None else ForcedSpec(narrow, inner.forced_acceptance[:k])
-    return None
-
-
 @dataclasses.dataclass(frozen=True)
 class DynamicSpec(Wrapper):
-    inner: Any
+    """The static part of a Dynamic proposer: the inner spec, its schedule, and which of the
+    continuous batch's programs this is. Its state wraps the inner spec's (DynamicState)."""
+
+    inner: ProposerSpec
     schedule: Any
     # The continuous batch's chunks (`chunk_programs`): "whole" runs every step (generate's loop);
     # "quiet" only steps in which no row may draft, as one-token passes; "drafting" ends its chunk
     # as soon as no row may draft, for a quiet one to run the steps that follow.
     program: str = "whole"
-    always_drafts = False  # a row at k = 0 drafts nothing
 
     @property
-    def forced_acceptance(self):
-        return getattr(self.inner, "forced_acceptance", None)
+    def capabilities(self) -> Capabilities:
+        # A row at k = 0 drafts nothing; the loop drafts and verifies only the batch's widest k
+        # where the inner spec can draft fewer over its state (`widths`), else masks.
+        return Capabilities.combine(
+            {"proposer": self.inner.capabilities},
+            "Dynamic",
+            always_drafts=False,
+            widths=self._widths,
+            narrows=False,
+            stateless=False,
+        )
 
     @property
-    def widths(self) -> tuple[int, ...] | None:
+    def _widths(self) -> tuple[int, ...] | None:
         """Draft widths the loop switches between (0, 1, 2, 4, ..., K), or None: always K."""
-        if narrowed(self.inner, 1) is None:
+        if not self.inner.capabilities.narrows:
             return None
         if self.program == "quiet":
             return (0,)
@@ -395,7 +406,7 @@ class DynamicSpec(Wrapper):
         passes, without the switch over draft widths that costs a step at k = 0 1-4% more
         (docs/serving.md). None where the loop cannot skip drafting (a proposer without `widths`
         drafts K every step and masks)."""
-        if self.widths is None:
+        if self._widths is None:
             return None
         return dataclasses.replace(self, program="drafting"), dataclasses.replace(self, program="quiet")
 
@@ -404,46 +415,33 @@ class DynamicSpec(Wrapper):
         drafting that pays): which of `chunk_programs` runs, and where its chunk ends."""
         return self.needed_width(state, running) > 0
 
-    def ends_chunk(self, state: DynamicState, running: jax.Array) -> jax.Array:
+    def ends_chunk(self, state: DynamicState, running: jax.Array) -> jax.Array | None:
         """[] whether the loop's chunk ends before the next step (`chunk_programs`)."""
         if self.program == "whole":
-            return jnp.zeros((), bool)
+            return None
         drafts = self.may_draft(state, running)
         return drafts if self.program == "quiet" else ~drafts
 
-    def init(
-        self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache=None
-    ):
-        inner = init_state(
-            self.inner,
-            target_params,
-            params,
-            prompt_tokens,
-            prompt_lengths,
-            capacity,
-            target_hidden,
-            target_cache,
-        )
-        B = prompt_tokens.shape[0]
-        return DynamicState(inner, self.schedule.init(B, self.k), jnp.zeros((B,), jnp.int32))
+    def init(self, ctx: InitContext) -> DynamicState:
+        B = ctx.prompt_tokens.shape[0]
+        return DynamicState(self.inner.init(ctx), self.schedule.init(B, self.k), jnp.zeros((B,), jnp.int32))
 
     def needed_width(self, state: DynamicState, running: jax.Array) -> jax.Array:
         """[] the largest k of a running row."""
         return jnp.max(jnp.where(running, state.schedule.k, 0))
 
-    def propose(
-        self, target_params, params, state: DynamicState, tokens, lengths, keys, sampling, history, width=None
-    ):
-        """The inner proposal with each row's drafts past its k masked out; at `width` (from
+    def propose(self, ctx: ProposeContext, state: DynamicState):
+        """The inner proposal with each row's drafts past its k masked out; at `ctx.width` (from
         `widths`) the inner proposer drafts only that many, padded back to K."""
-        inner = self.inner
+        inner, width = self.inner, ctx.width
         if width is not None:  # width 0 runs the proposer at k=1 so that a draft model catches up
-            inner = narrowed(inner, max(width, 1))
+            inner = inner.narrowed(max(width, 1))
+        inner_ctx = ctx.replace(width=None)
 
         def propose():
-            return inner.propose(target_params, params, state.inner, tokens, lengths, keys, sampling, history)
+            return inner.propose(inner_ctx, state.inner)
 
-        if width == 0 and isinstance(inner, Stateless):
+        if width == 0 and inner.capabilities.stateless:
             # No running row may draft, and a proposer without state has nothing to catch up on:
             # skip its lookup (NGram's searches every row's whole history), so that the step costs
             # what plain decoding's does. An empty proposal of the shapes it would have made.
@@ -453,32 +451,34 @@ class DynamicSpec(Wrapper):
         else:
             proposal, inner_state = propose()
         proposal = _pad(proposal, self.k, keep=width if width is not None else self.k)
-        depth = np.arange(1, self.k + 1) if self.tree is None else self.tree.depths[1:]
+        tree = self.capabilities.tree
+        depth = np.arange(1, self.k + 1) if tree is None else tree.depths[1:]
         valid = proposal.valid & (jnp.asarray(depth)[None, :] <= state.schedule.k[:, None])
         num_drafted = jnp.max(jnp.where(valid, jnp.asarray(depth)[None, :], 0), axis=1).astype(jnp.int32)
         return proposal.replace(valid=valid), DynamicState(inner_state, state.schedule, num_drafted)
 
-    def join(self, state: DynamicState, row: DynamicState, running: jax.Array) -> DynamicState:
+    def observe(self, ctx: ProposeContext, state: DynamicState) -> DynamicState:
+        return state.replace(inner=self.inner.observe(ctx, state.inner))
+
+    def join(self, batch_state: DynamicState, row_state: DynamicState, running: jax.Array) -> DynamicState:
         """A row's state (a batch of one, as prefilled alone) as it joins a running batch
-        (`running` [B] bool; the continuous batch's admission): its schedule's, where the
-        schedule chooses for the batch (`GoodputSchedule.join`)."""
-        join = getattr(self.schedule, "join", None)
-        if join is None:
-            return row
-        return row.replace(schedule=join(state.schedule, row.schedule, running))
+        (`running` [B] bool; the continuous batch's admission): its schedule's as the schedule
+        says (`GoodputSchedule.join`: the batch's k where it chooses one for the batch), and the
+        inner spec's as it says."""
+        inner = self.inner.join(batch_state.inner, row_state.inner, running)
+        schedule = self.schedule.join(batch_state.schedule, row_state.schedule, running)
+        return row_state.replace(inner=inner, schedule=schedule)
 
-    counts_running_rows = True  # the loop passes `running` to update: see verify_cost_by_rows
-
-    def update(self, state: DynamicState, path_hidden, num_accepted, running=None) -> DynamicState:
-        if getattr(self.inner, "counts_running_rows", False):
-            inner = self.inner.update(state.inner, path_hidden, num_accepted, running)
-        else:
-            inner = self.inner.update(state.inner, path_hidden, num_accepted)
-        extra = {}
-        if isinstance(self.schedule, GoodputSchedule):  # a cost by batch occupancy, one k per batch
-            extra["running"] = running
-        schedule = self.schedule.update(state.schedule, num_accepted, state.num_drafted, self.k, **extra)
+    def update(self, ctx: UpdateContext, state: DynamicState) -> DynamicState:
+        inner = self.inner.update(ctx, state.inner)
+        # The rows running: GoodputSchedule's verify cost by batch occupancy, and its one k per batch.
+        schedule = self.schedule.update(
+            state.schedule, ctx.num_accepted, state.num_drafted, self.k, running=ctx.running
+        )
         return DynamicState(inner, schedule, state.num_drafted)
+
+    def counters(self, state: DynamicState):
+        return self.inner.counters(state.inner)
 
 
 def _pad(proposal: Proposal, K: int, keep: int) -> Proposal:
@@ -498,7 +498,7 @@ def _pad(proposal: Proposal, K: int, keep: int) -> Proposal:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Dynamic:
+class Dynamic(Proposer):
     """A proposer whose k changes per row as a schedule decides, never above the proposer's own k.
 
     Lossless like the proposer itself: the schedule only chooses how many drafts to verify."""
@@ -507,9 +507,10 @@ class Dynamic:
     schedule: Any = dataclasses.field(default_factory=HeuristicSchedule)
 
     def __post_init__(self):
-        if self.proposer is None or isinstance(self.proposer, Dynamic):
+        if not isinstance(self.proposer, Proposer) or isinstance(self.proposer, Dynamic):
             raise ValueError(
-                f"Dynamic proposer must be a proposer (NGram, DraftModel, ...), not {self.proposer!r}"
+                "Dynamic proposer must be a proposer other than Dynamic (NGram, DraftModel, ...), "
+                f"not {self.proposer!r}"
             )
         if not isinstance(self.schedule, SCHEDULES):
             names = ", ".join(f"specjax.{s.__name__}" for s in SCHEDULES)
@@ -517,15 +518,16 @@ class Dynamic:
 
     @property
     def k(self) -> int:
-        from specjax.speculate.proposers.forced import _draft_positions
+        return self.proposer.draft_positions
 
-        return _draft_positions(self.proposer)
+    def with_k(self, k: int) -> Dynamic:
+        return Dynamic(self.proposer.with_k(k), self.schedule)
 
-    def spec(self, target, warp, mesh=None) -> DynamicSpec:
-        from specjax.speculate.proposers import resolve
+    def parts(self) -> tuple[Proposer, ...]:
+        return (self.proposer,)
 
-        return DynamicSpec(resolve(self.proposer, target, warp, mesh)[0], self.schedule)
+    def spec(self, target, warp=None, mesh=None) -> DynamicSpec:
+        return DynamicSpec(self.proposer.spec(target, warp, mesh), self.schedule)
 
     def params(self, target):
-        params = getattr(self.proposer, "params", None)
-        return params(target) if callable(params) else None
+        return self.proposer.params(target)

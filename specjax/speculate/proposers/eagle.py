@@ -44,6 +44,15 @@ from specjax.models.eagle import EagleConfig, EagleHead, eagle_entries, eagle_fe
 from specjax.models.llama import pack_panels
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k, kept_inputs
+from specjax.speculate.proposers.protocol import (
+    FINAL_HIDDEN,
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+)
 from specjax.speculate.tree import TokenTree
 
 
@@ -80,7 +89,7 @@ def _levels(tree: TokenTree) -> _Levels:
 
 
 @dataclasses.dataclass(frozen=True)
-class EagleSpec:
+class EagleSpec(ProposerSpec):
     """The static part of an EAGLE proposer: the head's config, k, and the draft tree (None: a
     chain of k, verified by the chain code)."""
 
@@ -92,20 +101,19 @@ class EagleSpec:
     confidence_threshold: float = 0.0  # verify a chain's drafts while their path probability >= this
 
     @property
-    def always_drafts(self) -> bool:
-        return self.confidence_threshold == 0.0
-
-    @property
-    def verify_widths(self) -> tuple[int, ...] | None:
-        """With a confidence threshold, the chain lengths a step may verify (the loop picks the
-        smallest covering every running row's confident drafts); None: always all k."""
-        return None if self.always_drafts else tuple(range(1, self.k + 1))
-
-    @property
-    def accepts(self) -> int:
-        """The most drafts one step may accept: k, or more where the head drafts fewer tokens than
-        the proposer beside it (a Hybrid part); its pending features hold that many plus one."""
-        return self.k if self.max_accepted is None else self.max_accepted
+    def capabilities(self) -> Capabilities:
+        # With a confidence threshold a row drafts only its confident prefix, and a step verifies
+        # the smallest chain length covering every running row's (verify_widths). The pending
+        # features hold `accepts` + 1 of the target's: more than k beside a longer drafter.
+        thresholded = self.confidence_threshold > 0.0
+        return Capabilities(
+            tree=self.tree,
+            always_drafts=not thresholded,
+            target_features=self._target_features,
+            verify_widths=tuple(range(1, self.k + 1)) if thresholded else None,
+            catches_up=True,
+            accepts=self.max_accepted,
+        )
 
     def accepting(self, K: int) -> EagleSpec:
         """This spec, catching up on up to K accepted drafts a step (K >= k)."""
@@ -115,9 +123,9 @@ class EagleSpec:
     def drafting_tree(self) -> TokenTree:
         return TokenTree.chain(self.k) if self.tree is None else self.tree
 
-    # What the loop hands `init` and `update` as the target's hidden states: None, its final-normed
-    # hidden states (EAGLE-1); EAGLE-3 asks for the streams entering some of its layers.
-    feature_layers = None
+    # What the loop hands `init` and `update` as the target's features: its final-normed hidden
+    # states (EAGLE-1); EAGLE-3 asks for the streams entering some of its layers.
+    _target_features = FINAL_HIDDEN
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         itemsize = np.dtype(jnp.dtype(self.dtype)).itemsize
@@ -158,8 +166,10 @@ class EagleSpec:
         """Logits [..., W] over the head's draft vocabulary (params.vocab maps them to token ids)."""
         return draft_logits(params.head_matrix, outputs)
 
-    def init(self, target_params, params: HeadInputs, prompt_tokens, prompt_lengths, capacity, target_hidden):
+    def init(self, ctx: InitContext) -> EagleState:
         """Feed the prompt's pairs (f_p, x_{p+1}), p < T - 1; f_{T-1} waits for the first token."""
+        params, prompt_tokens, prompt_lengths = ctx.params, ctx.prompt_tokens, ctx.prompt_lengths
+        target_params, capacity, target_hidden = ctx.target_params, ctx.capacity, ctx.target_features
         B, T = prompt_tokens.shape
         rows = jnp.arange(B)
         cache = init_cache(self.config.layer_config, B, capacity, self.dtype)
@@ -176,8 +186,9 @@ class EagleSpec:
             num_pending=jnp.ones((B,), jnp.int32),
         )
 
-    def update(self, state: EagleState, path_hidden, num_accepted) -> EagleState:
-        return state.replace(pending=path_hidden.astype(state.pending.dtype), num_pending=num_accepted + 1)
+    def update(self, ctx: UpdateContext, state: EagleState) -> EagleState:
+        pending = ctx.path_features.astype(state.pending.dtype)
+        return state.replace(pending=pending, num_pending=ctx.num_accepted + 1)
 
     def _pending_pairs(self, state: EagleState, tokens, lengths):
         """The pending pairs as one block, padded to accepts + 1: their tokens [B, P] (at L-c .. L-1
@@ -198,17 +209,17 @@ class EagleSpec:
         )
         return features, cache.advance(state.num_pending)  # lengths - 1: pairs 0 .. L-2 are in
 
-    def observe(self, target_params, params: HeadInputs, state: EagleState, tokens, lengths) -> EagleState:
+    def observe(self, ctx: ProposeContext, state: EagleState) -> EagleState:
         """A step it does not draft (Hybrid's gate held it back): only the pending pairs' keys and
         values into the head's cache (no outputs, no LM head), so that the cache stays whole for
         the steps it drafts again."""
-        block_tokens, positions, cache = self._pending_pairs(state, tokens, lengths)
-        cache = self._write_target(params, target_params.embed, state.pending, block_tokens, positions, cache)
+        block_tokens, positions, cache = self._pending_pairs(state, ctx.tokens, ctx.lengths)
+        embed = ctx.target_params.embed
+        cache = self._write_target(ctx.params, embed, state.pending, block_tokens, positions, cache)
         return state.replace(cache=cache.advance(state.num_pending))
 
-    def propose(
-        self, target_params, params: HeadInputs, state: EagleState, tokens, lengths, keys, sampling, history
-    ):
+    def propose(self, ctx: ProposeContext, state: EagleState):
+        target_params, params, tokens, lengths = ctx.target_params, ctx.params, ctx.tokens, ctx.lengths
         B = tokens.shape[0]
         rows = jnp.arange(B)
         embed = target_params.embed
@@ -244,7 +255,7 @@ class EagleSpec:
                 )  # written past the length: scratch, never committed
                 parent_features = features[:, nodes]
         valid = jnp.ones((B, N), bool)
-        if not self.always_drafts:  # a chain: path probabilities fall with depth, a prefix stays
+        if self.confidence_threshold > 0.0:  # a chain: path probabilities fall with depth, a prefix stays
             valid = node_logprobs >= np.log(self.confidence_threshold)
         proposal = Proposal(draft_tokens=node_tokens, valid=valid)
         return proposal, state.replace(cache=cache)
@@ -299,8 +310,22 @@ def head_spec(spec_class, proposer, target: Model):
     )
 
 
+class HeadProposer(Proposer):
+    """What the head proposers (Eagle, Eagle3, MTP) share: a chain of k or a token tree (whose
+    depth is k), a k changed only for a chain, and the trained head they draft with (`head`; MTP
+    drafts with the target's own layers)."""
+
+    def with_k(self, k: int):
+        if self.tree is not None:
+            return super().with_k(k)
+        return dataclasses.replace(self, k=k)  # keeps its confidence threshold
+
+    def trained_heads(self) -> tuple:
+        return (self.head,)
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
-class Eagle:
+class Eagle(HeadProposer):
     """An EAGLE head drafting a chain of k tokens, or a token tree (`tree`: a TokenTree or a list
     of paths, e.g. `TokenTree.top_k((4, 2, 2))`; k is then the tree's depth and must not be given
     otherwise). Each node drafts its parent's rank-r candidate, from the head's own prediction at

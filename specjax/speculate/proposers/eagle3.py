@@ -28,7 +28,7 @@ from specjax.models.eagle3 import (
 )
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, kept_inputs
-from specjax.speculate.proposers.eagle import EagleSpec, head_spec, settle_drafting
+from specjax.speculate.proposers.eagle import EagleSpec, HeadProposer, head_spec, settle_drafting
 from specjax.speculate.tree import TokenTree
 
 
@@ -37,7 +37,7 @@ class Eagle3Spec(EagleSpec):
     config: Eagle3Config
 
     @property
-    def feature_layers(self) -> tuple[int, ...]:
+    def _target_features(self) -> tuple[int, ...]:
         return self.config.aux_layer_ids
 
     @property
@@ -67,7 +67,7 @@ class Eagle3Spec(EagleSpec):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Eagle3:
+class Eagle3(HeadProposer):
     """An EAGLE-3 head (specjax.models.Eagle3Head: trained here, or read from a published
     checkpoint by specjax.load_head) drafting a chain of k tokens, or a token tree (`tree`: a
     TokenTree or a list of paths; k is then its depth). Lossless at any temperature: its drafts

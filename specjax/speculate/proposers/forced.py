@@ -12,8 +12,9 @@ real step's: the same proposer, the same target pass, the same commit.
 Set a stop-token bias (e.g. `Sampling(logit_bias={eos: -1e9})`) when measuring speed, or rows may
 end early on a target token emitted after nonsense drafts.
 
-The override is `ForcedVerifier`, which the loop uses in place of the lossless verifier for this
-proposer alone (speculate/verifiers.py); the verifiers themselves know nothing of it.
+The override is `ForcedVerifier`, which this proposer declares as its verifier (its
+`capabilities.verifier`: the loop uses whatever verifier a proposer declares); the verifiers
+themselves know nothing of it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.speculate.proposers.base import Proposal, Stateless, Wrapper, check_k
+from specjax.speculate.proposers.base import Proposal, Stateless, check_k
+from specjax.speculate.proposers.protocol import (
+    Capabilities,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    Wrapper,
+)
 from specjax.speculate.sampling import choose_tokens
 from specjax.speculate.verify import assemble
 
@@ -50,9 +58,13 @@ class FreeDrafts(Stateless):
     """Drafts that cost nothing: the row's last token, k times. Only ForcedAcceptance uses them."""
 
     k: int
-    always_drafts = True
+    capabilities = Capabilities(narrows=True, stateless=True)
 
-    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
+    def narrowed(self, k: int) -> FreeDrafts:
+        return FreeDrafts(k)
+
+    def propose(self, ctx: ProposeContext, state):
+        tokens, lengths = ctx.tokens, ctx.lengths
         last = tokens[jnp.arange(tokens.shape[0]), lengths - 1]
         draft = jnp.broadcast_to(last[:, None], (tokens.shape[0], self.k))
         return Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool)), state
@@ -60,20 +72,28 @@ class FreeDrafts(Stateless):
 
 @dataclasses.dataclass(frozen=True)
 class ForcedSpec(Wrapper):
-    """The static part: the proposer that drafts (its spec) and the forced rates, one per position."""
+    """The static part: the proposer that drafts (its spec) and the forced rates, one per position.
+    Everything but the verifier is the drafting spec's (protocol.Wrapper)."""
 
-    inner: Any
+    inner: ProposerSpec
     forced_acceptance: tuple[float, ...]  # [k] conditional acceptance per draft position
+
+    @property
+    def capabilities(self) -> Capabilities:
+        inner = self.inner.capabilities
+        verifier = ForcedVerifier(self.forced_acceptance, inner.verifier)
+        return Capabilities.combine({"proposer": inner}, "ForcedAcceptance", verifier=verifier)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class ForcedAcceptance:
+class ForcedAcceptance(Proposer):
     """Force the acceptance of drafts (a measurement tool, never lossless; see the module doc).
 
     acceptance: the conditional rate of every draft position (one number), or one per position.
-    proposer: the proposer whose drafts (and drafting cost) to use; None drafts for free.
-    k: draft positions; defaults to the proposer's k, or to len(acceptance) without a proposer.
-    A token tree is forced along its first-ranked path.
+    proposer: the proposer whose drafts (and drafting cost) to use; None drafts for free. Any
+    proposer, wrappers included (Dynamic, Hybrid); a ForcedAcceptance inside another is refused.
+    k: draft positions; defaults to the proposer's (`draft_positions`), or to len(acceptance)
+    without a proposer. A token tree is forced along its first-ranked path.
     """
 
     acceptance: float | Sequence[float]
@@ -82,11 +102,17 @@ class ForcedAcceptance:
 
     def __post_init__(self):
         rates = _check_rates(self.acceptance)
-        if isinstance(self.proposer, ForcedAcceptance):
-            raise ValueError("ForcedAcceptance proposer must not itself be a ForcedAcceptance")
+        if self.proposer is not None and not isinstance(self.proposer, Proposer):
+            kind = type(self.proposer).__name__
+            raise ValueError(f"ForcedAcceptance proposer must be None or a specjax proposer, got {kind}")
+        if any(isinstance(p, ForcedAcceptance) for p in _all_parts(self.proposer)):
+            raise ValueError(
+                "ForcedAcceptance proposer must not hold a ForcedAcceptance: one forced verifier "
+                "decides each step; wrap the whole proposer once"
+            )
         k = self.k
         if k is None and self.proposer is not None:
-            k = _draft_positions(self.proposer)
+            k = self.proposer.draft_positions
         if k is None:
             k = len(rates)
         check_k("ForcedAcceptance", k)
@@ -99,34 +125,33 @@ class ForcedAcceptance:
         object.__setattr__(self, "acceptance", rates * k if len(rates) == 1 else rates)
 
     def with_k(self, k: int) -> ForcedAcceptance:
-        from specjax.speculate.proposers import with_k
-
         rates = self.acceptance if len(set(self.acceptance)) == 1 else None
         if rates is None:
             raise ValueError(f"k={k}: cannot change k of a ForcedAcceptance with one rate per position")
-        inner = None if self.proposer is None else with_k(self.proposer, k)
+        inner = None if self.proposer is None else self.proposer.with_k(k)
         return ForcedAcceptance(rates[0], inner, k)
 
-    def spec(self, target, warp, mesh=None) -> ForcedSpec:
-        from specjax.speculate.proposers import resolve
+    def parts(self) -> tuple[Proposer, ...]:
+        return () if self.proposer is None else (self.proposer,)
 
-        inner = FreeDrafts(self.k) if self.proposer is None else resolve(self.proposer, target, warp, mesh)[0]
+    def spec(self, target, warp=None, mesh=None) -> ForcedSpec:
+        inner = FreeDrafts(self.k) if self.proposer is None else self.proposer.spec(target, warp, mesh)
         if inner.k != self.k:
             raise ValueError(
-                f"ForcedAcceptance k={self.k} differs from its proposer's k={inner.k}; leave k out"
+                f"ForcedAcceptance k={self.k} differs from its proposer's k={inner.k}: give k equal to "
+                "the proposer's draft positions, or leave it out"
             )
         return ForcedSpec(inner, self.acceptance)
 
     def params(self, target):
-        params = getattr(self.proposer, "params", None)  # NGram has none
-        return params(target) if callable(params) else None
+        return None if self.proposer is None else self.proposer.params(target)
 
 
-def _draft_positions(proposer) -> int | None:
-    """A proposer's k: its own, or its token tree's depth (Medusa)."""
-    k = getattr(proposer, "k", None)
-    tree = getattr(proposer, "tree", None)
-    return tree.depth if k is None and tree is not None else k
+def _all_parts(proposer) -> list:
+    """The proposer and every proposer inside it."""
+    if proposer is None:
+        return []
+    return [proposer, *(p for part in proposer.parts() for p in _all_parts(part))]
 
 
 def forced_num_accepted(keys: jax.Array, rates: tuple[float, ...], valid: jax.Array) -> jax.Array:

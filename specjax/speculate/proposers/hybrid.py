@@ -34,9 +34,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.sharding import replicate
-from specjax.speculate.proposers.base import Proposal, draft_distribution, init_state, kept_inputs
+from specjax.speculate.proposers.base import Proposal, draft_distribution, kept_inputs
 from specjax.speculate.proposers.dynamic import GoodputSchedule, ScheduleState
+from specjax.speculate.proposers.protocol import (
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+)
+from specjax.speculate.verifiers import LOSSLESS
 
 _COUNTERS = ("steps", "drafted", "accepted")
 
@@ -60,21 +68,32 @@ class HybridParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class HybridSpec:
-    first: Any
-    then: Any
+class HybridSpec(ProposerSpec):
+    first: ProposerSpec
+    then: ProposerSpec
     gate: GoodputSchedule | None = None
-    tree = None  # both are chains, verified as one
 
     @property
     def k(self) -> int:
         return max(self.first.k, self.then.k)
 
     @property
-    def always_drafts(self) -> bool:
-        if self.gate is not None:  # a row may take neither part's drafts
-            return self.first.always_drafts
-        return self.first.always_drafts or self.then.always_drafts
+    def capabilities(self) -> Capabilities:
+        first, then = self.first.capabilities, self.then.capabilities
+        # With a gate a row may take neither part's drafts; without, it drafts when either does.
+        always = first.always_drafts if self.gate is not None else first.always_drafts or then.always_drafts
+        return Capabilities.combine(
+            {"first": first, "then": then},
+            "Hybrid",
+            tree=None,  # both are chains, verified as one
+            always_drafts=always,
+            verify_widths=self._verify_widths,
+            widths=None,
+            narrows=False,
+            catches_up=False,
+            accepts=None,
+            stateless=False,
+        )
 
     @property
     def _gate_choices(self) -> tuple[int, int]:
@@ -83,65 +102,43 @@ class HybridSpec:
         return (0, self.then.k)
 
     @property
-    def verify_widths(self) -> tuple[int, ...] | None:
+    def _verify_widths(self) -> tuple[int, ...] | None:
         """Where the parts draft different numbers of tokens, the verify pass widths the loop
         chooses between (the smallest covering every running row's drafts): a step whose rows
         all draft with the shorter part scores only its drafts. A part's own widths (a head with a
         confidence threshold) join its k. None when every step drafts k."""
         widths = {self.first.k, self.then.k}
         for part in (self.first, self.then):
-            widths.update(getattr(part, "verify_widths", None) or ())
+            widths.update(part.capabilities.verify_widths or ())
         return tuple(sorted(widths)) if len(widths) > 1 else None
-
-    @property
-    def feature_layers(self):
-        return getattr(self.first, "feature_layers", None) or getattr(self.then, "feature_layers", None)
 
     def state_bytes(self, batch_size: int, capacity: int) -> int:
         return self.first.state_bytes(batch_size, capacity) + self.then.state_bytes(batch_size, capacity)
 
     def with_panel_weights(self, params):
         """Each part's params for drafting on the CPU (a trained head's panels), where it has any."""
-
-        def packed(spec, part):
-            packing = getattr(spec, "with_panel_weights", None)
-            return part if packing is None or part is None else packing(part)
-
-        return HybridParams(packed(self.first, params.first), packed(self.then, params.then))
+        return HybridParams(*(_each(spec.with_panel_weights, part) for spec, part in self._parts(params)))
 
     def place_params(self, params, mesh):
         """Each part's params placed on `mesh` as it asks (a draft model's), else replicated."""
-
-        def placed(spec, part):
-            placing = getattr(spec, "place_params", None)
-            if part is None:
-                return None
-            return replicate(part, mesh) if placing is None else placing(part, mesh)
-
-        return HybridParams(placed(self.first, params.first), placed(self.then, params.then))
+        placed = (
+            _each(lambda p, spec=spec: spec.place_params(p, mesh), part) for spec, part in self._parts(params)
+        )
+        return HybridParams(*placed)
 
     def stack_layers(self, params):
         """Each part's params with a draft model's layers stacked (see DraftSpec), where it has any."""
+        return HybridParams(*(_each(spec.stack_layers, part) for spec, part in self._parts(params)))
 
-        def stacked(spec, part):
-            stacking = getattr(spec, "stack_layers", None)
-            return part if stacking is None or part is None else stacking(part)
+    def _parts(self, params: HybridParams):
+        return ((self.first, params.first), (self.then, params.then))
 
-        return HybridParams(stacked(self.first, params.first), stacked(self.then, params.then))
-
-    @property
-    def reads_target_cache(self) -> bool:
-        return any(getattr(part, "reads_target_cache", False) for part in (self.first, self.then))
-
-    def init(
-        self, target_params, params, prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache=None
-    ):
-        B = prompt_tokens.shape[0]
-        args = (prompt_tokens, prompt_lengths, capacity, target_hidden, target_cache)
+    def init(self, ctx: InitContext) -> HybridState:
+        B = ctx.prompt_tokens.shape[0]
         gate = None if self.gate is None else self.gate.init(B, self.then.k, self._gate_choices)
         return HybridState(
-            first=init_state(self.first, target_params, params.first, *args),
-            then=init_state(self.then, target_params, params.then, *args),
+            first=self.first.init(dataclasses.replace(ctx, params=ctx.params.first)),
+            then=self.then.init(dataclasses.replace(ctx, params=ctx.params.then)),
             chosen=jnp.zeros((B,), jnp.int32),
             counts=jnp.zeros((B, 2, len(_COUNTERS)), jnp.int32),
             num_valid=jnp.zeros((B,), jnp.int32),
@@ -150,19 +147,17 @@ class HybridSpec:
             running=jnp.ones((B,), bool),
         )
 
-    def propose(self, target_params, params, state: HybridState, tokens, lengths, keys, sampling, history):
+    def propose(self, ctx: ProposeContext, state: HybridState):
+        keys = ctx.keys
         then_keys = None if keys is None else jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 1)
-        common = (tokens, lengths)
-        first, first_state = self.first.propose(
-            target_params, params.first, state.first, *common, keys, sampling, history
-        )
+        first_ctx = ctx.replace(params=ctx.params.first)
+        then_ctx = ctx.replace(params=ctx.params.then, keys=then_keys)
+        first, first_state = self.first.propose(first_ctx, state.first)
         first = _padded(first, self.k)
         use_first = first.valid[:, 0]  # the first proposer has a draft for this row
 
         def draft(then_state):
-            then, then_state = self.then.propose(
-                target_params, params.then, then_state, *common, then_keys, sampling, history
-            )
+            then, then_state = self.then.propose(then_ctx, then_state)
             return _padded(then, self.k), then_state
 
         if self.gate is None:
@@ -174,7 +169,7 @@ class HybridSpec:
             def observe(then_state):  # no row takes its drafts: keep its state current, cheaply
                 shapes = jax.eval_shape(draft, then_state)[0]
                 nothing = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-                return nothing, self.then.observe(target_params, params.then, then_state, *common)
+                return nothing, self.then.observe(then_ctx, then_state)
 
             then, then_state = jax.lax.cond(jnp.any(wants & state.running), draft, observe, state.then)
             then = then.replace(valid=then.valid & wants[:, None])
@@ -196,10 +191,8 @@ class HybridSpec:
         )
         return Proposal(draft_tokens=draft_tokens, valid=valid, draft_probs=probs), new_state
 
-    # The loop hands `update` the rows still running, so that the counts match its own metrics.
-    counts_running_rows = True
-
-    def update(self, state: HybridState, path_hidden, num_accepted, running) -> HybridState:
+    def update(self, ctx: UpdateContext, state: HybridState) -> HybridState:
+        running, num_accepted = ctx.running, ctx.num_accepted  # (its counts match the loop's metrics)
         one = jax.nn.one_hot(state.chosen, 2, dtype=jnp.int32) * running[:, None]  # [B, 2]
         drafted = state.num_valid[:, None]
         counts = state.counts.at[:, :, 0].add(one * (drafted > 0))
@@ -208,7 +201,7 @@ class HybridSpec:
 
         def own(spec, part_state):  # the target's features at the last token and the accepted drafts
             return spec.update(
-                part_state, path_hidden[:, : getattr(spec, "accepts", self.k) + 1], num_accepted
+                ctx.replace(path_features=ctx.path_features[:, : spec.accepts + 1]), part_state
             )
 
         gate = state.gate
@@ -241,6 +234,11 @@ class HybridSpec:
         return counts | {"then_held_back": state.held}
 
 
+def _each(function, part):
+    """function(part), or None for a part without params (NGram's)."""
+    return None if part is None else function(part)
+
+
 def _padded(proposal: Proposal, K: int) -> Proposal:
     """A proposal of k <= K drafts as K (the extra positions invalid)."""
     extra = K - proposal.draft_tokens.shape[1]
@@ -255,10 +253,11 @@ def _padded(proposal: Proposal, K: int) -> Proposal:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Hybrid:
+class Hybrid(Proposer):
     """Per row, `first`'s drafts where it has any this step (e.g. an n-gram match of at least
     n_min tokens), `then`'s otherwise. Both draft chains (no token trees); NGram, Medusa, Eagle,
-    Eagle3 and DFlash combine (a DraftModel's own cache would go stale). The parts may draft
+    Eagle3, DFlash and the MLP speculator combine (a DraftModel's own cache would go stale), and
+    ForcedAcceptance and Dynamic go around a Hybrid, not inside it. The parts may draft
     different numbers of tokens, e.g. `Hybrid(NGram(k=8, n_min=3), Eagle3(head, k=1))`: long drafts
     where the text copies, one cheap guess elsewhere; a step then verifies only as many tokens as
     its rows drafted (the loop chooses among the parts' widths), and a head catches up on however
@@ -275,77 +274,75 @@ class Hybrid:
     gate: GoodputSchedule | None = None
 
     def __post_init__(self):
+        for name, part in (("first", self.first), ("then", self.then)):
+            if not isinstance(part, Proposer):
+                raise ValueError(f"Hybrid {name} must be a specjax proposer, got {part!r}")
         if self.gate is not None and not isinstance(self.gate, GoodputSchedule):
             raise ValueError(
                 "Hybrid gate must be None or a specjax.GoodputSchedule with the second proposer's "
                 f"costs (GoodputSchedule.measure(model, then, prompts)), got {self.gate!r}"
             )
 
-    def spec(self, target, warp=None, mesh=None) -> HybridSpec:
-        from specjax.speculate.proposers import resolve  # the package resolves every proposer kind
-        from specjax.speculate.proposers.draft import DraftSpec
-        from specjax.speculate.proposers.ngram import NGram
+    @property
+    def draft_positions(self) -> int:
+        return max(self.first.draft_positions, self.then.draft_positions)
 
-        specs = []
-        for name, proposer in (("first", self.first), ("then", self.then)):
-            spec, _ = resolve(proposer, target, warp, mesh)
-            if spec is None:
-                raise ValueError(f"Hybrid {name} must be a proposer, got None")
-            if getattr(spec, "tree", None) is not None:
+    def with_k(self, k: int) -> Hybrid:
+        return Hybrid(self.first.with_k(k), self.then.with_k(k), self.gate)
+
+    def parts(self) -> tuple[Proposer, ...]:
+        return (self.first, self.then)
+
+    def spec(self, target, warp=None, mesh=None) -> HybridSpec:
+        specs = {"first": self.first.spec(target, warp, mesh), "then": self.then.spec(target, warp, mesh)}
+        kinds = {"first": type(self.first).__name__, "then": type(self.then).__name__}
+        for name, spec in specs.items():
+            caps, kind = spec.capabilities, kinds[name]
+            if caps.tree is not None:
                 raise ValueError(f"Hybrid {name} drafts a token tree; Hybrid verifies chains only")
-            specs.append(spec)
-        K = max(spec.k for spec in specs)
-        for name, spec in zip(("first", "then"), specs, strict=True):
-            if isinstance(spec, DraftSpec):
+            if caps.caches_own_drafts:
                 raise ValueError(
-                    f"Hybrid {name}: a DraftModel or SelfDraft keeps a cache of its own drafts, which "
-                    "goes stale when the other part's drafts are accepted; use NGram, Medusa, Eagle, "
-                    "Eagle3 or DFlash"
+                    f"Hybrid {name}: a DraftModel or SelfDraft keeps a cache of its own drafts ({kind}), "
+                    "which goes stale when the other part's drafts are accepted; use NGram, Medusa, "
+                    "Eagle, Eagle3 or DFlash"
                 )
-        for i, (name, spec) in enumerate(zip(("first", "then"), specs, strict=True)):
-            if spec.k < K and not isinstance(spec, NGram):
-                # A head keeps the target's features of every accepted token: it must take in as
-                # many a step as the longer part may get accepted.
-                accepting = getattr(spec, "accepting", None)
-                if not callable(accepting):
+            if caps.widths is not None:
+                raise ValueError(
+                    f"Hybrid {name} is a Dynamic proposer ({kind}): Dynamic chooses the draft width "
+                    "of each step for the whole batch, which a Hybrid's per-row choice of part does "
+                    "not follow; put Dynamic around the Hybrid instead: Dynamic(Hybrid(first, then))"
+                )
+            if caps.verifier is not LOSSLESS:
+                raise ValueError(
+                    f"Hybrid {name} has a verifier of its own ({kind}: ForcedAcceptance forces every "
+                    "row of a step); put it around the Hybrid instead: ForcedAcceptance(rate, Hybrid(...))"
+                )
+        reads = [spec.capabilities.target_features for spec in specs.values()]
+        if None not in reads and reads[0] != reads[1]:
+            raise ValueError(
+                f"Hybrid: first and then draft from different target features ({reads[0]} and "
+                f"{reads[1]}); they get one set per step"
+            )
+        K = max(spec.k for spec in specs.values())
+        for name, spec in specs.items():
+            # A part drafting fewer than K takes in the target's features of every accepted token
+            # (a head's state): it must catch up on as many a step as the longer part may get
+            # accepted.
+            if spec.k < K:
+                caps = spec.capabilities
+                if not (caps.catches_up or caps.stateless):
                     raise ValueError(
                         f"Hybrid {name} drafts k={spec.k} but the other part k={K}, and "
                         f"{type(spec).__name__} cannot catch up on more drafts than its own k: give "
                         "both parts the same k"
                     )
-                specs[i] = accepting(K)
-        reads = [_reads(spec) for spec in specs]
-        if all(reads) and reads[0] != reads[1]:
-            raise ValueError(
-                f"Hybrid: first and then draft from different target features ({reads[0]} and {reads[1]}); "
-                "they get one set per step"
-            )
-        if self.gate is not None and not callable(getattr(specs[1], "observe", None)):
-            raise ValueError(
-                f"Hybrid with a gate: then ({type(self.then).__name__}) must have an observe() method "
-                "that keeps its state current on the steps it does not draft (NGram, Medusa, Eagle, "
-                "Eagle3 and DFlash have one)"
-            )
-        return HybridSpec(*specs, gate=self.gate)
+                specs[name] = spec.accepting(K)
+        spec = HybridSpec(specs["first"], specs["then"], gate=self.gate)
+        spec.capabilities  # noqa: B018 - refuses, naming the field, parts whose records do not combine
+        return spec
 
     def params(self, target):
-        from specjax.speculate.proposers.ngram import NGram
-
         def build(target):
-            first, then = (
-                None if isinstance(p, NGram) else p.params(target) for p in (self.first, self.then)
-            )
-            return HybridParams(first, then)
+            return HybridParams(self.first.params(target), self.then.params(target))
 
         return kept_inputs(self, target, build)  # one object per model: its CPU panel copy is kept
-
-
-def _reads(spec):
-    """What a proposer reads of the target's pass: its feature layers, "final hidden states", or
-    None (n-gram lookup, a draft model)."""
-    from specjax.speculate.proposers.draft import DraftSpec
-    from specjax.speculate.proposers.ngram import NGram
-
-    if isinstance(spec, NGram | DraftSpec):
-        return None
-    return getattr(spec, "feature_layers", None) or "final hidden states"

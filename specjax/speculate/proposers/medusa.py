@@ -24,6 +24,7 @@ from specjax.speculate.proposers.base import (
     Proposal,
     kept_inputs,
 )
+from specjax.speculate.proposers.protocol import Capabilities, ProposeContext, Proposer
 from specjax.speculate.tree import TokenTree
 
 MedusaState = LastHiddenState  # the name the tests and notebooks know
@@ -35,16 +36,18 @@ class MedusaSpec(FromLastHidden):
 
     tree: TokenTree
     hidden_size: int
-    always_drafts = True
+    max_accepted: int | None = None  # (a tree proposer is never a part beside a longer drafter)
 
     @property
     def k(self) -> int:
         return self.tree.depth
 
-    def propose(
-        self, target_params, params, state: LastHiddenState, tokens, lengths, keys, sampling, history
-    ):
-        tree = self.tree
+    @property
+    def capabilities(self) -> Capabilities:
+        return dataclasses.replace(super().capabilities, tree=self.tree)
+
+    def propose(self, ctx: ProposeContext, state: LastHiddenState):
+        params, tree = ctx.params, self.tree
         features = medusa_hidden(params.head, state.hidden)[:, : tree.depth]  # [B, D, hidden]
         if params.head.lm_heads is None:  # the target's head, over the draft vocabulary
             logits = draft_logits(params.head_matrix, features)
@@ -57,7 +60,7 @@ class MedusaSpec(FromLastHidden):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Medusa:
+class Medusa(Proposer):
     """Medusa heads drafting a token tree (default: a chain, one token per head).
 
     `tree` is a TokenTree, a list of paths (Medusa's choice lists: `[(0,), (1,), (0, 0), ...]`,
@@ -84,6 +87,13 @@ class Medusa:
                 "heads (one head per depth)"
             )
         object.__setattr__(self, "tree", tree)
+
+    @property
+    def draft_positions(self) -> int:
+        return self.tree.depth
+
+    def trained_heads(self) -> tuple:
+        return (self.head,)
 
     def spec(self, target: Model, warp=None, mesh=None) -> MedusaSpec:
         self.head.check_target(target)

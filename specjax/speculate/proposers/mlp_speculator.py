@@ -32,6 +32,7 @@ from specjax.speculate.proposers.base import (
     choose_draft,
     draft_keys,
 )
+from specjax.speculate.proposers.protocol import ProposeContext, Proposer
 from specjax.speculate.sampling import WarpSpec
 
 
@@ -43,25 +44,22 @@ class MLPSpeculatorSpec(FromLastHidden):
     k: int
     hidden_size: int
     warp: WarpSpec = WarpSpec()
-    always_drafts = True
+    max_accepted: int | None = None  # more than k beside a longer drafter (`accepting`)
 
-    def propose(
-        self,
-        target_params,
-        params: MLPSpeculatorParams,
-        state: LastHiddenState,
-        tokens,
-        lengths,
-        keys,
-        sampling,
-        history,
-    ):
+    def propose(self, ctx: ProposeContext, state: LastHiddenState):
+        params, tokens, lengths, sampling, history = (
+            ctx.params,
+            ctx.tokens,
+            ctx.lengths,
+            ctx.sampling,
+            ctx.history,
+        )
         B = tokens.shape[0]
         token = tokens[jnp.arange(B), lengths - 1]  # [B]: the last committed token
         mlp_state = first_state(self.config, state.hidden)
         counts = None if history is None else history.counts
         drafts, probs = [], []
-        for i, step_keys in enumerate(draft_keys(keys, self.k)):  # k <= n_predict stages, unrolled
+        for i, step_keys in enumerate(draft_keys(ctx.keys, self.k)):  # k <= n_predict stages, unrolled
             mlp_state = mlp_stage(params, self.config, i, mlp_state, token)
             logits = mlp_stage_logits(params, self.config, i, mlp_state)  # [B, V]
             token, token_probs, counts = choose_draft(step_keys, logits, sampling, self.warp, history, counts)
@@ -74,7 +72,7 @@ class MLPSpeculatorSpec(FromLastHidden):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MLPSpeculator:
+class MLPSpeculator(Proposer):
     """IBM's MLP speculator (`specjax.models.MLPSpeculatorHead`: read with `specjax.load_head`,
     trained with `specjax.train.train_mlp_speculator`) drafting a chain of k tokens, one per stage:
     k defaults to the head's n_predict and may not exceed it."""
@@ -97,6 +95,12 @@ class MLPSpeculator:
                 f"give k in 1..{n_predict}"
             )
         object.__setattr__(self, "k", k)
+
+    def with_k(self, k: int) -> MLPSpeculator:
+        return dataclasses.replace(self, k=k)  # (at most n_predict)
+
+    def trained_heads(self) -> tuple:
+        return (self.head,)
 
     def spec(self, target: Model, warp: WarpSpec | None = None, mesh=None) -> MLPSpeculatorSpec:
         self.head.check_target(target)

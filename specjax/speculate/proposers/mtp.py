@@ -39,7 +39,8 @@ from specjax.models.llama import LlamaParams, lm_head
 from specjax.models.model import Model
 from specjax.models.mtp import MTPConfig, MTPLayerParams, missing_mtp_error, mtp_features, mtp_layer_config
 from specjax.speculate.proposers.base import HeadInputs, Proposal, choose_draft, draft_keys, kept_inputs
-from specjax.speculate.proposers.eagle import EagleSpec, EagleState, settle_drafting
+from specjax.speculate.proposers.eagle import EagleSpec, EagleState, HeadProposer, settle_drafting
+from specjax.speculate.proposers.protocol import InitContext, ProposeContext
 from specjax.speculate.sampling import WarpSpec
 from specjax.speculate.tree import TokenTree
 
@@ -96,10 +97,12 @@ class MTPSpec(EagleSpec):
     def _logits(self, params: HeadInputs, outputs):
         return lm_head(params.head.target, outputs, self.config.layer_config)
 
-    def init(self, target_params, params: HeadInputs, prompt_tokens, prompt_lengths, capacity, target_hidden):
+    def init(self, ctx: InitContext) -> MTPState:
         """Layer j takes the prompt's pairs (g^{j-1}_p, x_{p+1+j}), p < T - 1 - j committed; the
         target's f_{T-1} waits for the first token (as for EAGLE), and layer j - 1's output at its
         last committed pair for layer j's first."""
+        params, prompt_tokens, prompt_lengths = ctx.params, ctx.prompt_tokens, ctx.prompt_lengths
+        target_params, capacity, target_hidden = ctx.target_params, ctx.capacity, ctx.target_features
         B, T = prompt_tokens.shape
         rows = jnp.arange(B)
         positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -163,16 +166,16 @@ class MTPSpec(EagleSpec):
         )
         return new_state, scratch, features[rows, c - 1 + self.num_layers - 1]
 
-    def observe(self, target_params, params: HeadInputs, state: MTPState, tokens, lengths) -> MTPState:
+    def observe(self, ctx: ProposeContext, state: MTPState) -> MTPState:
         if self.num_layers == 1:
-            return super().observe(target_params, params, state, tokens, lengths)
-        return self._feed_blocks(target_params, params, state, tokens, lengths)[0]
+            return super().observe(ctx, state)
+        return self._feed_blocks(ctx.target_params, ctx.params, state, ctx.tokens, ctx.lengths)[0]
 
-    def propose(
-        self, target_params, params: HeadInputs, state: MTPState, tokens, lengths, keys, sampling, history
-    ):
+    def propose(self, ctx: ProposeContext, state: MTPState):
         if self.tree is not None:  # one layer (MTP.spec): EAGLE's tree drafting from the top candidates
-            return super().propose(target_params, params, state, tokens, lengths, keys, sampling, history)
+            return super().propose(ctx, state)
+        target_params, params, tokens, lengths = ctx.target_params, ctx.params, ctx.tokens, ctx.lengths
+        keys, sampling, history = ctx.keys, ctx.sampling, ctx.history
         B = tokens.shape[0]
         rows = jnp.arange(B)
         if not self.warp.greedy:
@@ -209,7 +212,7 @@ class MTPSpec(EagleSpec):
             choose(i, last)
         draft_tokens = jnp.stack(drafted["tokens"][: self.k], axis=1)  # [B, k]
         valid = jnp.ones(draft_tokens.shape, bool)
-        if not self.always_drafts:  # EAGLE-2's path probability under the layers' own softmax
+        if self.confidence_threshold > 0.0:  # EAGLE-2's path probability under the layers' own softmax
             path = jnp.cumsum(jnp.stack(drafted["logprobs"][: self.k], axis=1), axis=1)
             valid = path >= np.log(self.confidence_threshold)
         probs = drafted["probs"][: self.k]
@@ -218,7 +221,7 @@ class MTPSpec(EagleSpec):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class MTP:
+class MTP(HeadProposer):
     """Draft with the target's own MTP layers (DeepSeek-V3, GLM-4.5: `model.mtp`, read at load): a
     chain of k tokens (default 3), step i with layer `layers[i % n]`, or a token tree (`tree`,
     whose depth is then k; one layer) from the top candidates. `layers`: which of the checkpoint's
@@ -250,6 +253,9 @@ class MTP:
                     f"got {self.layers!r}"
                 )
             object.__setattr__(self, "layers", tuple(layers))
+
+    def trained_heads(self) -> tuple:
+        return ()  # the target's own MTP layers
 
     def _layers(self, target: Model) -> tuple[int, ...]:
         """The MTP layers that draft for `target`, in drafting order, checked against what it has."""

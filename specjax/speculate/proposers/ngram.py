@@ -15,11 +15,13 @@ import jax
 import jax.numpy as jnp
 
 from specjax.speculate.proposers.base import Proposal, Stateless, check_k
+from specjax.speculate.proposers.protocol import Capabilities, ProposeContext, Proposer
 
 
 @dataclasses.dataclass(frozen=True)
-class NGram(Stateless):
-    """Prompt-lookup proposer: `k` draft tokens from the longest n_max..n_min-gram match."""
+class NGram(Stateless, Proposer):
+    """Prompt-lookup proposer: `k` draft tokens from the longest n_max..n_min-gram match. It is
+    its own spec: it has no params and nothing that depends on the target."""
 
     k: int = 5
     n_max: int = 4
@@ -34,11 +36,20 @@ class NGram(Stateless):
         if self.n_min > self.n_max:
             raise ValueError(f"NGram n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
 
-    # The proposer protocol (see proposers/__init__.py); NGram keeps no state and has no params.
-    always_drafts = False  # a row with no match drafts nothing
+    # The proposer protocol (protocol.py): no state, no params; a row with no match drafts nothing.
+    capabilities = Capabilities(always_drafts=False, narrows=True, stateless=True)
 
-    def propose(self, target_params, params, state, tokens, lengths, keys, sampling, history):
-        return ngram_propose(tokens, lengths, self.k, self.n_max, self.n_min), state
+    def spec(self, target=None, warp=None, mesh=None) -> NGram:
+        return self
+
+    def with_k(self, k: int) -> NGram:
+        return dataclasses.replace(self, k=k)
+
+    def narrowed(self, k: int) -> NGram:
+        return dataclasses.replace(self, k=k)
+
+    def propose(self, ctx: ProposeContext, state):
+        return ngram_propose(ctx.tokens, ctx.lengths, self.k, self.n_max, self.n_min), state
 
 
 def ngram_propose(tokens: jax.Array, lengths: jax.Array, k: int, n_max: int, n_min: int) -> Proposal:

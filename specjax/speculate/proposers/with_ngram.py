@@ -24,8 +24,17 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, Wrapper, draft_distribution
+from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, Proposal, draft_distribution
 from specjax.speculate.proposers.ngram import NGram, ngram_propose
+from specjax.speculate.proposers.protocol import (
+    Capabilities,
+    InitContext,
+    ProposeContext,
+    Proposer,
+    ProposerSpec,
+    UpdateContext,
+    Wrapper,
+)
 
 _PARTS = ("model", "ngram")
 _COUNTERS = ("steps", "drafted", "accepted")
@@ -40,7 +49,7 @@ class WithNGramState:
 
 @dataclasses.dataclass(frozen=True)
 class WithNGramSpec(Wrapper):
-    inner: Any  # the model part's spec, catching up on up to k accepted drafts
+    inner: ProposerSpec  # the model part's spec, catching up on up to k accepted drafts
     ngram: NGram
 
     @property
@@ -48,20 +57,26 @@ class WithNGramSpec(Wrapper):
         return self.inner.k + self.ngram.k
 
     @property
-    def verify_widths(self) -> tuple[int, ...]:
-        """The model's drafts alone (no row matched), or the whole chain."""
-        return (self.inner.k, self.k)
+    def capabilities(self) -> Capabilities:
+        # A step verifies the model's drafts alone (no row matched) or the whole chain.
+        return Capabilities.combine(
+            {"proposer": self.inner.capabilities},
+            "WithNGram",
+            verify_widths=(self.inner.k, self.k),
+            catches_up=False,
+            accepts=None,
+            narrows=False,
+        )
 
-    def init(self, *args, **target_cache) -> WithNGramState:
-        inner = self.inner.init(*args, **target_cache)
-        B = args[2].shape[0]  # prompt_tokens
+    def init(self, ctx: InitContext) -> WithNGramState:
+        inner = self.inner.init(ctx)
+        B = ctx.prompt_tokens.shape[0]
         zeros = jnp.zeros((B, len(_PARTS)), jnp.int32)
         return WithNGramState(inner, jnp.zeros((B, len(_PARTS), len(_COUNTERS)), jnp.int32), zeros)
 
-    def propose(self, target_params, params, state: WithNGramState, tokens, lengths, keys, sampling, history):
-        model, inner = self.inner.propose(
-            target_params, params, state.inner, tokens, lengths, keys, sampling, history
-        )
+    def propose(self, ctx: ProposeContext, state: WithNGramState):
+        model, inner = self.inner.propose(ctx, state.inner)
+        tokens, lengths = ctx.tokens, ctx.lengths
         B, m = model.draft_tokens.shape
         at = lengths[:, None] + jnp.arange(m)[None, :]  # the drafts after the committed tokens
         extended = tokens.at[jnp.arange(B)[:, None], at].set(model.draft_tokens, mode="drop")
@@ -76,21 +91,34 @@ class WithNGramSpec(Wrapper):
         proposal = Proposal(draft_tokens=draft_tokens, valid=valid, draft_probs=probs)
         return proposal, state.replace(inner=inner, num_valid=num_valid.astype(jnp.int32))
 
-    # The loop hands `update` the rows still running, so that the counts match its own metrics.
-    counts_running_rows = True
-
-    def update(self, state: WithNGramState, path_hidden, num_accepted, running) -> WithNGramState:
-        m = self.inner.k
+    def update(self, ctx: UpdateContext, state: WithNGramState) -> WithNGramState:
+        m, num_accepted = self.inner.k, ctx.num_accepted
         accepted = jnp.stack([jnp.minimum(num_accepted, m), jnp.maximum(num_accepted - m, 0)], axis=1)
-        live = running[:, None].astype(jnp.int32)
+        live = ctx.running[:, None].astype(jnp.int32)  # (its counts match the loop's metrics)
         new = jnp.stack([state.num_valid > 0, state.num_valid, accepted], axis=2).astype(jnp.int32)
         return state.replace(
-            inner=self.inner.update(state.inner, path_hidden, num_accepted),
-            counts=state.counts + live[:, :, None] * new,
+            inner=self.inner.update(ctx, state.inner), counts=state.counts + live[:, :, None] * new
         )
+
+    def observe(self, ctx: ProposeContext, state: WithNGramState) -> WithNGramState:
+        return state.replace(inner=self.inner.observe(ctx, state.inner))
+
+    # The methods of the continuous batch read the state, which wraps the model part's.
+    def needed_width(self, state: WithNGramState, running):
+        return jnp.asarray(self.k, jnp.int32)
+
+    def may_draft(self, state: WithNGramState, running):
+        return self.inner.may_draft(state.inner, running)
+
+    def ends_chunk(self, state: WithNGramState, running):
+        return self.inner.ends_chunk(state.inner, running)
+
+    def join(self, batch_state: WithNGramState, row_state: WithNGramState, running):
+        return row_state.replace(inner=self.inner.join(batch_state.inner, row_state.inner, running))
 
     def counters(self, state: WithNGramState) -> dict[str, jax.Array]:
         """Per-row counts reported apart in SpecMetrics.proposer: model_drafted, ngram_accepted, ..."""
+        # (The model part's own counts are not reported: WithNGram's proposers keep none.)
         return {
             f"{part}_{name}": state.counts[:, i, j]
             for i, part in enumerate(_PARTS)
@@ -99,7 +127,7 @@ class WithNGramSpec(Wrapper):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class WithNGram:
+class WithNGram(Proposer):
     """FastDeploy's "with_ngram": `proposer` (e.g. `MTP(k=1)`, FastDeploy's num_model_steps) drafts a
     chain, then prompt lookup (`ngram`, an NGram: its k, n_max, n_min) over the prompt, the output
     and those drafts extends it by up to ngram.k tokens; k is their sum (num_speculative_tokens)."""
@@ -110,30 +138,45 @@ class WithNGram:
     def __post_init__(self):
         if not isinstance(self.ngram, NGram):
             raise ValueError(f"WithNGram ngram must be a specjax.NGram, got {type(self.ngram).__name__}")
-        k = getattr(self.proposer, "k", None)
-        if isinstance(k, int) and k + self.ngram.k > MAX_SPECULATIVE_TOKENS:
+        if not isinstance(self.proposer, Proposer):
+            raise ValueError(f"WithNGram proposer must be a specjax proposer, got {self.proposer!r}")
+        k = self.proposer.draft_positions
+        if k + self.ngram.k > MAX_SPECULATIVE_TOKENS:
             raise ValueError(
                 f"WithNGram: proposer k={k} plus ngram k={self.ngram.k} must be at most "
                 f"{MAX_SPECULATIVE_TOKENS}, got {k + self.ngram.k}"
             )
 
-    def spec(self, target, warp=None, mesh=None) -> WithNGramSpec:
-        from specjax.speculate.proposers import resolve  # the package resolves every proposer kind
+    @property
+    def draft_positions(self) -> int:
+        return self.proposer.draft_positions + self.ngram.k
 
-        inner, _ = resolve(self.proposer, target, warp, mesh)
-        name = type(self.proposer).__name__
-        accepting = getattr(inner, "accepting", None)
-        if inner is None or not callable(accepting):
+    def with_k(self, k: int) -> WithNGram:
+        """The model part keeps its k, the lookup takes the rest."""
+        model_k = self.proposer.draft_positions
+        if k <= model_k:
+            raise ValueError(
+                f"k={k}: WithNGram's proposer drafts k={model_k}; k must exceed it (the lookup's share)"
+            )
+        return WithNGram(self.proposer, dataclasses.replace(self.ngram, k=k - model_k))
+
+    def parts(self) -> tuple[Proposer, ...]:
+        return (self.proposer, self.ngram)
+
+    def spec(self, target, warp=None, mesh=None) -> WithNGramSpec:
+        inner = self.proposer.spec(target, warp, mesh)
+        caps, name = inner.capabilities, type(self.proposer).__name__
+        if not caps.catches_up or caps.target_features is None:
             raise ValueError(
                 f"WithNGram proposer must draft from the target's features and catch up on the lookup's "
                 f"accepted drafts too (MTP, Eagle, Eagle3, Medusa, DFlash), got {name}"
             )
-        if getattr(inner, "tree", None) is not None or not inner.always_drafts:
+        if caps.tree is not None or not caps.always_drafts:
             raise ValueError(
                 f"WithNGram proposer ({name}) must draft a whole chain every step (no tree, no "
                 "confidence threshold): the lookup continues after its last draft"
             )
-        return WithNGramSpec(inner=accepting(inner.k + self.ngram.k), ngram=self.ngram)
+        return WithNGramSpec(inner=inner.accepting(inner.k + self.ngram.k), ngram=self.ngram)
 
     def params(self, target):
         return self.proposer.params(target)

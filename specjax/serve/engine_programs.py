@@ -1,0 +1,175 @@
+"""The engine's device programs, one named function each, and the table that compiles them
+(`PROGRAMS`). Each takes its static arguments first (bound before jit) and the arrays after:
+
+- `prefill_row`: one request's row (the target's cache, its proposer's state, its first token);
+- `write_row`: a prefilled row into a free slot of the running state, the other slots untouched;
+- `move_row`: a running row copied into a free slot below it;
+- `resize`: the running state grown to a wider width (free rows added) or cut to a narrower one;
+- `fill`: the growth back to a width the state narrowed from, into the kept buffers of that state;
+- `resume`: the decoding loop over the running state for one chunk (`loop.resume_program`);
+- `may_draft`: whether the next chunk runs a drafting program or a quiet one (Dynamic).
+
+A state's per-row leaves hold their rows along one axis each (`batch_axes`: the batch axis, or a
+flattened rows-and-heads one in the KV cache); SHARED marks a leaf all rows share (the step
+counter), which these programs carry over as it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from specjax.speculate.loop import DecodeState, LoopSpec, prefill, resume_program
+
+SHARED = -1  # the batch axis of a leaf that all rows share
+
+
+def batch_axes(one: DecodeState, two: DecodeState):
+    """Per leaf of a DecodeState, the axis that holds its rows (SHARED where it does not grow with
+    the batch), from the state's shapes at batch sizes 1 and 2."""
+    return jax.tree.map(_differing_axis, one, two)
+
+
+def _differing_axis(one, two) -> int:
+    """The axis along which a leaf grows with the batch (SHARED when it does not)."""
+    axes = [i for i, (a, b) in enumerate(zip(one.shape, two.shape, strict=True)) if a != b]
+    assert len(axes) <= 1 and all(two.shape[i] == 2 * one.shape[i] for i in axes), (one, two)
+    return axes[0] if axes else SHARED
+
+
+def put_row(axes, state, row, slot):
+    """`state` with slot `slot` replaced by `row` (a batch of one) in every per-row leaf."""
+
+    def write(axis, big, small):
+        if axis == SHARED:
+            return big
+        return jax.lax.dynamic_update_slice_in_dim(big, small, slot * small.shape[axis], axis)
+
+    return jax.tree.map(write, axes, state, row)
+
+
+def take_row(axes, state, slot, width: int):
+    """Slot `slot` of a `width`-slot state, as a batch of one."""
+
+    def read(axis, x):
+        if axis == SHARED:
+            return x
+        size = x.shape[axis] // width
+        return jax.lax.dynamic_slice_in_dim(x, slot * size, size, axis)
+
+    return jax.tree.map(read, axes, state)
+
+
+def repeat_rows(axes, batch: int, row):
+    """A batch of `batch` copies of `row` (a batch of one)."""
+
+    def repeat(axis, x):
+        return x if axis == SHARED else jnp.concatenate([x] * batch, axis)
+
+    return jax.tree.map(repeat, axes, row)
+
+
+# ----- the programs ------------------------------------------------------------------------------
+
+
+def prefill_row(spec: LoopSpec, params, proposer_params, inputs) -> DecodeState:
+    """One request's row, a batch of one whose prompt is padded to `spec.prompt_bucket`."""
+    with spec.backend.tracing():
+        return prefill(spec, params, proposer_params, inputs)
+
+
+def write_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot) -> DecodeState:
+    """A prefilled row into free slot `slot` of the running state. Its steps count from here (its
+    own step numbers, so a seeded row draws as it would alone), and its proposer state joins the
+    batch's (Dynamic's schedule: one k for the batch; the slot is free, so ~done marks the rows
+    running beside it)."""
+    row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))
+    if spec.proposer is not None:
+        joined = spec.proposer.join(state.proposer_state, row.proposer_state, ~state.done)
+        row = row.replace(proposer_state=joined)
+    return put_row(axes, state, row, slot)
+
+
+def move_row(axes, width: int, state: DecodeState, source, slot) -> DecodeState:
+    """The row in slot `source` of a `width`-slot state copied into slot `slot`."""
+    return put_row(axes, state, take_row(axes, state, source, width), slot)
+
+
+def resize(axes, width: int, new_width: int, state: DecodeState, free_row: DecodeState) -> DecodeState:
+    """A `width`-slot state at `new_width` slots: its first slots kept, free rows added past them
+    or slots past new_width dropped."""
+    if new_width < width:
+        return jax.tree.map(
+            lambda axis, x: (
+                x
+                if axis == SHARED
+                else jax.lax.slice_in_dim(x, 0, x.shape[axis] // width * new_width, axis=axis)
+            ),
+            axes,
+            state,
+        )
+    extra = repeat_rows(axes, new_width - width, free_row)
+    return jax.tree.map(
+        lambda axis, x, y: x if axis == SHARED else jnp.concatenate([x, y], axis), axes, state, extra
+    )
+
+
+def fill(axes, narrow: int, width: int, spare: DecodeState, state: DecodeState, free_row) -> DecodeState:
+    """A `narrow`-slot state grown to `width` slots in the buffers of `spare` (a state of that
+    width kept since the state narrowed from it): the state's rows, then free rows."""
+
+    def put(axis, into, rows):
+        if axis == SHARED:
+            return rows
+        return jax.lax.dynamic_update_slice_in_dim(into, rows, 0, axis)
+
+    # One free row at a time: the free rows repeated would be a temporary as large.
+    return jax.lax.fori_loop(
+        narrow,
+        width,
+        lambda slot, into: put_row(axes, into, free_row, slot),
+        jax.tree.map(put, axes, spare, state),
+    )
+
+
+def resume(spec: LoopSpec, window: int, params, proposer_params, state, inputs, max_steps, reported):
+    """The decoding loop over the running state for one chunk (`loop.resume_program`)."""
+    return resume_program(spec, params, proposer_params, state, inputs, max_steps, reported, window)
+
+
+def may_draft(spec: LoopSpec, state: DecodeState):
+    """[] whether a running row may draft at the next step (which of Dynamic's programs runs)."""
+    return spec.proposer.may_draft(state.proposer_state, ~state.done)
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A kind of engine program: the function, and which of its arguments the engine donates
+    (a state updated in place)."""
+
+    function: object
+    donate: tuple[int, ...] = ()
+
+
+# By kind: what `Engine` compiles; an unknown kind is an error (`compiled`). "resume" is the loop,
+# compiled once per loop spec (the full, lean and quiet ones) and width.
+PROGRAMS = {
+    "prefill": Program(prefill_row),
+    "write": Program(write_row, donate=(0,)),
+    "move": Program(move_row, donate=(0,)),
+    "resize": Program(resize),  # (its output has another shape: nothing to donate to)
+    "fill": Program(fill, donate=(0,)),
+    "resume": Program(resume, donate=(2,)),
+    "may_draft": Program(may_draft),
+}
+
+
+def jitted(kind: str, *static):
+    """Program `kind` with its static arguments bound, jitted (donating what it donates)."""
+    if kind not in PROGRAMS:
+        raise ValueError(f"engine program kind {kind!r} is not one of {', '.join(PROGRAMS)}")
+    program = PROGRAMS[kind]
+    return jax.jit(functools.partial(program.function, *static), donate_argnums=program.donate)
