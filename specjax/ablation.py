@@ -53,10 +53,11 @@ import jax
 import numpy as np
 
 from specjax.api import GenerateResult, generate
+from specjax.checks import check_int, is_int
 from specjax.models.model import Model
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import ForcedAcceptance
-from specjax.speculate.sampling import Sampling, _is_int
+from specjax.speculate.sampling import Sampling
 
 SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p")
 
@@ -112,15 +113,9 @@ def _check_int_list(name: str, values, minimum: int, what: str) -> list[int]:
     if isinstance(values, str) or not isinstance(values, Sequence) or len(values) == 0:
         raise ValueError(f"{name} must be a non-empty list of {what}, got {values!r}")
     for i, value in enumerate(values):
-        if not _is_int(value) or value < minimum:
+        if not is_int(value) or value < minimum:
             raise ValueError(f"{name}[{i}] must be {what}, got {value!r}")
     return [int(v) for v in values]
-
-
-def _check_int(name: str, value, minimum: int) -> int:
-    if not _is_int(value) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return int(value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -381,8 +376,8 @@ def ablate(
     configs = _apply_ks(_resolve_proposers(proposers, model), ks)
     samplings = _check_samplings(samplings)
     seeds = _check_int_list("seeds", seeds, -(2**63), "an integer seed")
-    max_new_tokens = _check_int("max_new_tokens", max_new_tokens, 1)
-    batch_size = _check_int("batch_size", batch_size, 1)
+    max_new_tokens = check_int("max_new_tokens", max_new_tokens, 1)
+    batch_size = check_int("batch_size", batch_size, 1)
     if not isinstance(chat, bool):
         raise ValueError(f"chat must be True or False, got {chat!r}")
 

@@ -18,6 +18,11 @@ def is_int(value) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
+def is_number(value) -> bool:
+    """A real number (Python's or numpy's int or float), not a bool."""
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
 def check_int(name: str, value, low: int | None = None, high: int | None = None) -> int:
     """`value` as an int, when it is an integer in [low, high] (either bound may be None); else a
     ValueError: "{name} must be an integer in {low}..{high}" (or ">= {low}", "<= {high}")."""

@@ -22,6 +22,7 @@ import statistics
 import time
 
 from specjax.api import generate
+from specjax.checks import check_int
 from specjax.speculate.proposers.dynamic import set_cost_meter
 from specjax.speculate.proposers.forced import ForcedAcceptance
 from specjax.speculate.proposers.protocol import Proposer
@@ -40,8 +41,7 @@ def measure_step_costs(
     if not isinstance(proposer, Proposer):
         raise ValueError(f"proposer must be a specjax proposer (NGram, DraftModel, ...), got {proposer!r}")
     k = proposer.draft_positions
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be an integer >= 1, got {rounds!r}")
+    check_int("rounds", rounds, 1)
     eos = set(model.config.eos_token_ids)
     if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
         eos.add(int(model.tokenizer.eos_token_id))

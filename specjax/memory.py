@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax import sharding
+from specjax.checks import check_int
 from specjax.models.checkpoint import dtype_name, flatten
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import param_shapes
@@ -92,8 +93,7 @@ def estimate_memory(
         raise ValueError(f"estimate_memory: {error}") from None
     cache_size = jnp.dtype(dtype_name(cache_dtype or dtype)).itemsize
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"estimate_memory: {name} must be an integer >= 1, got {value!r}")
+        check_int(f"estimate_memory: {name}", value, 1)
     degrees = _degrees(mesh)
     data, model = degrees[DATA], degrees[MODEL]
     split_kv = not config.kv_lora_rank  # a latent cache is whole on every device of a model group

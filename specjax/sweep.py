@@ -30,7 +30,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from specjax.ablation import _is_int, ablate, save_ablation
+from specjax.ablation import ablate, save_ablation
+from specjax.checks import is_int
 from specjax.models.model import Model
 from specjax.speculate.sampling import Sampling
 
@@ -98,7 +99,7 @@ def _prompt_file(options: dict, folder: Path) -> dict[str, list]:
         raise ValueError(f"prompts.file {str(file)!r}: no such file")
     limit, per_category = options.get("limit"), options.get("per_category")
     for name, value in (("limit", limit), ("per_category", per_category)):
-        if value is not None and (not _is_int(value) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise ValueError(f"prompts.{name} must be an integer >= 1, got {value!r}")
     records = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
     categories: dict[str, list] = {}

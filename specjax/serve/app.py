@@ -29,6 +29,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specjax.checks import is_int
 from specjax.models import Model, load
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
@@ -319,9 +320,7 @@ def serve(
         this many tokens (`Engine.precompile`): a program compiled while serving stalls every
         running request while it compiles. None: compile each on first use.
     """
-    if precompile is not None and (
-        isinstance(precompile, bool) or not isinstance(precompile, int) or precompile < 0
-    ):
+    if precompile is not None and (not is_int(precompile) or precompile < 0):
         raise ValueError(f"serve: precompile must be None or an integer >= 0, got {precompile!r}")
     if proposer is not None and speculative_config is not None:
         raise ValueError("serve: give a proposer or a speculative_config, not both")

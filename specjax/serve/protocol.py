@@ -31,6 +31,7 @@ import time
 import uuid
 from typing import Any
 
+from specjax.checks import is_int, is_number
 from specjax.speculate.sampling import MAX_SEED, Sampling
 from specjax.text import chat_prompt_ids, has_chat_template
 
@@ -102,10 +103,6 @@ class GenerationRequest:
 
 # ---------------------------------------------------------------------------------------------
 # parsing
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_fields(body: dict, kind: str) -> None:
@@ -183,14 +180,14 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
             raise RequestError(
                 f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}", param="logit_bias"
             )
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if not is_number(value) or not math.isfinite(value):
             raise RequestError(f"logit_bias[{key!r}] must be a number, got {value!r}", param="logit_bias")
         parsed[int(key)] = float(value)
     return parsed
 
 
 def _token_ids(value, name: str, vocab_size: int) -> list[int]:
-    if not isinstance(value, list) or not all(_is_int(t) for t in value):
+    if not isinstance(value, list) or not all(is_int(t) for t in value):
         raise RequestError(f"{name} must be a list of token ids, got {value!r}", param=name)
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
@@ -242,7 +239,7 @@ def _max_tokens(body: dict, kind: str, prompt_len: int, max_model_len: int) -> i
     value = body.get(name)
     if value is None:
         value = DEFAULT_COMPLETION_TOKENS if kind == COMPLETION else max_model_len - prompt_len
-    if not _is_int(value) or value < 1:
+    if not is_int(value) or value < 1:
         raise RequestError(f"{name} must be an integer >= 1, got {value!r}", param=name)
     if prompt_len + value > max_model_len:
         raise RequestError(
@@ -294,7 +291,7 @@ def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
         prompt = prompt[0]
     if isinstance(prompt, str):
         ids = tokenizer(prompt)["input_ids"]
-    elif isinstance(prompt, list) and (not prompt or all(_is_int(t) for t in prompt)):
+    elif isinstance(prompt, list) and (not prompt or all(is_int(t) for t in prompt)):
         ids = _token_ids(prompt, "prompt", vocab_size)
     else:
         raise RequestError(

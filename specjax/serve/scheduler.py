@@ -30,6 +30,7 @@ import queue
 import threading
 import time
 
+from specjax.checks import check_int
 from specjax.serve.metrics import ServerMetrics
 
 log = logging.getLogger("specjax.serve")
@@ -109,8 +110,7 @@ def _settle(future: asyncio.Future, result, error) -> None:
 
 
 def check_max_waiting(max_waiting) -> None:
-    if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
-        raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+    check_int("max_waiting", max_waiting, 0)
 
 
 class Scheduler:

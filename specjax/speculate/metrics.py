@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int
+
 
 @flax.struct.dataclass
 class MetricCounters:
@@ -135,7 +137,7 @@ class SpecMetrics:
         other tokens.
         """
         K = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int | np.integer) or not 1 <= k <= K:
+        if not is_int(k) or not 1 <= k <= K:
             raise ValueError(f"k must be an integer in [1, {K}] (this run's k), got {k!r}")
         drafts = self.drafting_steps.sum()
         if not drafts:

@@ -31,6 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int, is_number
+
 MAX_SEED = 2**32  # seeds become uint32 arrays
 # Candidates the top-k / top-p filters look at (`WarpSpec.candidates`): the batch's largest top_k
 # rounded up to a power of two from MIN_CANDIDATES (so that nearby values share a program), at
@@ -38,14 +40,6 @@ MAX_SEED = 2**32  # seeds become uint32 arrays
 MIN_CANDIDATES = 64
 TOP_P_CANDIDATES = 256
 MAX_CANDIDATES = 4096
-
-
-def _is_number(x) -> bool:
-    return not isinstance(x, bool) and isinstance(x, int | float | np.integer | np.floating)
-
-
-def _is_int(x) -> bool:
-    return not isinstance(x, bool) and isinstance(x, int | np.integer)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,28 +77,28 @@ class Sampling:
             raise ValueError(f"Sampling {name} must be {allowed}, got {getattr(self, name)!r}")
 
         t = self.temperature
-        if not _is_number(t) or not math.isfinite(t) or t < 0:
+        if not is_number(t) or not math.isfinite(t) or t < 0:
             fail("temperature", "a finite number >= 0")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             fail("top_k", "an integer >= 0 (0 disables it)")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "in (0, 1] (1 disables it)")
-        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+        if not is_number(self.min_p) or not 0 <= self.min_p <= 1:
             fail("min_p", "in [0, 1] (0 disables it)")
         r = self.repetition_penalty
-        if not _is_number(r) or not math.isfinite(r) or r <= 0:
+        if not is_number(r) or not math.isfinite(r) or r <= 0:
             fail("repetition_penalty", "a finite number > 0 (1 disables it)")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            if not _is_number(value) or not -2 <= value <= 2:
+            if not is_number(value) or not -2 <= value <= 2:
                 fail(name, "a number in [-2, 2] (0 disables it)")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 fail("logit_bias", "a dict {token id: bias} or None")
             for token, bias in self.logit_bias.items():
-                if not _is_int(token) or token < 0:
+                if not is_int(token) or token < 0:
                     raise ValueError(f"Sampling logit_bias keys must be token ids >= 0, got {token!r}")
-                if not _is_number(bias) or not math.isfinite(bias):
+                if not is_number(bias) or not math.isfinite(bias):
                     raise ValueError(f"Sampling logit_bias[{token}] must be a finite number, got {bias!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, Sequence) or not all(isinstance(s, str) and s for s in stop):
@@ -114,11 +108,11 @@ class Sampling:
         if (
             not isinstance(ids, Sequence)
             or isinstance(ids, str)
-            or not all(_is_int(i) and i >= 0 for i in ids)
+            or not all(is_int(i) and i >= 0 for i in ids)
         ):
             fail("stop_token_ids", "a list of token ids >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             fail("seed", f"None or an integer in [0, 2**32), not {type(self.seed).__name__}")
 
     @property

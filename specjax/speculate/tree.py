@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int
 from specjax.speculate.sampling import greedy_argmax
 from specjax.speculate.verify import keys_per_row, residual_floor
 
@@ -59,9 +60,7 @@ def _check_paths(paths) -> tuple[tuple[int, ...], ...]:
     if not paths:
         raise ValueError("tree paths must hold at least one path, got none")
     for path in paths:
-        ok = len(path) >= 1 and all(
-            isinstance(r, int | np.integer) and not isinstance(r, bool) and r >= 0 for r in path
-        )
+        ok = len(path) >= 1 and all(is_int(r) and r >= 0 for r in path)
         if not ok:
             raise ValueError(f"tree paths: each path must be a non-empty tuple of ranks >= 0, got {path!r}")
     paths = tuple(tuple(int(r) for r in path) for path in paths)  # numpy integers welcome
@@ -98,7 +97,7 @@ class TokenTree:
         """The full tree with widths[d] candidates per node at depth d + 1, e.g. (3, 2): the 3 best
         first tokens, each with its 2 best continuations (3 + 6 nodes)."""
         widths = tuple(widths)
-        if not widths or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
+        if not widths or not all(is_int(w) and w >= 1 for w in widths):
             raise ValueError(f"tree widths must be a non-empty sequence of integers >= 1, got {widths!r}")
         level, paths = [()], []
         for width in widths:

@@ -11,6 +11,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.checks import check_int
 from specjax.speculate.proposers.protocol import (
     FINAL_HIDDEN,
     Capabilities,
@@ -38,8 +39,7 @@ class Proposal:
 
 
 def check_k(owner: str, k) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-        raise ValueError(f"{owner} k must be an integer in 1..{MAX_SPECULATIVE_TOKENS}, got {k!r}")
+    check_int(f"{owner} k", k, 1, MAX_SPECULATIVE_TOKENS)
 
 
 class Stateless(ProposerSpec):

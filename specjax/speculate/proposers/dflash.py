@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.dflash import (
@@ -148,11 +149,7 @@ class DFlash(Proposer):
                 f"{type(self.head).__name__}"
             )
         block = self.head.config.block_size if self.block is None else self.block
-        if (
-            isinstance(block, bool)
-            or not isinstance(block, int)
-            or not 2 <= block <= MAX_SPECULATIVE_TOKENS + 1
-        ):
+        if not is_int(block) or not 2 <= block <= MAX_SPECULATIVE_TOKENS + 1:
             raise ValueError(
                 f"DFlash block must be an integer in 2..{MAX_SPECULATIVE_TOKENS + 1} (the anchor and "
                 f"block - 1 drafts), got {block!r}"

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.models.cache import KVCache, cache_bytes, init_cache, starting_from
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import lm_head, stack_layers, with_panel_weights
@@ -224,8 +225,7 @@ class SelfDraft(Proposer):
 
     def __post_init__(self):
         check_k("SelfDraft", self.k)
-        if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers < 1:
-            raise ValueError(f"SelfDraft layers must be an integer >= 1, got {self.layers!r}")
+        check_int("SelfDraft layers", self.layers, 1)
 
     def spec(self, target: Model, warp: WarpSpec, mesh=None) -> DraftSpec:
         if not 1 <= self.layers <= target.config.num_layers - 1:

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int, is_number
 from specjax.speculate.proposers.base import Proposal
 from specjax.speculate.proposers.protocol import (
     Capabilities,
@@ -54,7 +55,6 @@ from specjax.speculate.proposers.protocol import (
     UpdateContext,
     Wrapper,
 )
-from specjax.speculate.sampling import _is_int
 
 
 @flax.struct.dataclass
@@ -70,7 +70,7 @@ class ScheduleState:
 
 
 def _check_initial_k(owner: str, initial_k, minimum: int) -> None:
-    if initial_k is not None and (not _is_int(initial_k) or initial_k < minimum):
+    if initial_k is not None and (not is_int(initial_k) or initial_k < minimum):
         raise ValueError(
             f"{owner} initial_k must be None (the proposer's k) or an integer >= {minimum}, got {initial_k!r}"
         )
@@ -142,7 +142,7 @@ class GoodputSchedule:
     def __post_init__(self):
         def check(name, low, high, closed_high=True):
             value = getattr(self, name)
-            ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            ok = is_number(value) and math.isfinite(value)
             ok = ok and low <= value and (value <= high if closed_high else value < high)
             if not ok:
                 bracket = "]" if closed_high else ")"
@@ -157,7 +157,7 @@ class GoodputSchedule:
         _check_initial_k("GoodputSchedule", self.initial_k, 0)
         if not isinstance(self.per_row, bool):
             raise ValueError(f"GoodputSchedule per_row must be True or False, got {self.per_row!r}")
-        if not _is_int(self.probe_every) or self.probe_every < 1:
+        if not is_int(self.probe_every) or self.probe_every < 1:
             raise ValueError(f"GoodputSchedule probe_every must be an integer >= 1, got {self.probe_every!r}")
         table = self.verify_cost_by_rows
         if table is not None:
@@ -165,9 +165,9 @@ class GoodputSchedule:
             ok = len(pairs) > 0 and all(
                 isinstance(p, tuple | list)
                 and len(p) == 2
-                and _is_int(p[0])
+                and is_int(p[0])
                 and p[0] >= 1
-                and isinstance(p[1], int | float)
+                and is_number(p[1])
                 and math.isfinite(p[1])
                 and p[1] >= 0
                 for p in pairs
@@ -326,7 +326,7 @@ class GoodputSchedule:
             costs = _cost_meter(model, proposer, prompts, **timing)
             return cls(draft_cost=costs["draft_cost"], verify_cost=costs["verify_cost"], **options)
         sizes = sorted(set(batch_sizes)) if isinstance(batch_sizes, tuple | list) else []
-        if not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
+        if not sizes or not all(is_int(b) and b >= 1 for b in sizes):
             raise ValueError(f"batch_sizes must be None or a list of integers >= 1, got {batch_sizes!r}")
         by_size = {}
         for b in sizes:

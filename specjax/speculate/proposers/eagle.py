@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_number
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import EagleConfig, EagleHead, eagle_entries, eagle_features, eagle_panel_weights
@@ -278,7 +279,7 @@ def chain_or_tree(owner: str, k: int | None, tree) -> tuple[int, TokenTree | Non
 def _check_confidence_threshold(owner: str, threshold, tree) -> float:
     """The threshold as a float in [0, 1); a tree with one is an error: a tree's verify pass scores
     every node of its fixed shape, so leaving nodes out would save nothing."""
-    if isinstance(threshold, bool) or not isinstance(threshold, int | float) or not 0 <= threshold < 1:
+    if not is_number(threshold) or not 0 <= threshold < 1:
         raise ValueError(f"{owner} confidence_threshold must be a number in [0, 1), got {threshold!r}")
     if threshold > 0 and tree is not None:
         raise ValueError(

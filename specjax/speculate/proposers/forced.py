@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_number
 from specjax.speculate.proposers.base import Proposal, Stateless, check_k
 from specjax.speculate.proposers.protocol import (
     Capabilities,
@@ -42,10 +43,7 @@ from specjax.speculate.verify import assemble
 
 def _check_rates(acceptance) -> tuple[float, ...]:
     rates = (acceptance,) if not isinstance(acceptance, Sequence) else tuple(acceptance)
-    if not rates or not all(
-        isinstance(r, int | float) and not isinstance(r, bool) and math.isfinite(r) and 0 <= r <= 1
-        for r in rates
-    ):
+    if not rates or not all(is_number(r) and math.isfinite(r) and 0 <= r <= 1 for r in rates):
         raise ValueError(
             "ForcedAcceptance acceptance must be a number in [0, 1] or a non-empty list of them (one "
             f"conditional rate per draft position), got {acceptance!r}"

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import is_int
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.llama import LlamaParams, lm_head
 from specjax.models.model import Model
@@ -240,12 +241,12 @@ class MTP(HeadProposer):
         settle_drafting(self, "MTP")
         layers = self.layers
         if layers is not None:
-            if isinstance(layers, int) and not isinstance(layers, bool):
+            if is_int(layers):
                 layers = (layers,)
             if (
                 not isinstance(layers, tuple | list)
                 or not layers
-                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers)
+                or not all(is_int(i) and i >= 0 for i in layers)
                 or len(set(layers)) != len(layers)
             ):
                 raise ValueError(

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.checks import check_int
 from specjax.speculate.proposers.base import Proposal, Stateless, check_k
 from specjax.speculate.proposers.protocol import Capabilities, ProposeContext, Proposer
 
@@ -29,10 +30,8 @@ class NGram(Stateless, Proposer):
 
     def __post_init__(self):
         check_k("NGram", self.k)
-        for name in ("n_min", "n_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"NGram {name} must be an integer >= 1, got {value!r}")
+        check_int("NGram n_min", self.n_min, 1)
+        check_int("NGram n_max", self.n_max, 1)
         if self.n_min > self.n_max:
             raise ValueError(f"NGram n_min ({self.n_min}) must not exceed n_max ({self.n_max})")
 
