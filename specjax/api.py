@@ -27,9 +27,10 @@ import numpy as np
 
 from specjax import models, sharding
 from specjax.kernels import backend as backends
+from specjax.kernels.layouts import with_panel_weights
 from specjax.models.checkpoint import dtype_name
-from specjax.models.llama import LlamaParams, with_panel_weights
 from specjax.models.model import Model
+from specjax.models.params import LlamaParams
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program, memory_bytes, num_drafted
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve

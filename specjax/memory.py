@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from specjax import sharding
 from specjax.models.checkpoint import dtype_name, flatten
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import param_shapes
+from specjax.models.params import param_shapes
 from specjax.models.quantized import FP8_BLOCK, PROJECTIONS, check_quantization
 from specjax.sharding.mesh import DATA, MODEL
 from specjax.sharding.specs import MODEL_AXES

@@ -10,7 +10,8 @@ from tiny import tiny_model
 import specjax
 from specjax.api import compiled_program_count, prompt_bucket
 from specjax.models import forward, init_cache
-from specjax.models.llama import lm_head, project
+from specjax.models.llama import lm_head
+from specjax.models.products import project
 
 
 def reference_greedy(model, prompt, num_tokens, width=64):

@@ -26,7 +26,7 @@ import numpy as np
 
 from specjax.kernels.quantized import QuantizedWeight, dequantize, is_fp8
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import (
+from specjax.models.params import (
     LayerParams,
     LlamaParams,
     checkpoint_layer_shapes,

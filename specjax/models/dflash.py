@@ -29,22 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import pack
+from specjax.kernels.layouts import panel_layer
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab, draft_logits
-from specjax.models.llama import (
-    LayerParams,
-    LlamaParams,
-    attention_keys_values,
-    checkpoint_layer_shapes,
-    decoder_layers,
-    layer_from_checkpoint,
-    lm_head,
-    panel_layer,
-    project,
-    rms_norm,
-)
+from specjax.models.llama import attention_keys_values, decoder_layers, lm_head
 from specjax.models.model import Model
+from specjax.models.norms import rms_norm
+from specjax.models.params import LayerParams, LlamaParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.products import project
 
 _LAYER_FIELDS = (
     "hidden_size",
@@ -232,7 +225,7 @@ def dflash_logits(
 
 def dflash_panel_weights(params: DFlashParams) -> DFlashParams:
     """The head with fc, its layers' projections and its own LM head (if any) as panels, for
-    drafting on the CPU (as `llama.with_panel_weights` for a target: no gradient, float32)."""
+    drafting on the CPU (as `layouts.with_panel_weights` for a target: no gradient, float32)."""
     lm = None if params.lm_head is None else pack(params.lm_head)
     layers = tuple(panel_layer(layer) for layer in params.layers)
     return params.replace(fc=pack(params.fc), layers=layers, lm_head=lm)

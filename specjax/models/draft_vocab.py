@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import PanelWeight, backend
-from specjax.models.llama import LlamaParams
+from specjax.models.params import LlamaParams
 from specjax.models.quantized import columns
 
 

@@ -25,19 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import pack
+from specjax.kernels.layouts import panel_layer
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab
-from specjax.models.llama import (
-    LayerParams,
-    attention_keys_values,
-    checkpoint_layer_shapes,
-    decoder_layers,
-    layer_from_checkpoint,
-    panel_layer,
-    project,
-)
+from specjax.models.llama import attention_keys_values, decoder_layers
 from specjax.models.model import Model
+from specjax.models.params import LayerParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.products import project
 from specjax.models.signature import check_signature, target_signature
 
 # The fields an EAGLE head shares with its target's LlamaConfig: its layer's shapes, rotary
@@ -204,7 +199,7 @@ def _layer_input(params: EagleParams, embed, hidden, next_tokens) -> jax.Array:
 
 def eagle_panel_weights(params: EagleParams) -> EagleParams:
     """The head with fc and its layer's projections as panels, for drafting on the CPU (as
-    `llama.with_panel_weights` for a target: no gradient, float32)."""
+    `layouts.with_panel_weights` for a target: no gradient, float32)."""
     return params.replace(fc=pack(params.fc), layer=panel_layer(params.layer))
 
 

@@ -29,20 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import pack
+from specjax.kernels.layouts import panel_layer
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab, draft_logits
-from specjax.models.llama import (
-    LayerParams,
-    attention_keys_values,
-    checkpoint_layer_shapes,
-    decoder_layers,
-    layer_from_checkpoint,
-    panel_layer,
-    project,
-    rms_norm,
-)
+from specjax.models.llama import attention_keys_values, decoder_layers
 from specjax.models.model import Model
+from specjax.models.norms import rms_norm
+from specjax.models.params import LayerParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.products import project
 from specjax.models.signature import check_signature
 
 _SIZES = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -313,7 +308,7 @@ def eagle3_logits(params: Eagle3Params, config: Eagle3Config, outputs: jax.Array
 
 def eagle3_panel_weights(params: Eagle3Params) -> Eagle3Params:
     """The head with fc, its layers' projections and its LM head as panels, for drafting on the
-    CPU (as `llama.with_panel_weights` for a target: no gradient, float32)."""
+    CPU (as `layouts.with_panel_weights` for a target: no gradient, float32)."""
     layers = tuple(panel_layer(layer) for layer in params.layers)
     return params.replace(fc=pack(params.fc), layers=layers, lm_head=pack(params.lm_head))
 

@@ -75,7 +75,7 @@ import numpy as np
 from specjax.models.checkpoint import PROJECTIONS, check_tensors, expected_shapes, params_from_tensors
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.gguf_tokenizer import tokenizer_from_gguf
-from specjax.models.llama import LlamaParams
+from specjax.models.params import LlamaParams
 from specjax.models.quantized import GGUF_FORMATS, from_gguf
 from specjax.models.tensors import LazyTensor
 

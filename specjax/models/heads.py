@@ -27,10 +27,10 @@ import numpy as np
 
 from specjax._version import __version__
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
-from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint, layer_to_checkpoint
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.model import Model
 from specjax.models.mtp import TRAINER, MTPLayerParams, MTPLayers, mtp_layer_config
+from specjax.models.params import checkpoint_layer_shapes, layer_from_checkpoint, layer_to_checkpoint
 from specjax.models.signature import check_signature
 
 HEAD_FILE = "head.json"

@@ -34,8 +34,11 @@ import numpy as np
 from specjax.models.cache import KVCache
 from specjax.models.checkpoint import _HostWeights
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LayerParams, decoder_layers, init_params, project, rms_norm
+from specjax.models.llama import decoder_layers
 from specjax.models.model import Model
+from specjax.models.norms import rms_norm
+from specjax.models.params import LayerParams, init_params
+from specjax.models.products import project
 from specjax.models.signature import check_signature
 from specjax.models.tensors import LazyTensor
 

@@ -41,7 +41,7 @@ from specjax.kernels.quantized import QuantizedWeight
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.checkpoint import flatten
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LayerParams, LayerStack, LlamaParams, layer_shapes
+from specjax.models.params import LayerParams, LayerStack, LlamaParams, layer_shapes
 from specjax.models.tensors import normalize_index
 from specjax.sharding.mesh import DATA, MODEL
 
