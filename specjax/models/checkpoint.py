@@ -30,6 +30,7 @@ from specjax.models.params import (
     LayerParams,
     LlamaParams,
     checkpoint_layer_shapes,
+    checkpoint_shapes,
     layer_from_checkpoint,
     layer_shapes,
     read_fused_qkv,
@@ -59,17 +60,6 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The flat name -> shape table a checkpoint for `config` must fill exactly."""
-    shapes = {"embed": (config.vocab_size, config.hidden_size)}
-    for i in range(config.num_layers):
-        shapes |= {f"layers.{i}.{name}": shape for name, shape in checkpoint_layer_shapes(config, i).items()}
-    shapes["final_norm"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
-    return shapes
-
-
 def dtype_name(dtype: Any) -> str:
     """ "float32", "bfloat16" or "float16" for a dtype given as a name or a dtype; ValueError
     naming `dtype` otherwise."""
@@ -85,7 +75,7 @@ def dtype_name(dtype: Any) -> str:
 def check_tensors(config: LlamaConfig, tensors: Mapping[str, LazyTensor], source: str) -> None:
     """ValueError naming `source` and every missing, unexpected, misshapen or wrongly typed
     tensor, before anything is read."""
-    expected = expected_shapes(config)
+    expected = checkpoint_shapes(config)
     head = tensors.get("lm_head")
     if config.tie_word_embeddings and head is not None and head.quantized:
         expected["lm_head"] = (config.hidden_size, config.vocab_size)  # a tied head's quantized copy
@@ -185,7 +175,7 @@ def params_from_tensors(
 def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
     """int4's groups must divide the inputs of every weight quantized: a ValueError naming those
     they do not, before anything is read."""
-    shapes = expected_shapes(config) | {"lm_head": (config.hidden_size, config.vocab_size)}
+    shapes = checkpoint_shapes(config) | {"lm_head": (config.hidden_size, config.vocab_size)}
     bad = [
         f"{name} ({shape[-2]} inputs)"
         for name, shape in shapes.items()

@@ -256,6 +256,18 @@ def layer_to_checkpoint(layer: LayerParams, config: LlamaConfig, index: int = 0)
     return {name: fields[name] for name in checkpoint_layer_shapes(config, index)}
 
 
+def checkpoint_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every weight's flat name -> shape in the checkpoint layout ("embed", "layers.3.q", ...,
+    "final_norm", "lm_head" unless tied): the table a checkpoint for `config` must fill exactly."""
+    shapes = {"embed": (config.vocab_size, config.hidden_size)}
+    for i in range(config.num_layers):
+        shapes |= {f"layers.{i}.{name}": shape for name, shape in checkpoint_layer_shapes(config, i).items()}
+    shapes["final_norm"] = (config.hidden_size,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    return shapes
+
+
 def layers_bytes(config: LlamaConfig, itemsize: int) -> int:
     """Bytes the decoder layers' weights take (the size of their stacked copy: models/llama.py,
     `stack_layers`)."""
@@ -280,12 +292,7 @@ def init_params(config: LlamaConfig, key: jax.Array, dtype=jnp.float32) -> Llama
     """Random params for tests: unit-variance activations, norms and biases away from trivial
     values, so that a wrong use of any weight shows in the logits. Drawn in float32 in the
     checkpoint layout (q, k, v apart), fused as a loaded checkpoint is, then cast to `dtype`."""
-    shapes = {"embed": (config.vocab_size, config.hidden_size)}
-    for i in range(config.num_layers):
-        shapes |= {f"layers.{i}.{name}": shape for name, shape in checkpoint_layer_shapes(config, i).items()}
-    shapes["final_norm"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
+    shapes = checkpoint_shapes(config)
     values = {}
     for leaf_key, (name, shape) in zip(jax.random.split(key, len(shapes)), shapes.items(), strict=True):
         noise = jax.random.normal(leaf_key, shape, jnp.float32)
