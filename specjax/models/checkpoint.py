@@ -147,7 +147,7 @@ def params_from_tensors(
     target = np.dtype(jnp.dtype(dtype_name(dtype)))
     if quantization == "int4":
         _check_groups(config, group, source)
-    weights = _HostWeights(
+    weights = HostWeights(
         config, tensors, target, quantization if quantization in ("int8", "int4", "fp8") else None, group
     )
     quantized = weights.quantize_to is not None or any(t.quantized for t in tensors.values())
@@ -190,7 +190,7 @@ def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _HostWeights:
+class HostWeights:
     """The weights of a checkpoint in host memory as the params hold them: read, converted to
     `target`, q, k and v fused, projections quantized (`quantize_to` "int8" or "int4", in groups of
     `group`) or kept quantized as the tensors read."""
