@@ -4,7 +4,7 @@ Every loader maps its own tensor names onto flat names of our params tree in the
 layout: "embed", "layers.3.q", "layers.3.k", ..., "final_norm", "lm_head", each an unread
 `LazyTensor` (models/tensors.py) in our layout (matrices `[in, out]`). The query, key and value
 projections stay apart here ("layers.3.q", ... and their biases), as in HF and GGUF files; the
-params hold them fused (`LayerParams.qkv`, see llama.py). A mixture's experts are one tensor per
+params hold them fused (`LayerParams.qkv`, see params.py). A mixture's experts are one tensor per
 weight and layer ("layers.3.expert_gate" [X, D, F]).
 
 `params_from_tensors` checks every name, shape and stored dtype against the config before it
