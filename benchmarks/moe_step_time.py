@@ -24,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from common import machine, markdown_table
 
+from specjax.kernels.layouts import with_panel_weights
 from specjax.models import LlamaConfig, cache_bytes, forward_hidden, init_cache, init_params
-from specjax.models.llama import embed_tokens, route, with_panel_weights
+from specjax.models.llama import embed_tokens
+from specjax.models.mlp import route
 
 MOE = LlamaConfig(
     vocab_size=32000,

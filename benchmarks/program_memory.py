@@ -19,7 +19,7 @@ draft, then verify or make a one-token pass under a `lax.cond` (as before), agai
 time per decoding step of each, called alternately (A, B, A, B, ...) on the same inputs; the
 outputs must be equal.
 
-prefill: MIN_PREFILL_CHUNK (models/llama.py) 64 (now) against 128: sizes and the time of a prefill
+prefill: MIN_PREFILL_CHUNK (models/attention.py) 64 (now) against 128: sizes and the time of a prefill
 (a call with max_new_tokens=1), alternately.
 
 Linux only (it reads /proc/self/statm and /proc/self/maps).
@@ -43,12 +43,24 @@ from common import machine, markdown_table
 import specjax
 from specjax import programs
 from specjax.models import EagleHead, MedusaHead
-from specjax.models import llama as llama_module
+from specjax.models import attention as attention_module
 from specjax.speculate import loop
 
 MB = 1 << 20
 LIBC = ctypes.CDLL("libc.so.6")
-LAYER_FILES = ("llama.py", "kernels/__init__.py", "cache.py")  # frames inside the decoder layers
+LAYER_FILES = (  # frames inside the decoder layers
+    "models/llama.py",
+    "models/attention.py",
+    "models/attention_primitives.py",
+    "models/passes.py",
+    "models/mlp.py",
+    "models/norms.py",
+    "models/rotary.py",
+    "models/products.py",
+    "kernels/layouts.py",
+    "kernels/__init__.py",
+    "cache.py",
+)
 
 
 def resident() -> int:
@@ -308,13 +320,13 @@ def part_prefill(model, repeats: int) -> None:
         args = program_arguments(model, [filler_prompt(tokens)], None, max_new_tokens=1)
         sizes, programs = {}, {}
         for chunk in (64, 128):
-            old = llama_module.MIN_PREFILL_CHUNK
-            llama_module.MIN_PREFILL_CHUNK = chunk
+            old = attention_module.MIN_PREFILL_CHUNK
+            attention_module.MIN_PREFILL_CHUNK = chunk
             try:
                 sizes[f"chunks of >= {chunk}"] = measure(args)
                 programs[f"chunks of >= {chunk}"] = programs.compile_program(*args)
             finally:
-                llama_module.MIN_PREFILL_CHUNK = old
+                attention_module.MIN_PREFILL_CHUNK = old
         timing = alternate(programs, args[1:], repeats)
         print(f"\nprefill, bucket {args[0].prompt_bucket}")
         print(size_table(list(sizes.items())))

@@ -2,7 +2,7 @@
 needs for an 8B or a 70B model with a given cache, per device of a mesh.
 
 The figures follow from the same tables the library places and allocates with: every weight's
-shape (`models.llama.param_shapes`) divided over the mesh axes its PartitionSpec splits it on
+shape (`models.params.param_shapes`) divided over the mesh axes its PartitionSpec splits it on
 (`sharding.param_specs`), and the cache's layout (`models.cache`), split by rows over "data" and
 by kv heads over "model". docs/models.md calls `estimate_memory` for its tables. With
 `quantization` ("int8", "int4", "fp8"), the projections and the LM head count at their quantized
@@ -24,7 +24,7 @@ from specjax import sharding
 from specjax.checks import check_int
 from specjax.models.checkpoint import dtype_name, flatten
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import param_shapes
+from specjax.models.params import param_shapes
 from specjax.models.quantized import FP8_BLOCK, PROJECTIONS, check_quantization
 from specjax.sharding.mesh import DATA, MODEL
 from specjax.sharding.specs import MODEL_AXES

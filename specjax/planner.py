@@ -27,8 +27,8 @@ import numpy as np
 from specjax import sharding
 from specjax.checks import check_int, is_int
 from specjax.kernels import backend as backends
+from specjax.kernels.layouts import with_panel_weights
 from specjax.models.checkpoint import dtype_name
-from specjax.models.llama import with_panel_weights
 from specjax.models.model import Model
 from specjax.speculate.loop import GenerationInputs, LoopSpec, memory_bytes, num_drafted
 from specjax.speculate.proposers import resolve

@@ -57,8 +57,8 @@ from specjax.models.dflash import DFlashConfig, DFlashParams
 from specjax.models.draft_vocab import draft_head_matrix
 from specjax.models.eagle import EagleConfig, EagleParams
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params
-from specjax.models.llama import fuse_qkv, split_qkv
 from specjax.models.mtp import MTPLayerParams
+from specjax.models.params import fuse_qkv, split_qkv
 from specjax.models.signature import target_signature
 from specjax.train import distill_data, train_medusa, train_mlp_speculator
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from specjax.models.checkpoint import flatten
 from specjax.models.families import ATTENTION_TENSORS, DENSE_MLP_TENSORS, norm_tensors
-from specjax.models.llama import layer_to_checkpoint
+from specjax.models.params import layer_to_checkpoint
 from specjax.models.tensors import of_array, write_safetensors
 
 

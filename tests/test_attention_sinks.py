@@ -16,7 +16,17 @@ from jax import numpy as jnp
 
 from specjax.kernels.backend import Backend
 from specjax.models import KVCache
-from specjax.models.llama import _layer_masks, attention, causal_mask, visible_slots
+from specjax.models.attention import attention
+from specjax.models.passes import (
+    LayerCache,
+    LayerMasks,
+    PassKind,
+    PassPlan,
+    causal_mask,
+    layer_masks,
+    plan_pass,
+    visible_slots,
+)
 
 B, K, G, E, S, W = 6, 2, 2, 16, 64, 8
 LENGTHS = np.array([0, 3, W - 1, W, W + 1, 40])  # committed slots per row
@@ -80,21 +90,19 @@ def test_decoding_attention_with_sinks(form):
         visible = visible_slots(lengths, jnp.asarray(fresh_mask), S)
     else:
         visible = jnp.arange(S)[None, :] < lengths[:, None]
-    committed = lengths if form not in ("write-first", "read-only") else None
-    masks = _layer_masks(W, jnp.asarray(positions), cache, fresh_mask, visible, write, committed)
+    by_kernel = form not in ("write-first", "read-only")
+    kernel = backend_for(form).cache_attention(E, jnp.float32) if by_kernel else None
+    plan = PassPlan(PassKind.WRITE_FIRST if write else PassKind.READ_ONLY, kernel)
+    masks = layer_masks(W, jnp.asarray(positions), cache, visible, plan)
     with backend_for(form).tracing():
         got = attention(
             jnp.asarray(q),
             jnp.asarray(k_new),
             jnp.asarray(v_new),
-            cache.k[0],
-            cache.v[0],
-            masks.visible,
+            LayerCache(cache.k[0], cache.v[0]),
+            masks,
             fresh_mask,
-            write,
-            committed,
-            window_keep=masks.window_keep,
-            starts=masks.starts,
+            plan,
             sinks=jnp.asarray(SINKS),
         )
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
@@ -115,19 +123,17 @@ def test_prefill_attention_with_sinks(form):
     )
     # A traced mask (not a numpy array) cannot be chunked: the whole [T, T] masked form runs.
     fresh_mask = jnp.asarray(causal_mask(T)) if form == "traced-mask" else causal_mask(T)
-    masks = _layer_masks(W, jnp.asarray(positions), cache, fresh_mask, None, True, None)
+    masks = layer_masks(W, jnp.asarray(positions), cache, None, PassPlan(PassKind.PREFILL))
     with backend_for(form).tracing():
+        plan = plan_pass(PassKind.PREFILL, E, jnp.float32)  # the backend's blocked kernel, where it has one
         got = attention(
             jnp.asarray(q),
             jnp.asarray(k_new),
             jnp.asarray(v_new),
             None,
-            None,
-            None,
+            masks,
             fresh_mask,
-            window_keep=masks.window_keep,
-            window=masks.window,
-            positions=masks.positions,
+            plan,
             sinks=jnp.asarray(SINKS),
         )
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
@@ -140,7 +146,8 @@ def test_a_sink_takes_its_share():
     T = 6
     q = rng.standard_normal((1, T, K * G, E)).astype(np.float32)
     k_new, v_new = (rng.standard_normal((1, T, K, E)).astype(np.float32) for _ in range(2))
-    args = (jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), None, None, None, causal_mask(T))
+    prefill = (LayerMasks(None), causal_mask(T), PassPlan(PassKind.PREFILL))
+    args = (jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), None, *prefill)
     plain = np.asarray(attention(*args)).reshape(T, K * G, E)
     sunk = np.asarray(attention(*args, sinks=jnp.asarray(SINKS))).reshape(T, K * G, E)
     scores = np.einsum("the,uhe->thu", q[0], np.repeat(k_new[0], G, axis=1)) / np.sqrt(E)

@@ -3,7 +3,7 @@
 row's slots, both checked against numpy on random contents, for a batch written row by row and one
 past UNROLLED_WRITE_ROWS (written by vmap). A pass that defers its writes (FreshEntries) computes what
 a writing pass does, and the compiled loop updates the cache in place (no copies of it). A prefill
-whose queries go in chunks (models/llama.py, `_fresh_attention`) computes what one block does."""
+whose queries go in chunks (models/attention.py, `_fresh_attention`) computes what one block does."""
 
 import re
 
@@ -15,7 +15,7 @@ from tiny import tiny_model
 
 import specjax
 from specjax import TokenTree
-from specjax.models import FreshEntries, LlamaConfig, forward_hidden, init_cache, llama
+from specjax.models import FreshEntries, LlamaConfig, attention, forward_hidden, init_cache
 from specjax.models.cache import UNROLLED_WRITE_ROWS, KVCache
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
 from specjax.speculate.sampling import SamplingParams, WarpSpec
@@ -124,8 +124,8 @@ def test_a_prefill_in_chunks_matches_one_block(mask, monkeypatch):
         "looks ahead": (rng.random((T, T)) < 0.5) | np.eye(T, dtype=bool),
     }[mask]
     (hidden, cache), chunked_products = prefill(model, tokens, fresh_mask)
-    monkeypatch.setattr(llama, "PREFILL_CHUNKS", 1)
-    monkeypatch.setattr(llama, "MIN_PREFILL_CHUNK", T)
+    monkeypatch.setattr(attention, "PREFILL_CHUNKS", 1)
+    monkeypatch.setattr(attention, "MIN_PREFILL_CHUNK", T)
     (one_hidden, one_cache), block_products = prefill(model, tokens, fresh_mask)
     layers = model.config.num_layers
     assert chunked_products - block_products == (0 if mask == "looks ahead" else 2 * 2 * layers)

@@ -85,7 +85,7 @@ def reference_block_logits(model, embed, head_matrix, aux, tokens, anchor):
 
 
 def our_block_logits(head, embed, head_matrix, aux, tokens, anchor):
-    from specjax.models.llama import LlamaParams
+    from specjax.models.params import LlamaParams
 
     c, p = head.config, head.params
     cache = init_cache(c.layer_config, 1, 64)

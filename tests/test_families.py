@@ -257,7 +257,7 @@ def test_moe_equals_float64_and_reads_only_the_routed_experts(built, num_tokens)
     over assignments grouped by expert) equal a float64 reference on 1 to 16 tokens; and with
     every expert no token was routed to replaced by NaN, the loop's output is the same bit for bit:
     it never reads an unrouted expert's weights."""
-    from specjax.models.llama import _experts_grouped, _experts_one_by_one, moe_mlp, route
+    from specjax.models.mlp import _experts_grouped, _experts_one_by_one, moe_mlp, route
 
     model, _ = built("qwen3_moe")
     c = model.config
@@ -314,7 +314,7 @@ def _gpt_oss_moe_reference(config, h: np.ndarray, layer) -> np.ndarray:
 def test_gpt_oss_experts_equal_float64(built, num_tokens):
     """Both forms of gpt-oss's experts (the CPU's loop, the accelerators' ragged_dot, whose biases
     follow the sorted assignments) equal a float64 reference, clamp and biases included."""
-    from specjax.models.llama import _experts_grouped, _experts_one_by_one, moe_mlp, route
+    from specjax.models.mlp import _experts_grouped, _experts_one_by_one, moe_mlp, route
 
     model, _ = built("gpt_oss")
     c, layer = model.config, model.params.layers[1]

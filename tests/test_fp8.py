@@ -25,9 +25,9 @@ from test_quantized import PROMPTS, assert_close
 
 import specjax
 from specjax.kernels import backend as backends
+from specjax.kernels.layouts import pack_panels
 from specjax.kernels.quantized import PRODUCT_FORMS, QuantizedWeight, dequantize, is_fp8, xla_product
 from specjax.models import Model, forward, init_cache
-from specjax.models.llama import pack_panels
 from specjax.models.quantized import FP8_DTYPE, from_fp8, nbytes, quantize, quantize_params
 
 RNG = np.random.default_rng(3)

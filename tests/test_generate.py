@@ -9,7 +9,8 @@ from tiny import tiny_model
 
 import specjax
 from specjax.models import forward, init_cache
-from specjax.models.llama import lm_head, project
+from specjax.models.llama import lm_head
+from specjax.models.products import project
 from specjax.planner import prompt_bucket
 from specjax.programs import compiled_program_count
 

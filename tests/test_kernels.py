@@ -13,16 +13,11 @@ from tiny import tiny_config, tiny_model
 import specjax
 from specjax import kernels, planner, programs
 from specjax.kernels.backend import Backend
+from specjax.kernels.layouts import GateUpPanels, with_panel_weights
 from specjax.models import forward, init_cache, init_params
-from specjax.models.llama import (
-    GateUpPanels,
-    attention,
-    causal_mask,
-    forward_hidden,
-    lm_head,
-    visible_slots,
-    with_panel_weights,
-)
+from specjax.models.attention import attention
+from specjax.models.llama import forward_hidden, lm_head
+from specjax.models.passes import LayerCache, LayerMasks, PassKind, PassPlan, causal_mask, visible_slots
 
 CPU = Backend(platforms=("cpu",), kernels="auto")  # the CPU kernels, as a CPU generate uses them
 
@@ -343,10 +338,12 @@ def test_kernel_attention_equals_xlas_forms(write, tree, T):
         visible = visible_slots(jnp.asarray(lengths), jnp.asarray(mask), S)
     else:
         visible = jnp.arange(S)[None, :] < jnp.asarray(lengths)[:, None]
-    args = (q, k_new, v_new, jnp.asarray(k_cache), jnp.asarray(v_cache), visible, mask, write)
-    want = attention(*args)
+    kind = PassKind.WRITE_FIRST if write else PassKind.READ_ONLY
+    masks = LayerMasks(visible, committed=jnp.asarray(lengths, jnp.int32))
+    args = (q, k_new, v_new, LayerCache(jnp.asarray(k_cache), jnp.asarray(v_cache)), masks, mask)
+    want = attention(*args, PassPlan(kind))
     with CPU.tracing():
-        got = attention(*args, committed=jnp.asarray(lengths, jnp.int32))
+        got = attention(*args, PassPlan(kind, CPU.cache_attention(E, jnp.float32)))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 

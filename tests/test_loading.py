@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from specjax.models import load, loading
 from specjax.models.checkpoint import flatten
 from specjax.models.gguf_loader import unpermute_rotary_rows
-from specjax.models.llama import layer_from_checkpoint, layer_to_checkpoint
+from specjax.models.params import layer_from_checkpoint, layer_to_checkpoint
 
 TOL = 1e-4  # relative float32 logit error (max abs diff / max abs logit)
 

@@ -11,6 +11,7 @@ import pytest
 from tiny import tiny_model
 
 from specjax import kernels
+from specjax.kernels.layouts import PANEL_FIELDS, GateUpPanels, with_panel_weights
 from specjax.kernels.quantized import (
     QuantizedPanelWeight,
     QuantizedWeight,
@@ -20,7 +21,7 @@ from specjax.kernels.quantized import (
     unpack_quantized,
 )
 from specjax.models import forward, init_cache
-from specjax.models.llama import PANEL_FIELDS, GateUpPanels, lm_head, with_panel_weights
+from specjax.models.llama import lm_head
 
 
 @pytest.fixture(scope="module", autouse=True)

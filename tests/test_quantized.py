@@ -465,7 +465,7 @@ def write_tiny_gguf(tmp_path, model: Model, v_type: str = "Q4_0"):
     Q8_0, norms F32, an untied head in Q8_0 (no tokenizer). q and k rows are permuted as
     llama.cpp stores them."""
     from specjax.models.gguf_loader import unpermute_rotary_rows
-    from specjax.models.llama import split_qkv
+    from specjax.models.params import split_qkv
 
     c, p = model.config, model.params
     path = tmp_path / "tiny.gguf"

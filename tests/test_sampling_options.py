@@ -525,7 +525,7 @@ def test_the_memory_check_counts_attentions_working_memory():
     XLA, the filled part only with a kernel. Llama-3-8B's shapes, batch 8, 8,192 prompt tokens."""
     from specjax.kernels.backend import Backend
     from specjax.models import LlamaConfig
-    from specjax.models.llama import attention_workspace_bytes
+    from specjax.models.attention import attention_workspace_bytes
 
     config = LlamaConfig(
         vocab_size=128256,

@@ -26,7 +26,8 @@ from specjax import planner, sharding
 from specjax.kernels.backend import Backend
 from specjax.models import Eagle3Head
 from specjax.models.cache import init_cache
-from specjax.models.llama import LayerStack, stack_layers
+from specjax.models.llama import stack_layers
+from specjax.models.params import LayerStack
 from specjax.speculate.loop import generate_program, memory_bytes
 from specjax.speculate.tree import TokenTree
 

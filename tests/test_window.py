@@ -13,7 +13,8 @@ from jax import numpy as jnp
 
 from specjax.kernels.backend import Backend
 from specjax.models import KVCache
-from specjax.models.llama import _layer_masks, attention, causal_mask, visible_slots
+from specjax.models.attention import attention
+from specjax.models.passes import LayerCache, PassKind, PassPlan, causal_mask, layer_masks, visible_slots
 
 B, K, G, E, S, W = 6, 2, 2, 16, 64, 8
 LENGTHS = np.array([0, 3, W - 1, W, W + 1, 40])  # committed slots per row
@@ -77,21 +78,19 @@ def test_decoding_attention_keeps_to_the_window(form, shape):
         visible = visible_slots(lengths, jnp.asarray(fresh_mask), S)
     else:
         visible = jnp.arange(S)[None, :] < lengths[:, None]
-    committed = lengths if form == "kernel" else None
-    masks = _layer_masks(W, jnp.asarray(positions), cache, fresh_mask, visible, write, committed)
-    with Backend(platforms=("cpu",), kernels="auto").tracing():  # the CPU kernel, for "kernel"
+    cpu = Backend(platforms=("cpu",), kernels="auto")  # the CPU kernel, for "kernel"
+    kernel = cpu.cache_attention(E, jnp.float32) if form == "kernel" else None
+    plan = PassPlan(PassKind.WRITE_FIRST if write else PassKind.READ_ONLY, kernel)
+    masks = layer_masks(W, jnp.asarray(positions), cache, visible, plan)
+    with cpu.tracing():
         got = attention(
             jnp.asarray(q),
             jnp.asarray(k_new),
             jnp.asarray(v_new),
-            cache.k[0],
-            cache.v[0],
-            masks.visible,
+            LayerCache(cache.k[0], cache.v[0]),
+            masks,
             fresh_mask,
-            write,
-            committed,
-            window_keep=masks.window_keep,
-            starts=masks.starts,
+            plan,
         )
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
@@ -108,15 +107,9 @@ def test_prefill_attention_keeps_to_the_window():
         cache = KVCache(
             k=(jnp.zeros((2 * K, E, T)),), v=(jnp.zeros((2 * K, T, E)),), lengths=jnp.zeros(2, jnp.int32)
         )
-        masks = _layer_masks(W, jnp.asarray(positions), cache, causal_mask(T), None, True, None)
+        plan = PassPlan(PassKind.PREFILL)
+        masks = layer_masks(W, jnp.asarray(positions), cache, None, plan)
         got = attention(
-            jnp.asarray(q),
-            jnp.asarray(k_new),
-            jnp.asarray(v_new),
-            None,
-            None,
-            None,
-            causal_mask(T),
-            window_keep=masks.window_keep,
+            jnp.asarray(q), jnp.asarray(k_new), jnp.asarray(v_new), None, masks, causal_mask(T), plan
         )
         np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)

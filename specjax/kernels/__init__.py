@@ -19,9 +19,9 @@ The kernels are XLA FFI custom calls, compiled from source with the machine's C+
 first use (a few seconds) and kept under `$SPECJAX_CACHE/kernels` (default
 `~/.cache/specjax/kernels`). A program lowered for the CPU alone uses them (the backend seam,
 specjax/kernels/backend.py, decides): `generate` then stores float32 weights as panels
-(`llama.with_panel_weights`; a dense MLP's gate and up as one, `llama.GateUpPanels`, as each call
-costs a few microseconds beside its product), which the seam's products send to `panel_matmul`,
-and attention reads the cache through `cache_attention`.
+(specjax/kernels/layouts.py, `with_panel_weights`; a dense MLP's gate and up as one,
+`GateUpPanels`, as each call costs a few microseconds beside its product), which the seam's
+products send to `panel_matmul`, and attention reads the cache through `cache_attention`.
 `SPECJAX_CPU_KERNEL=0` turns them off, and where they cannot be built a warning says why and
 decoding keeps XLA's own products.
 """
@@ -98,7 +98,7 @@ def panel_matmul(
 ) -> jax.Array:
     """x [..., D_in] @ w: [..., D_out] in float32, through the kernel. `norm` (weight [D_in], eps)
     and `residual` [..., D_out]: see `around`."""
-    _require()
+    require()
     d_in = w.panels.shape[1]
     rows = x.reshape(-1, d_in).astype(jnp.float32)
     out_type = jax.ShapeDtypeStruct((rows.shape[0], w.panels.shape[0] * PANEL), jnp.float32)
@@ -109,6 +109,11 @@ def panel_matmul(
     return out[:, : w.d_out].reshape(*x.shape[:-1], w.d_out).astype(x.dtype)
 
 
+# The norm forms `around` computes (models/norms.py, `rms_norm`): in float32 both are x times its
+# inverse RMS, times the weight.
+AROUND_NORMS = ("rms", "rms_float32")
+
+
 def around(
     num_rows: int, d_in: int, d_out: int, norm: tuple[jax.Array, float] | None, residual: jax.Array | None
 ) -> tuple[list[jax.Array], np.float32]:
@@ -116,8 +121,8 @@ def around(
     would run them as small ops of about 1 us each, five a layer: kernels.h, `Around`): the norm
     weight [D_in] (or an empty array) and residual rows [N, D_out] (or an empty array), and the
     attribute eps. `norm` (weight, eps): the N input rows are RMS-normed first, Llama's form (x
-    times 1/sqrt(mean(x^2) + eps), then times the weight, in float32; `llama.rms_norm`'s "rms");
-    `residual` [..., D_out]: added to the product."""
+    times 1/sqrt(mean(x^2) + eps), then times the weight, in float32: the forms AROUND_NORMS of
+    `models.norms.rms_norm`); `residual` [..., D_out]: added to the product."""
     empty = jnp.zeros((0,), jnp.float32)
     weight, eps = (empty, 0.0) if norm is None else norm
     if norm is not None and jnp.shape(weight) != (d_in,):
@@ -164,7 +169,7 @@ def cache_attention(
             f"cache_attention: layer is {layer!r}; allowed: None (the CPU kernel reads one layer's "
             "cache, keys [N, E, S] and values [N, S, E], not a stacked one)"
         )
-    _require()
+    require()
     N, R, E = queries.shape
     if E not in ATTENTION_HEAD_DIMS:
         raise ValueError(f"cache_attention: head_dim {E} is not one of {ATTENTION_HEAD_DIMS}")
@@ -183,13 +188,13 @@ def cache_attention(
     return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args)
 
 
-def _require() -> None:
+def require() -> None:
     """Raise, at trace time, where the kernels cannot be loaded (rather than XLA's 'no FFI
     handler' when the program runs)."""
     if not available():
         raise RuntimeError(
             "specjax: the CPU kernels are not available (see the warning above); use plain weights "
-            "(not llama.with_panel_weights) on this machine"
+            "(not specjax.kernels.layouts.with_panel_weights) on this machine"
         )
 
 

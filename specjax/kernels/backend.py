@@ -4,7 +4,12 @@ lowered for.
 A generation program is traced once for the platforms it will run on: the CPU (`generate` on a
 CPU host), a GPU or a TPU (`generate` there), or several at once (`export_generate`, which lowers
 for CUDA and TPU from any host). This module is the one place that knows what each platform
-gets; model code asks it (`active()`) and holds no platform checks of its own:
+gets; model code asks it (`active()`) and holds no platform checks of its own. What model code
+asks is the section "what model code asks" of `Backend`: its products (`project`,
+`gated_projections`, `logits`, through models/products.py), the attention kernels of a pass
+(`cache_attention`, `prefill_attention`, asked once per pass by models/passes.py, `plan_pass`),
+how a mixture runs its experts (`experts_one_by_one`) and how the cache writes
+(`unrolled_cache_writes`). The platforms get:
 
 - "cpu": the C++ FFI kernels of specjax.kernels (weights stored as panels, attention to each
   row's committed slots) where they load, and the XLA:CPU tuning measured on this project's
@@ -35,6 +40,7 @@ import jax.interpreters.mlir
 import jax.numpy as jnp
 
 from specjax import kernels as cpu_kernels
+from specjax.kernels import layouts
 from specjax.kernels.quantized import (
     QuantizedPanelWeight,
     QuantizedWeight,
@@ -69,7 +75,7 @@ class Backend:
     # A program over a mesh (its forward under shard_map): the CPU kernels stay off there, as the
     # panel weights have no sharding rule.
     sharded: bool = False
-    # Whether the decoder layers run as a loop over stacked weights (models/llama.py, LayerStack)
+    # Whether the decoder layers run as a loop over stacked weights (models/params.py, LayerStack)
     # rather than unrolled; None: unrolled (see `scans_layers`).
     scan_layers: bool | None = None
 
@@ -95,12 +101,14 @@ class Backend:
         """Whether the decoder layers run as one loop per run of layers of one shape over stacked
         weights and a stacked cache: the program, and its compile time, then stay the same size
         whatever the depth. Off unless asked for (scan_layers=True), on every platform, because
-        XLA copies each layer's slice of a stacked weight out of the stack before multiplying,
-        so a decoding step writes and reads every weight once more: on the CPU a SmolLM2 step ran
-        1.8x slower (models/llama.py, and the FFI kernels want each layer's weights as panels),
-        on an H200 a bfloat16 Llama-3.1-8B-shaped step 11.9 ms scanned against 4.8 ms unrolled
-        (docs/benchmarks.md, "The accelerator path on a GPU"). Scanning is for programs whose
-        size or compile time matters more than their speed (an export of a very deep model)."""
+        XLA copies each layer's slice of a stacked weight (dynamic or static) out of the stack
+        before multiplying, so a decoding step writes and reads every weight once more: on the
+        CPU a SmolLM2-135M step ran 1.8x slower (95 ms against 52 ms per token, measured here;
+        and the FFI kernels want each layer's weights as panels), on an H200 a bfloat16
+        Llama-3.1-8B-shaped step 11.9 ms scanned against 4.8 ms unrolled (docs/benchmarks.md,
+        "The accelerator path on a GPU"). The price of unrolling is compile time and program size
+        that grow with depth: scanning is for programs whose size or compile time matters more
+        than their speed (an export of a very deep model)."""
         return False if self.scan_layers is None else self.scan_layers
 
     @property
@@ -148,16 +156,49 @@ class Backend:
 
     # -- what model code asks ---------------------------------------------------------------
 
-    def fuses_around(self, w) -> bool:
-        """Whether `matmul` takes a norm and a residual for weight `w`: panels, whose CPU kernels
-        do that work inside their call (specjax.kernels.around)."""
-        return isinstance(w, (cpu_kernels.PanelWeight, QuantizedPanelWeight))
+    def project(self, x: jax.Array, w, norm=None, residual=None, reduce=None) -> jax.Array:
+        """residual + reduce(norm(x) @ w): a layer's projection of x [..., D_in] by w [D_in, D_out]
+        with what comes on either side of it, each part optional. `norm` a models.norms.Norm (its
+        weight, eps and form, callable on x); `residual` [..., D_out]; `reduce` the sum of a
+        tensor-parallel split's partial products (specjax/sharding), None where there is none.
+
+        Where the product's kernel can do the norm and the residual inside its call (panels,
+        `_kernel_takes_around`), they go in: as XLA ops they were five of a one-row step's 24 small
+        ops a layer (a norm alone four), about 1 us each. Not with a `reduce`: the residual joins
+        the sum, not one slice's product. Elsewhere they are XLA's, as written."""
+        if reduce is None and _kernel_takes_around(x, w, norm):
+            kernel_norm = None if norm is None else (norm.weight, norm.eps)
+            return self.matmul(x, w, norm=kernel_norm, residual=residual)
+        if norm is not None:
+            x = norm(x)
+        out = self.matmul(x, w)
+        if reduce is not None:
+            out = reduce(out)
+        return out if residual is None else residual + out
+
+    def gated_projections(self, x: jax.Array, gate, up, norm=None) -> tuple[jax.Array, jax.Array]:
+        """(norm(x) @ gate, norm(x) @ up), a gated MLP's two products over x [..., D] (`norm` as in
+        `project`): one kernel call where the weights are stored as one (layouts.GateUpPanels, in
+        `gate`; `up` is None then), else two products."""
+        if isinstance(gate, layouts.GateUpPanels):
+            return gate.split(self.project(x, gate.both, norm=norm))
+        return self.project(x, gate, norm=norm), self.project(x, up, norm=norm)
+
+    def logits(self, rows: jax.Array, params) -> jax.Array:
+        """rows [N, D] @ the LM head of `params` (a models.params.LlamaParams) -> [N, V] float32:
+        its panel copy where `layouts.with_panel_weights` made one, its own head (an array or
+        quantized), else the tied embedding (`head_product`)."""
+        if params.head_panels is not None:
+            return self.product_f32(rows, params.head_panels)
+        if params.lm_head is None:
+            return self.head_product(rows, params.embed)
+        return self.product_f32(rows, params.lm_head)
 
     def matmul(self, x: jax.Array, w, norm=None, residual=None) -> jax.Array:
         """x [..., D_in] @ w [D_in, D_out] (`w` an array, panels for the CPU kernels: float32 ones
         or quantized ones, or a QuantizedWeight: its integers dequantized inside the product,
         `quantized.xla_product`). `norm` (weight [D_in], eps) and `residual` [..., D_out]: for
-        panels only (`fuses_around`), see `specjax.kernels.around`.
+        panels only (`project` decides), see `specjax.kernels.around`.
 
         On the CPU, one or two rows (a batch of one decoding, or a verify pass with k = 1) go as
         two half-products over the two halves of D_in, summed, one row at a time: XLA:CPU runs
@@ -255,6 +296,14 @@ class Backend:
         if not platforms:
             return functools.partial(_attention_kernels().prefill_attention, implementation="xla")
         return functools.partial(_by_platform, self, "prefill_attention", platforms)
+
+
+def _kernel_takes_around(x: jax.Array, w, norm) -> bool:
+    """Whether the product kernel for weight `w` does a layer's norm before it (a models.norms.Norm,
+    or None) and its residual sum after it inside its call: panels (float32 or quantized; see
+    specjax.kernels.around) multiplying float32 rows, with a norm of a form the kernels compute."""
+    panels = isinstance(w, (cpu_kernels.PanelWeight, QuantizedPanelWeight))
+    return panels and x.dtype == jnp.float32 and (norm is None or norm.form in cpu_kernels.AROUND_NORMS)
 
 
 def _attention_kernels():

@@ -210,7 +210,7 @@ class QuantizedPanelWeight:
 def pack_quantized(w: QuantizedWeight) -> QuantizedPanelWeight:
     """A QuantizedWeight [D_in, D_out] as panels (a copy; see QuantizedPanelWeight). Scales and
     offsets become float16 where each of them is one exactly (checked on concrete arrays; traced
-    ones stay float32), else float32. FP8 values have no kernel here (models/llama.py,
+    ones stay float32), else float32. FP8 values have no kernel here (specjax/kernels/layouts.py,
     `pack_panels`)."""
     if is_fp8(w):
         raise ValueError("pack_quantized: FP8 values have no quantized CPU kernel; pack them dequantized")
@@ -272,7 +272,7 @@ def quantized_panel_matmul(
 ) -> jax.Array:
     """x [..., D_in] @ w: [..., D_out], through the kernel; computed and returned in float32.
     `norm` (weight [D_in], eps) and `residual` [..., D_out]: see `specjax.kernels.around`."""
-    kernels._require()
+    kernels.require()
     d_in = w.shape[0]
     if x.shape[-1] != d_in:
         raise ValueError(f"quantized_panel_matmul: x has {x.shape[-1]} features, the weight {d_in}")

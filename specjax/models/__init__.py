@@ -7,12 +7,13 @@ from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
 from specjax.models.eagle3 import Eagle3Config, Eagle3Head, Eagle3Params
 from specjax.models.heads import load_head, save_head
-from specjax.models.llama import LayerParams, LlamaParams, forward, forward_hidden, init_params, lm_head
+from specjax.models.llama import forward, forward_hidden, lm_head
 from specjax.models.loading import BUILTIN_MODELS, load
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorHead, MLPSpeculatorParams
 from specjax.models.model import Model
 from specjax.models.mtp import MTPLayers
+from specjax.models.params import LayerParams, LlamaParams, init_params
 from specjax.models.signature import target_signature
 
 __all__ = [

@@ -21,10 +21,11 @@ UNROLLED_WRITE_ROWS = 16
 
 @flax.struct.dataclass
 class KVCache:
-    """One k and one v buffer per layer (separate buffers, as the layers' weights are: see
-    llama.py): values [B*K, S, E] (rows and kv heads merged into one leading axis, entry b*K + k
-    being row b's kv head k, then slots, then head dim), keys [B*K, E, S] (the same entries with
-    the slot axis last).
+    """One key and one value buffer per layer (separate buffers, as the layers' weights are: see
+    models/params.py), with each row's committed length. Per layer, keys [B*K, E, S] and values
+    [B*K, S, E]: rows and kv heads merged into one leading axis (entry b*K + k being row b's kv
+    head k); then, for values, slots and then the head dim, and for keys the head dim and then
+    slots (the slot axis last).
 
     Why these shapes: attention's two products read the cache in place as matrices whose rows are
     contiguous: values [S, E] per entry, contracted over slots, and keys [E, S], contracted over
@@ -42,7 +43,8 @@ class KVCache:
     holds its rows and its kv heads, ordered b-major as above. Only code that runs per device (the
     forward, `write` and `move_slots`, under shard_map: specjax/sharding) reads the entries there.
 
-    Where the model's layers run as a loop (a `LayerStack` of its params, on accelerators: see
+    Layers are unrolled by default on every platform, one buffer each. Where a program runs them
+    as a loop (`scan_layers=True`: a `LayerStack` of its params, models/params.py and
     models/llama.py), the buffer of a stack of n layers holds them all on a leading axis: keys
     [n, B*K, E, S], values [n, B*K, S, E]. The cache's buffers follow its params' layers, one
     buffer per single layer or per stack (`init_cache(..., like=params.layers)`).
@@ -222,7 +224,7 @@ def init_cache(
 ) -> KVCache:
     """An empty cache of `capacity` slots per row, allocated with zeros; `num_layers` (default all)
     sizes it for an early-exit pass over the first layers only. `like` (a params' `layers`):
-    one buffer per single layer and one stacked buffer per `LayerStack` there (models/llama.py),
+    one buffer per single layer and one stacked buffer per `LayerStack` there (models/params.py),
     for the first `num_layers` layers; default one buffer per layer."""
     num_layers = config.num_layers if num_layers is None else num_layers
     entries = batch_size * config.num_kv_heads

@@ -4,7 +4,7 @@ Every loader maps its own tensor names onto flat names of our params tree in the
 layout: "embed", "layers.3.q", "layers.3.k", ..., "final_norm", "lm_head", each an unread
 `LazyTensor` (models/tensors.py) in our layout (matrices `[in, out]`). The query, key and value
 projections stay apart here ("layers.3.q", ... and their biases), as in HF and GGUF files; the
-params hold them fused (`LayerParams.qkv`, see llama.py). A mixture's experts are one tensor per
+params hold them fused (`LayerParams.qkv`, see params.py). A mixture's experts are one tensor per
 weight and layer ("layers.3.expert_gate" [X, D, F]).
 
 `params_from_tensors` checks every name, shape and stored dtype against the config before it
@@ -26,10 +26,11 @@ import numpy as np
 
 from specjax.kernels.quantized import QuantizedWeight, dequantize, is_fp8
 from specjax.models.config import LlamaConfig, RopeScaling
-from specjax.models.llama import (
+from specjax.models.params import (
     LayerParams,
     LlamaParams,
     checkpoint_layer_shapes,
+    checkpoint_shapes,
     layer_from_checkpoint,
     layer_shapes,
     read_fused_qkv,
@@ -59,17 +60,6 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def expected_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The flat name -> shape table a checkpoint for `config` must fill exactly."""
-    shapes = {"embed": (config.vocab_size, config.hidden_size)}
-    for i in range(config.num_layers):
-        shapes |= {f"layers.{i}.{name}": shape for name, shape in checkpoint_layer_shapes(config, i).items()}
-    shapes["final_norm"] = (config.hidden_size,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head"] = (config.hidden_size, config.vocab_size)
-    return shapes
-
-
 def dtype_name(dtype: Any) -> str:
     """ "float32", "bfloat16" or "float16" for a dtype given as a name or a dtype; ValueError
     naming `dtype` otherwise."""
@@ -85,7 +75,7 @@ def dtype_name(dtype: Any) -> str:
 def check_tensors(config: LlamaConfig, tensors: Mapping[str, LazyTensor], source: str) -> None:
     """ValueError naming `source` and every missing, unexpected, misshapen or wrongly typed
     tensor, before anything is read."""
-    expected = expected_shapes(config)
+    expected = checkpoint_shapes(config)
     head = tensors.get("lm_head")
     if config.tie_word_embeddings and head is not None and head.quantized:
         expected["lm_head"] = (config.hidden_size, config.vocab_size)  # a tied head's quantized copy
@@ -157,7 +147,7 @@ def params_from_tensors(
     target = np.dtype(jnp.dtype(dtype_name(dtype)))
     if quantization == "int4":
         _check_groups(config, group, source)
-    weights = _HostWeights(
+    weights = HostWeights(
         config, tensors, target, quantization if quantization in ("int8", "int4", "fp8") else None, group
     )
     quantized = weights.quantize_to is not None or any(t.quantized for t in tensors.values())
@@ -185,7 +175,7 @@ def params_from_tensors(
 def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
     """int4's groups must divide the inputs of every weight quantized: a ValueError naming those
     they do not, before anything is read."""
-    shapes = expected_shapes(config) | {"lm_head": (config.hidden_size, config.vocab_size)}
+    shapes = checkpoint_shapes(config) | {"lm_head": (config.hidden_size, config.vocab_size)}
     bad = [
         f"{name} ({shape[-2]} inputs)"
         for name, shape in shapes.items()
@@ -200,7 +190,7 @@ def _check_groups(config: LlamaConfig, group: int, source: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class _HostWeights:
+class HostWeights:
     """The weights of a checkpoint in host memory as the params hold them: read, converted to
     `target`, q, k and v fused, projections quantized (`quantize_to` "int8" or "int4", in groups of
     `group`) or kept quantized as the tensors read."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from specjax.checks import is_int
+
 # Activations of the gated MLP: "silu" (SwiGLU, most families), "gelu_tanh" (GeGLU, Gemma) and
 # "clamped_swiglu" (gpt-oss: gate clamped above and up on both sides at `swiglu_limit`, then
 # gate * sigmoid(swiglu_alpha * gate) * (up + 1)).
@@ -25,7 +27,7 @@ ACTIVATIONS = ("silu", "gelu_tanh", "clamped_swiglu")
 NORMS = ("rms", "gemma", "rms_float32")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # How a router turns its logits into expert scores: "softmax" (Mixtral, Qwen3-MoE) or "sigmoid"
-# (GLM-4.5, DeepSeek-V3: each expert scored on its own); see llama.py `route`.
+# (GLM-4.5, DeepSeek-V3: each expert scored on its own); see mlp.py `route`.
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 
 
@@ -35,8 +37,8 @@ class RopeScaling:
 
     YaRN (arXiv 2309.00071) as transformers' `_compute_yarn_parameters`: the frequencies between
     beta_fast and beta_slow turns over the original context ramp from kept to divided by `factor`
-    (llama.py `_yarn_inverse_frequencies`), and cos and sin are multiplied by `rotary_factor`
-    (llama.py `apply_rope`): attention_factor where given, else the ratio of mscale's and
+    (rotary.py `_yarn_inverse_frequencies`), and cos and sin are multiplied by `rotary_factor`
+    (rotary.py `apply_rope`): attention_factor where given, else the ratio of mscale's and
     mscale_all_dim's corrections where both are set, else YaRN's 0.1 ln(factor) + 1. DeepSeek-V3's
     latent attention also multiplies its softmax scale by the square of mscale_all_dim's
     correction (LlamaConfig.attention_scale).
@@ -110,7 +112,7 @@ class LlamaConfig:
     dense_layers: tuple[
         int, ...
     ] = ()  # layers of an MoE model with a dense MLP (Qwen3-MoE's mlp_only_layers)
-    # The router (llama.py `route`): its logits x @ router (plus a bias with moe_bias) scored by
+    # The router (mlp.py `route`): its logits x @ router (plus a bias with moe_bias) scored by
     # router_scoring, the experts chosen by score (plus a correction with router_score_bias)
     # among the best topk_expert_groups of num_expert_groups groups, weighted by score.
     router_scoring: str = "softmax"  # ROUTER_SCORINGS
@@ -151,7 +153,7 @@ class LlamaConfig:
             "max_position_embeddings",
         ):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -207,7 +209,7 @@ class LlamaConfig:
 
     def _check_layers(self) -> None:
         window = self.sliding_window
-        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        if window is not None and (not is_int(window) or window < 1):
             raise ValueError(f"LlamaConfig.sliding_window must be a positive integer or None, got {window!r}")
         if self.layer_types is None:
             return
@@ -271,7 +273,7 @@ class LlamaConfig:
     def attention_scale(self) -> float:
         """What the scores q . k are multiplied by before the softmax; for latent attention with
         YaRN, times the square of its mscale_all_dim correction (as DeepSeek-V3 does). (YaRN's
-        attention factor is not here: it scales the rotated dims only, in llama.py `apply_rope`.)"""
+        attention factor is not here: it scales the rotated dims only, in rotary.py `apply_rope`.)"""
         scale = 1.0 / math.sqrt(self.query_pre_attn_scalar or self.head_dim)
         rope = self.rope_scaling
         if self.kv_lora_rank and rope is not None and rope.rope_type == "yarn" and rope.mscale_all_dim:

@@ -28,23 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int, is_int
 from specjax.kernels import pack
+from specjax.kernels.layouts import panel_layer
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab, draft_logits
-from specjax.models.llama import (
-    LayerParams,
-    LlamaParams,
-    attention_keys_values,
-    checkpoint_layer_shapes,
-    decoder_layers,
-    layer_from_checkpoint,
-    lm_head,
-    panel_layer,
-    project,
-    rms_norm,
-)
+from specjax.models.llama import attention_keys_values, decoder_layers, lm_head
 from specjax.models.model import Model
+from specjax.models.norms import rms_norm
+from specjax.models.params import LayerParams, LlamaParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.products import project
 
 _LAYER_FIELDS = (
     "hidden_size",
@@ -90,15 +84,8 @@ class DFlashConfig:
             "vocab_size",
             "num_layers",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"DFlashConfig {name} must be an integer >= 1, got {value!r}")
-        if (
-            isinstance(self.block_size, bool)
-            or not isinstance(self.block_size, int)
-            or not 2 <= self.block_size <= 17
-        ):
-            raise ValueError(f"DFlashConfig block_size must be an integer in 2..17, got {self.block_size!r}")
+            check_int(f"DFlashConfig {name}", getattr(self, name), 1)
+        check_int("DFlashConfig block_size", self.block_size, 2, 17)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"DFlashConfig mask_token_id must be a token id in 0..{self.vocab_size - 1}, "
@@ -111,7 +98,7 @@ class DFlashConfig:
             )
         object.__setattr__(self, "aux_layer_ids", ids)
         W = self.draft_vocab_size
-        if W is not None and (isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size):
+        if W is not None and (not is_int(W) or not 1 <= W <= self.vocab_size):
             raise ValueError(
                 f"DFlashConfig draft_vocab_size must be None or an integer in 1..{self.vocab_size}, got {W!r}"
             )
@@ -232,7 +219,7 @@ def dflash_logits(
 
 def dflash_panel_weights(params: DFlashParams) -> DFlashParams:
     """The head with fc, its layers' projections and its own LM head (if any) as panels, for
-    drafting on the CPU (as `llama.with_panel_weights` for a target: no gradient, float32)."""
+    drafting on the CPU (as `layouts.with_panel_weights` for a target: no gradient, float32)."""
     lm = None if params.lm_head is None else pack(params.lm_head)
     layers = tuple(panel_layer(layer) for layer in params.layers)
     return params.replace(fc=pack(params.fc), layers=layers, lm_head=lm)

@@ -15,8 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.kernels import PanelWeight, backend
-from specjax.models.llama import LlamaParams
+from specjax.models.params import LlamaParams
 from specjax.models.quantized import columns
 
 
@@ -41,8 +42,7 @@ def check_draft_vocab(owner: str, vocab, vocab_size: int, size: int | None = Non
 def frequent_tokens(sequences, vocab_size: int, size: int) -> np.ndarray:
     """The `size` most frequent token ids in `sequences` (lists or arrays of ids), most frequent
     first, ties by id; tokens never seen fill the remainder in id order."""
-    if isinstance(size, bool) or not isinstance(size, int) or not 1 <= size <= vocab_size:
-        raise ValueError(f"draft vocab size must be an integer in 1..{vocab_size}, got {size!r}")
+    check_int("draft vocab size", size, 1, vocab_size)
     counts = np.zeros(vocab_size, np.int64)
     for seq in sequences:
         np.add.at(counts, np.asarray(seq, np.int64), 1)

@@ -24,20 +24,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.kernels import pack
+from specjax.kernels.layouts import panel_layer
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab
-from specjax.models.llama import (
-    LayerParams,
-    attention_keys_values,
-    checkpoint_layer_shapes,
-    decoder_layers,
-    layer_from_checkpoint,
-    panel_layer,
-    project,
-)
+from specjax.models.llama import attention_keys_values, decoder_layers
 from specjax.models.model import Model
+from specjax.models.params import LayerParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.products import project
 from specjax.models.signature import check_signature, target_signature
 
 # The fields an EAGLE head shares with its target's LlamaConfig: its layer's shapes, rotary
@@ -74,14 +70,9 @@ class EagleConfig:
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EagleConfig {name} must be an integer >= 1, got {value!r}")
+            check_int(f"EagleConfig {name}", getattr(self, name), 1)
         W = self.draft_vocab_size
-        if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size:
-            raise ValueError(
-                f"EagleConfig draft_vocab_size must be an integer in 1..{self.vocab_size}, got {W!r}"
-            )
+        check_int("EagleConfig draft_vocab_size", W, 1, self.vocab_size)
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
 
@@ -204,7 +195,7 @@ def _layer_input(params: EagleParams, embed, hidden, next_tokens) -> jax.Array:
 
 def eagle_panel_weights(params: EagleParams) -> EagleParams:
     """The head with fc and its layer's projections as panels, for drafting on the CPU (as
-    `llama.with_panel_weights` for a target: no gradient, float32)."""
+    `layouts.with_panel_weights` for a target: no gradient, float32)."""
     return params.replace(fc=pack(params.fc), layer=panel_layer(params.layer))
 
 

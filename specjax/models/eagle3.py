@@ -28,21 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.kernels import pack
+from specjax.kernels.layouts import panel_layer
 from specjax.models.cache import KVCache
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.draft_vocab import check_draft_vocab, draft_logits
-from specjax.models.llama import (
-    LayerParams,
-    attention_keys_values,
-    checkpoint_layer_shapes,
-    decoder_layers,
-    layer_from_checkpoint,
-    panel_layer,
-    project,
-    rms_norm,
-)
+from specjax.models.llama import attention_keys_values, decoder_layers
 from specjax.models.model import Model
+from specjax.models.norms import rms_norm
+from specjax.models.params import LayerParams, checkpoint_layer_shapes, layer_from_checkpoint
+from specjax.models.products import project
 from specjax.models.signature import check_signature
 
 _SIZES = ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -91,14 +87,9 @@ class Eagle3Config:
 
     def __post_init__(self):
         for name in (*_SIZES, "num_layers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Eagle3Config {name} must be an integer >= 1, got {value!r}")
+            check_int(f"Eagle3Config {name}", getattr(self, name), 1)
         W = self.draft_vocab_size
-        if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size:
-            raise ValueError(
-                f"Eagle3Config draft_vocab_size must be an integer in 1..{self.vocab_size}, got {W!r}"
-            )
+        check_int("Eagle3Config draft_vocab_size", W, 1, self.vocab_size)
         ids = tuple(int(i) for i in self.aux_layer_ids)
         if not ids or len(set(ids)) != len(ids) or min(ids) < 0:
             raise ValueError(
@@ -313,7 +304,7 @@ def eagle3_logits(params: Eagle3Params, config: Eagle3Config, outputs: jax.Array
 
 def eagle3_panel_weights(params: Eagle3Params) -> Eagle3Params:
     """The head with fc, its layers' projections and its LM head as panels, for drafting on the
-    CPU (as `llama.with_panel_weights` for a target: no gradient, float32)."""
+    CPU (as `layouts.with_panel_weights` for a target: no gradient, float32)."""
     layers = tuple(panel_layer(layer) for layer in params.layers)
     return params.replace(fc=pack(params.fc), layers=layers, lm_head=pack(params.lm_head))
 

@@ -352,7 +352,7 @@ def _yarn_from_hf(params: dict[str, Any]) -> RopeScaling:
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoint tensor names: HF's per-layer names -> ours (checkpoint layout, see llama.py)
+# Checkpoint tensor names: HF's per-layer names -> ours (checkpoint layout, see params.py)
 
 # (our name, HF's name under model.layers.{i}.) for weights every family names the same way. HF
 # keeps matrices [out, in]; ours are [in, out] (transposed when read, see hf_loader).

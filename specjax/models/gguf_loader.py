@@ -72,10 +72,10 @@ from typing import Any
 
 import numpy as np
 
-from specjax.models.checkpoint import PROJECTIONS, check_tensors, expected_shapes, params_from_tensors
+from specjax.models.checkpoint import PROJECTIONS, check_tensors, params_from_tensors
 from specjax.models.config import LlamaConfig, RopeScaling
 from specjax.models.gguf_tokenizer import tokenizer_from_gguf
-from specjax.models.llama import LlamaParams
+from specjax.models.params import LlamaParams, checkpoint_shapes
 from specjax.models.quantized import GGUF_FORMATS, from_gguf
 from specjax.models.tensors import LazyTensor
 
@@ -630,7 +630,7 @@ def _convert_tensors(
             f"{sorted(unknown)[:8]}{more}"
         )
     decoder = {name: tensor for name, tensor in arrays.items() if not name.startswith("mtp.")}
-    missing = [_gguf_name(name, config, arch) for name in expected_shapes(config) if name not in decoder]
+    missing = [_gguf_name(name, config, arch) for name in checkpoint_shapes(config) if name not in decoder]
     if missing:
         more = " ..." if len(missing) > 8 else ""
         raise ValueError(

@@ -41,9 +41,9 @@ from specjax.models.eagle3 import (
     params_from_flat,
 )
 from specjax.models.families import rope_parameters, rope_scaling_from_hf
-from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.mlp_speculator import MLPSpeculatorConfig, MLPSpeculatorHead, MLPSpeculatorParams
+from specjax.models.params import checkpoint_layer_shapes, layer_from_checkpoint
 from specjax.models.tensors import LazyTensor, of_array, open_safetensors, write_safetensors
 from specjax.models.torch_checkpoint import load_torch_checkpoint
 
@@ -291,7 +291,7 @@ def _draft_vocab(tensors: dict[str, LazyTensor], config, source: str) -> np.ndar
 def write_speculators_eagle3(folder: Path, head: Eagle3Head, verifier: str | None = None) -> None:
     """The head as a speculators "eagle3" folder (config.json, model.safetensors), which vLLM
     serves: matrices in torch's [out, in], d2t as offsets, t2d as a mask."""
-    from specjax.models.llama import layer_to_checkpoint
+    from specjax.models.params import layer_to_checkpoint
 
     c = head.config
     folder.mkdir(parents=True, exist_ok=True)
@@ -436,7 +436,7 @@ def read_dflash(folder: Path, target_num_layers: int | None = None) -> DFlashHea
 
 def write_speculators_dflash(folder: Path, head: DFlashHead, verifier: str | None = None) -> None:
     """The head as a speculators "dflash" folder, which vLLM serves."""
-    from specjax.models.llama import layer_to_checkpoint
+    from specjax.models.params import layer_to_checkpoint
 
     c, p = head.config, head.params
     folder.mkdir(parents=True, exist_ok=True)

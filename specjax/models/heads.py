@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax._version import __version__
+from specjax.checks import is_int
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams
-from specjax.models.llama import checkpoint_layer_shapes, layer_from_checkpoint, layer_to_checkpoint
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams
 from specjax.models.model import Model
 from specjax.models.mtp import TRAINER, MTPLayerParams, MTPLayers, mtp_layer_config
+from specjax.models.params import checkpoint_layer_shapes, layer_from_checkpoint, layer_to_checkpoint
 from specjax.models.signature import check_signature
 
 HEAD_FILE = "head.json"
@@ -202,7 +203,7 @@ def _read_mtp_layers(path: Path, metadata: dict, target: Model | None) -> MTPLay
             f"{str(path)!r} holds MTP layers: load them with their target, load_head(path, target)"
         )
     num_layers = metadata.get("config", {}).get("num_layers")
-    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+    if not is_int(num_layers) or num_layers < 1:
         raise ValueError(f"{str(path / HEAD_FILE)!r} has no valid num_layers, got {num_layers!r}")
     signature = metadata.get("target", {})
     check_signature("MTP", signature, target, TRAINER)

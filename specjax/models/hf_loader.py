@@ -28,8 +28,8 @@ import numpy as np
 from specjax.models import families, mtp
 from specjax.models.checkpoint import params_from_tensors
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams
 from specjax.models.mxfp4 import mxfp4_tensor
+from specjax.models.params import LlamaParams
 from specjax.models.quantized import FP8_DTYPE, check_fp8_config, from_fp8
 from specjax.models.tensors import LazyTensor, open_safetensors, stacked
 

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.models.draft_vocab import check_draft_vocab
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
@@ -38,16 +39,11 @@ class MedusaConfig:
 
     def __post_init__(self):
         for name in ("num_heads", "hidden_size", "vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MedusaConfig {name} must be an integer >= 1, got {value!r}")
+            check_int(f"MedusaConfig {name}", getattr(self, name), 1)
         if self.draft_vocab_size is None:
             object.__setattr__(self, "draft_vocab_size", self.vocab_size)
         W = self.draft_vocab_size
-        if isinstance(W, bool) or not isinstance(W, int) or not 1 <= W <= self.vocab_size:
-            raise ValueError(
-                f"MedusaConfig draft_vocab_size must be an integer in 1..{self.vocab_size}, got {W!r}"
-            )
+        check_int("MedusaConfig draft_vocab_size", W, 1, self.vocab_size)
 
 
 @flax.struct.dataclass

@@ -15,8 +15,11 @@ sum of the latents is then mapped by W_uv_h and the output projection. Every pas
 decoding, verifying drafts) uses this form: one home for the maths, and a decoding step reads
 the cache once for all heads.
 
-Einsum letters as in llama.py, and: N the nope dims of a query head (head_dim - R), C the latent
-and rotary key side by side (r + R), A a value head (v_head_dim).
+Einsum letters: B batch, T new tokens, U fresh entries, S cache slots, D hidden, H query heads,
+E head dim, R rotary dims, r the latent (kv_lora_rank), N the nope dims of a query head
+(head_dim - R), C the latent and rotary key side by side (r + R), A a value head (v_head_dim); in
+the attention primitives' products (models/attention_primitives.py) the cache's one "kv head"
+is k (1 wide) and the query heads g; q a query row, s a slot.
 """
 
 from __future__ import annotations
@@ -25,8 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models import llama
+from specjax.models.attention_primitives import F32, cache_scores, drop_masked, masked_scores, softmax
 from specjax.models.config import LlamaConfig
+from specjax.models.norms import rms_norm
+from specjax.models.passes import LayerCache, LayerPass, PassKind
+from specjax.models.products import project
+from specjax.models.rotary import apply_rope
 
 # DeepSeek's q_a and kv_a norms are built with their default epsilon, not config.rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -49,18 +56,18 @@ def checkpoint_attention_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...
 def rotate(config: LlamaConfig, x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     """The rotary part x [B, T, n, R] rotated: DeepSeek's interleaved pairs (x0, x1), (x2, x3), ...
     are first laid out as halves (evens, then odds), which is also the layout it returns, as
-    transformers does; YaRN's attention factor scales cos and sin (`llama.apply_rope`)."""
+    transformers does; YaRN's attention factor scales cos and sin (`rotary.apply_rope`)."""
     if config.rope_interleave:
         x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-    return llama.apply_rope(x, positions, inv_freq, config.rotary_factor)
+    return apply_rope(x, positions, inv_freq, config.rotary_factor)
 
 
 def latent_entries(config: LlamaConfig, lp, h: jax.Array, positions, inv_freq) -> jax.Array:
     """The cache entries [B, T, 1, C] of inputs h [B, T, D]: the normed latent and the rotated
     shared key, side by side."""
     r = config.kv_lora_rank
-    latent = llama.project(h, lp.kv_a)  # [B, T, r + R]
-    c = llama.rms_norm(latent[..., :r], lp.kv_a_norm, LATENT_NORM_EPS)
+    latent = project(h, lp.kv_a)  # [B, T, r + R]
+    c = rms_norm(latent[..., :r], lp.kv_a_norm, LATENT_NORM_EPS)
     k_rope = rotate(config, latent[..., None, r:], positions, inv_freq)  # [B, T, 1, R]
     return jnp.concatenate([c[:, :, None, :], k_rope], axis=-1)
 
@@ -71,9 +78,9 @@ def absorbed_queries(config: LlamaConfig, lp, h: jax.Array, positions, inv_freq,
     (a tensor-parallel slice holds some heads' columns of q_b and kv_b)."""
     B, T, _ = h.shape
     E, R = config.head_dim, config.rotary_dim
-    q_in = h if lp.q_a is None else llama.rms_norm(llama.project(h, lp.q_a), lp.q_a_norm, LATENT_NORM_EPS)
-    q = llama.project(q_in, lp.q_b).reshape(B, T, -1, E)  # [B, T, H, E]
-    q_nope = jnp.einsum("bthn,rhn->bthr", q[..., : E - R], kv_b[..., : E - R], **llama._F32)
+    q_in = h if lp.q_a is None else rms_norm(project(h, lp.q_a), lp.q_a_norm, LATENT_NORM_EPS)
+    q = project(q_in, lp.q_b).reshape(B, T, -1, E)  # [B, T, H, E]
+    q_nope = jnp.einsum("bthn,rhn->bthr", q[..., : E - R], kv_b[..., : E - R], **F32)
     query = jnp.concatenate(
         [q_nope.astype(q.dtype), rotate(config, q[..., E - R :], positions, inv_freq)], -1
     )
@@ -81,54 +88,52 @@ def absorbed_queries(config: LlamaConfig, lp, h: jax.Array, positions, inv_freq,
 
 
 def mla_attention(
-    config: LlamaConfig, masks, inv_freq, positions, cache, fresh_mask, h, lp, k_buf, v_buf, write, layer
-):
-    """One latent-attention block: input h [B, T, D] (normed) -> its output [B, T, D] (before the
-    tensor-parallel sum), and the buffers with the fresh entries written (or, with
-    `write=False`, the fresh entries [B, T, 1, C] and empty values [B, T, 1, 0]). The modes are
-    `llama.attention`'s: a prefill (masks.visible None) attends to the fresh entries alone; a
-    decoding pass that writes attends to the visible slots of the written cache; one that does
-    not, to the committed slots and the fresh entries in one softmax."""
+    config: LlamaConfig, seen: LayerPass, h: jax.Array, lp, buffers: LayerCache, writes: bool
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One latent-attention block in the pass `seen` (models/passes.py): input h [B, T, D]
+    (normed) -> its output [B, T, D] (before the tensor-parallel sum), and the buffers with the
+    fresh entries written (`writes`), or the fresh entries [B, T, 1, C] and empty values
+    [B, T, 1, 0]. The kinds of pass are the same as `attention.attention`'s: a prefill attends to
+    the fresh entries alone; a decoding pass that writes attends to the visible slots of the
+    written cache; a read-only one, to the committed slots and the fresh entries in one softmax."""
     B, T, _ = h.shape
     E, R, r = config.head_dim, config.rotary_dim, config.kv_lora_rank
+    positions, inv_freq, kind = seen.positions, seen.inv_freq, seen.plan.kind
     kv_b = lp.kv_b.reshape(r, -1, E - R + config.v_head_dim)  # [r, H, N + A]
     entries = latent_entries(config, lp, h, positions, inv_freq)  # [B, T, 1, C]
     no_values = jnp.zeros((B, T, 1, 0), entries.dtype)
     query = absorbed_queries(config, lp, h, positions, inv_freq, kv_b)[:, :, None]  # [B, T, 1, H, C]
-    if write:
-        fresh = masks.visible is None
-        k_buf = cache.write_keys(k_buf, entries, fresh, layer)
-        v_buf = cache.write_values(v_buf, no_values, fresh, layer)
-    keys = (
-        k_buf
-        if layer is None or masks.visible is None
-        else jax.lax.dynamic_index_in_dim(k_buf, layer, keepdims=False)
-    )
-    mixed = _latent_attention(query, entries, keys, masks.visible, fresh_mask, write, r)  # [B, T, H, r]
-    out = jnp.einsum("bthr,rha->btha", mixed, kv_b[..., E - R :], **llama._F32).astype(h.dtype)
-    out = llama.project(out.reshape(B, T, -1), lp.o)
-    return (out, k_buf, v_buf) if write else (out, entries, no_values)
+    if writes:
+        buffers = seen.write(buffers, entries, no_values)
+    keys = None if kind is PassKind.PREFILL else buffers.read()[0]  # [B, C, S]
+    mixed = _latent_attention(
+        query, entries, keys, seen.masks.visible, seen.fresh_mask, kind, r
+    )  # [B, T, H, r]
+    out = jnp.einsum("bthr,rha->btha", mixed, kv_b[..., E - R :], **F32).astype(h.dtype)
+    out = project(out.reshape(B, T, -1), lp.o)
+    return (out, buffers.keys, buffers.values) if writes else (out, entries, no_values)
 
 
-def _latent_attention(query, entries, keys, visible, fresh_mask, write, r):
+def _latent_attention(query, entries, keys, visible, fresh_mask, kind: PassKind, r):
     """Queries [B, T, 1, H, C] attend to latent entries; returns the weighted latents
-    [B, T, H, r]. A prefill (visible None) sees the fresh entries [B, T, 1, C] under
-    fresh_mask; a written cache's keys [B, C, S] are seen where visible [B, T, S]; with
-    `write=False`, committed slots (visible [B, S]) and the fresh entries in one softmax."""
+    [B, T, H, r]. A prefill sees the fresh entries [B, T, 1, C] under fresh_mask; a written
+    cache's keys [B, C, S] are seen where visible [B, T, S]; a read-only pass sees the committed
+    slots (visible [B, S]) and the fresh entries in one softmax."""
     B, T, _, H, _ = query.shape
     dtype = query.dtype
-    if visible is None:
-        probs = llama._softmax(llama._masked_scores(query, entries, fresh_mask), dtype)  # [B, 1, H, T, T]
-        return jnp.einsum("bkgtu,bukr->btgr", probs, entries[..., :r], **llama._F32).astype(dtype)
-    keep = visible[:, None, None] if write else visible[:, None, None, None, :]
-    old = llama._drop_masked(llama._cache_scores(query, keys), keep)  # [B, 1, H, T, S]
-    if write:
-        probs = llama._softmax(old, dtype)
+    if kind is PassKind.PREFILL:
+        probs = softmax(masked_scores(query, entries, fresh_mask), dtype)  # [B, 1, H, T, T]
+        return jnp.einsum("bkgtu,bukr->btgr", probs, entries[..., :r], **F32).astype(dtype)
+    write_first = kind is PassKind.WRITE_FIRST
+    keep = visible[:, None, None] if write_first else visible[:, None, None, None, :]
+    old = drop_masked(cache_scores(query, keys), keep)  # [B, 1, H, T, S]
+    if write_first:
+        probs = softmax(old, dtype)
         return _weighted_latents(probs, keys, r).astype(dtype)
-    new = llama._masked_scores(query, entries, fresh_mask)  # [B, 1, H, T, T]
+    new = masked_scores(query, entries, fresh_mask)  # [B, 1, H, T, T]
     S = keys.shape[-1]
-    probs = llama._softmax(jnp.concatenate([old, new], axis=-1), dtype)
-    fresh = jnp.einsum("bkgtu,bukr->btgr", probs[..., S:], entries[..., :r], **llama._F32)
+    probs = softmax(jnp.concatenate([old, new], axis=-1), dtype)
+    fresh = jnp.einsum("bkgtu,bukr->btgr", probs[..., S:], entries[..., :r], **F32)
     return (_weighted_latents(probs[..., :S], keys, r) + fresh).astype(dtype)
 
 
@@ -136,7 +141,5 @@ def _weighted_latents(probs, keys, r):
     """probs [B, 1, H, T, S] applied to the cached latents (the first r rows of keys [B, C, S],
     read in place): [B, T, H, r] float32."""
     B, _, H, T, S = probs.shape
-    out = jnp.einsum(
-        "bqs,brs->bqr", probs.reshape(B, H * T, S), keys[:, :r, :].astype(probs.dtype), **llama._F32
-    )
+    out = jnp.einsum("bqs,brs->bqr", probs.reshape(B, H * T, S), keys[:, :r, :].astype(probs.dtype), **F32)
     return out.reshape(B, H, T, r).transpose(0, 2, 1, 3)

@@ -31,6 +31,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from specjax.checks import check_int
 from specjax.models.model import Model
 from specjax.models.signature import check_signature, target_signature
 
@@ -51,9 +52,7 @@ class MLPSpeculatorConfig:
 
     def __post_init__(self):
         for name in ("emb_dim", "inner_dim", "vocab_size", "n_predict"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MLPSpeculatorConfig {name} must be an integer >= 1, got {value!r}")
+            check_int(f"MLPSpeculatorConfig {name}", getattr(self, name), 1)
         for name in ("tie_weights", "scale_input"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MLPSpeculatorConfig {name} must be a bool, got {getattr(self, name)!r}")

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams
+from specjax.models.params import LlamaParams
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -32,11 +32,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.cache import KVCache
-from specjax.models.checkpoint import _HostWeights
+from specjax.models.checkpoint import HostWeights
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LayerParams, decoder_layers, init_params, project, rms_norm
-from specjax.models.model import Model
-from specjax.models.signature import check_signature
+from specjax.models.llama import decoder_layers
+from specjax.models.norms import rms_norm
+from specjax.models.params import LayerParams, init_params
+from specjax.models.products import project
+from specjax.models.signature import Target, check_signature
 from specjax.models.tensors import LazyTensor
 
 # Our name -> the name under model.layers.{L + i}. (besides the decoder block's own)
@@ -113,7 +115,7 @@ def mtp_layers_from_tensors(
     for j in range(config.num_mtp_layers):
         ours = {m[2]: t for name, t in tensors.items() if (m := _MTP_NAME.fullmatch(name)) and int(m[1]) == j}
         renamed = {(name if name in MTP_TENSORS else f"layers.0.{name}"): t for name, t in ours.items()}
-        weights = _HostWeights(block_config, renamed, dtype, None, None)
+        weights = HostWeights(block_config, renamed, dtype, None, None)
         try:
             block = {name: jax.device_put(x) for name, x in weights.layer(0).items()}
             own = {name: jax.device_put(weights.read(name)) for name in MTP_TENSORS}
@@ -193,6 +195,6 @@ class MTPLayers:
                 f"MTPLayers layers must be a non-empty tuple of MTPLayerParams, got {self.layers!r}"
             )
 
-    def check_target(self, model: Model) -> None:
+    def check_target(self, model: Target) -> None:
         """Refuse a model the layers were not trained for, naming both."""
         check_signature("MTP", self.target, model, TRAINER)

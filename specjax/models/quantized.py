@@ -24,7 +24,7 @@ The integers are the file's own; the scales of a two-level format (K-quants) are
 load, exactly in float32 (a float16 times a 6- or 8-bit integer). Activations, norms, softmax and
 sampling stay in float: only the products read the integers (specjax/kernels/backend.py).
 
-A stacked layer (models/llama.py, LayerStack) carries a leading axis on every field.
+A stacked layer (models/params.py, LayerStack) carries a leading axis on every field.
 
 Here: the layout and `dequantize`; `xla_product`, the product the backend's seam runs for a
 QuantizedWeight (measured against a grouped form); `quantize` ("int8", "int4", "fp8") and
@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from specjax.checks import is_int
 from specjax.kernels.quantized import QuantizedWeight, dequantize
 
 # ---------------------------------------------------------------------------------------------
@@ -156,7 +157,7 @@ def quantize_params(params, kind: str, group: int | None = None):
     return params.replace(layers=layers, lm_head=q(head), head_panels=None)
 
 
-# The fields of a decoder layer (models/llama.py, LayerParams) that quantization applies to.
+# The fields of a decoder layer (models/params.py, LayerParams) that quantization applies to.
 PROJECTIONS = ("qkv", "o", "gate", "up", "down", "expert_gate", "expert_up", "expert_down")
 
 
@@ -293,7 +294,7 @@ def check_fp8_config(quantization_config: dict) -> tuple[int, int] | None:
     block = quantization_config.get("weight_block_size", FP8_BLOCK)
     if block is None:
         return None
-    if len(block) != 2 or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block):
+    if len(block) != 2 or not all(is_int(b) and b > 0 for b in block):
         raise ValueError(
             f"quantization_config weight_block_size must be two positive integers, got {block!r}"
         )

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Protocol
 
 import jax
 
-from specjax.models.model import Model
+from specjax.models.config import LlamaConfig
+from specjax.models.params import LlamaParams
 
 
-def target_signature(model: Model) -> dict:
+class Target(Protocol):
+    """What a signature reads of a model: a `specjax.models.Model`, described here rather than
+    imported, because model.py checks heads against it (`Model.with_mtp`): importing it would
+    close an import circle."""
+
+    name: str
+    config: LlamaConfig
+    params: LlamaParams
+
+
+def target_signature(model: Target) -> dict:
     """What identifies the model a head was trained on: its name, the config fields the head
     depends on, and a digest of a few of its weights (two random models of one config differ)."""
     c = model.config
@@ -24,7 +36,7 @@ def target_signature(model: Model) -> dict:
     }
 
 
-def check_signature(kind: str, signature: dict, model: Model, trainer: str) -> None:
+def check_signature(kind: str, signature: dict, model: Target, trainer: str) -> None:
     """Refuse `model` unless it is the target `signature` was taken from, naming both. The name is
     left out of the comparison: it is for people, and one model loaded from two paths has two."""
     theirs = target_signature(model)

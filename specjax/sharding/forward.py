@@ -23,7 +23,7 @@ from specjax.kernels import backend
 from specjax.models import llama
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams
+from specjax.models.params import LlamaParams
 from specjax.sharding.mesh import DATA, MODEL
 from specjax.sharding.specs import cache_specs, fresh_specs, params_specs_like, row_spec
 

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from specjax.checks import check_int
 from specjax.models.config import LlamaConfig
 
 DATA = "data"
@@ -21,8 +22,7 @@ AXES = (DATA, MODEL)
 
 
 def _check_degree(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"make_mesh: {name} must be an integer >= 1, got {value!r}")
+    check_int(f"make_mesh: {name}", value, 1)
 
 
 def make_mesh(model: int = 1, data: int | None = None, devices=None) -> Mesh:

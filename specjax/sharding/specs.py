@@ -7,7 +7,7 @@ load) is derived from these two tables, so a change of layout is a change of one
 Tensor parallelism is Megatron's: qkv, gate and up are split by column (kv-head groups, ffw), o
 and down by row, so each device computes a slice of the heads and of the MLP from the full
 residual stream, and one all-reduce after o and one after down restore the full stream. qkv's
-columns go kv head by kv head (models/llama.py, `fuse_qkv`), so an even split of them gives each
+columns go kv head by kv head (models/params.py, `fuse_qkv`), so an even split of them gives each
 device whole groups: its query heads with the keys and values they attend with.
 
 A quantized weight (models/quantized.py) splits as its weight does: its values along the same
@@ -41,7 +41,7 @@ from specjax.kernels.quantized import QuantizedWeight
 from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.checkpoint import flatten
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LayerParams, LayerStack, LlamaParams, layer_shapes
+from specjax.models.params import LayerParams, LayerStack, LlamaParams, layer_shapes
 from specjax.models.tensors import normalize_index
 from specjax.sharding.mesh import DATA, MODEL
 
@@ -51,7 +51,7 @@ RULES: dict[str, str | None] = {
     "heads": MODEL,  # query heads: the H*E rows of o
     "kv_heads": MODEL,  # kv heads: qkv's K*(G+2)*E columns (by kv-head group), the cache's K axis
     "ffw": MODEL,  # the F columns of gate and up, the F rows of down (an expert's too)
-    "experts": None,  # every device holds every expert's slice of F (see models/llama.py, moe_mlp)
+    "experts": None,  # every device holds every expert's slice of F (see models/mlp.py, moe_mlp)
     "embed": None,  # the residual stream D: every device holds all of it
     "vocab": None,  # replicated embedding and head (see the module docstring)
     "slots": None,  # cache positions S

@@ -27,9 +27,11 @@ import numpy as np
 from specjax.kernels import backend
 from specjax.kernels.backend import Backend
 from specjax.models import quantized
+from specjax.models.attention import attention_workspace_bytes
 from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import LlamaParams, attention_workspace_bytes, layers_bytes, lm_head, stack_layers
+from specjax.models.llama import lm_head, stack_layers
+from specjax.models.params import LlamaParams, layers_bytes
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters

@@ -25,8 +25,9 @@ from specjax.models.cache import init_cache
 from specjax.models.dflash import DFlashConfig, DFlashHead, DFlashParams, dflash_context, init_dflash
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle3 import default_aux_layer_ids
-from specjax.models.llama import decoder_layers, rms_norm
+from specjax.models.llama import decoder_layers
 from specjax.models.model import Model
+from specjax.models.norms import rms_norm
 from specjax.models.quantized import as_array
 from specjax.models.signature import target_signature
 from specjax.train.common import (

@@ -25,8 +25,8 @@ import optax
 from specjax.models.cache import init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams, eagle_features, init_eagle
-from specjax.models.llama import LlamaParams
 from specjax.models.model import Model
+from specjax.models.params import LlamaParams
 from specjax.models.signature import target_signature
 from specjax.train.common import (
     batch_order,

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.cache import init_cache
+from specjax.models.config import LlamaConfig
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
-from specjax.models.llama import LlamaConfig
 from specjax.models.model import Model
 from specjax.models.mtp import MTPLayerParams, MTPLayers, init_mtp_layer, mtp_features, mtp_layer_config
 from specjax.models.signature import target_signature

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.checks import check_int
+from specjax.kernels.layouts import with_panel_weights
 from specjax.models.cache import KVCache, cache_bytes, init_cache, starting_from
 from specjax.models.config import LlamaConfig
-from specjax.models.llama import lm_head, stack_layers, with_panel_weights
+from specjax.models.llama import lm_head, stack_layers
 from specjax.models.model import Model
 from specjax.sharding import check_model_split, mesh_entries_by_row, mesh_forward_hidden, shard_params
 from specjax.speculate.proposers.base import Proposal, check_k, choose_draft, draft_keys

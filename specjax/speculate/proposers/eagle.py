@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.checks import is_number
+from specjax.kernels.layouts import pack_panels
 from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import EagleConfig, EagleHead, eagle_entries, eagle_features, eagle_panel_weights
-from specjax.models.llama import pack_panels
 from specjax.models.model import Model
 from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k, kept_inputs
 from specjax.speculate.proposers.protocol import (

@@ -36,9 +36,10 @@ import numpy as np
 
 from specjax.checks import is_int
 from specjax.models.cache import KVCache, cache_bytes, init_cache
-from specjax.models.llama import LlamaParams, lm_head
+from specjax.models.llama import lm_head
 from specjax.models.model import Model
 from specjax.models.mtp import MTPConfig, MTPLayerParams, missing_mtp_error, mtp_features, mtp_layer_config
+from specjax.models.params import LlamaParams
 from specjax.speculate.proposers.base import HeadInputs, Proposal, choose_draft, draft_keys, kept_inputs
 from specjax.speculate.proposers.eagle import EagleSpec, EagleState, HeadProposer, settle_drafting
 from specjax.speculate.proposers.protocol import InitContext, ProposeContext
