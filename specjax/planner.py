@@ -308,12 +308,19 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def check_memory(spec: LoopSpec, max_new_tokens: int, params=None) -> None:
+def memory_shortfall(spec: LoopSpec, params=None) -> tuple[int, int] | None:
+    """(bytes a program of `spec` needs beyond the weights, bytes the device has free) where it
+    would not fit (`loop.memory_bytes`, estimated before anything is allocated); else None."""
     needed, available = memory_bytes(spec, params), available_memory_bytes()
     if spec.mesh is not None:  # rows and caches split over the data axis; an upper bound per device
         needed //= sharding.data_degree(spec.mesh)
-    if available is not None and needed > available:
-        gib = 1 << 30
+    return (needed, available) if available is not None and needed > available else None
+
+
+def check_memory(spec: LoopSpec, max_new_tokens: int, params=None) -> None:
+    shortfall = memory_shortfall(spec, params)
+    if shortfall is not None:
+        (needed, available), gib = shortfall, 1 << 30
         raise ValueError(
             f"prompts and max_new_tokens={max_new_tokens}: a batch of {spec.batch_size} rows with prompts "
             f"padded to {spec.prompt_bucket} tokens and {spec.capacity} cache slots per row needs about "

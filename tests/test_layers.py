@@ -78,9 +78,10 @@ def _imports(path: Path) -> list[tuple[int, str]]:
 
 
 def _layer(module: str) -> int | None:
-    """The rank of a lower-layer module, -1 for specjax._version (any layer may read it), None for
-    the top-level package and everything above the lower layers."""
-    if module == "specjax._version":
+    """The rank of a lower-layer module, -1 for specjax._version and specjax.checks (the shared
+    checks of user input: any layer may read them), None for the top-level package and everything
+    above the lower layers."""
+    if module in ("specjax._version", "specjax.checks"):
         return -1
     parts = module.split(".")
     return LAYERS.get(parts[1]) if len(parts) > 1 else None

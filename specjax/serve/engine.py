@@ -60,7 +60,7 @@ from specjax.serve.engine_config import (
     admission_bucket,
     check_request,
 )
-from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, memory_bytes, program_params
+from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
@@ -208,9 +208,9 @@ class Engine:
     def _check_memory(self) -> None:
         """Refuse a batch whose caches and working memory do not fit (before allocating them)."""
         spec = dataclasses.replace(self.spec, prompt_bucket=self._bucket(self.max_model_len))
-        needed, available = memory_bytes(spec, self.model.params), planner.available_memory_bytes()
-        if available is not None and needed > available:
-            gib = 1 << 30
+        shortfall = planner.memory_shortfall(spec, self.model.params)
+        if shortfall is not None:
+            (needed, available), gib = shortfall, 1 << 30
             raise ValueError(
                 f"max_batch={self.max_batch} and max_model_len={self.max_model_len}: the slots' caches "
                 f"({spec.capacity} slots per row) and working memory need about {needed / gib:.2f} GiB, "

@@ -183,6 +183,13 @@ def _mtp_method(options: dict, target):
 _K = ("num_speculative_tokens",)
 _HEAD_KEYS = ("model", "num_speculative_tokens")
 _NEEDS_HEAD = "the folder of a saved or published head"
+# An EAGLE or EAGLE-3 head's options: its folder, and a chain of k or a tree, with a threshold
+_HEAD_CHAIN_OR_TREE = (
+    Option("head", HEAD, _NEEDS_HEAD),
+    Option("k"),
+    Option("tree", TREE),
+    Option("confidence_threshold"),
+)
 
 # In the order the docs and messages list them: vLLM's and FastDeploy's methods first, in their
 # order, then specjax's own.
@@ -210,12 +217,7 @@ ENTRIES: tuple[Entry, ...] = (
         "eagle",
         Eagle,
         "an EAGLE head: a chain or tree in the target's feature space",
-        (
-            Option("head", HEAD, _NEEDS_HEAD),
-            Option("k"),
-            Option("tree", TREE),
-            Option("confidence_threshold"),
-        ),
+        _HEAD_CHAIN_OR_TREE,
         method="eagle",
         method_keys=_HEAD_KEYS,
         speculative_config=_head_method(Eagle, "eagle"),
@@ -224,12 +226,7 @@ ENTRIES: tuple[Entry, ...] = (
         "eagle3",
         Eagle3,
         "an EAGLE-3 head: the target's low, middle and high features fused, a draft vocabulary",
-        (
-            Option("head", HEAD, _NEEDS_HEAD),
-            Option("k"),
-            Option("tree", TREE),
-            Option("confidence_threshold"),
-        ),
+        _HEAD_CHAIN_OR_TREE,
         method="eagle3",
         method_keys=_HEAD_KEYS,
         speculative_config=_head_method(Eagle3, "eagle3"),
