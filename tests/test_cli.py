@@ -21,7 +21,7 @@ import specjax.serve.app
 from specjax import bench, cli
 from specjax.models import EagleHead, MedusaHead
 from specjax.named import PROPOSER_NAMES
-from specjax.train import DistillationData, load_head
+from specjax.train import DistillationData, load_head, read_prompts, training_prompts
 
 COMMANDS = [
     "train-medusa",
@@ -471,8 +471,8 @@ def test_exclude_holds_prompts_out(tmp_path):
     args = cli.parser().parse_args(
         ["train-medusa", "--prompts", str(train), "--exclude", str(held), "--out", "x"]
     )
-    assert cli.training_prompts(args) == (["a", "c", "d"], {"b"})
-    assert cli.read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
+    assert training_prompts(cli.training_options(args)) == (["a", "c", "d"], {"b"})
+    assert read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
 
 
 def test_split_names_the_prompts_in_one_place(tmp_path):
@@ -483,8 +483,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     args = cli.parser().parse_args(
         ["train-eagle3", "--split", split.name, "--split-data", str(tmp_path), "--out", "x"]
     )
-    cli.resolve_split(args)
-    assert cli.training_prompts(args) == (["a", "c"], {"b"})
+    assert training_prompts(cli.training_options(args)) == (["a", "c"], {"b"})
     assert split.training_prompts(tmp_path) == {"a", "c"}  # what the benchmarks check against
     for argv, message in [
         (["--split", "nope"], "--split: unknown split 'nope'; allowed: spec-bench-minus-mt-bench"),
@@ -494,7 +493,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     ]:
         args = cli.parser().parse_args(["train-eagle3", *argv, "--out", "x"])
         with pytest.raises(ValueError, match=re.escape(message)):
-            cli.resolve_split(args)
+            training_prompts(cli.training_options(args))
     assert not split.trained_on("mt_bench") and split.trained_on("qa")
 
 
@@ -650,7 +649,7 @@ def test_self_instruct_prompts_join_the_file_prompts(tmp_path, tiny_target, monk
         calls.append((num_prompts, seed, set(exclude)))
         return [f"written prompt {i}" for i in range(num_prompts)]
 
-    monkeypatch.setattr(specjax.train, "self_instruct_prompts", write)
+    monkeypatch.setattr(specjax.train.pipeline, "self_instruct_prompts", write)
     data_file = tmp_path / "set.npz"
     argv = _argv("train-medusa", tmp_path, tmp_path / "out", "--self-instruct", "3", "--seed", "7")
     assert cli.main([*argv, "--heads", "1", "--data", str(data_file)]) == 0
