@@ -14,7 +14,7 @@ import hf_export
 import jax
 import numpy as np
 import pytest
-from tiny import tiny_model, tiny_tokenizer
+from tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 import specjax
 import specjax.serve.app
@@ -31,10 +31,6 @@ COMMANDS = [
     "train-mlp-speculator",
     "train-mtp",
 ]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
 
 
 def save_hf_folder(model, folder) -> None:
