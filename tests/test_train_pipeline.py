@@ -137,14 +137,22 @@ def test_train_head_takes_options_only_as_a_record():
         train_head(tiny_model(seed=11), "medusa", {"out": "run", "prompts": ["a"]})
 
 
-def test_a_prompt_file_error_names_its_line(tmp_path):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"turns": ["a"]}\n{"text": "b"}\n',
+            r"prompts: line 2 of '.*p.jsonl' has no field 'turns' \(see field\)",
+        ),
+        ('{"turns": ["a"]}\n{"turns": \n', r"prompts: line 2 of '.*p.jsonl' is not JSON \(Expecting value\)"),
+        ("\n\n", r"prompts: '.*p.jsonl' holds no prompts"),
+    ],
+)
+def test_a_prompt_file_error_names_its_line(text, message, tmp_path, no_generate):
     file = tmp_path / "p.jsonl"
-    file.write_text('{"turns": ["a"]}\n{"text": "b"}\n')
-    options = TrainingOptions(out="run", prompts=file)
-    with pytest.raises(
-        OptionError, match=r"prompts: line 2 of '.*p.jsonl' has no field 'turns' \(see field\)"
-    ):
-        train_head(tiny_model(seed=11), "medusa", options)
+    file.write_text(text)
+    with pytest.raises(OptionError, match=message):
+        train_head(tiny_model(seed=11), "medusa", TrainingOptions(out="run", prompts=file))
 
 
 @pytest.mark.parametrize("command", [f"train-{head.replace('_', '-')}" for head in HEAD_TRAINERS])

@@ -117,7 +117,9 @@ class TrainingOptions:
     max_len: int = 256  # tokens per training sequence (the end of a longer one is kept)
     generate_batch_size: int = 16  # prompts answered per generate call
     batch_size: int = 8  # training sequences per step (and per distill_data batch)
-    draft_vocab: int | None = None  # heads with one: tokens drafted from (None: 8192 or all)
+    # Heads with a draft vocabulary: its size, the set's most frequent tokens (None: 8192, or the
+    # whole vocabulary of a model with fewer).
+    draft_vocab: int | None = None
     data: PathLike | None = None  # an .npz distillation set: read if it exists, else saved there
     steps: int = 1000  # training steps
     learning_rate: float | None = None  # peak learning rate (None: the trainer's default)
@@ -191,16 +193,18 @@ def prompt_sources(options: TrainingOptions) -> tuple[Prompts | None, Prompts | 
     return SPLITS[options.split].files(options.split_data)
 
 
-def read_prompts(path: PathLike, field: str = "turns", limit: int | None = None, option: str = "prompts"):
+def read_prompts(
+    path: PathLike, field: str = "turns", limit: int | None = None, option: str = "prompts"
+) -> list[str]:
     """The `field` of each JSON line of `path` (at most `limit` of them); a list value (MT-bench's
     "turns") gives its first entry. Errors name `option`, the file and the line."""
     path = str(path)
 
-    def refuse(problem: str, **values):
-        raise OptionError("{" + option + "}: " + problem, path=path, **values)
+    def refused(problem: str, **values) -> OptionError:
+        return OptionError("{" + option + "}: " + problem, path=path, **values)
 
     if not Path(path).is_file():
-        refuse("no such file {path!r}")
+        raise refused("no such file {path!r}")
     prompts = []
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
@@ -208,15 +212,19 @@ def read_prompts(path: PathLike, field: str = "turns", limit: int | None = None,
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            refuse("line {number} of {path!r} is not JSON ({why})", number=number, why=error.msg)
+            raise refused(
+                "line {number} of {path!r} is not JSON ({why})", number=number, why=error.msg
+            ) from None
         if not isinstance(record, dict) or field not in record:
-            refuse("line {number} of {path!r} has no field {name!r} (see {field})", number=number, name=field)
+            raise refused(
+                "line {number} of {path!r} has no field {name!r} (see {field})", number=number, name=field
+            )
         value = record[field]
         prompts.append(value[0] if isinstance(value, list) else value)
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:
-        refuse("{path!r} holds no prompts")
+        raise refused("{path!r} holds no prompts")
     return prompts
 
 
