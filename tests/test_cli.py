@@ -546,16 +546,18 @@ def test_heads_say_what_they_trained_on():
 @pytest.fixture
 def tiny_target(monkeypatch):
     """The commands see a tiny model whose generate takes the prompts as plain id lists (a tiny
-    character tokenizer would need a chat template); `generated` counts the generate calls."""
+    character tokenizer would need a chat template); `generated` counts the generate calls. The
+    pipeline (specjax.train.pipeline) and the tests themselves (specjax.generate) see the same."""
     tiny = SimpleNamespace(model=tiny_model(seed=11), generated=0)
-    monkeypatch.setattr(specjax, "load", lambda name: tiny.model)
     real_generate = specjax.generate
 
     def generate(model, prompts, **kw):
         tiny.generated += 1
         return real_generate(model, [[ord(c) % 97 for c in p] for p in prompts], **{**kw, "chat": False})
 
-    monkeypatch.setattr(specjax, "generate", generate)
+    for module in (specjax, specjax.train.pipeline):
+        monkeypatch.setattr(module, "load", lambda name: tiny.model)
+        monkeypatch.setattr(module, "generate", generate)
     return tiny
 
 

@@ -104,7 +104,7 @@ def no_generate(monkeypatch):
     def generate(*args, **kwargs):
         raise AssertionError("generated before refusing")
 
-    monkeypatch.setattr(specjax, "generate", generate)
+    monkeypatch.setattr(specjax.train.pipeline, "generate", generate)
 
 
 @pytest.mark.parametrize(

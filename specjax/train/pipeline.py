@@ -27,7 +27,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import specjax
+from specjax.api import generate, load
 from specjax.bench import SPLITS
 from specjax.models import Model
 from specjax.models.heads import save_head
@@ -250,7 +250,7 @@ def continuations(model: Model, prompts: list[str], new_tokens: int, batch_size:
     sequences = []
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
-        result = specjax.generate(model, chunk, max_new_tokens=new_tokens, chat=True)
+        result = generate(model, chunk, max_new_tokens=new_tokens, chat=True)
         sequences += [p + t for p, t in zip(result.prompt_tokens, result.tokens, strict=True)]
     return sequences
 
@@ -337,7 +337,7 @@ def train_head(model: Model | PathLike, head: str, options: TrainingOptions, **t
         )
     prompts, held_out = training_prompts(options)
     if isinstance(model, PathLike):
-        model = specjax.load(model)
+        model = load(model)
     elif not isinstance(model, Model):
         raise ValueError(
             f"train_head: model must be a specjax.Model or what specjax.load reads, got {model!r}"
