@@ -17,6 +17,8 @@ A bad argument or input gives one line, `specjax <command>: error: ...`, and exi
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import sys
 import textwrap
@@ -47,208 +49,85 @@ Magpie does; none equal to a held-out or --prompts prompt), with or without --pr
 """
 
 
-def read_prompts(path: str, field: str, limit: int | None, option: str = "--prompts") -> list[str]:
-    """The `field` of each JSON line of `path`; a list value (MT-bench's "turns") gives its first
-    entry. Errors name `option`, the file and the line."""
-    file = Path(path)
-    if not file.is_file():
-        raise ValueError(f"{option}: no such file {path!r}")
-    prompts = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{option}: line {number} of {path!r} is not JSON ({error.msg})") from None
-        if not isinstance(record, dict) or field not in record:
-            raise ValueError(f"{option}: line {number} of {path!r} has no field {field!r} (see --field)")
-        value = record[field]
-        prompts.append(value[0] if isinstance(value, list) else value)
-        if limit is not None and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ValueError(f"{option}: {path!r} holds no prompts")
-    return prompts
+def flag(option: str) -> str:
+    """The flag of a TrainingOptions field (draft_vocab: --draft-vocab), also its argparse dest."""
+    return "--" + option.replace("_", "-")
 
 
-def training_prompts(args: argparse.Namespace) -> tuple[list[str], set[str]]:
-    """The prompts of --prompts (none without it), less those of --exclude (a held-out set: none
-    of its prompts may be trained on), the first --limit of them; and the held-out prompts."""
-    held_out = (
-        set(read_prompts(args.exclude, args.field, None, option="--exclude")) if args.exclude else set()
-    )
-    if args.prompts is None:
-        return [], held_out
-    prompts = [p for p in read_prompts(args.prompts, args.field, None) if p not in held_out]
-    return prompts[: args.limit], held_out
+@contextlib.contextmanager
+def options_as_flags():
+    """The pipeline's OptionErrors as ValueErrors naming the command's flags (main's one line)."""
+    from specjax.train import OptionError
+
+    try:
+        yield
+    except OptionError as error:
+        raise ValueError(error.worded(flag)) from None
 
 
-def continuations(model, prompts: list[str], new_tokens: int, batch_size: int) -> list[list[int]]:
-    """Each chat-templated prompt followed by the model's greedy continuation, as token ids."""
-    import specjax
+def training_options(args: argparse.Namespace):
+    """The TrainingOptions of a `specjax train-<head>` command line (each field is the dest of its
+    flag; --draft-vocab only where HEAD_TRAINERS says the head has a draft vocabulary)."""
+    from specjax.train import HEAD_TRAINERS, TrainingOptions
 
-    sequences = []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        result = specjax.generate(model, chunk, max_new_tokens=new_tokens, chat=True)
-        sequences += [p + t for p, t in zip(result.prompt_tokens, result.tokens, strict=True)]
-    return sequences
-
-
-def distillation_set(args: argparse.Namespace, model, prompts: list[str], held_out: set[str]):
-    """The --data file's set if it exists; else the model's continuations of `prompts` and of
-    --self-instruct prompts it writes itself, and its hidden states along them, saved to --data
-    when given. Returns the set and the number of prompts it was built from."""
-    from specjax.train import DistillationData, distill_data, self_instruct_prompts
-
-    if args.data and Path(args.data).is_file():
-        print(f"reading the distillation set from {args.data}", file=sys.stderr)
-        data = DistillationData.load(args.data)
-        return data, data.num_sequences
-    if args.self_instruct:
-        print(f"{model}: writing {args.self_instruct} user prompts", file=sys.stderr)
-        written = self_instruct_prompts(
-            model, args.self_instruct, seed=args.seed, exclude=held_out | set(prompts)
-        )
-        prompts = prompts + written
-    print(f"{model}: generating {args.new_tokens} tokens for {len(prompts)} prompts", file=sys.stderr)
-    sequences = continuations(model, prompts, args.new_tokens, args.generate_batch_size)
-    sequences = [s[-args.max_len :] for s in sequences]  # the continuation matters most
-    data = distill_data(model, sequences, max_len=args.max_len, batch_size=args.batch_size)
-    if args.data:
-        data.save(args.data)
-        print(f"saved the distillation set to {args.data}", file=sys.stderr)
-    return data, len(prompts)
+    head = trained_head(args)
+    names = [
+        field.name
+        for field in dataclasses.fields(TrainingOptions)
+        if field.name != "draft_vocab" or HEAD_TRAINERS[head].draft_vocab
+    ]
+    with options_as_flags():
+        return TrainingOptions(**{name: getattr(args, name) for name in names})
 
 
-DEFAULT_DRAFT_VOCAB = 8192
+def trained_head(args: argparse.Namespace) -> str:
+    """The HEAD_TRAINERS name of a train command: train-mlp-speculator trains "mlp_speculator"."""
+    return args.command.removeprefix("train-").replace("-", "_")
 
 
-def check_draft_vocab_option(args: argparse.Namespace, model) -> None:
-    """Resolve the default --draft-vocab (8192, or the whole vocabulary of a smaller model) and
-    refuse one the model cannot have, before the costly generation."""
-    V = model.config.vocab_size
-    if args.draft_vocab is None:
-        args.draft_vocab = min(DEFAULT_DRAFT_VOCAB, V)
-    if not 1 <= args.draft_vocab <= V:
-        raise ValueError(f"--draft-vocab must be in 1..{V} (the model's vocab size), got {args.draft_vocab}")
+def run_training(args: argparse.Namespace, **trainer_options):
+    """Run specjax.train.train_head for the command line (`trainer_options` are the trainer's own);
+    returns the head and where it was saved."""
+    from specjax.train import train_head
 
-
-def resolve_split(args: argparse.Namespace) -> None:
-    """--split NAME sets --prompts and --exclude to the split's files (specjax.bench.SPLITS, the one
-    place a split is defined: the benchmarks read it from there too)."""
-    if args.split is None:
-        if args.split_data is not None:
-            raise ValueError("--split-data is the folder of --split's files: give --split too")
-        return
-    from specjax.bench import SPLITS
-
-    if args.split not in SPLITS:
-        raise ValueError(f"--split: unknown split {args.split!r}; allowed: {', '.join(SPLITS)}")
-    if args.prompts is not None or args.exclude is not None:
-        raise ValueError(
-            f"--split {args.split} names the prompts and the held-out set: drop --prompts/--exclude"
-        )
-    args.prompts, args.exclude = (str(path) for path in SPLITS[args.split].files(args.split_data))
-
-
-def save_trained_head(args: argparse.Namespace, head, num_prompts: int) -> Path:
-    from specjax.train import save_head
-
-    head.meta.update(
-        split=args.split,
-        prompts_file=None if args.prompts is None else str(args.prompts),
-        prompts_field=args.field,
-        self_instruct_prompts=args.self_instruct,
-        num_prompts=num_prompts,
-    )
-    if args.data:
-        head.meta.update(data_file=str(args.data))
-    save_head(Path(args.out) / "head", head)
-    return Path(args.out) / "head"
-
-
-def train_head(args: argparse.Namespace, trainer, **options) -> Path:
-    """Load the model, build or read the distillation set, train with `trainer` (train_medusa,
-    train_eagle, ...; `options` are its own) and save the head; returns where."""
-    import specjax
-
-    resolve_split(args)
-    if args.prompts is None and not args.self_instruct:
-        raise ValueError(
-            "give training prompts: --prompts FILE.jsonl or --split NAME, --self-instruct N, or both"
-        )
-    prompts, held_out = training_prompts(args)
-    model = specjax.load(args.model)
-    if hasattr(args, "draft_vocab"):  # heads with a draft vocabulary of their own
-        check_draft_vocab_option(args, model)
-        options["draft_vocab_size"] = args.draft_vocab
-    data, num_prompts = distillation_set(args, model, prompts, held_out)
-    head = trainer(
-        model,
-        data,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        learning_rate=args.learning_rate,
-        seed=args.seed,
-        checkpoint_dir=Path(args.out) / "checkpoints",
-        **options,
-    )
-    return save_trained_head(args, head, num_prompts)
+    options = training_options(args)
+    with options_as_flags():
+        head = train_head(args.model, trained_head(args), options, **trainer_options)
+    return head, options.head_folder
 
 
 def train_medusa_command(args: argparse.Namespace) -> None:
-    from specjax.train import train_medusa
-
-    path = train_head(args, train_medusa, num_heads=args.heads)
-    print(f"saved {args.heads} Medusa heads ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
+    head, path = run_training(args, num_heads=args.heads)
+    vocab = head.config.draft_vocab_size
+    print(f"saved {args.heads} Medusa heads ({vocab} draft tokens) to {path}", file=sys.stderr)
 
 
 def train_eagle_command(args: argparse.Namespace) -> None:
-    from specjax.train import train_eagle
-
-    path = train_head(args, train_eagle, noise=args.noise, unroll=args.unroll)
-    print(f"saved an EAGLE head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
+    head, path = run_training(args, noise=args.noise, unroll=args.unroll)
+    print(f"saved an EAGLE head ({head.config.draft_vocab_size} draft tokens) to {path}", file=sys.stderr)
 
 
 def train_eagle3_command(args: argparse.Namespace) -> None:
-    from specjax.train import train_eagle3
-
-    path = train_head(args, train_eagle3, unroll=args.unroll)
-    print(f"saved an EAGLE-3 head ({args.draft_vocab} draft tokens) to {path}", file=sys.stderr)
+    head, path = run_training(args, unroll=args.unroll)
+    print(f"saved an EAGLE-3 head ({head.config.draft_vocab_size} draft tokens) to {path}", file=sys.stderr)
 
 
 def train_dflash_command(args: argparse.Namespace) -> None:
-    from specjax.train import train_dflash
-
-    path = train_head(
-        args, train_dflash, block_size=args.block, num_layers=args.layers, anchors_per_sequence=args.anchors
+    head, path = run_training(
+        args, block_size=args.block, num_layers=args.layers, anchors_per_sequence=args.anchors
     )
-    print(
-        f"saved a DFlash head (blocks of {args.block}, {args.draft_vocab} draft tokens) to {path}",
-        file=sys.stderr,
-    )
+    blocks = f"blocks of {args.block}, {head.config.draft_vocab_size} draft tokens"
+    print(f"saved a DFlash head ({blocks}) to {path}", file=sys.stderr)
 
 
 def train_mlp_speculator_command(args: argparse.Namespace) -> None:
-    from specjax.train import train_mlp_speculator
-
-    path = train_head(
-        args, train_mlp_speculator, n_predict=args.n_predict, positions_per_sequence=args.positions or None
-    )
+    _, path = run_training(args, n_predict=args.n_predict, positions_per_sequence=args.positions or None)
     print(f"saved an MLP speculator ({args.n_predict} stages) to {path}", file=sys.stderr)
 
 
 def train_mtp_command(args: argparse.Namespace) -> None:
-    from specjax.train import train_mtp
-
-    path = train_head(
-        args,
-        train_mtp,
-        num_layers=args.layers,
-        init=args.init,
-        positions_per_sequence=args.positions or None,
+    _, path = run_training(
+        args, num_layers=args.layers, init=args.init, positions_per_sequence=args.positions or None
     )
     print(f"saved {args.layers} MTP layer(s) to {path}", file=sys.stderr)
 
@@ -368,9 +247,12 @@ def proposer_description(args: argparse.Namespace):
 
 
 def generate_prompts(args: argparse.Namespace) -> list[str]:
+    from specjax.train import read_prompts
+
     prompts = list(args.prompts)
     if args.prompts_file:
-        prompts += read_prompts(args.prompts_file, args.field, args.limit, option="--prompts-file")
+        with options_as_flags():
+            prompts += read_prompts(args.prompts_file, args.field, args.limit, option="prompts_file")
     if not prompts:
         raise ValueError("no prompts: give them as arguments or with --prompts-file FILE.jsonl")
     return prompts
@@ -378,8 +260,6 @@ def generate_prompts(args: argparse.Namespace) -> list[str]:
 
 def row_metrics(metrics, b: int) -> dict:
     """The summary of row b of a generate call's SpecMetrics (per-row counts, the call's times)."""
-    import dataclasses
-
     import numpy as np
 
     rows = {
@@ -395,6 +275,7 @@ def generate_command(args: argparse.Namespace) -> None:
 
     import specjax
     from specjax.named import proposer_from_description
+    from specjax.text import has_chat_template
 
     prompts = generate_prompts(args)
     description = proposer_description(args)
@@ -403,7 +284,7 @@ def generate_command(args: argparse.Namespace) -> None:
     )
     model = specjax.load(args.model, **load_options(args))
     chat = not args.no_chat
-    if chat and model.tokenizer is not None and not getattr(model.tokenizer, "chat_template", None):
+    if chat and model.tokenizer is not None and not has_chat_template(model.tokenizer):
         raise ValueError(f"the tokenizer of {args.model!r} has no chat template: pass --no-chat")
     proposer = proposer_from_description(description, model, where="--proposer")
     key = jax.random.key(args.seed) if args.temperature > 0 else None

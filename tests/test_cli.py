@@ -14,14 +14,14 @@ import hf_export
 import jax
 import numpy as np
 import pytest
-from tiny import tiny_model, tiny_tokenizer
+from tiny import CHAT_TEMPLATE, tiny_model, tiny_tokenizer
 
 import specjax
 import specjax.serve.app
 from specjax import bench, cli
 from specjax.models import EagleHead, MedusaHead
 from specjax.named import PROPOSER_NAMES
-from specjax.train import DistillationData, load_head
+from specjax.train import DistillationData, load_head, read_prompts, training_prompts
 
 COMMANDS = [
     "train-medusa",
@@ -31,10 +31,6 @@ COMMANDS = [
     "train-mlp-speculator",
     "train-mtp",
 ]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
 
 
 class WithHead(specjax.Proposer):
@@ -484,8 +480,8 @@ def test_exclude_holds_prompts_out(tmp_path):
     args = cli.parser().parse_args(
         ["train-medusa", "--prompts", str(train), "--exclude", str(held), "--out", "x"]
     )
-    assert cli.training_prompts(args) == (["a", "c", "d"], {"b"})
-    assert cli.read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
+    assert training_prompts(cli.training_options(args)) == (["a", "c", "d"], {"b"})
+    assert read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
 
 
 def test_split_names_the_prompts_in_one_place(tmp_path):
@@ -496,8 +492,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     args = cli.parser().parse_args(
         ["train-eagle3", "--split", split.name, "--split-data", str(tmp_path), "--out", "x"]
     )
-    cli.resolve_split(args)
-    assert cli.training_prompts(args) == (["a", "c"], {"b"})
+    assert training_prompts(cli.training_options(args)) == (["a", "c"], {"b"})
     assert split.training_prompts(tmp_path) == {"a", "c"}  # what the benchmarks check against
     for argv, message in [
         (["--split", "nope"], "--split: unknown split 'nope'; allowed: spec-bench-minus-mt-bench"),
@@ -507,7 +502,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     ]:
         args = cli.parser().parse_args(["train-eagle3", *argv, "--out", "x"])
         with pytest.raises(ValueError, match=re.escape(message)):
-            cli.resolve_split(args)
+            training_prompts(cli.training_options(args))
     assert not split.trained_on("mt_bench") and split.trained_on("qa")
 
 
@@ -564,16 +559,18 @@ def test_heads_say_what_they_trained_on():
 @pytest.fixture
 def tiny_target(monkeypatch):
     """The commands see a tiny model whose generate takes the prompts as plain id lists (a tiny
-    character tokenizer would need a chat template); `generated` counts the generate calls."""
+    character tokenizer would need a chat template); `generated` counts the generate calls. The
+    pipeline (specjax.train.pipeline) and the tests themselves (specjax.generate) see the same."""
     tiny = SimpleNamespace(model=tiny_model(seed=11), generated=0)
-    monkeypatch.setattr(specjax, "load", lambda name: tiny.model)
     real_generate = specjax.generate
 
     def generate(model, prompts, **kw):
         tiny.generated += 1
         return real_generate(model, [[ord(c) % 97 for c in p] for p in prompts], **{**kw, "chat": False})
 
-    monkeypatch.setattr(specjax, "generate", generate)
+    for module in (specjax, specjax.train.pipeline):
+        monkeypatch.setattr(module, "load", lambda name: tiny.model)
+        monkeypatch.setattr(module, "generate", generate)
     return tiny
 
 
@@ -663,7 +660,7 @@ def test_self_instruct_prompts_join_the_file_prompts(tmp_path, tiny_target, monk
         calls.append((num_prompts, seed, set(exclude)))
         return [f"written prompt {i}" for i in range(num_prompts)]
 
-    monkeypatch.setattr(specjax.train, "self_instruct_prompts", write)
+    monkeypatch.setattr(specjax.train.pipeline, "self_instruct_prompts", write)
     data_file = tmp_path / "set.npz"
     argv = _argv("train-medusa", tmp_path, tmp_path / "out", "--self-instruct", "3", "--seed", "7")
     assert cli.main([*argv, "--heads", "1", "--data", str(data_file)]) == 0

@@ -43,6 +43,14 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>")
 
 
+# A chat template for tiny_tokenizer (role tags around each message), so that chat=True prompts
+# work on a tiny model.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
 # Pieces of the SentencePiece-style tokenizer below, besides its 256 byte tokens.
 SENTENCEPIECE_WORDS = ["▁", "▁the", "▁cat", "▁sat", "▁on", "▁mat", "ing", "▁a", ".", ","] + [
     chr(c) for c in range(ord("a"), ord("z") + 1)

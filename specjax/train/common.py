@@ -18,15 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-
-def check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+from specjax.checks import check_int, is_number
 
 
 def check_number(name: str, value, allow_zero: bool = False) -> None:
     """A finite real > 0 (or >= 0 with `allow_zero`)."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = is_number(value) and math.isfinite(value)
     if not ok or value < 0 or (value == 0 and not allow_zero):
         allowed = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{name} must be a finite number {allowed}, got {value!r}")

@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.models.cache import init_cache
 from specjax.models.draft_vocab import frequent_tokens
 from specjax.models.llama import forward_hidden
 from specjax.models.model import Model
 from specjax.models.params import LlamaParams
 from specjax.models.signature import target_signature
-from specjax.train.common import check_int
 
 
 @dataclasses.dataclass(frozen=True)

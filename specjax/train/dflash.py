@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from specjax.checks import check_int
 from specjax.models.cache import init_cache
 from specjax.models.dflash import DFlashConfig, DFlashHead, DFlashParams, dflash_context, init_dflash
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
@@ -33,7 +34,6 @@ from specjax.models.signature import target_signature
 from specjax.train.common import (
     anchor_positions,
     batch_order,
-    check_int,
     check_number,
     head_meta,
     optimizer_settings,

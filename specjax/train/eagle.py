@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specjax.checks import check_int
 from specjax.models.cache import init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import EagleConfig, EagleHead, EagleParams, eagle_features, init_eagle
@@ -30,7 +31,6 @@ from specjax.models.params import LlamaParams
 from specjax.models.signature import target_signature
 from specjax.train.common import (
     batch_order,
-    check_int,
     check_number,
     head_meta,
     optimizer_settings,

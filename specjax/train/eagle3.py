@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specjax.checks import check_int
 from specjax.models.cache import init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle3 import (
@@ -43,7 +44,6 @@ from specjax.models.quantized import as_array
 from specjax.models.signature import target_signature
 from specjax.train.common import (
     batch_order,
-    check_int,
     head_meta,
     optimizer_settings,
     train_head_params,

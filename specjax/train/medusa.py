@@ -16,13 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.medusa import MedusaConfig, MedusaHead, MedusaParams, init_medusa, medusa_hidden
 from specjax.models.model import Model
 from specjax.models.signature import target_signature
 from specjax.train.common import (
     batch_order,
-    check_int,
     head_meta,
     optimizer_settings,
     per_head_loss,

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.models.mlp_speculator import (
     MLPSpeculatorConfig,
     MLPSpeculatorHead,
@@ -32,7 +33,6 @@ from specjax.models.signature import target_signature
 from specjax.train.common import (
     at_positions,
     batch_order,
-    check_int,
     check_positions_per_sequence,
     head_meta,
     optimizer_settings,

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.checks import check_int
 from specjax.models.cache import init_cache
 from specjax.models.config import LlamaConfig
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
@@ -31,7 +32,6 @@ from specjax.models.signature import target_signature
 from specjax.train.common import (
     at_positions,
     batch_order,
-    check_int,
     check_positions_per_sequence,
     head_meta,
     optimizer_settings,

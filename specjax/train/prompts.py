@@ -15,9 +15,10 @@ import jax
 import numpy as np
 
 from specjax.api import generate
+from specjax.checks import check_int
 from specjax.models.model import Model
 from specjax.speculate.sampling import Sampling
-from specjax.train.common import check_int
+from specjax.text import has_chat_template
 
 _MARKER = "\x00specjax-user-turn\x00"
 
@@ -26,7 +27,7 @@ def user_turn_prefix(model: Model) -> list[int]:
     """The token ids of the model's chat template up to where a user's message begins (the system
     prompt, if the template adds one, and the user turn's header)."""
     tokenizer = model.tokenizer
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    if tokenizer is None or not has_chat_template(tokenizer):
         raise ValueError(f"model {model.name!r} has no tokenizer with a chat template to write prompts from")
     text = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False)
     if _MARKER not in text:
