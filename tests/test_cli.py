@@ -480,7 +480,7 @@ def test_exclude_holds_prompts_out(tmp_path):
     args = cli.parser().parse_args(
         ["train-medusa", "--prompts", str(train), "--exclude", str(held), "--out", "x"]
     )
-    assert training_prompts(cli.training_options(args)) == (["a", "c", "d"], {"b"})
+    assert training_prompts(cli.train.training_options(args)) == (["a", "c", "d"], {"b"})
     assert read_prompts(str(train), "turns", None) == ["a", "b", "c", "d"]
 
 
@@ -492,7 +492,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     args = cli.parser().parse_args(
         ["train-eagle3", "--split", split.name, "--split-data", str(tmp_path), "--out", "x"]
     )
-    assert training_prompts(cli.training_options(args)) == (["a", "c"], {"b"})
+    assert training_prompts(cli.train.training_options(args)) == (["a", "c"], {"b"})
     assert split.training_prompts(tmp_path) == {"a", "c"}  # what the benchmarks check against
     for argv, message in [
         (["--split", "nope"], "--split: unknown split 'nope'; allowed: spec-bench-minus-mt-bench"),
@@ -502,7 +502,7 @@ def test_split_names_the_prompts_in_one_place(tmp_path):
     ]:
         args = cli.parser().parse_args(["train-eagle3", *argv, "--out", "x"])
         with pytest.raises(ValueError, match=re.escape(message)):
-            training_prompts(cli.training_options(args))
+            training_prompts(cli.train.training_options(args))
     assert not split.trained_on("mt_bench") and split.trained_on("qa")
 
 

@@ -96,7 +96,10 @@ def test_the_command_line_spells_the_options_as_flags():
         TrainingOptions(out="run", split_data="folder")
     assert isinstance(refused.value, ValueError)
     assert str(refused.value) == "split_data is the folder of split's files: give split too"
-    assert refused.value.worded(cli.flag) == "--split-data is the folder of --split's files: give --split too"
+    assert (
+        refused.value.worded(cli.train.flag)
+        == "--split-data is the folder of --split's files: give --split too"
+    )
 
 
 @pytest.fixture
@@ -161,11 +164,11 @@ def test_every_train_command_builds_its_options(command):
     HEAD_TRAINERS declares a draft vocabulary) with TrainingOptions' default; the learning rate's
     default is the trainer's own."""
     args = cli.parser().parse_args([command, "--out", "o", "--prompts", "p.jsonl"])
-    trainer = HEAD_TRAINERS[cli.trained_head(args)]
+    trainer = HEAD_TRAINERS[cli.train.trained_head(args)]
     flags = set(vars(args))
     assert ("draft_vocab" in flags) == trainer.draft_vocab
     assert {f.name for f in dataclasses.fields(TrainingOptions)} - {"draft_vocab"} <= flags
-    assert cli.training_options(args) == TrainingOptions(
+    assert cli.train.training_options(args) == TrainingOptions(
         out="o",
         prompts="p.jsonl",
         learning_rate=inspect.signature(trainer.train).parameters["learning_rate"].default,

@@ -1,0 +1,116 @@
+"""`specjax serve`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+
+from specjax.cli.arguments import (
+    add_load_options,
+    json_value,
+    load_options,
+    non_negative_int,
+    positive_int,
+    tokens_or_off,
+)
+
+SERVE_HELP = """An OpenAI-compatible HTTP server (FastAPI and uvicorn) over specjax's engine, which
+batches requests continuously over the compiled loop.
+
+    specjax serve smollm2-135m --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
+    specjax serve ./my-model --host 0.0.0.0 --port 8001 --max-batch 16 --served-model-name mine
+
+Routes: /v1/chat/completions and /v1/completions (stream=true: server-sent events), /v1/models,
+/health and /metrics (Prometheus, vLLM's names under the prefix specjax:). --speculative-config
+takes vLLM's and FastDeploy's keys: "method" (ngram, draft_model, eagle, eagle3, medusa, dflash,
+mlp_speculator; specjax's self_draft and specjax), "num_speculative_tokens", "model" (a draft model,
+or a head's folder), "prompt_lookup_max", "prompt_lookup_min" (see specjax/serve/config.py). A request may
+send "speculative": false to be decoded without the proposer. At most --max-waiting requests
+wait for a slot; past them a request is answered at once with HTTP 503 (retry later).
+"""
+
+
+def serve_command(args: argparse.Namespace) -> None:
+    try:
+        from specjax.serve import serve
+    except ModuleNotFoundError as error:
+        if error.name not in ("fastapi", "starlette", "uvicorn", "prometheus_client"):
+            raise
+        raise ValueError(
+            f"the server needs FastAPI, uvicorn and prometheus-client ({error.name} is missing): "
+            "pip install 'specjax[serve]'"
+        ) from None
+    serve(
+        args.model,
+        args.speculative_config,
+        host=args.host,
+        port=args.port,
+        dtype=args.dtype,
+        **load_options(args),
+        max_batch=args.max_batch,
+        max_model_len=args.max_model_len,
+        chunk_steps=args.chunk_steps,
+        admission_steps=args.admission_steps,
+        max_waiting=args.max_waiting,
+        served_model_name=args.served_model_name,
+        metrics_prefix=args.metrics_prefix,
+        precompile=None if args.precompile == -1 else args.precompile,
+    )
+
+
+def add_serve_command(commands) -> None:
+    command = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (chat and completions, streamed; Prometheus metrics)",
+        description=SERVE_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    command.add_argument("model", metavar="MODEL", help="built-in name, HF folder or .gguf file")
+    command.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    command.add_argument("--port", type=positive_int, default=8000, help="default 8000")
+    command.add_argument(
+        "--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="default float32"
+    )
+    add_load_options(command)
+    command.add_argument(
+        "--max-batch", type=positive_int, default=8, help="requests decoded together (default 8)"
+    )
+    command.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        help="the longest prompt plus answer, in tokens (default: the engine's, from the model's context)",
+    )
+    command.add_argument(
+        "--chunk-steps",
+        type=positive_int,
+        default=16,
+        help="loop steps between two looks at the queue (default 16)",
+    )
+    command.add_argument(
+        "--admission-steps",
+        type=positive_int,
+        help="loop steps between two looks at the queue while a slot is free (default 4; <= --chunk-steps)",
+    )
+    command.add_argument(
+        "--max-waiting",
+        type=non_negative_int,
+        help="requests that may wait for a slot; past them a request gets HTTP 503 (default 4 x --max-batch)",
+    )
+    command.add_argument(
+        "--speculative-config", type=json_value, help='vLLM\'s JSON object, e.g. \'{"method": "ngram"}\''
+    )
+    command.add_argument("--served-model-name", help="the model's id in the API (default: MODEL as given)")
+    command.add_argument(
+        "--metrics-prefix",
+        default="specjax:",
+        help="prefix of the Prometheus names (default specjax:; vllm: gives vLLM's exact names)",
+    )
+    command.add_argument(
+        "--precompile",
+        type=tokens_or_off,
+        default=256,
+        metavar="TOKENS",
+        help="before listening, compile the loop at every width and the prefill of prompts up to "
+        "TOKENS tokens (default 256; -1: compile each program on first use, stalling the running "
+        "requests while it compiles)",
+    )
+    command.set_defaults(run=serve_command)
