@@ -450,8 +450,10 @@ class DynamicSpec(Wrapper):
             inner_state = state.inner
         else:
             proposal, inner_state = propose()
-        proposal = _pad(proposal, self.k, keep=width if width is not None else self.k)
         tree = self.capabilities.tree
+        # A chain's drafts are positions 1..k, a tree's its nodes (`widths` are chains' alone)
+        full = self.k if tree is None else tree.num_nodes
+        proposal = _pad(proposal, full, keep=full if width is None else width)
         depth = np.arange(1, self.k + 1) if tree is None else tree.depths[1:]
         valid = proposal.valid & (jnp.asarray(depth)[None, :] <= state.schedule.k[:, None])
         num_drafted = jnp.max(jnp.where(valid, jnp.asarray(depth)[None, :], 0), axis=1).astype(jnp.int32)
