@@ -90,6 +90,7 @@ def generate(
     matmul_precision: str | None = None,
     batch_buckets: Sequence[int] | None = None,
     scan_layers: bool | None = None,
+    prefill_chunk: int | str | None = "auto",
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
@@ -135,6 +136,14 @@ def generate(
     an H200 (a bfloat16 8B model: 11.9 against 4.8 ms). Scanning stacks the layers' weights once
     per call: a copy of them in device memory while the program runs.
 
+    `prefill_chunk`: the prompts go through the target in chunks of this many tokens of one row,
+    inside the compiled program (a multiple of 16), so that no row is padded to the longest prompt
+    and the program depends on the prompts' lengths only through the cache's capacity, which steps
+    coarsely (256, 512, ..., 4096, then multiples of 4096 slots: prompts of 40 to 4,000 tokens
+    share six programs). None: every prompt in one pass, the batch padded to a prompt bucket (16,
+    32, 64, then multiples of 64 tokens: a program per bucket). Default "auto": chunks of 256 on
+    one CPU device, one pass on a mesh or an accelerator (where chunks are not yet measured).
+
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from
     the others' makes every process raise a ValueError before anything is compiled
@@ -154,6 +163,7 @@ def generate(
             matmul_precision=matmul_precision,
             batch_buckets=batch_buckets,
             scan_layers=scan_layers,
+            prefill_chunk=prefill_chunk,
         )
         return _generate(model, prompts, options, agreement)
     except Exception:

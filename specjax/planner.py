@@ -30,15 +30,22 @@ from specjax.kernels import backend as backends
 from specjax.kernels.layouts import with_panel_weights
 from specjax.models.checkpoint import dtype_name
 from specjax.models.model import Model
-from specjax.speculate.loop import GenerationInputs, LoopSpec, memory_bytes, num_drafted
+from specjax.speculate.loop import GenerationInputs
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
+from specjax.speculate.spec import LoopSpec, memory_bytes, num_drafted
 from specjax.speculate.stops import build_stop_strings, token_texts
 from specjax.text import chat_prompt_ids, has_chat_template, is_conversation
 
 MIN_BUCKET = 16  # shortest prompt bucket; buckets double from here up to BUCKET_STEP
 BUCKET_STEP = 64  # longer prompts round up to a multiple of this
 CAPACITY_GRANULE = 128  # cache capacity rounds up to a multiple of this
+# A chunked prefill's chunk (LoopSpec.prefill_chunk): tokens of one row per pass.
+PREFILL_CHUNK = 256
+# Capacities of chunked programs: powers of two from MIN_CAPACITY to CAPACITY_DOUBLING, then
+# multiples of it, so that prompts of 40 to 4,000 tokens share 6 programs.
+MIN_CAPACITY = 256
+CAPACITY_DOUBLING = 4096
 
 
 def prompt_bucket(length: int) -> int:
@@ -99,6 +106,42 @@ def capacity(tokens: int, proposer_spec) -> int:
     CAPACITY_GRANULE so that nearby lengths share a program."""
     width = num_drafted(proposer_spec)
     return -(-(tokens + width + 1) // CAPACITY_GRANULE) * CAPACITY_GRANULE
+
+
+def chunked_capacity(longest: int, max_new_tokens: int, proposer_spec, chunk: int = PREFILL_CHUNK) -> int:
+    """Cache slots per row of a program whose prefill runs in chunks (`LoopSpec.prefill_chunk`):
+    the longest prompt rounded up to whole chunks (a last chunk's padding is written past the
+    row's length), or the prompt, its new tokens and a verify pass, whichever is more; then the
+    next power of two from MIN_CAPACITY, or past CAPACITY_DOUBLING the next multiple of it. The
+    capacity is then all of the program that depends on the prompts' lengths: coarse steps, few
+    programs (at most twice the slots a generation needs, which cost memory, not time, where
+    attention reads each row's committed slots alone)."""
+    width = num_drafted(proposer_spec)
+    slots = max(-(-longest // chunk) * chunk, longest + max_new_tokens + width + 1)
+    if slots <= CAPACITY_DOUBLING:
+        return max(MIN_CAPACITY, 1 << (slots - 1).bit_length())
+    return -(-slots // CAPACITY_DOUBLING) * CAPACITY_DOUBLING
+
+
+def prefill_chunk_of(prefill_chunk, mesh, backend) -> int | None:
+    """`generate`'s prefill_chunk as LoopSpec.prefill_chunk. "auto": PREFILL_CHUNK on one CPU
+    device, where chunks were measured; on a mesh (rows split over devices) and for accelerators,
+    None (the prompts in one pass over the batch padded to a prompt bucket). An int: chunks of
+    that many tokens (a multiple of 16), on one device."""
+    if prefill_chunk == "auto":
+        return PREFILL_CHUNK if mesh is None and backend.cpu_only and not backend.portable else None
+    if prefill_chunk is None:
+        return None
+    if not is_int(prefill_chunk) or prefill_chunk < 16 or prefill_chunk % 16:
+        raise ValueError(
+            f'prefill_chunk must be "auto", None (one pass) or a multiple of 16 tokens, got {prefill_chunk!r}'
+        )
+    if mesh is not None:
+        raise ValueError(
+            f"prefill_chunk={prefill_chunk}: chunks of one row run on one device; on a mesh pass "
+            '"auto" or None (the prompts in one pass, split by row)'
+        )
+    return int(prefill_chunk)
 
 
 def cache_dtype_of(model: Model, cache_dtype) -> str:
@@ -310,7 +353,7 @@ def available_memory_bytes() -> int | None:
 
 def memory_shortfall(spec: LoopSpec, params=None) -> tuple[int, int] | None:
     """(bytes a program of `spec` needs beyond the weights, bytes the device has free) where it
-    would not fit (`loop.memory_bytes`, estimated before anything is allocated); else None."""
+    would not fit (`spec.memory_bytes`, estimated before anything is allocated); else None."""
     needed, available = memory_bytes(spec, params), available_memory_bytes()
     if spec.mesh is not None:  # rows and caches split over the data axis; an upper bound per device
         needed //= sharding.data_degree(spec.mesh)
@@ -357,6 +400,7 @@ def plan(
     matmul_precision=None,
     batch_buckets=None,
     scan_layers=None,
+    prefill_chunk="auto",
     *,
     agreement=None,
     devices=None,
@@ -384,7 +428,13 @@ def plan(
     check_fits_context(model, longest, max_new_tokens)
     # Padding rows (B - num_rows of them) have a one-token prompt, neutral options and no token to
     # generate: the loop counts them done from the start (see `prefill`); they are dropped below.
-    num_rows, bucket = len(rows), prompt_bucket(longest)
+    num_rows = len(rows)
+    chunk = prefill_chunk_of(prefill_chunk, mesh, backend)
+    if chunk is None:
+        bucket = prompt_bucket(longest)
+        slots = capacity(bucket + max_new_tokens, proposer_spec)
+    else:  # the prompts in the token buffer's width: the program depends on its capacity alone
+        bucket = slots = chunked_capacity(longest, max_new_tokens, proposer_spec, chunk)
     B = batch_bucket(num_rows, batch_buckets, 1 if mesh is None else sharding.data_degree(mesh))
     padding = B - num_rows
     padded_samplings = samplings + [Sampling()] * padding  # warp and key come from the real rows
@@ -394,13 +444,14 @@ def plan(
         config=model.config,
         batch_size=B,
         prompt_bucket=bucket,
-        capacity=capacity(bucket + max_new_tokens, proposer_spec),
+        capacity=slots,
         warp=warp,
         proposer=proposer_spec,
         mesh=mesh,
         dtype=dtype,
         cache_dtype=cache_dtype,
         backend=backend,
+        prefill_chunk=chunk,
     )
     if platforms is None:  # (an exported program's device is not this one)
         check_memory(spec, max_new_tokens, model.params)

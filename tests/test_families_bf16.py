@@ -150,7 +150,7 @@ def test_float16_follows_transformers_float16(tmp_path):
 def test_cache_dtype_and_memory_follow_the_dtypes(built, monkeypatch):
     """The KV cache follows the model's dtype unless `cache_dtype` says otherwise, and the
     memory estimate counts its real size."""
-    from specjax.speculate.loop import memory_bytes
+    from specjax.speculate.spec import memory_bytes
 
     model, _, _ = built("llama3")
     prompts = families.prompts(lengths=(20,))

@@ -674,7 +674,7 @@ def test_estimate_memory_counts_the_quantized_sizes(kind, group):
 
 
 def test_the_memory_check_counts_the_quantized_stacked_copy():
-    from specjax.speculate.loop import memory_bytes
+    from specjax.speculate.spec import memory_bytes
 
     model = quantized(LAYERED(), "int4")
     scanned = planner.plan(model, PROMPTS, max_new_tokens=8, scan_layers=True, kernels="xla")

@@ -553,7 +553,7 @@ def test_the_memory_check_counts_attentions_working_memory():
 def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
     """A prompt of 400 tokens (bucket 448): the check counts its prefill's scores."""
     import specjax.api
-    from specjax.speculate.loop import memory_bytes
+    from specjax.speculate.spec import memory_bytes
 
     seen = []
     real = specjax.planner.check_memory
@@ -572,8 +572,8 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
 
 def test_memory_estimate_counts_the_caches():
     from specjax.models.cache import cache_bytes
-    from specjax.speculate.loop import LoopSpec, memory_bytes
     from specjax.speculate.proposers import resolve
+    from specjax.speculate.spec import LoopSpec, memory_bytes
 
     warp = WarpSpec.of(specjax.Sampling())
     plain = LoopSpec(TARGET.config, 4, 16, 256, warp)

@@ -28,7 +28,8 @@ from specjax.models import Eagle3Head
 from specjax.models.cache import init_cache
 from specjax.models.llama import stack_layers
 from specjax.models.params import LayerStack
-from specjax.speculate.loop import generate_program, memory_bytes
+from specjax.speculate.loop import generate_program
+from specjax.speculate.spec import memory_bytes
 from specjax.speculate.tree import TokenTree
 
 TARGET = layered_target(seed=31, num_layers=4)  # its first layers predict it part of the time

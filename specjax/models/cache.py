@@ -183,6 +183,35 @@ class KVCache:
             v=tuple(self.write_values(buf, values(buf)) for buf in self.v),
         )
 
+    def row(self, b: jax.Array) -> KVCache:
+        """Row b (an int or a traced index) as a cache of one row: its entries of every buffer
+        (axis -3 holds rows and kv heads, b-major) and its length. A chunk of one row's prompt
+        runs over it (speculate/loop.py, `chunked_prefill`), then `with_row` puts it back."""
+        B = self.batch_size
+
+        def take(buffer):
+            per_row = buffer.shape[-3] // B
+            return jax.lax.dynamic_slice_in_dim(buffer, b * per_row, per_row, axis=buffer.ndim - 3)
+
+        return KVCache(
+            k=tuple(map(take, self.k)),
+            v=tuple(map(take, self.v)),
+            lengths=jax.lax.dynamic_slice_in_dim(self.lengths, b, 1),
+        )
+
+    def with_row(self, b: jax.Array, row: KVCache) -> KVCache:
+        """This cache with row b replaced by `row` (a cache of one row, as `row` returns)."""
+
+        def put(buffer, new):
+            start = b * new.shape[-3]
+            return jax.lax.dynamic_update_slice_in_dim(buffer, new, start, axis=buffer.ndim - 3)
+
+        return KVCache(
+            k=tuple(map(put, self.k, row.k)),
+            v=tuple(map(put, self.v, row.v)),
+            lengths=jax.lax.dynamic_update_slice_in_dim(self.lengths, row.lengths, b, 0),
+        )
+
     def advance(self, num_committed: jax.Array) -> KVCache:
         """Commit `num_committed[b]` more slots of each row (the ones `write` just filled)."""
         return self.replace(lengths=self.lengths + num_committed.astype(jnp.int32))

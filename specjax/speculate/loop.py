@@ -15,7 +15,6 @@ folded with the step number, so a seeded row's output does not depend on the res
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any
 
@@ -25,93 +24,25 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import backend
-from specjax.kernels.backend import Backend
-from specjax.models import quantized
-from specjax.models.attention import attention_workspace_bytes
-from specjax.models.cache import FreshEntries, KVCache, cache_bytes, init_cache
-from specjax.models.config import LlamaConfig
+from specjax.models.cache import FreshEntries, KVCache, init_cache
 from specjax.models.llama import lm_head, stack_layers
-from specjax.models.params import LlamaParams, layers_bytes
+from specjax.models.params import LlamaParams
 from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.proposers.protocol import InitContext, ProposeContext, UpdateContext
 from specjax.speculate.sampling import (
     SamplingParams,
-    WarpSpec,
     adjust_logits,
     choose_tokens,
     greedy_argmax,
     warp_logits,
 )
+
+# LoopSpec, memory_bytes and num_drafted live in speculate/spec.py; the loop's callers find them here too.
+from specjax.speculate.spec import LoopSpec
 from specjax.speculate.stops import StopStrings
 from specjax.speculate.verify import rejection_sample
-
-
-@dataclasses.dataclass(frozen=True)
-class LoopSpec:
-    """Everything static about one generation program; equal specs share one compilation."""
-
-    config: LlamaConfig
-    batch_size: int
-    prompt_bucket: int  # prompts are right-padded to this many tokens
-    capacity: int  # slots per row in the token buffer and the KV cache
-    warp: WarpSpec
-    proposer: Any = None  # a ProposerSpec (speculate/proposers/protocol.py), None for plain decoding
-    mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
-    dtype: str = "float32"  # the target's weights and activations
-    cache_dtype: str = "float32"  # the target's KV cache
-    # The kernels and precision the program is traced with (specjax/kernels/backend.py); None: the active
-    # backend where the program is traced (plain XLA on the default platform outside a generate).
-    backend: Backend | None = None
-
-    @property
-    def k(self) -> int:
-        """Draft positions: the most drafts one step can accept (a tree's depth)."""
-        return 0 if self.proposer is None else self.proposer.k
-
-    @property
-    def tree(self):
-        """The proposer's TokenTree, or None for a chain of k drafts (or plain decoding)."""
-        return None if self.proposer is None else self.proposer.capabilities.tree
-
-    @property
-    def num_drafted(self) -> int:
-        return num_drafted(self.proposer)
-
-
-def num_drafted(proposer) -> int:
-    """Tokens a verify pass scores after the last one (so cache slots it writes past a row's
-    length, less one): k for a chain, a tree's node count, 0 for plain decoding."""
-    if proposer is None:
-        return 0
-    tree = proposer.capabilities.tree
-    return proposer.k if tree is None else tree.num_nodes
-
-
-def memory_bytes(spec: LoopSpec, params: LlamaParams | None = None) -> int:
-    """Device memory the program allocates beyond the weights, estimated before allocating: the
-    KV caches (target and proposer), the token buffer, the penalty counts, and the largest
-    temporaries (one verify pass's logits and probabilities, the prefill's activations, and the
-    working memory of one layer's attention on the program's backend). With the target's
-    `params`, the stacked copy of its layers (a program that scans them) is counted at their
-    stored size (quantized weights' own); without, from the config and dtype."""
-    c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.num_drafted
-    V, T = c.vocab_size, spec.prompt_bucket
-    total = cache_bytes(c, B, S, np.dtype(jnp.dtype(spec.cache_dtype)).itemsize) + B * S * 4
-    if spec.proposer is not None:
-        total += spec.proposer.state_bytes(B, S)
-    if spec.warp.penalties:
-        total += B * V * 5 + B * (K + 1) * V * 4  # counts, prompt mask, counts at the drafts
-    total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
-    ffw = max(c.intermediate_size, (c.moe_intermediate_size or 0) * c.num_experts_per_tok)
-    activations = B * T * (2 * ffw + 4 * c.hidden_size)  # the prefill's, in the model's dtype
-    total += activations * np.dtype(jnp.dtype(spec.dtype)).itemsize
-    on = spec.backend or backend.active()
-    if on.scans_layers:  # the layers' weights stacked, a copy beside them while the program runs
-        itemsize = np.dtype(jnp.dtype(spec.dtype)).itemsize
-        total += layers_bytes(c, itemsize) if params is None else quantized.nbytes(params.layers)
-    return total + attention_workspace_bytes(c, B, T, K + 1, S, spec.dtype, on)
 
 
 @flax.struct.dataclass
@@ -261,13 +192,11 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     A row with no token to generate (max_new_tokens 0: a padding row of a batch bucket) is done
     from the start: it never commits a token, never counts in the metrics, never holds the loop."""
     B, T = inputs.prompt_tokens.shape
-    rows = jnp.arange(B)
     cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype, like=params.layers)
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, features, cache = _forward(spec, params, inputs.prompt_tokens, positions, cache, empty_cache=True)
-    # Only each row's last prompt position needs logits (right padding follows it).
-    logits = lm_head(params, hidden[rows, inputs.prompt_lengths - 1], spec.config)  # [B, V]
-    cache = cache.advance(inputs.prompt_lengths)
+    if spec.prefill_chunk is None:
+        logits, features, cache = whole_prefill(spec, params, inputs, cache)
+    else:
+        logits, features, cache = chunked_prefill(spec, params, inputs, cache)
     proposer_state = None
     if spec.proposer is not None:
         context = InitContext(
@@ -310,6 +239,62 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     state, num_emitted = _commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
     forwards = live.astype(jnp.int32)
     return state.replace(metrics=state.metrics.replace(target_forwards=forwards, emitted=num_emitted))
+
+
+def whole_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs, cache: KVCache):
+    """The prompts [B, prompt_bucket] in one pass into the empty cache: (logits [B, V] at each
+    row's last prompt token, the proposer's features [B, T, F] or None, the cache holding the
+    prompts). Right padding past a row's prompt is computed and left stale."""
+    B, T = inputs.prompt_tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    hidden, features, cache = _forward(spec, params, inputs.prompt_tokens, positions, cache, empty_cache=True)
+    logits = lm_head(params, hidden[jnp.arange(B), inputs.prompt_lengths - 1], spec.config)  # [B, V]
+    return logits, features if spec.proposer_reads_features else None, cache.advance(inputs.prompt_lengths)
+
+
+def chunked_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs, cache: KVCache):
+    """`whole_prefill` in chunks of C = `spec.prefill_chunk` tokens of one row each, a
+    `lax.while_loop` over a row's chunks and then the next row's: the only pass it compiles has C
+    tokens, whatever the prompts' lengths, and it computes each row's prompt rounded up to C
+    rather than every row padded to the longest (12 Spec-Bench prompts of 3,884 tokens, padded to
+    16 rows of 1,296, were 20,736 tokens). Each chunk is a decoding pass over the row's cache (it
+    attends to the slots earlier chunks wrote and, causally, to itself), so a family's windows,
+    sinks and latent attention hold as in any verify pass; its padding past the prompt lands in
+    slots past the row's length, stale until overwritten (`planner.capacity` leaves room for it).
+
+    The proposer's features, where it reads them, are gathered into [B, S, F] for its `init`."""
+    C = spec.prefill_chunk
+    B, S = inputs.prompt_tokens.shape
+    lengths = inputs.prompt_lengths
+    chunks = -(-lengths // C)  # [B] a row's chunks
+    ends = jnp.cumsum(chunks)  # chunk i belongs to the first row b with i < ends[b]
+    reads = spec.proposer_reads_features
+    hidden_size = spec.config.hidden_size
+    width = hidden_size * len(spec.proposer.capabilities.feature_layers or (None,)) if reads else 0
+    dtype = jnp.dtype(spec.dtype)
+
+    def chunk(i, carry):
+        cache, last_hidden, features = carry
+        b = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+        start = (i - (ends[b] - chunks[b])) * C
+        tokens = jax.lax.dynamic_slice_in_dim(inputs.prompt_tokens[b], start, C)[None]  # [1, C]
+        positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
+        row = cache.row(b).replace(lengths=start[None])
+        hidden, row_features, row = _forward(spec, params, tokens, positions, row)
+        cache = cache.with_row(b, row)
+        last = lengths[b] - 1 - start  # the row's last prompt token, where this chunk holds it
+        holds = (last >= 0) & (last < C)
+        at = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(last, 0, C - 1), keepdims=False)
+        last_hidden = last_hidden.at[b].set(jnp.where(holds, at, last_hidden[b]))
+        if reads:
+            features = jax.lax.dynamic_update_slice(features, row_features.astype(dtype), (b, start, 0))
+        return cache, last_hidden, features
+
+    features = jnp.zeros((B, S, width) if reads else (0,), dtype)
+    carry = (cache, jnp.zeros((B, hidden_size), dtype), features)
+    cache, last_hidden, features = jax.lax.fori_loop(0, ends[-1], chunk, carry)
+    logits = lm_head(params, last_hidden, spec.config)
+    return logits, features if reads else None, cache.replace(lengths=lengths)
 
 
 def _target_forward(

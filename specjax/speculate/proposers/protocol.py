@@ -51,7 +51,7 @@ class InitContext:
     prompt_tokens: jax.Array  # [B, T] int32, right-padded
     prompt_lengths: jax.Array  # [B] int32
     capacity: int  # slots per row of the loop's token buffer and caches
-    target_features: jax.Array  # [B, T, F]: what `capabilities.target_features` asks for
+    target_features: jax.Array | None  # [B, T, F]: what `capabilities.target_features` asks for, or None
     target_cache: Any  # the target's KVCache holding the prompts (a draft may start from it)
 
 

@@ -1,0 +1,105 @@
+"""The static part of a generation program (`LoopSpec`: equal specs share one compilation) and
+what its program allocates (`memory_bytes`, checked before anything is allocated). The program
+itself is speculate/loop.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.kernels import backend
+from specjax.kernels.backend import Backend
+from specjax.models import quantized
+from specjax.models.attention import attention_workspace_bytes
+from specjax.models.cache import cache_bytes
+from specjax.models.config import LlamaConfig
+from specjax.models.params import LlamaParams, layers_bytes
+from specjax.speculate.sampling import WarpSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSpec:
+    """Everything static about one generation program; equal specs share one compilation."""
+
+    config: LlamaConfig
+    batch_size: int
+    prompt_bucket: int  # prompts are right-padded to this many tokens
+    capacity: int  # slots per row in the token buffer and the KV cache
+    warp: WarpSpec
+    proposer: Any = None  # a ProposerSpec (speculate/proposers/protocol.py), None for plain decoding
+    mesh: Any = None  # a jax Mesh: the target's forward runs under shard_map on it (specjax/sharding)
+    dtype: str = "float32"  # the target's weights and activations
+    cache_dtype: str = "float32"  # the target's KV cache
+    # The kernels and precision the program is traced with (specjax/kernels/backend.py); None: the active
+    # backend where the program is traced (plain XLA on the default platform outside a generate).
+    backend: Backend | None = None
+    # Prefill in chunks of this many tokens of one row at a time, inside the program (`chunked_prefill`):
+    # the prompts then come in the token buffer's width (`prompt_bucket` == `capacity`) and no pass
+    # depends on their lengths. None: the prompts in one pass over [B, prompt_bucket] (`whole_prefill`).
+    prefill_chunk: int | None = None
+
+    @property
+    def k(self) -> int:
+        """Draft positions: the most drafts one step can accept (a tree's depth)."""
+        return 0 if self.proposer is None else self.proposer.k
+
+    @property
+    def tree(self):
+        """The proposer's TokenTree, or None for a chain of k drafts (or plain decoding)."""
+        return None if self.proposer is None else self.proposer.capabilities.tree
+
+    @property
+    def num_drafted(self) -> int:
+        return num_drafted(self.proposer)
+
+    @property
+    def proposer_reads_features(self) -> bool:
+        """Whether the proposer reads the target's features at init (InitContext.target_features)."""
+        return self.proposer is not None and self.proposer.capabilities.target_features is not None
+
+
+def num_drafted(proposer) -> int:
+    """Tokens a verify pass scores after the last one (so cache slots it writes past a row's
+    length, less one): k for a chain, a tree's node count, 0 for plain decoding."""
+    if proposer is None:
+        return 0
+    tree = proposer.capabilities.tree
+    return proposer.k if tree is None else tree.num_nodes
+
+
+def memory_bytes(spec: LoopSpec, params: LlamaParams | None = None) -> int:
+    """Device memory the program allocates beyond the weights, estimated before allocating: the
+    KV caches (target and proposer), the token buffer, the penalty counts, and the largest
+    temporaries (one verify pass's logits and probabilities, the prefill's activations, and the
+    working memory of one layer's attention on the program's backend). With the target's
+    `params`, the stacked copy of its layers (a program that scans them) is counted at their
+    stored size (quantized weights' own); without, from the config and dtype."""
+    c, B, S, K = spec.config, spec.batch_size, spec.capacity, spec.num_drafted
+    V, T = c.vocab_size, spec.prompt_bucket
+    total = cache_bytes(c, B, S, np.dtype(jnp.dtype(spec.cache_dtype)).itemsize) + B * S * 4
+    if spec.proposer is not None:
+        total += spec.proposer.state_bytes(B, S)
+    if spec.warp.penalties:
+        total += B * V * 5 + B * (K + 1) * V * 4  # counts, prompt mask, counts at the drafts
+    total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
+    ffw = max(c.intermediate_size, (c.moe_intermediate_size or 0) * c.num_experts_per_tok)
+    itemsize = np.dtype(jnp.dtype(spec.dtype)).itemsize
+    on = spec.backend or backend.active()
+    if spec.prefill_chunk is None:  # the prefill's activations, in the model's dtype
+        total += B * T * (2 * ffw + 4 * c.hidden_size) * itemsize
+        workspace = attention_workspace_bytes(c, B, T, K + 1, S, spec.dtype, on)
+    else:  # one row's chunk at a time, a decoding pass of C tokens; the features gathered for init
+        C = spec.prefill_chunk
+        total += C * (2 * ffw + 4 * c.hidden_size) * itemsize
+        if spec.proposer_reads_features:
+            total += B * S * c.hidden_size * len(spec.proposer.capabilities.feature_layers or (0,)) * itemsize
+        workspace = max(
+            attention_workspace_bytes(c, 1, 1, C, S, spec.dtype, on),  # a chunk's pass
+            attention_workspace_bytes(c, B, 1, K + 1, S, spec.dtype, on),  # a decoding step's
+        )
+    if on.scans_layers:  # the layers' weights stacked, a copy beside them while the program runs
+        total += layers_bytes(c, itemsize) if params is None else quantized.nbytes(params.layers)
+    return total + workspace
