@@ -32,8 +32,7 @@ partial sums (float32, [splits, rows, D_out]) are added after the call, so that 
 column blocks (a down projection at one row) still keeps every multiprocessor busy. Triton wants
 power-of-two tiles: weights whose shapes have none (`unsupported` names why) run XLA's form.
 
-Block sizes are not tuned on hardware yet (docs/benchmarks.md, "Quantized products on
-accelerators"): benchmarks/quantized_products.py measures them on a GPU in one run.
+Block sizes are not tuned on hardware yet: no GPU or TPU timing of these kernels exists.
 
 Letters: M rows of x, D_in and D_out the weight's inputs and outputs, G groups along D_in, P the
 packed (stored) rows: D_in at 8 bits, D_in / 2 at 4.
