@@ -16,8 +16,12 @@ how a mixture runs its experts (`experts_one_by_one`) and how the cache writes
   machine (products split into halves, per-row cache writes, a barrier on the tied head, experts
   one by one).
 - "cuda" and "tpu": Pallas kernels for attention (specjax.kernels.attention: decoding reads only
-  each row's filled KV blocks, prefill is blocked flash attention), plain XLA products.
-- kernels="xla": plain XLA attention on every platform, the fallback anything can run.
+  each row's filled KV blocks, prefill is blocked flash attention) and for the products of int8
+  and 4-bit weights (specjax.kernels.pallas_quantized: the integers unpacked in registers), plain
+  XLA for the other products; FP8 weights as XLA's FP8 products where the GPU has them
+  (`fp8_products`).
+- kernels="xla": plain XLA attention and products on every platform, the fallback anything can
+  run.
 
 The choice is a `Backend`, a frozen value: `LoopSpec` carries it, so equal programs share one
 compilation, and `Backend.tracing()` makes it the active one while a program is traced. Its
@@ -44,6 +48,8 @@ from specjax.kernels import layouts
 from specjax.kernels.quantized import (
     QuantizedPanelWeight,
     QuantizedWeight,
+    fp8_product,
+    is_fp8,
     quantized_panel_matmul,
     xla_product,
 )
@@ -78,6 +84,10 @@ class Backend:
     # Whether the decoder layers run as a loop over stacked weights (models/params.py, LayerStack)
     # rather than unrolled; None: unrolled (see `scans_layers`).
     scan_layers: bool | None = None
+    # FP8 weights multiply as FP8 products (`quantized.fp8_product`: XLA's f8 dot, which cuBLASLt
+    # runs on FP8 tensor cores), for GPUs that have them (compute capability 8.9 and later:
+    # `for_devices` sets it); elsewhere they are converted inside XLA's product, as other weights.
+    fp8_products: bool = False
 
     def __post_init__(self):
         if not self.platforms or any(p not in PLATFORMS for p in self.platforms):
@@ -90,6 +100,8 @@ class Backend:
             )
         if self.scan_layers is not None and not isinstance(self.scan_layers, bool):
             raise ValueError(f"scan_layers must be True, False or None, got {self.scan_layers!r}")
+        if not isinstance(self.fp8_products, bool):
+            raise ValueError(f"fp8_products must be True or False, got {self.fp8_products!r}")
 
     @property
     def cpu_only(self) -> bool:
@@ -215,7 +227,7 @@ class Backend:
         if norm is not None or residual is not None:
             raise ValueError(f"matmul: norm and residual are for panel weights only, not {type(w).__name__}")
         if isinstance(w, QuantizedWeight):
-            return xla_product(x, w, form=self.quantized_product_form)
+            return self.quantized_product(x, w)
         rows = math.prod(x.shape[:-1])
         d_in, d_out = w.shape
         if not self.cpu_only or not 0 < rows <= 2 or d_in % 2 or w.dtype != jnp.float32:
@@ -242,8 +254,51 @@ class Backend:
         if isinstance(w, QuantizedPanelWeight):
             return quantized_panel_matmul(x, w)
         if isinstance(w, QuantizedWeight):
-            return xla_product(x, w, jnp.float32, form=self.quantized_product_form)
+            return self.quantized_product(x, w, jnp.float32)
         return jnp.matmul(x, w, preferred_element_type=jnp.float32)
+
+    def quantized_product(self, x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
+        """x [..., D_in] @ a QuantizedWeight [D_in, D_out], in `out_dtype` (default x's dtype),
+        accumulated in float32: on each platform the program is lowered for, its Pallas kernel
+        (`quantized_kernel_for`) where it has one for the weight, else XLA's form
+        (`quantized.xla_product`, `quantized_product_form`); FP8 weights as FP8 products where
+        `fp8_products`. In a program over a mesh, the kernels run inside its shard_map only."""
+        if self.fp8_products and is_fp8(w):
+            return fp8_product(x, w, out_dtype)
+
+        # Over a mesh, a Pallas call needs its operands local: inside the forward's shard_map.
+        # Outside it (the LM head, which XLA partitions over the vocab) XLA's form runs.
+        local = not self.sharded or bool(jax.sharding.get_abstract_mesh().manual_axes)
+
+        def on(platform):
+            kernel = self.quantized_kernel_for(platform, w) if local else None
+            if kernel is None:
+                return functools.partial(xla_product, out_dtype=out_dtype, form=self.quantized_product_form)
+            accelerator, interpret = kernel
+            return functools.partial(
+                _quantized_kernels().quantized_matmul,
+                implementation=accelerator,
+                interpret=interpret,
+                out_dtype=out_dtype,
+            )
+
+        runs = {p: on(p) for p in self.platforms}
+        if len(set(map(_kernel_key, runs.values()))) == 1:
+            return runs[self.platforms[0]](x, w)
+        return per_platform(runs, x, w)
+
+    def quantized_kernel_for(self, platform: str, w) -> tuple[str, bool] | None:
+        """(whose Pallas kernel, interpret?) that multiplies QuantizedWeight w in a program lowered
+        for `platform`, or None for XLA's form: with kernels "auto" the accelerator's own kernel
+        on "cuda" and "tpu"; with "pallas:..." that accelerator's, in interpret mode off it; none
+        with "xla", and none for a weight the kernel has no tile for
+        (`pallas_quantized.unsupported`: a tiny weight on Triton, FP8 values)."""
+        if self.kernels == "xla" or (self.kernels == "auto" and platform not in ACCELERATORS):
+            return None
+        accelerator, interpret = self._pallas_kernel_for(platform)
+        if _quantized_kernels().unsupported(w, accelerator, interpret) is not None:
+            return None
+        return accelerator, interpret
 
     def head_product(self, rows: jax.Array, embed: jax.Array) -> jax.Array:
         """rows [N, D] @ embed.T (a tied LM head, embed [V, D]) -> [N, V] float32.
@@ -304,6 +359,19 @@ def _kernel_takes_around(x: jax.Array, w, norm) -> bool:
     specjax.kernels.around) multiplying float32 rows, with a norm of a form the kernels compute."""
     panels = isinstance(w, (cpu_kernels.PanelWeight, QuantizedPanelWeight))
     return panels and x.dtype == jnp.float32 and (norm is None or norm.form in cpu_kernels.AROUND_NORMS)
+
+
+def _kernel_key(run: functools.partial):
+    """What a product of `Backend.quantized_product` runs, to tell whether every platform runs
+    the same."""
+    return run.func, tuple(sorted(run.keywords.items(), key=lambda item: item[0]))
+
+
+def _quantized_kernels():
+    """specjax.kernels.pallas_quantized, imported when first needed (it imports Pallas)."""
+    from specjax.kernels import pallas_quantized
+
+    return pallas_quantized
 
 
 def _attention_kernels():
@@ -416,7 +484,31 @@ def for_devices(
     platforms = {platform_of(d) for d in devices}
     if len(platforms) != 1:
         raise ValueError(f"mesh: devices of one platform are needed, got {sorted(platforms)}")
-    return Backend(tuple(platforms), kernels, matmul_precision, sharded=sharded, scan_layers=scan_layers)
+    fp8 = kernels != "xla" and all(has_fp8_products(d) for d in devices)
+    return Backend(
+        tuple(platforms),
+        kernels,
+        matmul_precision,
+        sharded=sharded,
+        scan_layers=scan_layers,
+        fp8_products=fp8,
+    )
+
+
+FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada and Hopper on: FP8 tensor cores (cuBLASLt's FP8 matmuls)
+
+
+def has_fp8_products(device: jax.Device) -> bool:
+    """Whether `device` multiplies FP8 matrices natively: an NVIDIA GPU of compute capability 8.9
+    or later."""
+    if platform_of(device) != "cuda":
+        return False
+    capability = getattr(device, "compute_capability", None)
+    try:
+        major, minor = (int(part) for part in str(capability).split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) >= FP8_COMPUTE_CAPABILITY
 
 
 def default_precision(dtype: str, matmul_precision: str | None) -> str | None:

@@ -156,6 +156,45 @@ def xla_product(x: jax.Array, w: QuantizedWeight, out_dtype=None, form: str = "d
     return out.reshape(*x.shape[:-1], d_out).astype(out_dtype)
 
 
+FP8_MAX = 448.0  # the largest float8_e4m3fn
+
+
+def fp8_product(x: jax.Array, w: QuantizedWeight, out_dtype=None) -> jax.Array:
+    """x [..., D_in] @ W for FP8 values (`is_fp8`) as FP8 products: [..., D_out] in `out_dtype`
+    (default x's dtype), accumulated in float32. The activations are scaled to e4m3 at run time
+    per row and per group of the weight's inputs (the "dynamic" activation scheme of the FP8
+    releases, DeepSeek-V3's 1 x 128 activation tiles beside its 128 x 128 weight blocks): each
+    group of a row divided by max |x| / 448 and rounded to float8_e4m3fn. Then one f8 x f8
+    product per group with float32 accumulation (a batched dot_general over the groups, or a
+    plain one for a weight with one group), each group's partial product times its row's scale
+    and the weight's column scales, summed over the groups. XLA:GPU gives f8 dots to cuBLASLt's
+    FP8 matmuls on GPUs that have them (the backend seam asks for this form there only,
+    `Backend.fp8_products`); it differs from the dequantized product by the rounding of x to
+    e4m3 (3 mantissa bits)."""
+    if not is_fp8(w):
+        raise ValueError(f"fp8_product: FP8 values are needed, got {w.values.dtype}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    d_in, d_out = w.shape[-2:]
+    if x.shape[-1] != d_in or len(w.values.shape) != 2:
+        raise ValueError(
+            f"fp8_product: x [..., {d_in}] and a 2-D weight are needed, got x {x.shape}, values "
+            f"{w.values.shape}"
+        )
+    groups = w.scales.shape[-2]
+    rows = math.prod(x.shape[:-1])
+    grouped = x.reshape(rows, groups, d_in // groups).astype(jnp.float32)  # [N, G, g]
+    amax = jnp.max(jnp.abs(grouped), axis=-1)  # [N, G]
+    row_scales = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+    q = (grouped / row_scales[..., None]).astype(jnp.float8_e4m3fn)
+    values = w.values.reshape(groups, d_in // groups, d_out)  # [G, g, O]
+    if groups == 1:
+        partial = jnp.matmul(q[:, 0], values[0], preferred_element_type=jnp.float32)[:, None]
+    else:
+        partial = jnp.einsum("ngi,gio->ngo", q, values, preferred_element_type=jnp.float32)  # [N, G, O]
+    scaled = partial * row_scales[..., None] * w.scales.astype(jnp.float32)[None]
+    return jnp.sum(scaled, axis=1).reshape(*x.shape[:-1], d_out).astype(out_dtype)
+
+
 def _nibble_halves(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     """x @ W (float32) for a 4-bit W: row 2i of W is the low nibble of packed row i, row 2i + 1
     its high nibble, so x @ W = x[even] @ W_low + x[odd] @ W_high; a group of g inputs is g / 2
