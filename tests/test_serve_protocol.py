@@ -8,14 +8,8 @@ from tiny import tiny_tokenizer
 
 import specjax
 from specjax.serve.metrics import ServerMetrics
-from specjax.serve.protocol import (
-    CHAT,
-    COMPLETION,
-    RequestError,
-    Responder,
-    parse_request,
-    speculate_metrics,
-)
+from specjax.serve.protocol import CHAT, COMPLETION, RequestError, parse_request
+from specjax.serve.responses import Responder, speculate_metrics
 
 TOKENIZER = tiny_tokenizer()
 V = 97
@@ -86,7 +80,8 @@ def test_sampling_fields_map_onto_specjax_sampling():
 @pytest.mark.parametrize(
     "body, param, match",
     [
-        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "n": 0}, "n", "n must be an integer >= 1, got 0"),
+        ({"prompt": "x", "n": 2, "seed": 2**32 - 1}, "seed", r"seed \+ j, which must stay below 2\*\*32"),
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
         ({"prompt": "x", "top_p": 0}, "top_p", r"top_p must be in \(0, 1\]"),
         ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", r"in \[-2, 2\]"),
@@ -118,17 +113,17 @@ def test_sampling_fields_map_onto_specjax_sampling():
         ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=2 is not supported"),
         ({"prompt": "x", "echo": True}, "echo", "echo=True is not supported"),
         ({"prompt": "x", "best_of": 3}, "best_of", "best_of=3 is not supported"),
-        (
-            {"prompt": "x", "guided_json": {}},
-            "guided_json",
-            "unknown field 'guided_json' for /v1/completions",
-        ),
+        ({"prompt": "x", "guided_json": {}}, "guided_json", "guided_json={} is not supported"),
+        ({"prompt": "x", "temprature": 0}, "temprature", "unknown field 'temprature' for /v1/completions"),
         ({"prompt": "x", "messages": []}, "messages", "unknown field 'messages'"),
         ({}, "prompt", "prompt is required"),
         ({"prompt": ""}, "prompt", "prompt is empty"),
         ({"prompt": [1, 200]}, "prompt", r"token id 200 outside the vocabulary \[0, 97\)"),
-        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
-        ({"prompt": 5}, "prompt", "prompt must be a string or a list of token ids"),
+        ({"prompt": ["a", [1]]}, "prompt", "must be all strings or all token-id lists"),
+        ({"prompt": []}, "prompt", "prompt must be a string, a list of token ids, or a non-empty list"),
+        ({"prompt": [[1], "x" * 64]}, "prompt", "must be all strings"),
+        ({"prompt": [[1], [2] * 64]}, "prompt", r"prompt\[1\]: the prompt has 64 tokens"),
+        ({"prompt": 5}, "prompt", "prompt must be a string, a list of token ids"),
     ],
 )
 def test_bad_fields_are_named(body, param, match):
