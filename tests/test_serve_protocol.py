@@ -235,3 +235,48 @@ def test_metrics_are_named_like_vllms_in_a_registry_of_their_own():
     assert 'specjax:prompt_tokens_total{model_name="m"} 0.0' in second.exposition()[0].decode()
     vllm = ServerMetrics("m", prefix="vllm:").exposition()[0].decode()
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 0.0' in vllm
+
+
+def test_n_choices_seeds_and_prompt_lists():
+    seeded = completion({"prompt": ["ab", "c"], "n": 3, "seed": 7, "temperature": 0.5})
+    assert seeded.prompts == [TOKENIZER("ab")["input_ids"], TOKENIZER("c")["input_ids"]]
+    assert [s.seed for s in seeded.samplings] == [7, 8, 9]  # choice j: seed + j, as vLLM
+    assert [(i, p) for i, p, _ in seeded.choices()] == [(i, seeded.prompts[i // 3]) for i in range(6)]
+    unseeded = completion({"prompt": "x", "n": 4, "temperature": 1.0}).samplings
+    assert all(s.seed is not None for s in unseeded) and len({s.seed for s in unseeded}) == 4
+    greedy = completion({"prompt": "x", "n": 2, "temperature": 0}).samplings
+    assert greedy == [specjax.Sampling()] * 2
+    assert completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+
+
+def test_the_extras_and_the_fields_policy():
+    body = {
+        "prompt": "x",
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+        "ignore_eos": True,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "min_tokens": 0,
+        "store": True,
+        "user": "u",
+        "priority": 2,
+        "logprobs": None,
+        "echo": False,
+    }
+    request = completion(body)
+    assert (request.include_usage, request.continuous_usage) == (False, True)
+    assert (request.ignore_eos, request.include_stop, request.skip_special_tokens) == (True, True, False)
+    assert request.ignored == ("store", "user", "priority")
+    assert completion({"prompt": "x", "add_special_tokens": False}).prompt == TOKENIZER("x")["input_ids"]
+    # 0 is not false: logprobs=0 asks for the sampled token's logprob; top_logprobs=false is no int
+    for body, param in [
+        ({"prompt": "x", "logprobs": 0}, "logprobs"),
+        ({"prompt": "x", "logprobs": False, "top_logprobs": False}, "top_logprobs"),
+        ({"prompt": "x", "priority": 1.5}, "priority"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}}, None),
+    ]:
+        with pytest.raises(RequestError) as error:
+            completion(body)
+        assert error.value.param == (param or "stream_options.continuous_usage_stats")

@@ -46,7 +46,7 @@ DEFAULT_COMPLETION_TOKENS = 16
 # (accepted and ignored); a value is neutral when it equals one of them and has its type (so
 # logprobs=0, which asks for the sampled token's logprob, is not the neutral false).
 UNSUPPORTED = {
-    "logprobs": (None, False),  # chat: a boolean; completions: 0 or more is a request (below)
+    "logprobs": (None, False),  # completions' 0 asks for the sampled token's: not neutral
     "top_logprobs": (None, 0),
     "prompt_logprobs": (None,),
     "echo": (None, False),
@@ -207,10 +207,7 @@ def _check_fields(body: dict, kind: str) -> tuple[str, ...]:
     for name in body:
         if name not in FIELDS[kind]:
             raise RequestError(f"unknown field {name!r} for {route}", param=name)
-    unsupported = dict(UNSUPPORTED)
-    if kind == COMPLETION:  # an integer asks for that many alternatives, 0 for the sampled token's
-        unsupported["logprobs"] = (None,)
-    for name, neutral in unsupported.items():
+    for name, neutral in UNSUPPORTED.items():
         if name in body and not any(_is_neutral(body[name], v) for v in neutral):
             raise RequestError(
                 f"{name}={body[name]!r} is not supported by this server (accepted: "

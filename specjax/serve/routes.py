@@ -88,7 +88,7 @@ def _check_known(body: dict, allowed: set, route: str) -> None:
             )
 
 
-def tokenize(body, tokenizer, vocab_size: int, max_model_len: int) -> dict:
+def tokenize(body, tokenizer, max_model_len: int) -> dict:
     """/tokenize's answer: the prompt's or the chat's token ids, as generation would build them."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -111,7 +111,7 @@ def tokenize(body, tokenizer, vocab_size: int, max_model_len: int) -> dict:
     return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strings}
 
 
-def detokenize(body, tokenizer, vocab_size: int, max_model_len: int) -> dict:
+def detokenize(body, tokenizer, vocab_size: int) -> dict:
     """/detokenize's answer: the text of token ids, special tokens kept (a round trip of /tokenize)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
@@ -169,13 +169,13 @@ def add_routes(app: FastAPI, name: str, engine, started: int) -> None:
     async def tokenize_route(request: Request) -> dict:
         body = await json_body(request)
         check_model(body, name)
-        return tokenize(body, tokenizer, vocab_size, max_model_len)
+        return tokenize(body, tokenizer, max_model_len)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict:
         body = await json_body(request)
         check_model(body, name)
-        return detokenize(body, tokenizer, vocab_size, max_model_len)
+        return detokenize(body, tokenizer, vocab_size)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info_route() -> dict:
