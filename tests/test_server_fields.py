@@ -451,17 +451,43 @@ def test_a_body_over_the_limit_is_413_before_it_is_read(guarded):
     response = connection.getresponse()
     assert response.status == 413 and b"1000000000 bytes" in response.read()
     connection.close()
-    # chunked, no Content-Length: refused once the bytes read pass the limit
+    # chunked, no Content-Length: refused once the bytes read pass the limit (4 chunks of 300
+    # bytes sent, the upload left unfinished: the answer does not wait for its end)
     connection = http.client.HTTPConnection(*guarded.url.removeprefix("http://").split(":"), timeout=10)
-    chunks = (b"x" * 300 for _ in range(10))
-    connection.request(
-        "POST", "/v1/completions", chunks, {**KEY, "Content-Type": "application/json"}, encode_chunked=True
-    )
+    connection.putrequest("POST", "/v1/completions")
+    for name, value in {"Transfer-Encoding": "chunked", "Content-Type": "application/json", **KEY}.items():
+        connection.putheader(name, value)
+    connection.endheaders()
+    for _ in range(4):
+        connection.send(b"12c\r\n" + b"x" * 300 + b"\r\n")  # (0x12c = 300)
     response = connection.getresponse()
     assert response.status == 413 and b"over 1000 bytes" in response.read()
     connection.close()
     # and the server answers on
     assert get(guarded, "/v1/models", headers=KEY)[0] == 200
+
+
+def test_a_failing_route_and_a_validation_error_answer_in_openais_shape(guarded):
+    """Routes added for the test: one that raises (500), one whose query FastAPI validates (400)."""
+
+    def boom():
+        raise RuntimeError("a bug")
+
+    def count(n: int):
+        return {"n": n}
+
+    guarded.app.add_api_route("/test-boom", boom)
+    guarded.app.add_api_route("/test-count", count)
+    status, _, answer = get(guarded, "/test-boom", headers=KEY)
+    assert status == 500 and answer["error"]["type"] == "server_error"
+    check_error(answer, "the server failed on the request: RuntimeError('a bug')")
+    status, _, answer = get(guarded, "/test-count?n=many", headers=KEY)
+    assert (
+        status == 400
+        and answer["error"]["param"] == "n"
+        and answer["error"]["type"] == "invalid_request_error"
+    )
+    assert get(guarded, "/test-count?n=3", headers=KEY)[2] == {"n": 3}
 
 
 # ---------------------------------------------------------------------------------------------
