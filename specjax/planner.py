@@ -540,6 +540,7 @@ def finish_reasons(
     samplings: list[Sampling],
     at_limit: list[bool],
     cut: list[bool],
+    eos: Sequence[int] | None = None,
 ) -> list[str]:
     """Why each row ended: "stop" or "length" (see GenerateResult.finish_reasons).
 
@@ -552,8 +553,9 @@ def finish_reasons(
     ended the row at any earlier occurrence). These texts can differ from the decoded text: a
     SentencePiece tokenizer drops the first token's leading space. A row whose text was cut at a
     stop string counts as stopped as well: the loop can miss a string holding a character split
-    across tokens (stops.py), `cut_text` cannot."""
-    eos = set(eos_ids(model))
+    across tokens (stops.py), `cut_text` cannot. `eos`: the ids that stop a row besides its stop
+    token ids (None: the model's EOS; () for a request that ignores EOS)."""
+    eos = set(eos_ids(model) if eos is None else eos)
     reasons = []
     for tokens, sampling, full, was_cut in zip(new_tokens, samplings, at_limit, cut, strict=True):
         stopped = not full or was_cut or tokens[-1] in eos | set(sampling.stop_token_ids)

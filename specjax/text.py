@@ -9,6 +9,8 @@ from __future__ import annotations
 import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 
+from specjax.speculate.stops import stop_end
+
 Message = Mapping[str, str]  # {"role": "system" | "user" | "assistant" | ..., "content": str}
 
 
@@ -68,22 +70,39 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt_ids(tokenizer, messages: Sequence[Message], name: str = "messages") -> list[int]:
+def chat_prompt_ids(
+    tokenizer,
+    messages: Sequence[Message],
+    name: str = "messages",
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+    template_kwargs: Mapping | None = None,
+) -> list[int]:
     """The prompt token ids of a conversation: `messages` rendered by the tokenizer's chat template
     with the assistant's turn opened (`add_generation_prompt=True`), then tokenized without
     adding special tokens (the template writes its own: a BOS added again would appear twice).
 
     The same ids as `tokenizer.apply_chat_template(messages, add_generation_prompt=True,
     tokenize=True)`. ValueError, naming `name`, for malformed messages or a tokenizer without a chat
-    template."""
+    template. The keywords are the server's (vLLM's chat options): `continue_final_message` renders
+    the last message unclosed, for the answer to continue it; `template_kwargs` are more variables
+    for the template (e.g. {"enable_thinking": False})."""
     checked = check_messages(messages, name)
     if not has_chat_template(tokenizer):
         raise ValueError(
             f"{name}: the tokenizer has no chat template to render messages with; give the prompt as "
             "text formatted by hand (with chat=False) or as token ids"
         )
-    text = tokenizer.apply_chat_template(checked, add_generation_prompt=True, tokenize=False)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = tokenizer.apply_chat_template(
+        checked,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=False,
+        **(template_kwargs or {}),
+    )
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 REPLACEMENT = "\ufffd"  # what decode writes for the bytes of an incomplete character
@@ -95,8 +114,10 @@ class TextDeltas:
     Push the ids as they are committed (`push(ids) -> str`), then call `finish() -> str` once at
     the end. Joined, the deltas are exactly `cut_text(tokenizer.decode(ids, skip_special_tokens=True),
     stop)` for the ids pushed, however they were chunked: the text stops before the first stop
-    string. Once the text holds one, `stopped` is True and further pushes yield nothing (the loop
-    ends a row at the token that completes a stop, so no ids follow it there).
+    string (after it with `include_stop`; special tokens' texts kept with
+    `skip_special_tokens=False`: the server's vLLM options). Once the text holds one, `stopped` is
+    True and further pushes yield nothing (the loop ends a row at the token that completes a stop,
+    so no ids follow it there).
 
     Decoding each push's ids alone would be wrong twice: a byte-level token may hold part of a
     character (decode writes U+FFFD for it), and SentencePiece tokenizers drop the leading space
@@ -116,12 +137,20 @@ class TextDeltas:
     ignores it for BPE) rewrite text already streamed: the deltas are their text without it.
     """
 
-    def __init__(self, tokenizer, stop: str | Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tokenizer,
+        stop: str | Sequence[str] = (),
+        *,
+        skip_special_tokens: bool = True,
+        include_stop: bool = False,
+    ) -> None:
         stops = (stop,) if isinstance(stop, str) else stop
         if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
             raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {stop!r}")
         self.tokenizer = tokenizer
         self.stop = tuple(stops)
+        self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
         self.stopped = False  # the text holds a stop string: nothing more will be yielded
         self._longest = max((len(s) for s in self.stop), default=0)
         self._ids: list[int] = []
@@ -156,7 +185,9 @@ class TextDeltas:
     def _decode(self, ids: list[int]) -> str:
         # (clean_up_tokenization_spaces is False for the exact tokenizers above; forcing it keeps
         # the others' windows extending each other, see the class docstring)
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )
 
     def _new_text(self, final: bool) -> str:
         """The text of ids[_read:] as it reads after the ones before, moving the window on; ""
@@ -181,10 +212,10 @@ class TextDeltas:
         if self.stop:
             # A new occurrence ends in the new text: it starts at most len(stop) - 1 before it.
             start = max(0, self._searched - self._longest + 1)
-            found = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            found = stop_end(text, self.stop, start, self.include_stop)
             self._searched = len(text)
-            if found:
-                end, self.stopped = min(found), True
+            if found is not None:
+                end, self.stopped = found, True
             elif not final:
                 end = self._held_from(text)
         delta, self._sent = text[self._sent : end], end

@@ -8,14 +8,8 @@ from tiny import tiny_tokenizer
 
 import specjax
 from specjax.serve.metrics import ServerMetrics
-from specjax.serve.protocol import (
-    CHAT,
-    COMPLETION,
-    RequestError,
-    Responder,
-    parse_request,
-    speculate_metrics,
-)
+from specjax.serve.protocol import CHAT, COMPLETION, RequestError, parse_request
+from specjax.serve.responses import Responder, speculate_metrics
 
 TOKENIZER = tiny_tokenizer()
 V = 97
@@ -86,7 +80,8 @@ def test_sampling_fields_map_onto_specjax_sampling():
 @pytest.mark.parametrize(
     "body, param, match",
     [
-        ({"prompt": "x", "n": 2}, "n", "n must be 1"),
+        ({"prompt": "x", "n": 0}, "n", "n must be an integer >= 1, got 0"),
+        ({"prompt": "x", "n": 2, "seed": 2**32 - 1}, "seed", r"seed \+ j, which must stay below 2\*\*32"),
         ({"prompt": "x", "temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
         ({"prompt": "x", "top_p": 0}, "top_p", r"top_p must be in \(0, 1\]"),
         ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", r"in \[-2, 2\]"),
@@ -118,17 +113,17 @@ def test_sampling_fields_map_onto_specjax_sampling():
         ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=2 is not supported"),
         ({"prompt": "x", "echo": True}, "echo", "echo=True is not supported"),
         ({"prompt": "x", "best_of": 3}, "best_of", "best_of=3 is not supported"),
-        (
-            {"prompt": "x", "guided_json": {}},
-            "guided_json",
-            "unknown field 'guided_json' for /v1/completions",
-        ),
+        ({"prompt": "x", "guided_json": {}}, "guided_json", "guided_json={} is not supported"),
+        ({"prompt": "x", "temprature": 0}, "temprature", "unknown field 'temprature' for /v1/completions"),
         ({"prompt": "x", "messages": []}, "messages", "unknown field 'messages'"),
         ({}, "prompt", "prompt is required"),
         ({"prompt": ""}, "prompt", "prompt is empty"),
         ({"prompt": [1, 200]}, "prompt", r"token id 200 outside the vocabulary \[0, 97\)"),
-        ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
-        ({"prompt": 5}, "prompt", "prompt must be a string or a list of token ids"),
+        ({"prompt": ["a", [1]]}, "prompt", "must be all strings or all token-id lists"),
+        ({"prompt": []}, "prompt", "prompt must be a string, a list of token ids, or a non-empty list"),
+        ({"prompt": [[1], "x" * 64]}, "prompt", "must be all strings"),
+        ({"prompt": [[1], [2] * 64]}, "prompt", r"prompt\[1\]: the prompt has 64 tokens"),
+        ({"prompt": 5}, "prompt", "prompt must be a string, a list of token ids"),
     ],
 )
 def test_bad_fields_are_named(body, param, match):
@@ -240,3 +235,48 @@ def test_metrics_are_named_like_vllms_in_a_registry_of_their_own():
     assert 'specjax:prompt_tokens_total{model_name="m"} 0.0' in second.exposition()[0].decode()
     vllm = ServerMetrics("m", prefix="vllm:").exposition()[0].decode()
     assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 0.0' in vllm
+
+
+def test_n_choices_seeds_and_prompt_lists():
+    seeded = completion({"prompt": ["ab", "c"], "n": 3, "seed": 7, "temperature": 0.5})
+    assert seeded.prompts == [TOKENIZER("ab")["input_ids"], TOKENIZER("c")["input_ids"]]
+    assert [s.seed for s in seeded.samplings] == [7, 8, 9]  # choice j: seed + j, as vLLM
+    assert [(i, p) for i, p, _ in seeded.choices()] == [(i, seeded.prompts[i // 3]) for i in range(6)]
+    unseeded = completion({"prompt": "x", "n": 4, "temperature": 1.0}).samplings
+    assert all(s.seed is not None for s in unseeded) and len({s.seed for s in unseeded}) == 4
+    greedy = completion({"prompt": "x", "n": 2, "temperature": 0}).samplings
+    assert greedy == [specjax.Sampling()] * 2
+    assert completion({"prompt": [[1, 2], [3]]}).prompts == [[1, 2], [3]]
+
+
+def test_the_extras_and_the_fields_policy():
+    body = {
+        "prompt": "x",
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True},
+        "ignore_eos": True,
+        "include_stop_str_in_output": True,
+        "skip_special_tokens": False,
+        "min_tokens": 0,
+        "store": True,
+        "user": "u",
+        "priority": 2,
+        "logprobs": None,
+        "echo": False,
+    }
+    request = completion(body)
+    assert (request.include_usage, request.continuous_usage) == (False, True)
+    assert (request.ignore_eos, request.include_stop, request.skip_special_tokens) == (True, True, False)
+    assert request.ignored == ("store", "user", "priority")
+    assert completion({"prompt": "x", "add_special_tokens": False}).prompt == TOKENIZER("x")["input_ids"]
+    # 0 is not false: logprobs=0 asks for the sampled token's logprob; top_logprobs=false is no int
+    for body, param in [
+        ({"prompt": "x", "logprobs": 0}, "logprobs"),
+        ({"prompt": "x", "logprobs": False, "top_logprobs": False}, "top_logprobs"),
+        ({"prompt": "x", "priority": 1.5}, "priority"),
+        ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+        ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}}, None),
+    ]:
+        with pytest.raises(RequestError) as error:
+            completion(body)
+        assert error.value.param == (param or "stream_options.continuous_usage_stats")

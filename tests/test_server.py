@@ -256,13 +256,15 @@ def test_spec_decode_counters_rise_and_the_opt_out_keeps_them(text_server):
     "options, param, match",
     [
         ({"temperature": -1}, "temperature", "temperature must be a finite number >= 0"),
-        ({"n": 2}, "n", "n must be 1"),
+        ({"n": 0}, "n", "n must be an integer >= 1, got 0"),
+        ({"n": 40}, "n", r"n=40 choices of 1 prompts make 40 engine requests; this server holds at most 10"),
         ({"max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
         ({"max_tokens": 500}, "max_tokens", "exceeds the server's max_model_len of 96"),
         ({"prompt": "x" * 100}, "prompt", "the prompt has 100 tokens, the server's max_model_len is 96"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "keys must be token ids"),
         ({"extra_body": {"speculative": "no"}}, "speculative", "speculative must be true or false"),
-        ({"extra_body": {"min_tokens": 3}}, "min_tokens", "unknown field 'min_tokens'"),
+        ({"extra_body": {"min_tokens": 3}}, "min_tokens", "min_tokens=3 is not supported by this server"),
+        ({"logprobs": 0}, "logprobs", "logprobs=0 is not supported by this server"),
         # refused by the engine's own checks (engine.add's ValueError), the message its own
         ({"extra_body": {"stop_token_ids": list(range(20))}}, None, "at most 16 per request"),
     ],

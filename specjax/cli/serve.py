@@ -20,7 +20,8 @@ batches requests continuously over the compiled loop.
     specjax serve ./my-model --host 0.0.0.0 --port 8001 --max-batch 16 --served-model-name mine
 
 Routes: /v1/chat/completions and /v1/completions (stream=true: server-sent events), /v1/models,
-/health and /metrics (Prometheus, vLLM's names under the prefix specjax:). --speculative-config
+/v1/models/{id}, vLLM's /tokenize, /detokenize and /tokenizer_info, /version, /health and /metrics
+(Prometheus, vLLM's names under the prefix specjax:); docs/serving.md lists the fields. --speculative-config
 takes vLLM's and FastDeploy's keys: "method" (ngram, draft_model, eagle, eagle3, medusa, dflash,
 mlp_speculator; specjax's self_draft and specjax), "num_speculative_tokens", "model" (a draft model,
 or a head's folder), "prompt_lookup_max", "prompt_lookup_min" (see specjax/serve/config.py). A request may
@@ -54,6 +55,10 @@ def serve_command(args: argparse.Namespace) -> None:
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
         precompile=None if args.precompile == -1 else args.precompile,
+        api_key=args.api_key,
+        protect_monitoring=args.protect_monitoring,
+        allowed_origins=args.allowed_origins or (),
+        max_request_bytes=args.max_request_bytes,
     )
 
 
@@ -112,5 +117,27 @@ def add_serve_command(commands) -> None:
         help="before listening, compile the loop at every width and the prefill of prompts up to "
         "TOKENS tokens (default 256; -1: compile each program on first use, stalling the running "
         "requests while it compiles)",
+    )
+    command.add_argument(
+        "--api-key",
+        help="requests must send 'Authorization: Bearer KEY' (else HTTP 401); default: the environment "
+        "variable SPECJAX_API_KEY, unset: no key",
+    )
+    command.add_argument(
+        "--protect-monitoring",
+        action="store_true",
+        help="/health and /metrics need the API key too (default: open, for probes and Prometheus)",
+    )
+    command.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        metavar="ORIGIN",
+        help="origins a browser may call the server from (CORS), e.g. http://localhost:3000, or '*'",
+    )
+    command.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=8 * 1024 * 1024,
+        help="the largest request body; a larger one gets HTTP 413 before it is read (default 8 MiB)",
     )
     command.set_defaults(run=serve_command)

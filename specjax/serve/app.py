@@ -3,15 +3,18 @@
 Routes:
 
     POST /v1/chat/completions   OpenAI's chat completions, streamed (server-sent events) or not
-    POST /v1/completions        OpenAI's completions (one prompt per request), streamed or not
-    GET  /v1/models             the served model
+    POST /v1/completions        OpenAI's completions (a prompt or a list of them), streamed or not
+    GET  /v1/models, /v1/models/{id}, POST /tokenize, /detokenize, GET /tokenizer_info, /version
+                                routes.py
     GET  /health                200 while the scheduler runs, 503 after it died
     GET  /metrics               Prometheus text (specjax/serve/metrics.py)
 
-The app only translates: protocol.py turns a request body into an engine Request, scheduler.py
-runs the engine on its own thread, and the tokens that come back become the text that
-`generate` would return for them (decoded, special tokens skipped, cut at a stop string). A
-request whose client disconnects is aborted in the engine.
+The app only translates: protocol.py turns a request body into engine Requests (a choice each:
+n of each prompt), scheduler.py runs the engine on its own thread, and the tokens that come back
+become the text that `generate` would return for them (decoded, special tokens skipped, cut at a
+stop string). A request whose client disconnects is aborted in the engine, every choice of it.
+guard.py checks what comes before the routes (the API key, the body's size, X-Request-Id) and
+gives every error OpenAI's shape; CORS, when origins are allowed, is Starlette's middleware.
 
 Under load, requests wait for one of the engine's slots in a bounded queue: past `max_waiting`
 waiting requests, a new one is answered at once with HTTP 503 in OpenAI's error shape (code
@@ -23,30 +26,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import os
 import time
+from collections.abc import Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from specjax.checks import is_int
+from specjax.checks import check_int, is_int
 from specjax.models import Model, load
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
 from specjax.serve.engine_config import EngineConfig
 from specjax.serve.engine_config import Request as EngineRequest
+from specjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Guard, add_error_handlers, check_api_key
 from specjax.serve.metrics import ServerMetrics
-from specjax.serve.protocol import (
-    CHAT,
-    COMPLETION,
-    GenerationRequest,
-    RequestError,
-    Responder,
-    error_body,
-    parse_request,
-    speculate_metrics,
-    usage,
-)
+from specjax.serve.protocol import GenerationRequest, RequestError, parse_request
+from specjax.serve.responses import CHAT, COMPLETION, Responder, error_body, speculate_metrics, usage
+from specjax.serve.routes import add_routes, check_model, json_body
 from specjax.serve.scheduler import (
     EngineError,
     Overloaded,
@@ -58,12 +58,16 @@ from specjax.serve.scheduler import (
 from specjax.speculate.stops import cut_text
 from specjax.text import TextDeltas
 
+log = logging.getLogger("specjax.serve")
+
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streamed request checks that its client is there
 WAITING_PER_SLOT = 4  # the default max_waiting: this many requests queued per slot of the engine
 RETRY_AFTER_S = 1  # the Retry-After of a 503
 # `serve` compiles the prefill of prompts up to this many tokens before it listens (one program
 # per bucket: 16, 32, 64, then multiples of 64); longer prompts compile on first use.
 PRECOMPILE_PROMPT_TOKENS = 256
+MONITORING = ("/health", "/metrics")  # open without the API key unless protect_monitoring
+API_KEY_ENV = "SPECJAX_API_KEY"
 
 
 class ClientGone(Exception):
@@ -76,21 +80,36 @@ def make_app(
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
     max_waiting: int | None = None,
+    api_key: str | None = None,
+    protect_monitoring: bool = False,
+    allowed_origins: Sequence[str] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving `engine` (a specjax.serve.engine.Engine, whose model has a
     tokenizer). The engine is driven by a scheduler thread that starts and stops with the app
     (its lifespan: uvicorn runs it). `served_model_name` (default: the model's name) is the id
     /v1/models lists and requests name; `metrics_prefix` prefixes the Prometheus names;
     `max_waiting` (default 4 x the engine's max_batch) bounds the requests waiting for a slot:
-    past it a request gets HTTP 503."""
+    past it a request gets HTTP 503.
+
+    api_key: requests must send `Authorization: Bearer <api_key>` (else 401), but to /health and
+        /metrics unless `protect_monitoring`. None: no key.
+    allowed_origins: the origins a browser may call from (CORS; "*" for any). Empty: no CORS.
+    max_request_bytes: the largest request body (default 8 MiB); a larger one gets 413 unread."""
     model = engine.model
     if model.tokenizer is None:
         raise ValueError("make_app: the engine's model has no tokenizer; the server needs one for text")
-    name = served_model_name or model.name
-    metrics = ServerMetrics(name, metrics_prefix)
-    if max_waiting is None:
-        max_waiting = WAITING_PER_SLOT * engine.max_batch
     try:
+        check_api_key(api_key)
+        check_int("max_request_bytes", max_request_bytes, 1)
+        if isinstance(allowed_origins, str) or not all(isinstance(o, str) and o for o in allowed_origins):
+            raise ValueError(f"allowed_origins must be a list of origins, got {allowed_origins!r}")
+        if not isinstance(protect_monitoring, bool):
+            raise ValueError(f"protect_monitoring must be True or False, got {protect_monitoring!r}")
+        name = served_model_name or model.name
+        metrics = ServerMetrics(name, metrics_prefix)
+        if max_waiting is None:
+            max_waiting = WAITING_PER_SLOT * engine.max_batch
         scheduler = Scheduler(engine, metrics, max_waiting)
     except ValueError as error:
         raise ValueError(f"make_app: {error}") from None
@@ -106,6 +125,18 @@ def make_app(
 
     app = FastAPI(title="specjax", lifespan=lifespan)
     app.state.engine, app.state.scheduler, app.state.metrics = engine, scheduler, metrics
+    add_error_handlers(app)
+    # Starlette runs the middleware added last first: CORS answers a preflight before the guard.
+    open_paths = () if protect_monitoring else MONITORING
+    app.add_middleware(Guard, api_key=api_key, open_paths=open_paths, max_request_bytes=max_request_bytes)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["X-Request-Id"],
+        )
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError) -> JSONResponse:
@@ -121,16 +152,7 @@ def make_app(
         content, content_type = metrics.exposition()
         return Response(content, media_type=content_type)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {
-            "id": name,
-            "object": "model",
-            "created": server.started,
-            "owned_by": "specjax",
-            "max_model_len": server.max_model_len,
-        }
-        return {"object": "list", "data": [card]}
+    add_routes(app, name, engine, server.started)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -143,6 +165,18 @@ def make_app(
     return app
 
 
+class _Choice:
+    """One choice of a request on its way: its engine stream and what it has sent so far."""
+
+    def __init__(self, index: int, prompt_tokens: int, stream: RequestStream, deltas: TextDeltas):
+        self.index, self.prompt_tokens, self.stream, self.deltas = index, prompt_tokens, stream, deltas
+        self.tokens: list[int] = []
+        self.finished = None  # its last Update
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, len(self.tokens))
+
+
 class _Routes:
     """What the generation routes share: the engine's limits, the scheduler, the model's name."""
 
@@ -153,53 +187,83 @@ class _Routes:
         self.max_model_len = engine.max_model_len
         self.speculative = engine.proposer is not None
         self.started = int(time.time())
+        self.warned: set[str] = set()  # the ignored fields already logged at warning level
 
     async def generate(self, http_request: Request, kind: str) -> Response:
-        body = await _json_body(http_request)
-        if isinstance(body, dict) and body.get("model") not in (None, self.name):
-            raise RequestError(
-                f"the model {body['model']!r} does not exist; this server serves {self.name!r}",
-                param="model",
-                status=404,
-                code="model_not_found",
-            )
+        body = await json_body(http_request)
+        check_model(body, self.name)
         parsed = parse_request(body, kind, self.tokenizer, self.vocab_size, self.max_model_len)
-        stream = await self._admit(parsed)
-        responder = Responder.new(kind, self.name)
+        self._log_ignored(parsed)
+        choices = await self._admit(parsed)
+        responder = Responder.new(kind, self.name, http_request.headers.get("x-request-id"))
+        headers = {"X-Request-Id": responder.id}
         if parsed.stream:
-            events = self._events(stream, parsed, responder)
-            return StreamingResponse(events, media_type="text/event-stream")
+            events = self._events(choices, parsed, responder)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
-            return JSONResponse(await self._whole(http_request, stream, parsed, responder))
+            answer = await self._whole(http_request, choices, parsed, responder)
         except ClientGone:
             return Response(status_code=499)  # nginx's "client closed request": no one reads it
+        return JSONResponse(answer, headers=headers)
 
-    async def _admit(self, parsed: GenerationRequest) -> RequestStream:
-        """Hand the request to the scheduler and wait for the engine to take it: HTTP 503 when
-        max_waiting requests wait already, or the scheduler is stopping or has died; 400 for a
-        ValueError from engine.add (the client's mistake), 500 for another error of the engine's."""
-        request = EngineRequest(
-            prompt=parsed.prompt,
-            sampling=parsed.sampling,
-            max_new_tokens=parsed.max_new_tokens,
-            speculate=parsed.speculate,
-        )
-        stream = RequestStream(request, asyncio.get_running_loop())
+    def _log_ignored(self, parsed: GenerationRequest) -> None:
+        """Fields that cannot change the answer are ignored, and said so: at warning level the
+        first time each is seen, then at debug level (a benchmark sends them with every request)."""
+        for name in parsed.ignored:
+            level = logging.DEBUG if name in self.warned else logging.WARNING
+            self.warned.add(name)
+            log.log(level, "the request's field %r is ignored: it does not change the answer", name)
+
+    def _capacity_check(self, parsed: GenerationRequest) -> None:
+        count = parsed.n * len(parsed.prompts)
+        capacity = self.engine.max_batch + self.scheduler.max_waiting
+        if count > capacity:
+            raise RequestError(
+                f"n={parsed.n} choices of {len(parsed.prompts)} prompts make {count} engine requests; this "
+                f"server holds at most {capacity} at once (--max-batch + --max-waiting)",
+                param="n",
+            )
+
+    async def _admit(self, parsed: GenerationRequest) -> list[_Choice]:
+        """Hand each choice to the scheduler and wait for the engine to take them all: HTTP 503
+        when max_waiting requests wait already, or the scheduler is stopping or has died; 400 for
+        a ValueError from engine.add (the client's mistake), 500 for another error of the
+        engine's. If one choice is refused, the others are aborted: the request fails whole."""
+        self._capacity_check(parsed)
+        loop, choices = asyncio.get_running_loop(), []
         try:
-            self.scheduler.submit(stream)
-            await stream.admitted
-        except ValueError as error:
-            raise RequestError(str(error)) from None
-        except Overloaded as error:
-            raise RequestError(str(error), status=503, code="server_overloaded") from None
-        except Unavailable as error:
-            raise RequestError(str(error), status=503) from None
-        except EngineError as error:
-            raise RequestError(str(error), status=500) from None
-        except asyncio.CancelledError:
-            self.scheduler.abort(stream)
+            for index, prompt, sampling in parsed.choices():
+                request = EngineRequest(
+                    prompt=prompt,
+                    sampling=sampling,
+                    max_new_tokens=parsed.max_new_tokens,
+                    speculate=parsed.speculate,
+                    ignore_eos=parsed.ignore_eos,
+                )
+                stream = RequestStream(request, loop)
+                deltas = TextDeltas(
+                    self.tokenizer,
+                    sampling.stop,
+                    skip_special_tokens=parsed.skip_special_tokens,
+                    include_stop=parsed.include_stop,
+                )
+                self.scheduler.submit(stream)
+                choices.append(_Choice(index, len(prompt), stream, deltas))
+            for choice in choices:
+                await choice.stream.admitted
+        except BaseException as error:
+            for choice in choices:
+                self.scheduler.abort(choice.stream)
+            if isinstance(error, ValueError):
+                raise RequestError(str(error)) from None
+            if isinstance(error, Overloaded):
+                raise RequestError(str(error), status=503, code="server_overloaded") from None
+            if isinstance(error, Unavailable):
+                raise RequestError(str(error), status=503) from None
+            if isinstance(error, EngineError):
+                raise RequestError(str(error), status=500) from None
             raise
-        return stream
+        return choices
 
     def _speculate_metrics(self, parsed: GenerationRequest, update) -> dict | None:
         """The finished request's acceptance figures; null where it did not speculate."""
@@ -207,82 +271,108 @@ class _Routes:
             return None
         return speculate_metrics(update.metrics)
 
+    def _usage(self, parsed: GenerationRequest, choices: list[_Choice]) -> dict:
+        """Each prompt's tokens once (however many choices it has), every choice's new tokens."""
+        prompt_tokens = sum(len(prompt) for prompt in parsed.prompts)
+        return usage(prompt_tokens, sum(len(c.tokens) for c in choices))
+
     async def _whole(
-        self, http_request: Request, stream: RequestStream, parsed: GenerationRequest, responder: Responder
+        self, http_request: Request, choices: list[_Choice], parsed: GenerationRequest, responder: Responder
     ) -> dict:
-        """Wait for every token, aborting the request if its client disconnects meanwhile."""
-        watcher = asyncio.create_task(_watch_disconnect(http_request, stream))
-        tokens, finished = [], None
-        try:
-            while finished is None:
-                update = await stream.next_update()
-                tokens += update.tokens
+        """Wait for every token of every choice, aborting them all if the client disconnects."""
+        watcher = asyncio.create_task(_watch_disconnect(http_request, [c.stream for c in choices]))
+
+        async def collect(choice: _Choice) -> None:
+            while choice.finished is None:
+                update = await choice.stream.next_update()
+                choice.tokens += update.tokens
                 if update.finished:
-                    finished = update
+                    choice.finished = update
+
+        try:
+            await asyncio.gather(*(collect(c) for c in choices))
         except EngineError as error:  # the engine failed while running it
             raise RequestError(str(error), status=500) from None
         finally:
             watcher.cancel()
-            if finished is None:
-                self.scheduler.abort(stream)
-        text = cut_text(self.tokenizer.decode(tokens, skip_special_tokens=True), parsed.sampling.stop)
-        return responder.response(
-            text,
-            finished.finish_reason,
-            usage(len(parsed.prompt), len(tokens)),
-            self._speculate_metrics(parsed, finished),
-        )
+            for choice in choices:
+                if choice.finished is None:
+                    self.scheduler.abort(choice.stream)
+        bodies = []
+        for choice in choices:
+            text = self.tokenizer.decode(choice.tokens, skip_special_tokens=parsed.skip_special_tokens)
+            text = cut_text(text, choice.stream.request.sampling.stop, parsed.include_stop)
+            spec = self._speculate_metrics(parsed, choice.finished)
+            bodies.append(responder.choice(text, choice.finished.finish_reason, spec, choice.index))
+        return responder.responses(bodies, self._usage(parsed, choices))
 
-    async def _events(self, stream: RequestStream, parsed: GenerationRequest, responder: Responder):
-        """The server-sent events of a streamed request: text deltas, a last chunk with the
-        finish reason (and the usage chunk when asked for), then `data: [DONE]`. Starlette
-        cancels this generator when the client disconnects; `finally` then aborts the request."""
-        deltas = TextDeltas(self.tokenizer, parsed.sampling.stop)
-        include_usage, num_tokens, finished = parsed.include_usage, 0, False
+    async def _events(self, choices: list[_Choice], parsed: GenerationRequest, responder: Responder):
+        """The server-sent events of a streamed request: each choice's text deltas (by index, as
+        its tokens come), its last chunk with the finish reason, the usage chunk when asked for,
+        then `data: [DONE]`. Starlette cancels this generator when the client disconnects;
+        `finally` then aborts the choices not finished."""
+        include_usage, continuous = parsed.include_usage, parsed.continuous_usage
+        updates: asyncio.Queue = asyncio.Queue()  # (choice, Update or EngineError), every choice's
+
+        async def pump(choice: _Choice) -> None:
+            try:
+                while True:
+                    update = await choice.stream.next_update()
+                    updates.put_nowait((choice, update))
+                    if update.finished:
+                        return
+            except EngineError as error:
+                updates.put_nowait((choice, error))
+
+        def chunk(choice: _Choice, text: str, **options) -> str:
+            now = choice.usage() if continuous else None
+            return _event(
+                responder.chunk(text, index=choice.index, include_usage=include_usage, usage=now, **options)
+            )
+
+        pumps = [asyncio.create_task(pump(c)) for c in choices]
         try:
-            if parsed.kind == CHAT:  # OpenAI's first chunk says the role
-                yield _event(responder.chunk("", first=True, include_usage=include_usage))
-            while not finished:
-                update = await stream.next_update()
-                num_tokens += len(update.tokens)
-                text = deltas.push(update.tokens)
-                finished = update.finished
-                if finished:
-                    text += deltas.finish()
+            if parsed.kind == CHAT:  # OpenAI's first chunk of a choice says the role
+                for choice in choices:
+                    yield chunk(choice, "", first=True)
+            running = len(choices)
+            while running:
+                choice, update = await updates.get()
+                if isinstance(update, EngineError):  # the status (200) is already sent
+                    yield _event(error_body(str(update), "server_error"))
+                    break
+                choice.tokens += update.tokens
+                text = choice.deltas.push(update.tokens)
+                if update.finished:
+                    choice.finished, running = update, running - 1
+                    text += choice.deltas.finish()
                     spec = self._speculate_metrics(parsed, update)
-                    chunk = responder.chunk(
-                        text, finish_reason=update.finish_reason, spec=spec, include_usage=include_usage
-                    )
-                    yield _event(chunk)
+                    yield chunk(choice, text, finish_reason=update.finish_reason, spec=spec)
                 elif text:
-                    yield _event(responder.chunk(text, include_usage=include_usage))
-            if include_usage:
-                yield _event(responder.usage_chunk(usage(len(parsed.prompt), num_tokens)))
-        except EngineError as error:  # the engine failed mid-stream: the status (200) is already sent
-            yield _event(error_body(str(error), "server_error"))
+                    yield chunk(choice, text)
+            else:
+                if include_usage:
+                    yield _event(responder.usage_chunk(self._usage(parsed, choices)))
         finally:
-            if not finished:
-                self.scheduler.abort(stream)
+            for task in pumps:
+                task.cancel()
+            for choice in choices:
+                if choice.finished is None:
+                    self.scheduler.abort(choice.stream)
         yield "data: [DONE]\n\n"
 
 
-async def _watch_disconnect(http_request: Request, stream: RequestStream) -> None:
+async def _watch_disconnect(http_request: Request, streams: list[RequestStream]) -> None:
     """Wake a non-streamed request's handler with ClientGone when its client disconnects (a
     streamed one learns it from Starlette, which cancels its generator)."""
     while not await http_request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-    stream.updates.put_nowait(ClientGone())
+    for stream in streams:
+        stream.updates.put_nowait(ClientGone())
 
 
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
-
-
-async def _json_body(http_request: Request):
-    try:
-        return await http_request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise RequestError(f"the request body is not valid JSON ({error})") from None
 
 
 def serve(
@@ -304,6 +394,10 @@ def serve(
     metrics_prefix: str = "specjax:",
     log_level: str = "info",
     precompile: int | None = PRECOMPILE_PROMPT_TOKENS,
+    api_key: str | None = None,
+    protect_monitoring: bool = False,
+    allowed_origins: Sequence[str] = (),
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> None:
     """Serve a model over HTTP until interrupted (what `specjax serve` runs).
 
@@ -319,16 +413,22 @@ def serve(
     precompile: before listening, compile the loop at every width and the prefill of prompts up to
         this many tokens (`Engine.precompile`): a program compiled while serving stalls every
         running request while it compiles. None: compile each on first use.
+    api_key, protect_monitoring, allowed_origins, max_request_bytes: as `make_app`'s; api_key None
+        reads the environment variable SPECJAX_API_KEY (unset: no key).
     """
     if precompile is not None and (not is_int(precompile) or precompile < 0):
         raise ValueError(f"serve: precompile must be None or an integer >= 0, got {precompile!r}")
     if proposer is not None and speculative_config is not None:
         raise ValueError("serve: give a proposer or a speculative_config, not both")
-    if max_waiting is not None:  # before the model loads
-        try:
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV)
+    try:  # before the model loads
+        if max_waiting is not None:
             check_max_waiting(max_waiting)
-        except ValueError as error:
-            raise ValueError(f"serve: {error}") from None
+        check_api_key(api_key)
+        check_int("max_request_bytes", max_request_bytes, 1)
+    except ValueError as error:
+        raise ValueError(f"serve: {error}") from None
     if not isinstance(model, Model):
         served_model_name = served_model_name or str(model)
         model = load(model, dtype=dtype, quantization=quantization, group_size=group_size)
@@ -348,6 +448,13 @@ def serve(
         count = engine.precompile(range(1, longest + 1))
         print(f"specjax serve: {count} programs compiled in {time.perf_counter() - start:.0f} s")
     app = make_app(
-        engine, served_model_name=served_model_name, metrics_prefix=metrics_prefix, max_waiting=max_waiting
+        engine,
+        served_model_name=served_model_name,
+        metrics_prefix=metrics_prefix,
+        max_waiting=max_waiting,
+        api_key=api_key,
+        protect_monitoring=protect_monitoring,
+        allowed_origins=allowed_origins,
+        max_request_bytes=max_request_bytes,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level)

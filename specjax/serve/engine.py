@@ -257,7 +257,7 @@ class Engine:
         prompt = check_request(request, self.model.config.vocab_size, self.max_model_len)
         planner.check_token_options([request.sampling], self.model)
         self._check_warp(request.sampling)
-        stop_ids = self._eos | set(request.sampling.stop_token_ids)
+        stop_ids = self._stop_ids(request)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
                 f"sampling.stop_token_ids: {len(stop_ids)} stop token ids with EOS, at most "
@@ -429,7 +429,7 @@ class Engine:
         self._slots[b] = _Running(
             request_id,
             request,
-            self._eos | frozenset(sampling.stop_token_ids),
+            self._stop_ids(request),
             reported=len(request.prompt),
             tokens=[],
             seen={name: 0 for name in _DELTAS},
@@ -490,7 +490,13 @@ class Engine:
             text = self.model.tokenizer.decode(tokens, skip_special_tokens=True)
             cut = cut_text(text, request.sampling.stop) != text
         at_limit = len(tokens) == request.max_new_tokens
-        return planner.finish_reasons(self.model, [tokens], [request.sampling], [at_limit], [cut])[0]
+        eos = () if request.ignore_eos else None
+        return planner.finish_reasons(self.model, [tokens], [request.sampling], [at_limit], [cut], eos)[0]
+
+    def _stop_ids(self, request: Request) -> frozenset:
+        """The token ids that end the request: EOS (unless it ignores it) and its stop token ids."""
+        eos = frozenset() if request.ignore_eos else self._eos
+        return eos | frozenset(request.sampling.stop_token_ids)
 
     def _final(self, request_id, tokens, reason, metrics) -> Update:
         return Update(request_id, tokens, True, reason, 0, 0, 0, [0] * self.k, metrics)

@@ -150,6 +150,9 @@ class Request:
     # The PRNG key a sampled request without a seed draws from (as `generate`'s key for a batch
     # of this one request); None: the engine's key folded with the request's id.
     key: jax.Array | None = None
+    # True: EOS does not end the request (it runs to max_new_tokens, a stop token id or a stop
+    # string), as vLLM's ignore_eos, which benchmark clients send to fix the answers' lengths.
+    ignore_eos: bool = False
 
 
 @dataclasses.dataclass
@@ -227,4 +230,6 @@ def check_request(request, vocab_size: int, max_model_len: int) -> list[int]:
         raise ValueError(f"sampling must be a specjax.Sampling, got {type(request.sampling).__name__}")
     if not isinstance(request.speculate, bool):
         raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
+    if not isinstance(request.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be True or False, got {request.ignore_eos!r}")
     return [int(t) for t in prompt]

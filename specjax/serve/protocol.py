@@ -1,23 +1,29 @@
-"""OpenAI's request and response bodies for /v1/chat/completions and /v1/completions.
+"""OpenAI's request bodies for /v1/chat/completions and /v1/completions.
 
-`parse_chat` and `parse_completion` turn a request body (a dict of JSON values) into a
-`GenerationRequest`: the prompt's token ids, a `specjax.Sampling`, the token budget and the
-stream options. A bad field raises `RequestError`, which the app sends back as HTTP 400 in
-OpenAI's error shape, `{"error": {"message", "type", "param", "code"}}`, with `param` naming the
-field. The functions below them build the response bodies and the streamed chunks.
+`parse_request` turns a request body (a dict of JSON values) into a `GenerationRequest`: the
+prompts' token ids, a `specjax.Sampling` per choice, the token budget and the output options. A
+bad field raises `RequestError`, which the app sends back in OpenAI's error shape,
+`{"error": {"message", "type", "param", "code"}}`, with `param` naming the field. The response
+bodies are responses.py's.
 
-Fields read (OpenAI's, plus vLLM's extra sampling fields and one of specjax's):
+Fields read (OpenAI's, vLLM's extras and one of specjax's):
 
-    model, messages (chat) / prompt (completions), max_tokens, max_completion_tokens (chat),
-    temperature, top_p, presence_penalty, frequency_penalty, logit_bias, seed, stop, n (1 only),
-    stream, stream_options.include_usage, user (ignored)
-    vLLM's: top_k (-1 or 0: off), min_p, repetition_penalty, stop_token_ids
+    model, messages (chat) / prompt (completions: a string, token ids, or a list of either),
+    max_tokens, max_completion_tokens (chat), temperature, top_p, presence_penalty,
+    frequency_penalty, logit_bias, seed, stop, n, stream, stream_options (include_usage, and
+    vLLM's continuous_usage_stats)
+    vLLM's: top_k (-1 or 0: off), min_p, repetition_penalty, stop_token_ids, ignore_eos,
+        min_tokens (0 only), include_stop_str_in_output, skip_special_tokens, add_special_tokens,
+        chat (add_generation_prompt, continue_final_message, chat_template_kwargs)
     specjax's: speculative (default true; false decodes this request without the proposer)
 
-OpenAI options the server does not implement (logprobs, tools, echo, ...) are accepted at their
-neutral values only (false, null, n = 1, ...), so that clients that always send them work; any
-other value, and any unknown field, is a 400 naming it, rather than an answer that silently
-ignores what was asked.
+The policy for the others (docs/serving.md, "Fields"): a field that cannot change the answer
+(IGNORED: OpenAI's store, metadata, service_tier, parallel_tool_calls, user; vLLM's priority,
+cache_salt, ...) is accepted, type-checked and ignored, and the app logs it; a field the server
+does not implement and that would change the answer (UNSUPPORTED: logprobs, echo, tools,
+response_format, ...) is accepted only at the value that asks for nothing (false, null, ...), and
+any other value is a 400 naming it; and any other field is a 400 "unknown field" (a misspelt
+option answered as if it were absent would be an answer to another question).
 """
 
 from __future__ import annotations
@@ -27,27 +33,56 @@ import json
 import math
 import re
 import secrets
-import time
-import uuid
 from typing import Any
 
 from specjax.checks import is_int, is_number
+from specjax.serve.responses import CHAT, COMPLETION, error_body
 from specjax.speculate.sampling import MAX_SEED, Sampling
 from specjax.text import chat_prompt_ids, has_chat_template
 
-CHAT, COMPLETION = "chat", "completion"
 # OpenAI's default token budget of a completion; a chat completion may fill the context.
 DEFAULT_COMPLETION_TOKENS = 16
-# OpenAI options left unimplemented, with the values that ask for nothing (accepted and ignored).
-NEUTRAL = {
-    "logprobs": (None, False),
+# Options left unimplemented that would change the answer, with the values that ask for nothing
+# (accepted and ignored); a value is neutral when it equals one of them and has its type (so
+# logprobs=0, which asks for the sampled token's logprob, is not the neutral false).
+UNSUPPORTED = {
+    "logprobs": (None, False),  # completions' 0 asks for the sampled token's: not neutral
     "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
     "echo": (None, False),
     "suffix": (None, ""),
-    "best_of": (None, 1),
     "tools": (None, []),
     "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1.0),
+    "spaces_between_special_tokens": (None, True),
+    "chat_template": (None,),
+    "reasoning_effort": (None,),
+    "prediction": (None,),
+    "modalities": (None, ["text"]),
+}
+# Fields that cannot change the answer: accepted, checked for their type, and ignored (logged).
+IGNORED = {
+    "store": bool,  # OpenAI: keep the answer for distillation or evals
+    "metadata": dict,  # OpenAI: tags for stored answers
+    "service_tier": str,  # OpenAI: which capacity serves it
+    "parallel_tool_calls": bool,  # OpenAI: tools, none here
+    "user": str,  # OpenAI: the end user, for abuse monitoring
+    "priority": int,  # vLLM: its scheduler's priority (this server serves in arrival order)
+    "cache_salt": str,  # vLLM: keeps its prefix cache apart per tenant
+    "request_id": str,  # vLLM: its engine's request id (X-Request-Id names the response here)
+    "return_tokens_as_token_ids": bool,  # vLLM: the form of logprobs' tokens (no logprobs here)
 }
 SAMPLING_FIELDS = (
     "temperature",
@@ -61,12 +96,43 @@ SAMPLING_FIELDS = (
     "seed",
     "stop",
     "stop_token_ids",
+    "min_tokens",
+    "ignore_eos",
 )
-COMMON_FIELDS = ("model", "n", "stream", "stream_options", "max_tokens", "speculative", "user")
+OUTPUT_FIELDS = ("include_stop_str_in_output", "skip_special_tokens", "best_of")
+COMMON_FIELDS = ("model", "n", "stream", "stream_options", "max_tokens", "speculative")
+CHAT_FIELDS = (
+    "messages",
+    "max_completion_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template_kwargs",
+    "add_special_tokens",
+)
 FIELDS = {
-    CHAT: {"messages", "max_completion_tokens", *COMMON_FIELDS, *SAMPLING_FIELDS, *NEUTRAL},
-    COMPLETION: {"prompt", *COMMON_FIELDS, *SAMPLING_FIELDS, *NEUTRAL},
+    CHAT: {*CHAT_FIELDS, *COMMON_FIELDS, *SAMPLING_FIELDS, *OUTPUT_FIELDS, *UNSUPPORTED, *IGNORED},
+    COMPLETION: {
+        "prompt",
+        "add_special_tokens",
+        *COMMON_FIELDS,
+        *SAMPLING_FIELDS,
+        *OUTPUT_FIELDS,
+        *UNSUPPORTED,
+        *IGNORED,
+    },
 }
+# Keys of chat_template_kwargs that are the template call's own arguments, set by other fields.
+TEMPLATE_ARGUMENTS = (
+    "conversation",
+    "messages",
+    "tokenize",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "return_dict",
+    "tools",
+    "documents",
+)
 
 
 class RequestError(ValueError):
@@ -84,46 +150,84 @@ class RequestError(ValueError):
         return error_body(str(self), self.type, self.param, self.code)
 
 
-def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 @dataclasses.dataclass(frozen=True)
 class GenerationRequest:
-    """What one OpenAI request asks the engine for."""
+    """What one OpenAI request asks the engine for: `n` choices of each prompt, choice j of
+    prompt i numbered i * n + j (as OpenAI and vLLM number a list of prompts' choices)."""
 
     kind: str  # CHAT or COMPLETION
-    prompt: list[int]  # token ids
-    sampling: Sampling
+    prompts: list[list[int]]  # token ids, one list per prompt (chat: one)
+    samplings: list[Sampling]  # one per choice of a prompt (n): seeded, choice j draws with seed + j
     max_new_tokens: int
     speculate: bool
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    ignore_eos: bool = False
+    include_stop: bool = False  # include_stop_str_in_output: the text keeps the stop string
+    skip_special_tokens: bool = True
+    ignored: tuple[str, ...] = ()  # the IGNORED fields the request sent (the app logs them)
+
+    @property
+    def n(self) -> int:
+        return len(self.samplings)
+
+    @property
+    def sampling(self) -> Sampling:  # the first choice's (the stop strings are every choice's)
+        return self.samplings[0]
+
+    @property
+    def prompt(self) -> list[int]:  # the first prompt (a chat request's only one)
+        return self.prompts[0]
+
+    def choices(self) -> list[tuple[int, list[int], Sampling]]:
+        """(index, prompt, sampling) of every choice, in the order of their indices."""
+        return [
+            (i * self.n + j, prompt, sampling)
+            for i, prompt in enumerate(self.prompts)
+            for j, sampling in enumerate(self.samplings)
+        ]
 
 
 # ---------------------------------------------------------------------------------------------
 # parsing
 
 
-def _check_fields(body: dict, kind: str) -> None:
+def _is_neutral(value, neutral) -> bool:
+    if value is None or neutral is None:
+        return value is neutral
+    if isinstance(value, bool) or isinstance(neutral, bool):  # 0 is not false here
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
+
+
+def _check_fields(body: dict, kind: str) -> tuple[str, ...]:
+    """Refuse unknown fields and unsupported values; the IGNORED fields sent."""
+    route = "/v1/chat/completions" if kind == CHAT else "/v1/completions"
     for name in body:
         if name not in FIELDS[kind]:
-            route = "/v1/chat/completions" if kind == CHAT else "/v1/completions"
             raise RequestError(f"unknown field {name!r} for {route}", param=name)
-    for name, neutral in NEUTRAL.items():
-        if name in body and body[name] not in neutral:
+    for name, neutral in UNSUPPORTED.items():
+        if name in body and not any(_is_neutral(body[name], v) for v in neutral):
             raise RequestError(
                 f"{name}={body[name]!r} is not supported by this server (accepted: "
-                f"{' or '.join(json.dumps(v) for v in neutral)})",
+                f"{' or '.join(json.dumps(v) for v in neutral)}): it would change the answer",
                 param=name,
             )
-    if body.get("n") not in (None, 1):
-        raise RequestError(f"n must be 1 (one choice per request), got {body['n']!r}", param="n")
-    if body.get("user") is not None and not isinstance(body["user"], str):
-        raise RequestError(f"user must be a string, got {body['user']!r}", param="user")
+    for name, kind_of in IGNORED.items():
+        value = body.get(name)
+        if value is not None and (not isinstance(value, kind_of) or (kind_of is int and not is_int(value))):
+            raise RequestError(f"{name} must be a {kind_of.__name__}, got {value!r}", param=name)
+    if isinstance(body.get("metadata"), dict) and not all(
+        isinstance(v, str) for v in body["metadata"].values()
+    ):
+        raise RequestError(
+            f"metadata must map strings to strings, got {body['metadata']!r}", param="metadata"
+        )
+    return tuple(name for name in IGNORED if body.get(name) is not None)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def bool_field(body: dict, name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -132,24 +236,28 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def _stream_options(body: dict, stream: bool) -> bool:
-    """stream_options.include_usage (only with stream = true, as OpenAI requires)."""
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats), only with stream = true, as OpenAI requires."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise RequestError("stream_options is only allowed with stream=true", param="stream_options")
     if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
         raise RequestError(
-            f"stream_options must be an object with include_usage, got {options!r}", param="stream_options"
+            "stream_options must be an object with include_usage and continuous_usage_stats, got "
+            f"{options!r}",
+            param="stream_options",
         )
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise RequestError(
-            f"stream_options.include_usage must be true or false, got {include!r}",
-            param="stream_options.include_usage",
-        )
-    return include
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise RequestError(
+                f"stream_options.{name} must be true or false, got {value!r}", param=f"stream_options.{name}"
+            )
+        flags.append(bool(value))
+    return flags[0], flags[1]
 
 
 def _stop_strings(body: dict):
@@ -186,9 +294,9 @@ def _logit_bias(body: dict, vocab_size: int) -> dict[int, float] | None:
     return parsed
 
 
-def _token_ids(value, name: str, vocab_size: int) -> list[int]:
+def token_ids(value, name: str, vocab_size: int) -> list[int]:
     if not isinstance(value, list) or not all(is_int(t) for t in value):
-        raise RequestError(f"{name} must be a list of token ids, got {value!r}", param=name)
+        raise RequestError(f"{name} must be a list of token ids, got {str(value)[:80]!r}", param=name)
     bad = [t for t in value if not 0 <= t < vocab_size]
     if bad:
         raise RequestError(
@@ -197,9 +305,17 @@ def _token_ids(value, name: str, vocab_size: int) -> list[int]:
     return value
 
 
+def _int_at_least(body: dict, name: str, default: int, least: int) -> int:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value) or value < least:
+        raise RequestError(f"{name} must be an integer >= {least}, got {value!r}", param=name)
+    return value
+
+
 def _sampling(body: dict, vocab_size: int) -> Sampling:
-    """The request's Sampling. A sampled request without a seed gets a fresh random one: OpenAI's
-    answers to the same unseeded request differ, and the engine draws from per-request seeds."""
+    """The request's Sampling, its seed as given (None: each choice gets its own, `_choices`)."""
     options = {
         name: body[name]
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
@@ -212,11 +328,8 @@ def _sampling(body: dict, vocab_size: int) -> Sampling:
     if top_k is not None:
         options["top_k"] = 0 if top_k == -1 else top_k  # vLLM's -1 is "off", specjax's 0
     if body.get("stop_token_ids") is not None:
-        options["stop_token_ids"] = _token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size)
-    seed = body.get("seed")
-    if seed is None and options["temperature"] != 0:
-        seed = secrets.randbelow(MAX_SEED)
-    options.update(logit_bias=_logit_bias(body, vocab_size), stop=_stop_strings(body), seed=seed)
+        options["stop_token_ids"] = token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size)
+    options.update(logit_bias=_logit_bias(body, vocab_size), stop=_stop_strings(body), seed=body.get("seed"))
     try:
         return Sampling(**options)
     except ValueError as error:  # "Sampling top_p must be in (0, 1] ...": the field is its second word
@@ -224,30 +337,71 @@ def _sampling(body: dict, vocab_size: int) -> Sampling:
         raise RequestError(str(error), param=name and name.group(1)) from None
 
 
-def _max_tokens(body: dict, kind: str, prompt_len: int, max_model_len: int) -> int:
-    """The token budget: max_completion_tokens (chat) or max_tokens; default 16 for a completion
-    (OpenAI's) and what the context leaves for a chat completion. The prompt and the budget must
-    fit in max_model_len."""
-    prompt = "messages" if kind == CHAT else "prompt"
-    if prompt_len >= max_model_len:
+def _choices(body: dict, sampling: Sampling) -> list[Sampling]:
+    """The n choices' Samplings. Seeded, choice j draws with seed + j (vLLM's rule); sampled
+    without a seed, each gets a fresh random one: OpenAI's answers to the same unseeded request
+    differ, and the engine draws from per-request seeds. Greedy choices are alike."""
+    n = _int_at_least(body, "n", 1, 1)
+    best_of = body.get("best_of")
+    if best_of is not None and not (is_int(best_of) and best_of == n):
         raise RequestError(
-            f"{prompt}: the prompt has {prompt_len} tokens, the server's max_model_len is {max_model_len}",
-            param=prompt,
+            f"best_of={best_of!r} is not supported by this server (accepted: null, or n={n}): it would "
+            "change the answer",
+            param="best_of",
         )
+    if sampling.greedy:
+        return [sampling] * n
+    if sampling.seed is None:
+        return [dataclasses.replace(sampling, seed=secrets.randbelow(MAX_SEED)) for _ in range(n)]
+    if sampling.seed + n > MAX_SEED:
+        raise RequestError(
+            f"seed={sampling.seed} with n={n}: choice j draws with seed + j, which must stay below 2**32",
+            param="seed",
+        )
+    return [dataclasses.replace(sampling, seed=sampling.seed + j) for j in range(n)]
+
+
+def _min_tokens(body: dict) -> None:
+    """vLLM's min_tokens holds back EOS and the stop tokens for that many tokens: inside the loop
+    on the device, which does not do it; so 0 only, and anything more is refused, not ignored."""
+    value = _int_at_least(body, "min_tokens", 0, 0)
+    if value > 0:
+        raise RequestError(
+            f"min_tokens={value} is not supported by this server (accepted: 0): the compiled loop "
+            "cannot hold back the stop tokens; use ignore_eos with max_tokens for a fixed length",
+            param="min_tokens",
+        )
+
+
+def _max_tokens(body: dict, kind: str, prompts: list[list[int]], max_model_len: int) -> int:
+    """The token budget: max_completion_tokens (chat) or max_tokens; default 16 for a completion
+    (OpenAI's) and what the context leaves for a chat completion. Each prompt and the budget must
+    fit in max_model_len."""
+    check_prompt_lengths(kind, prompts, max_model_len)
+    longest = max(len(p) for p in prompts)
     chat_budget = kind == CHAT and body.get("max_completion_tokens") is not None
     name = "max_completion_tokens" if chat_budget else "max_tokens"
-    value = body.get(name)
-    if value is None:
-        value = DEFAULT_COMPLETION_TOKENS if kind == COMPLETION else max_model_len - prompt_len
-    if not is_int(value) or value < 1:
-        raise RequestError(f"{name} must be an integer >= 1, got {value!r}", param=name)
-    if prompt_len + value > max_model_len:
+    default = DEFAULT_COMPLETION_TOKENS if kind == COMPLETION else max_model_len - longest
+    value = _int_at_least(body, name, default, 1)
+    if longest + value > max_model_len:
         raise RequestError(
-            f"{name}={value}: with a prompt of {prompt_len} tokens it exceeds the server's max_model_len "
+            f"{name}={value}: with a prompt of {longest} tokens it exceeds the server's max_model_len "
             f"of {max_model_len} tokens",
             param=name,
         )
     return value
+
+
+def check_prompt_lengths(kind: str, prompts: list[list[int]], max_model_len: int) -> None:
+    name = "messages" if kind == CHAT else "prompt"
+    for i, prompt in enumerate(prompts):
+        if len(prompt) >= max_model_len:
+            which = f"{name}[{i}]" if len(prompts) > 1 else name
+            raise RequestError(
+                f"{which}: the prompt has {len(prompt)} tokens, the server's max_model_len is "
+                f"{max_model_len}",
+                param=name,
+            )
 
 
 def _message_text(message, i: int):
@@ -265,9 +419,47 @@ def _message_text(message, i: int):
     )
 
 
-def chat_prompt(tokenizer, messages) -> list[int]:
+def template_options(body: dict) -> dict:
+    """The chat template's options: vLLM's add_generation_prompt (default: true, false when
+    continue_final_message), continue_final_message (the last message, the assistant's, is
+    continued rather than a new turn opened), add_special_tokens (default false: the template
+    writes its own) and chat_template_kwargs (more variables for the template, e.g.
+    {"enable_thinking": false})."""
+    continue_final = bool_field(body, "continue_final_message", False)
+    add_generation = bool_field(body, "add_generation_prompt", not continue_final)
+    if continue_final and add_generation:
+        raise RequestError(
+            "continue_final_message and add_generation_prompt cannot both be true: the first continues "
+            "the last message, the second opens a new turn after it",
+            param="continue_final_message",
+        )
+    extra = body.get("chat_template_kwargs")
+    if extra is None:
+        extra = {}
+    if not isinstance(extra, dict):
+        raise RequestError(
+            f"chat_template_kwargs must be an object of template variables, got {extra!r}",
+            param="chat_template_kwargs",
+        )
+    taken = [key for key in extra if key in TEMPLATE_ARGUMENTS]
+    if taken:
+        raise RequestError(
+            f"chat_template_kwargs[{taken[0]!r}] is an argument of the template call, not a variable "
+            f"(not allowed: {', '.join(TEMPLATE_ARGUMENTS)})",
+            param="chat_template_kwargs",
+        )
+    return dict(
+        add_generation_prompt=add_generation,
+        continue_final_message=continue_final,
+        add_special_tokens=bool_field(body, "add_special_tokens", False),
+        template_kwargs=extra,
+    )
+
+
+def chat_prompt(tokenizer, messages, options: dict | None = None) -> list[int]:
     """The prompt token ids of a chat request: the chat template over the messages with the
-    assistant's turn opened (`specjax.chat_prompt_ids`, which `generate` uses too)."""
+    assistant's turn opened (`specjax.chat_prompt_ids`, which `generate` uses too), or as the
+    `template_options` say."""
     if not has_chat_template(tokenizer):
         raise RequestError("the served model's tokenizer has no chat template: use /v1/completions")
     if isinstance(messages, list):
@@ -276,7 +468,7 @@ def chat_prompt(tokenizer, messages) -> list[int]:
             for i, m in enumerate(messages)
         ]
     try:
-        return chat_prompt_ids(tokenizer, messages)
+        return chat_prompt_ids(tokenizer, messages, **(options or {}))
     except ValueError as error:  # 'messages[1]["content"] must be a str ...': it names the message
         name = re.match(r"messages(\[\d+\])?", str(error))
         raise RequestError(str(error), param=name.group(0) if name else "messages") from None
@@ -284,24 +476,34 @@ def chat_prompt(tokenizer, messages) -> list[int]:
         raise RequestError(f"messages: the chat template refused them: {error}", param="messages") from None
 
 
-def completion_prompt_ids(tokenizer, prompt, vocab_size: int) -> list[int]:
-    """One prompt: a string (tokenized as `generate` tokenizes a string prompt), a list of token
-    ids, or a list holding one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        ids = tokenizer(prompt)["input_ids"]
-    elif isinstance(prompt, list) and (not prompt or all(is_int(t) for t in prompt)):
-        ids = _token_ids(prompt, "prompt", vocab_size)
-    else:
+def completion_prompts(tokenizer, prompt, vocab_size: int, max_model_len: int, add_special_tokens=True):
+    """The prompts of a completions request, as OpenAI takes them: a string, a list of token ids,
+    or a list of strings or of token-id lists (a prompt each). Token ids are checked against the
+    vocabulary and the context before any text is tokenized."""
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)):
+        prompt = [prompt]
+    if not isinstance(prompt, list) or not prompt:
         raise RequestError(
-            "prompt must be a string or a list of token ids (one prompt per request), got "
-            f"{str(prompt)[:80]!r}",
+            "prompt must be a string, a list of token ids, or a non-empty list of strings or of token-id "
+            f"lists, got {str(prompt)[:80]!r}",
             param="prompt",
         )
-    if not ids:
-        raise RequestError("prompt is empty: it needs at least one token", param="prompt")
-    return ids
+    if all(isinstance(p, list) for p in prompt):
+        named = ["prompt" if len(prompt) == 1 else f"prompt[{i}]" for i in range(len(prompt))]
+        prompts = [token_ids(p, name, vocab_size) for p, name in zip(prompt, named, strict=True)]
+        check_prompt_lengths(COMPLETION, prompts, max_model_len)
+    elif all(isinstance(p, str) for p in prompt):
+        prompts = [tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"] for p in prompt]
+    else:
+        raise RequestError(
+            f"prompt: a list of prompts must be all strings or all token-id lists, got {str(prompt)[:80]!r}",
+            param="prompt",
+        )
+    for i, ids in enumerate(prompts):
+        if not ids:
+            which = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            raise RequestError(f"{which} is empty: it needs at least one token", param="prompt")
+    return [list(ids) for ids in prompts]
 
 
 def parse_request(body: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int) -> GenerationRequest:
@@ -309,136 +511,30 @@ def parse_request(body: Any, kind: str, tokenizer, vocab_size: int, max_model_le
     the engine takes; RequestError names the first bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    _check_fields(body, kind)
+    ignored = _check_fields(body, kind)
+    _min_tokens(body)
+    sampling = _sampling(body, vocab_size)  # (before the prompts: it costs nothing)
+    samplings = _choices(body, sampling)
+    stream = bool_field(body, "stream", False)
+    include_usage, continuous_usage = _stream_options(body, stream)
     if kind == CHAT:
-        prompt = chat_prompt(tokenizer, body.get("messages"))
+        prompts = [chat_prompt(tokenizer, body.get("messages"), template_options(body))]
     else:
         if "prompt" not in body:
             raise RequestError("prompt is required", param="prompt")
-        prompt = completion_prompt_ids(tokenizer, body["prompt"], vocab_size)
-    stream = _bool(body, "stream", False)
+        add_special = bool_field(body, "add_special_tokens", True)
+        prompts = completion_prompts(tokenizer, body["prompt"], vocab_size, max_model_len, add_special)
     return GenerationRequest(
         kind=kind,
-        prompt=prompt,
-        sampling=_sampling(body, vocab_size),
-        max_new_tokens=_max_tokens(body, kind, len(prompt), max_model_len),
-        speculate=_bool(body, "speculative", True),
+        prompts=prompts,
+        samplings=samplings,
+        max_new_tokens=_max_tokens(body, kind, prompts, max_model_len),
+        speculate=bool_field(body, "speculative", True),
         stream=stream,
-        include_usage=_stream_options(body, stream),
+        include_usage=include_usage,
+        continuous_usage=continuous_usage,
+        ignore_eos=bool_field(body, "ignore_eos", False),
+        include_stop=bool_field(body, "include_stop_str_in_output", False),
+        skip_special_tokens=bool_field(body, "skip_special_tokens", True),
+        ignored=ignored,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# responses
-
-# The per-request acceptance figures sent with a finished request (the choice's
-# "speculate_metrics", where FastDeploy puts its own): SpecMetrics.summary()'s counts and rates,
-# named as specjax and vLLM name them.
-SPECULATE_METRICS_KEYS = (
-    "num_speculative_tokens",
-    "num_drafts",
-    "num_draft_tokens",
-    "num_accepted_tokens",
-    "num_emitted_tokens",
-    "acceptance_rate",
-    "mean_acceptance_length",
-    "acceptance_per_position",
-    "conditional_acceptance_per_position",
-    "acceptance_length_histogram",
-)
-
-
-def _finite(value):
-    """NaN (a rate over no drafts) as null: JSON has no NaN."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def speculate_metrics(metrics) -> dict | None:
-    """A finished request's acceptance figures from its SpecMetrics (None: none to report)."""
-    if metrics is None:
-        return None
-    summary = metrics.summary()
-    return {key: _finite(summary[key]) for key in SPECULATE_METRICS_KEYS if key in summary}
-
-
-def new_id(kind: str) -> str:
-    return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-@dataclasses.dataclass(frozen=True)
-class Responder:
-    """Builds one request's response bodies: the whole answer, or its streamed chunks."""
-
-    kind: str
-    model: str
-    id: str = ""
-    created: int = 0
-
-    @classmethod
-    def new(cls, kind: str, model: str) -> Responder:
-        return cls(kind, model, new_id(kind), int(time.time()))
-
-    def _body(self, object: str, choices: list, **extra) -> dict:
-        return {
-            "id": self.id,
-            "object": object,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-    def response(self, text: str, finish_reason: str | None, usage: dict, spec: dict | None) -> dict:
-        content = {"message": {"role": "assistant", "content": text}} if self.kind == CHAT else {"text": text}
-        choice = {
-            "index": 0,
-            **content,
-            "logprobs": None,
-            "finish_reason": finish_reason,
-            "speculate_metrics": spec,
-        }
-        return self._body(
-            "chat.completion" if self.kind == CHAT else "text_completion", [choice], usage=usage
-        )
-
-    def chunk(
-        self,
-        text: str,
-        *,
-        first: bool = False,
-        finish_reason: str | None = None,
-        spec: dict | None = None,
-        include_usage: bool = False,
-    ) -> dict:
-        """A streamed chunk with a text delta; the first chat chunk also says the role, the last
-        one gives the finish reason and the acceptance figures."""
-        if self.kind == CHAT:
-            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
-            content = {"delta": delta}
-        else:
-            content = {"text": text}
-        choice = {"index": 0, **content, "logprobs": None, "finish_reason": finish_reason}
-        if finish_reason is not None:
-            choice["speculate_metrics"] = spec
-        extra = {"usage": None} if include_usage else {}  # OpenAI: null until the usage chunk
-        return self._body(self._chunk_object, [choice], **extra)
-
-    def usage_chunk(self, usage: dict) -> dict:
-        """The last chunk when stream_options.include_usage: no choices, the whole usage."""
-        return self._body(self._chunk_object, [], usage=usage)
-
-    @property
-    def _chunk_object(self) -> str:
-        return "chat.completion.chunk" if self.kind == CHAT else "text_completion"

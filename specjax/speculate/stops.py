@@ -203,7 +203,19 @@ class StopStringSet:
         )
 
 
-def cut_text(text: str, stops: Sequence[str]) -> str:
-    """The text before the first occurrence of any stop string (all of it when none occurs)."""
-    found = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return text[: min(found)] if found else text
+def cut_text(text: str, stops: Sequence[str], include: bool = False) -> str:
+    """The text before the first occurrence of any stop string (all of it when none occurs); with
+    `include`, up to the end of that stop string (vLLM's include_stop_str_in_output)."""
+    end = stop_end(text, stops, 0, include)
+    return text if end is None else text[:end]
+
+
+def stop_end(text: str, stops: Sequence[str], start: int, include: bool) -> int | None:
+    """Where the text ends at its first stop string found from `start` on: where the stop string
+    begins, or with `include` where it ends (of the strings beginning there, the longest); None
+    when none occurs."""
+    found = [(i, len(s)) for s in stops if (i := text.find(s, start)) >= 0]
+    if not found:
+        return None
+    first = min(i for i, _ in found)
+    return first + max(n for i, n in found if i == first) if include else first
