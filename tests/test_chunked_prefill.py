@@ -119,3 +119,26 @@ def test_a_long_batch_against_one_pass():
 def test_bad_prefill_chunk(bad):
     with pytest.raises(ValueError, match="prefill_chunk"):
         specjax.generate(LAYERED, [[1, 2, 3]], max_new_tokens=2, prefill_chunk=bad)
+
+
+def test_one_program_a_chunk_loop_then_the_decoding_loop():
+    """The chunks are a while_loop of their own inside the one program, before the decoding loop;
+    no callback, no host round trip."""
+    from specjax.speculate.loop import GenerationInputs, generate_program
+    from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
+    from specjax.speculate.spec import LoopSpec
+
+    model = tiny_model()
+    sampling = [Sampling(), Sampling(temperature=0.7)]
+    spec = LoopSpec(model.config, 2, 128, 128, WarpSpec.of(sampling), prefill_chunk=16)
+    inputs = GenerationInputs.simple(
+        prompt_tokens=jax.numpy.zeros((2, 128), jax.numpy.int32),
+        prompt_lengths=jax.numpy.array([3, 50], jax.numpy.int32),
+        max_new_tokens=jax.numpy.array([8, 8], jax.numpy.int32),
+        sampling=SamplingParams.of(sampling, 2, model.config.vocab_size),
+        key=jax.random.key(0),
+    )
+    jaxpr = jax.make_jaxpr(generate_program, static_argnums=0)(spec, model.params, None, inputs)
+    top_level = [eqn.primitive.name for eqn in jaxpr.jaxpr.eqns]
+    assert top_level.count("while") == 2
+    assert not any("callback" in name for name in top_level)
