@@ -516,7 +516,7 @@ def test_a_cache_too_big_for_the_device_is_refused_before_allocating(monkeypatch
     monkeypatch.setattr(specjax.planner, "available_memory_bytes", lambda: 1 << 20)
     message = r"8 rows with prompts padded to 16 tokens .* needs about [\d,]+ bytes \(0\.\d\d GiB: .*\), but"
     with pytest.raises(ValueError, match=message):
-        specjax.generate(TARGET, [[1, 2, 3]] * 8, max_new_tokens=200)
+        specjax.generate(TARGET, [[1, 2, 3]] * 8, max_new_tokens=200, prefill_chunk=None)
 
 
 def test_the_memory_check_counts_attentions_working_memory():
@@ -559,7 +559,7 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
     real = specjax.planner.check_memory
     check = lambda spec, *rest: seen.append(spec) or real(spec, *rest)  # noqa: E731
     monkeypatch.setattr(specjax.planner, "check_memory", check)
-    specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
+    specjax.generate(TARGET, [[1] * 400], max_new_tokens=2, prefill_chunk=None)
     spec = seen[0]
     from specjax.models.cache import cache_bytes
 
@@ -567,7 +567,7 @@ def test_a_prompt_whose_prefill_does_not_fit_is_refused(monkeypatch):
     assert memory_bytes(spec) > cache + 2 * TARGET.config.num_heads * 64 * 448 * 4
     monkeypatch.setattr(specjax.planner, "available_memory_bytes", lambda: memory_bytes(spec) - 1)
     with pytest.raises(ValueError, match=r"1 rows with prompts padded to 448 tokens"):
-        specjax.generate(TARGET, [[1] * 400], max_new_tokens=2)
+        specjax.generate(TARGET, [[1] * 400], max_new_tokens=2, prefill_chunk=None)
 
 
 def test_memory_estimate_counts_the_caches():

@@ -43,6 +43,11 @@ TOKENIZE_FIELDS = {
         "return_token_strs",
     },
 }
+# Settings every transformers tokenizer has as attributes (PreTrainedTokenizerBase).
+BASE_SETTINGS = frozenset(
+    {"name_or_path", "model_max_length", "padding_side", "truncation_side", "bos_token_id", "eos_token_id"}
+    | {"pad_token_id", "clean_up_tokenization_spaces"}
+)
 # The tokenizer's settings /tokenizer_info gives, where the tokenizer has them.
 TOKENIZER_SETTINGS = (
     "name_or_path",
@@ -126,12 +131,15 @@ def tokenizer_info(tokenizer) -> dict:
     """The tokenizer's class, settings and chat template: enough for a client (lm-eval's remote
     tokenizer) to know what the server's tokenizer does."""
     info = {"tokenizer_class": type(tokenizer).__name__}
+    # Every tokenizer has the base class's attributes; the optional settings are what it was
+    # made with (init_kwargs), not probed for.
+    declared = {**tokenizer.init_kwargs, **tokenizer.special_tokens_map}
     for name in TOKENIZER_SETTINGS:
-        value = getattr(tokenizer, name, None)
+        value = getattr(tokenizer, name) if name in BASE_SETTINGS else declared.get(name)
         if value is not None and isinstance(value, str | int | float | bool | list):
             info[name] = value if not isinstance(value, list) else [str(v) for v in value]
     info["vocab_size"] = len(tokenizer)
-    info["chat_template"] = getattr(tokenizer, "chat_template", None)
+    info["chat_template"] = tokenizer.chat_template
     return info
 
 
