@@ -268,9 +268,8 @@ def chunked_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInput
     lengths = inputs.prompt_lengths
     chunks = -(-lengths // C)  # [B] a row's chunks
     ends = jnp.cumsum(chunks)  # chunk i belongs to the first row b with i < ends[b]
-    reads = spec.proposer_reads_features
+    reads, width = spec.proposer_reads_features, spec.proposer_feature_width
     hidden_size = spec.config.hidden_size
-    width = hidden_size * len(spec.proposer.capabilities.feature_layers or (None,)) if reads else 0
     dtype = jnp.dtype(spec.dtype)
 
     def chunk(i, carry):

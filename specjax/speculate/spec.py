@@ -60,6 +60,14 @@ class LoopSpec:
         """Whether the proposer reads the target's features at init (InitContext.target_features)."""
         return self.proposer is not None and self.proposer.capabilities.target_features is not None
 
+    @property
+    def proposer_feature_width(self) -> int:
+        """The width F of the features the proposer reads per token (the hidden size, or n of
+        them side by side for n captured layers); 0 where it reads none."""
+        if not self.proposer_reads_features:
+            return 0
+        return self.config.hidden_size * len(self.proposer.capabilities.feature_layers or (None,))
+
 
 def num_drafted(proposer) -> int:
     """Tokens a verify pass scores after the last one (so cache slots it writes past a row's
@@ -94,8 +102,7 @@ def memory_bytes(spec: LoopSpec, params: LlamaParams | None = None) -> int:
     else:  # one row's chunk at a time, a decoding pass of C tokens; the features gathered for init
         C = spec.prefill_chunk
         total += C * (2 * ffw + 4 * c.hidden_size) * itemsize
-        if spec.proposer_reads_features:
-            total += B * S * c.hidden_size * len(spec.proposer.capabilities.feature_layers or (0,)) * itemsize
+        total += B * S * spec.proposer_feature_width * itemsize
         workspace = max(
             attention_workspace_bytes(c, 1, 1, C, S, spec.dtype, on),  # a chunk's pass
             attention_workspace_bytes(c, B, 1, K + 1, S, spec.dtype, on),  # a decoding step's
