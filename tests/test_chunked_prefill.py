@@ -1,5 +1,5 @@
 """generate's prefill in chunks of one row inside the compiled program (LoopSpec.prefill_chunk,
-speculate/loop.py `chunked_prefill`) against the prompts in one pass (`prefill_chunk=None`):
+speculate/prefill.py `chunked_prefill`) against the prompts in one pass (`prefill_chunk=None`):
 the same tokens and the same accepted counts for every kind of proposer state (none, a draft
 model's cache, the target's features for an EAGLE or EAGLE-3 head, MTP layers), over prompts
 that end inside, at and past chunk boundaries, in a ragged batch; and programs that depend on the

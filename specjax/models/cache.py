@@ -186,7 +186,7 @@ class KVCache:
     def row(self, b: jax.Array) -> KVCache:
         """Row b (an int or a traced index) as a cache of one row: its entries of every buffer
         (axis -3 holds rows and kv heads, b-major) and its length. A chunk of one row's prompt
-        runs over it (speculate/loop.py, `chunked_prefill`), then `with_row` puts it back."""
+        runs over it (speculate/prefill.py, `chunked_prefill`), then `with_row` puts it back."""
         B = self.batch_size
 
         def take(buffer):

@@ -16,7 +16,6 @@ folded with the step number, so a seeded row's output does not depend on the res
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import flax.struct
 import jax
@@ -24,16 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import backend
-from specjax.models.cache import FreshEntries, KVCache, init_cache
-from specjax.models.llama import lm_head, stack_layers
+from specjax.models.cache import FreshEntries, KVCache
+from specjax.models.llama import stack_layers
 from specjax.models.params import LlamaParams
-from specjax.sharding import mesh_forward_hidden, mesh_move_slots, mesh_write
-from specjax.speculate.history import TokenHistory
-from specjax.speculate.metrics import MetricCounters
-from specjax.speculate.proposers.protocol import InitContext, ProposeContext, UpdateContext
+from specjax.sharding import mesh_move_slots
+from specjax.speculate.prefill import prefill
+from specjax.speculate.proposers.protocol import ProposeContext, UpdateContext
 from specjax.speculate.sampling import (
-    SamplingParams,
-    adjust_logits,
     choose_tokens,
     greedy_argmax,
     warp_logits,
@@ -41,296 +37,19 @@ from specjax.speculate.sampling import (
 
 # LoopSpec, memory_bytes and num_drafted live in speculate/spec.py; the loop's callers find them here too.
 from specjax.speculate.spec import LoopSpec
-from specjax.speculate.stops import StopStrings
+from specjax.speculate.state import (
+    DecodeState,
+    GenerationInputs,
+    adjust,
+    all_finite,
+    commit,
+    flag_nonfinite,
+    row_step,
+    step_keys,
+    store,
+    target_forward,
+)
 from specjax.speculate.verify import rejection_sample
-
-
-@flax.struct.dataclass
-class DecodeState:
-    tokens: jax.Array  # [B, S] int32: prompt then generated tokens, per row
-    lengths: jax.Array  # [B] int32: tokens in the row's sequence
-    prompt_lengths: jax.Array  # [B] int32
-    max_lengths: jax.Array  # [B] int32: prompt length + max_new_tokens
-    done: jax.Array  # [B] bool: stopped (EOS, stop token or string, max_new_tokens, bad logits)
-    cache: KVCache  # the target's; holds every token of the sequence but the last
-    proposer_state: Any  # the proposer's own (its KV cache, ...), None for plain decoding
-    keys: jax.Array  # [B] PRNG keys, one per row; each step folds in the row's own step number
-    step: jax.Array  # [] int32: steps the loop has run
-    # [B] int32: the loop's step when the row's prefill ran (0 in `generate`; a continuous batch
-    # admits rows later). A row's own step number is step - first_step, so a seeded row draws the
-    # same numbers whenever it joins (specjax/serve/engine.py).
-    first_step: jax.Array
-    metrics: MetricCounters
-    history: TokenHistory | None  # token counts for the penalties; None when no row has one
-    stop_states: jax.Array | None  # [B] int32 stop-string automaton states; None without stops
-    nonfinite_step: jax.Array  # [B] int32: first step with NaN / inf target logits, -1 if none
-
-
-@flax.struct.dataclass
-class GenerationInputs:
-    """The dynamic inputs of one call (arrays only)."""
-
-    prompt_tokens: jax.Array  # [B, prompt_bucket] int32, right-padded
-    prompt_lengths: jax.Array  # [B] int32
-    max_new_tokens: jax.Array  # [B] int32
-    sampling: SamplingParams
-    key: jax.Array  # the call's PRNG key
-    seeds: jax.Array  # [B] uint32: a row's own seed ...
-    seeded: jax.Array  # [B] bool: ... where it has one
-    stop_token_ids: jax.Array  # [B, M] int32: EOS and the row's stop token ids, padded with -1
-    stop_strings: StopStrings | None = None
-    # [B] bool: the rows whose drafts are verified; None: every row's. A row left out makes a
-    # plain step's worth of progress per step (its drafts are marked invalid), inside a batch that
-    # speculates: a continuous batch's per-request opt-out (specjax/serve/engine.py).
-    speculate: jax.Array | None = None
-
-    @classmethod
-    def simple(cls, prompt_tokens, prompt_lengths, max_new_tokens, sampling, key, stop_token_ids=()):
-        """Inputs with no seeds and the same stop token ids for every row (tests use this)."""
-        B = prompt_tokens.shape[0]
-        stop = jnp.asarray([list(stop_token_ids) or [-1]] * B, jnp.int32)
-        return cls(
-            prompt_tokens=prompt_tokens,
-            prompt_lengths=prompt_lengths,
-            max_new_tokens=max_new_tokens,
-            sampling=sampling,
-            key=key,
-            seeds=jnp.zeros((B,), jnp.uint32),
-            seeded=jnp.zeros((B,), bool),
-            stop_token_ids=stop,
-        )
-
-
-def row_keys(inputs: GenerationInputs) -> jax.Array:
-    """[B] keys: jax.random.key(seed) for a seeded row, the call's key folded with b otherwise."""
-    B = inputs.seeds.shape[0]
-    impl = jax.random.key_impl(inputs.key)
-    derived = jax.vmap(lambda b: jax.random.fold_in(inputs.key, b))(jnp.arange(B))
-    own = jax.vmap(lambda seed: jax.random.key(seed, impl=impl))(inputs.seeds)
-    derived, own = jax.random.key_data(derived), jax.random.key_data(own)
-    seeded = inputs.seeded.reshape((B,) + (1,) * (own.ndim - 1))
-    return jax.random.wrap_key_data(jnp.where(seeded, own, derived), impl=impl)
-
-
-def _step_keys(keys: jax.Array, step: jax.Array) -> jax.Array:
-    """keys [B] folded with each row's step number (step [] or [B])."""
-    return jax.vmap(jax.random.fold_in)(keys, jnp.broadcast_to(step, keys.shape))
-
-
-def _row_step(state: DecodeState) -> jax.Array:
-    """[B] each row's own step number."""
-    return state.step - state.first_step
-
-
-def _all_finite(logits: jax.Array) -> jax.Array:
-    """[B, ..., V] -> [B]: no NaN or inf anywhere in the row."""
-    return jnp.all(jnp.isfinite(logits).reshape(logits.shape[0], -1), axis=-1)
-
-
-def _flag_nonfinite(state: DecodeState, finite: jax.Array, running: jax.Array) -> DecodeState:
-    """Record the first step at which a running row's logits went bad, and stop the row there."""
-    bad = running & ~finite
-    first = bad & (state.nonfinite_step < 0)
-    return state.replace(
-        nonfinite_step=jnp.where(first, _row_step(state), state.nonfinite_step), done=state.done | bad
-    )
-
-
-def _write_rows(tokens: jax.Array, starts: jax.Array, new: jax.Array) -> jax.Array:
-    """Write new [B, T] into tokens [B, S] at column starts[b] of each row."""
-    return jax.vmap(lambda row, start, values: jax.lax.dynamic_update_slice(row, values, (start,)))(
-        tokens, starts, new
-    )
-
-
-def _adjust(spec: LoopSpec, sampling: SamplingParams, logits, history: TokenHistory | None, counts=None):
-    """Logit bias and penalties; counts default to the history's (the next position's)."""
-    if history is None:
-        return adjust_logits(logits, sampling, spec.warp)
-    counts = history.counts if counts is None else counts
-    return adjust_logits(logits, sampling, spec.warp, counts, history.in_prompt)
-
-
-def _commit(spec: LoopSpec, inputs: GenerationInputs, state: DecodeState, candidates, num_candidates):
-    """Append the first num_candidates[b] of candidates [B, T] to each running row, cut at the
-    first stop (EOS, a stop token id, the end of a stop string) and at the row's max length.
-
-    Tokens past a stop are neither written into the sequence nor counted. Returns the state with
-    tokens, lengths, done, history and stop states updated, and num_emitted [B]."""
-    running = ~state.done
-    B, T = candidates.shape
-    position = jnp.arange(T)[None, :]
-    real = position < num_candidates[:, None]
-    stop_at = jnp.any(candidates[..., None] == inputs.stop_token_ids[:, None, :], axis=-1)
-    if inputs.stop_strings is not None:
-        states_after, string_stop = inputs.stop_strings.advance(state.stop_states, candidates)
-        stop_at |= string_stop
-    first_stop = jnp.min(jnp.where(stop_at & real, position, T), axis=1)  # T when there is none
-    num_emitted = jnp.minimum(num_candidates, first_stop + 1)
-    num_emitted = jnp.minimum(num_emitted, state.max_lengths - state.lengths)
-    num_emitted = jnp.where(running, num_emitted, 0)
-    # Tokens past num_emitted land beyond the row's end: never read, later overwritten.
-    tokens = _write_rows(state.tokens, state.lengths, candidates)
-    lengths = state.lengths + num_emitted
-    done = state.done | (running & ((first_stop < num_emitted) | (lengths >= state.max_lengths)))
-    stop_states = state.stop_states
-    if inputs.stop_strings is not None:
-        last = states_after[jnp.arange(B), jnp.maximum(num_emitted - 1, 0)]
-        stop_states = jnp.where(num_emitted > 0, last, stop_states)
-    history = state.history
-    if history is not None:
-        history = history.add(candidates, num_emitted)
-    new_state = state.replace(
-        tokens=tokens, lengths=lengths, done=done, history=history, stop_states=stop_states
-    )
-    return new_state, num_emitted
-
-
-def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs) -> DecodeState:
-    """Run the prompts through the target (and the proposer) and pick each row's first token.
-
-    A row with no token to generate (max_new_tokens 0: a padding row of a batch bucket) is done
-    from the start: it never commits a token, never counts in the metrics, never holds the loop."""
-    B, T = inputs.prompt_tokens.shape
-    cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype, like=params.layers)
-    if spec.prefill_chunk is None:
-        logits, features, cache = whole_prefill(spec, params, inputs, cache)
-    else:
-        logits, features, cache = chunked_prefill(spec, params, inputs, cache)
-    proposer_state = None
-    if spec.proposer is not None:
-        context = InitContext(
-            target_params=params,
-            params=proposer_params,
-            prompt_tokens=inputs.prompt_tokens,
-            prompt_lengths=inputs.prompt_lengths,
-            capacity=spec.capacity,
-            target_features=features,
-            target_cache=cache,
-        )
-        with jax.named_scope("propose"):
-            proposer_state = spec.proposer.init(context)
-    history = None
-    if spec.warp.penalties:
-        history = TokenHistory.of_prompts(inputs.prompt_tokens, inputs.prompt_lengths, spec.config.vocab_size)
-    keys = row_keys(inputs)
-    adjusted = _adjust(spec, inputs.sampling, logits, history)
-    first, _ = choose_tokens(_step_keys(keys, jnp.zeros((), jnp.int32)), adjusted, inputs.sampling, spec.warp)
-
-    zeros = jnp.zeros((B,), jnp.int32)
-    live = inputs.max_new_tokens > 0
-    state = DecodeState(
-        tokens=jnp.zeros((B, spec.capacity), jnp.int32).at[:, :T].set(inputs.prompt_tokens),
-        lengths=inputs.prompt_lengths,
-        prompt_lengths=inputs.prompt_lengths,
-        max_lengths=inputs.prompt_lengths + inputs.max_new_tokens,
-        done=~live,
-        cache=cache,
-        proposer_state=proposer_state,
-        keys=keys,
-        step=jnp.zeros((), jnp.int32),
-        first_step=zeros,
-        metrics=MetricCounters.zeros(B, spec.k),
-        history=history,
-        stop_states=None if inputs.stop_strings is None else zeros,
-        nonfinite_step=zeros - 1,
-    )
-    state = _flag_nonfinite(state, _all_finite(logits), live)
-    state, num_emitted = _commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
-    forwards = live.astype(jnp.int32)
-    return state.replace(metrics=state.metrics.replace(target_forwards=forwards, emitted=num_emitted))
-
-
-def whole_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs, cache: KVCache):
-    """The prompts [B, prompt_bucket] in one pass into the empty cache: (logits [B, V] at each
-    row's last prompt token, the proposer's features [B, T, F] or None, the cache holding the
-    prompts). Right padding past a row's prompt is computed and left stale."""
-    B, T = inputs.prompt_tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    hidden, features, cache = _forward(spec, params, inputs.prompt_tokens, positions, cache, empty_cache=True)
-    logits = lm_head(params, hidden[jnp.arange(B), inputs.prompt_lengths - 1], spec.config)  # [B, V]
-    return logits, features if spec.proposer_reads_features else None, cache.advance(inputs.prompt_lengths)
-
-
-def chunked_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs, cache: KVCache):
-    """`whole_prefill` in chunks of C = `spec.prefill_chunk` tokens of one row each, a
-    `lax.while_loop` over a row's chunks and then the next row's: the only pass it compiles has C
-    tokens, whatever the prompts' lengths, and it computes each row's prompt rounded up to C
-    rather than every row padded to the longest (12 Spec-Bench prompts of 3,884 tokens, padded to
-    16 rows of 1,296, were 20,736 tokens). Each chunk is a decoding pass over the row's cache (it
-    attends to the slots earlier chunks wrote and, causally, to itself), so a family's windows,
-    sinks and latent attention hold as in any verify pass; its padding past the prompt lands in
-    slots past the row's length, stale until overwritten (`planner.capacity` leaves room for it).
-
-    The proposer's features, where it reads them, are gathered into [B, S, F] for its `init`."""
-    C = spec.prefill_chunk
-    B, S = inputs.prompt_tokens.shape
-    lengths = inputs.prompt_lengths
-    chunks = -(-lengths // C)  # [B] a row's chunks
-    ends = jnp.cumsum(chunks)  # chunk i belongs to the first row b with i < ends[b]
-    reads, width = spec.proposer_reads_features, spec.proposer_feature_width
-    hidden_size = spec.config.hidden_size
-    dtype = jnp.dtype(spec.dtype)
-
-    def chunk(i, carry):
-        cache, last_hidden, features = carry
-        b = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
-        start = (i - (ends[b] - chunks[b])) * C
-        tokens = jax.lax.dynamic_slice_in_dim(inputs.prompt_tokens[b], start, C)[None]  # [1, C]
-        positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
-        row = cache.row(b).replace(lengths=start[None])
-        hidden, row_features, row = _forward(spec, params, tokens, positions, row)
-        cache = cache.with_row(b, row)
-        last = lengths[b] - 1 - start  # the row's last prompt token, where this chunk holds it
-        holds = (last >= 0) & (last < C)
-        at = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(last, 0, C - 1), keepdims=False)
-        last_hidden = last_hidden.at[b].set(jnp.where(holds, at, last_hidden[b]))
-        if reads:
-            features = jax.lax.dynamic_update_slice(features, row_features.astype(dtype), (b, start, 0))
-        return cache, last_hidden, features
-
-    features = jnp.zeros((B, S, width) if reads else (0,), dtype)
-    carry = (cache, jnp.zeros((B, hidden_size), dtype), features)
-    cache, last_hidden, features = jax.lax.fori_loop(0, ends[-1], chunk, carry)
-    logits = lm_head(params, last_hidden, spec.config)
-    return logits, features if reads else None, cache.replace(lengths=lengths)
-
-
-def _target_forward(
-    spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, fresh_mask=None, write=True
-):
-    """The target's logits [B, T, V], the features its proposer drafts from [B, T, .] (see
-    `_forward`) and cache after feeding tokens [B, T] in a decoding step (fresh_mask [T, T]: a
-    tree's, or None for a chain); its body runs under shard_map on `spec.mesh` when there is one.
-    `write=False` (inside the batch-wide cond) returns the fresh entries in place of the cache,
-    for `_store` after the cond."""
-    hidden, features, cache = _forward(
-        spec, params, tokens, positions, cache, fresh_mask=fresh_mask, write=write
-    )
-    return lm_head(params, hidden, spec.config), features, cache
-
-
-def _forward(spec: LoopSpec, params: LlamaParams, tokens, positions, cache: KVCache, **options):
-    """(final-normed hidden states [B, T, D], the proposer's features, cache). The features are
-    the hidden states, or, for a proposer whose capabilities name feature layers (EAGLE-3), the
-    residual streams entering those layers side by side [B, T, n*D], taken in the same pass."""
-    layers = None if spec.proposer is None else spec.proposer.capabilities.feature_layers
-    if not layers:
-        hidden, cache = mesh_forward_hidden(
-            spec.mesh, params, spec.config, tokens, positions, cache, **options
-        )
-        return hidden, hidden, cache
-    hidden, cache, features = mesh_forward_hidden(
-        spec.mesh, params, spec.config, tokens, positions, cache, capture=layers, **options
-    )
-    return hidden, features, cache
-
-
-def _store(spec: LoopSpec, cache: KVCache, written: KVCache | FreshEntries) -> KVCache:
-    """The cache after a verdict: the one its pass wrote, or `cache` with the pass's entries."""
-    if isinstance(written, KVCache):
-        return written
-    return mesh_write(spec.mesh, cache, written)
 
 
 def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
@@ -338,10 +57,10 @@ def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, s
     Returns (new tokens [B], finite [B], cache)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, _, cache = _target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
-    adjusted = _adjust(spec, sampling, logits[:, 0], state.history)
+    logits, _, cache = target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
+    adjusted = adjust(spec, sampling, logits[:, 0], state.history)
     new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
-    return new, _all_finite(logits), cache
+    return new, all_finite(logits), cache
 
 
 def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: GenerationInputs):
@@ -349,10 +68,10 @@ def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: 
     B = state.tokens.shape[0]
     running = ~state.done
     state = state.replace(step=state.step + 1)
-    keys = _step_keys(state.keys, _row_step(state))
+    keys = step_keys(state.keys, row_step(state))
     new, finite, cache = _score_last_token(spec, params, state, inputs.sampling, keys)
-    state, num_emitted = _commit(spec, inputs, state, new[:, None], jnp.ones((B,), jnp.int32))
-    state = _flag_nonfinite(state, finite, running)
+    state, num_emitted = commit(spec, inputs, state, new[:, None], jnp.ones((B,), jnp.int32))
+    state = flag_nonfinite(state, finite, running)
 
     m, grow = state.metrics, running.astype(jnp.int32)
     return state.replace(
@@ -399,12 +118,12 @@ def _score(
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     fed = jnp.concatenate([last[:, None], proposal.draft_tokens], axis=1)  # [B, N+1]
     positions = (state.lengths - 1)[:, None] + jnp.asarray(depths)[None, :]
-    logits, hidden, cache = _target_forward(spec, params, fed, positions, state.cache, fresh_mask, write)
+    logits, hidden, cache = target_forward(spec, params, fed, positions, state.cache, fresh_mask, write)
     finite_at = jnp.all(jnp.isfinite(logits), axis=-1)  # [B, N+1]
     counts = None
     if state.history is not None:  # penalties as they would be after each fed token's path
         counts = state.history.counts_at_nodes(proposal.draft_tokens, proposal.valid, jnp.asarray(fresh_mask))
-    return _adjust(spec, sampling, logits, state.history, counts), finite_at, hidden, cache
+    return adjust(spec, sampling, logits, state.history, counts), finite_at, hidden, cache
 
 
 def _verify_drafts(
@@ -470,12 +189,12 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     full pass would, so its random stream does not depend on whether other rows drafted."""
     B, K = state.tokens.shape[0], spec.k
     last = state.tokens[jnp.arange(B), state.lengths - 1]
-    logits, hidden, cache = _target_forward(
+    logits, hidden, cache = target_forward(
         spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache, write=write
     )
     if not write:  # the same shape as the verify branch's entries
         cache = cache.pad_to(K + 1)
-    logits = _adjust(
+    logits = adjust(
         spec,
         sampling,
         logits,
@@ -492,7 +211,7 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     zeros = jnp.zeros((B,), jnp.int32)
     path_hidden = jnp.concatenate([hidden, jnp.zeros((B, K) + hidden.shape[2:], hidden.dtype)], axis=1)
     no = jnp.zeros((B, K), bool)
-    return Verdict(candidates, zeros, no.astype(jnp.float32), no, _all_finite(logits), cache, path_hidden)
+    return Verdict(candidates, zeros, no.astype(jnp.float32), no, all_finite(logits), cache, path_hidden)
 
 
 def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
@@ -590,7 +309,7 @@ def _verify_at_widths(spec: LoopSpec, params, proposer_params, state: DecodeStat
 
 def _passes(spec: LoopSpec, params, inputs, keys, widths) -> list:
     """The branches of a switch over verify widths (0 first): the one-token pass, then a verify
-    pass at each width, every one leaving the cache to `_store`."""
+    pass at each width, every one leaving the cache to `store`."""
     return [functools.partial(_skip, spec, params, inputs=inputs, keys=keys, write=False)] + [
         functools.partial(_verify, spec, params, inputs=inputs, keys=keys, width=w, write=False)
         for w in widths[1:]
@@ -638,12 +357,12 @@ def speculative_step(
     K = spec.k
     running = ~state.done
     state = state.replace(step=state.step + 1)
-    keys = jax.vmap(jax.random.split)(_step_keys(state.keys, _row_step(state)))  # [B, 2]
+    keys = jax.vmap(jax.random.split)(step_keys(state.keys, row_step(state)))  # [B, 2]
 
     capabilities = spec.proposer.capabilities
     widths = capabilities.widths
     verify_widths = None if spec.tree is not None else capabilities.verify_widths
-    # Passes inside a cond or switch leave the cache to `_store` (see FreshEntries). A tree's
+    # Passes inside a cond or switch leave the cache to `store` (see FreshEntries). A tree's
     # verifier writes, since it moves entries after writing them (tree proposers always draft,
     # so no cond holds their pass).
     write = spec.tree is not None or (widths is None and capabilities.always_drafts)
@@ -659,8 +378,8 @@ def speculative_step(
         )
     num_accepted = verdict.num_accepted
     with jax.named_scope("commit"):
-        state, num_emitted = _commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
-    state = _flag_nonfinite(state, verdict.finite, running)
+        state, num_emitted = commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
+    state = flag_nonfinite(state, verdict.finite, running)
     with jax.named_scope("propose"):  # the proposer catching up on the verdict
         context = UpdateContext(path_features=verdict.path_hidden, num_accepted=num_accepted, running=running)
         proposer_state = spec.proposer.update(context, proposer_state)
@@ -686,7 +405,7 @@ def speculative_step(
         + (drafting[:, None] & (jnp.arange(K + 1)[None, :] == num_accepted[:, None])),
         expected_accept_at=m.expected_accept_at + jnp.where(drafted_at, verdict.expected, 0.0),
     )
-    cache = _store(spec, state.cache, verdict.cache)
+    cache = store(spec, state.cache, verdict.cache)
     return state.replace(cache=cache.advance(num_emitted), proposer_state=proposer_state, metrics=metrics)
 
 
