@@ -3,6 +3,7 @@ the proposer, and each row's first token (specjax/speculate/loop.py runs the res
 
 from __future__ import annotations
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -32,12 +33,22 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
 
     A row with no token to generate (max_new_tokens 0: a padding row of a batch bucket) is done
     from the start: it never commits a token, never counts in the metrics, never holds the loop."""
-    B, T = inputs.prompt_tokens.shape
+    B = inputs.prompt_tokens.shape[0]
     cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype, like=params.layers)
     if spec.prefill_chunk is None:
         logits, features, cache = whole_prefill(spec, params, inputs, cache)
     else:
         logits, features, cache = chunked_prefill(spec, params, inputs, cache)
+    return first_tokens(spec, params, proposer_params, inputs, logits, features, cache)
+
+
+def first_tokens(
+    spec: LoopSpec, params: LlamaParams, proposer_params, inputs: GenerationInputs, logits, features, cache
+) -> DecodeState:
+    """The prefill after the target's pass over the prompts: the proposer's state (from the
+    prompts, the target's features [B, T, F] or None, its cache), each row's first token picked
+    from logits [B, V] at its last prompt token, and the loop's state."""
+    B, T = inputs.prompt_tokens.shape
     proposer_state = None
     if spec.proposer is not None:
         context = InitContext(
@@ -109,29 +120,61 @@ def chunked_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInput
     lengths = inputs.prompt_lengths
     chunks = -(-lengths // C)  # [B] a row's chunks
     ends = jnp.cumsum(chunks)  # chunk i belongs to the first row b with i < ends[b]
-    reads, width = spec.proposer_reads_features, spec.proposer_feature_width
-    hidden_size = spec.config.hidden_size
-    dtype = jnp.dtype(spec.dtype)
+    reads = spec.proposer_reads_features
 
-    def chunk(i, carry):
-        cache, last_hidden, features = carry
+    def chunk(i, partial):
         b = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
         start = (i - (ends[b] - chunks[b])) * C
         tokens = jax.lax.dynamic_slice_in_dim(inputs.prompt_tokens[b], start, C)[None]  # [1, C]
-        positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
-        row = cache.row(b).replace(lengths=start[None])
-        hidden, row_features, row = forward(spec, params, tokens, positions, row)
-        cache = cache.with_row(b, row)
-        last = lengths[b] - 1 - start  # the row's last prompt token, where this chunk holds it
-        holds = (last >= 0) & (last < C)
-        at = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(last, 0, C - 1), keepdims=False)
-        last_hidden = last_hidden.at[b].set(jnp.where(holds, at, last_hidden[b]))
-        if reads:
-            features = jax.lax.dynamic_update_slice(features, row_features.astype(dtype), (b, start, 0))
-        return cache, last_hidden, features
+        return prefill_chunk(spec, params, partial, b, tokens, start, lengths[b])
 
-    features = jnp.zeros((B, S, width) if reads else (0,), dtype)
-    carry = (cache, jnp.zeros((B, hidden_size), dtype), features)
-    cache, last_hidden, features = jax.lax.fori_loop(0, ends[-1], chunk, carry)
-    logits = lm_head(params, last_hidden, spec.config)
-    return logits, features if reads else None, cache.replace(lengths=lengths)
+    partial = PartialPrefill.empty(spec, params, B, S, cache)
+    partial = jax.lax.fori_loop(0, ends[-1], chunk, partial)
+    logits = lm_head(params, partial.last_hidden, spec.config)
+    features = partial.features if reads else None
+    return logits, features, partial.cache.replace(lengths=lengths)
+
+
+@flax.struct.dataclass
+class PartialPrefill:
+    """Prompts part-way through their chunks (`prefill_chunk`): the target's cache holding the
+    chunks run so far, each row's final-normed hidden state at its last prompt token (once a
+    chunk held it), and the proposer's features at the prompts' positions ([B, S, F]; [0] where
+    the proposer reads none). `chunked_prefill` carries one through its loop; the serving engine
+    keeps one between its steps, so that a long prompt's chunks run between the running rows'
+    decoding steps (specjax/serve/engine.py)."""
+
+    cache: KVCache
+    last_hidden: jax.Array  # [B, D]
+    features: jax.Array
+
+    @classmethod
+    def empty(cls, spec: LoopSpec, params: LlamaParams, batch: int, slots: int, cache=None):
+        """Nothing run yet, for `batch` rows of prompts up to `slots` tokens (cache: the empty
+        target cache to fill, or None for a new one of `spec.capacity` slots)."""
+        if cache is None:
+            cache = init_cache(spec.config, batch, spec.capacity, spec.cache_dtype, like=params.layers)
+        dtype = jnp.dtype(spec.dtype)
+        reads = spec.proposer_reads_features
+        features = jnp.zeros((batch, slots, spec.proposer_feature_width) if reads else (0,), dtype)
+        return cls(cache, jnp.zeros((batch, spec.config.hidden_size), dtype), features)
+
+
+def prefill_chunk(spec: LoopSpec, params: LlamaParams, partial: PartialPrefill, b, tokens, start, length):
+    """`partial` after row b's chunk of C = spec.prefill_chunk prompt tokens [1, C] at positions
+    start.. (start a multiple of C; the row's prompt has `length` tokens, the chunk's tokens past
+    it are padding). The chunk is a decoding pass over the row's cache: it attends to the slots
+    earlier chunks wrote and, causally, to itself; its padding lands in slots past the prompt,
+    stale until overwritten."""
+    C = spec.prefill_chunk
+    positions = (start + jnp.arange(C, dtype=jnp.int32))[None]
+    row = partial.cache.row(b).replace(lengths=start[None])
+    hidden, row_features, row = forward(spec, params, tokens, positions, row)
+    last = length - 1 - start  # the row's last prompt token, where this chunk holds it
+    holds = (last >= 0) & (last < C)
+    at = jax.lax.dynamic_index_in_dim(hidden[0], jnp.clip(last, 0, C - 1), keepdims=False)
+    last_hidden = partial.last_hidden.at[b].set(jnp.where(holds, at, partial.last_hidden[b]))
+    features = partial.features
+    if spec.proposer_reads_features:
+        features = jax.lax.dynamic_update_slice(features, row_features.astype(features.dtype), (b, start, 0))
+    return PartialPrefill(partial.cache.with_row(b, row), last_hidden, features)
