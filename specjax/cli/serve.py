@@ -51,6 +51,11 @@ def serve_command(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         chunk_steps=args.chunk_steps,
         admission_steps=args.admission_steps,
+        **(
+            {}
+            if args.prefill_chunk is None
+            else {"prefill_chunk": None if args.prefill_chunk == -1 else args.prefill_chunk}
+        ),
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
@@ -60,6 +65,14 @@ def serve_command(args: argparse.Namespace) -> None:
         allowed_origins=args.allowed_origins or (),
         max_request_bytes=args.max_request_bytes,
     )
+
+
+def chunk_option(value: int | None) -> dict:
+    """--prefill-chunk as serve's keyword: none given (the engine's default), -1 (None: one pass)
+    or the chunk."""
+    if value is None:
+        return {}
+    return {"prefill_chunk": None if value == -1 else value}
 
 
 def add_serve_command(commands) -> None:
@@ -94,6 +107,13 @@ def add_serve_command(commands) -> None:
         "--admission-steps",
         type=positive_int,
         help="loop steps between two looks at the queue while a slot is free (default 4; <= --chunk-steps)",
+    )
+    command.add_argument(
+        "--prefill-chunk",
+        type=tokens_or_off,
+        help="prompts longer than this are prefilled in chunks of it (a multiple of 16), one chunk per "
+        "step between the running requests' steps (default: EngineConfig.prefill_chunk, 128 tokens; "
+        "-1: each prompt in one pass while the others wait)",
     )
     command.add_argument(
         "--max-waiting",

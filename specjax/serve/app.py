@@ -40,7 +40,7 @@ from specjax.checks import check_int, is_int
 from specjax.models import Model, load
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
-from specjax.serve.engine_config import EngineConfig
+from specjax.serve.engine_config import PREFILL_CHUNK, EngineConfig
 from specjax.serve.engine_config import Request as EngineRequest
 from specjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Guard, add_error_handlers, check_api_key
 from specjax.serve.metrics import ServerMetrics
@@ -389,6 +389,7 @@ def serve(
     max_model_len: int | None = None,
     chunk_steps: int = 16,
     admission_steps: int | None = None,
+    prefill_chunk: int | None = PREFILL_CHUNK,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
@@ -405,9 +406,9 @@ def serve(
         .gguf file), loaded in `dtype` with `quantization` and `group_size` (as `specjax.load`).
     speculative_config: vLLM's / FastDeploy's --speculative-config object (see
         specjax/serve/config.py), or `proposer`: any specjax proposer; neither for plain decoding.
-    max_batch, max_model_len, chunk_steps, admission_steps: the engine's slots, the longest
-        prompt + answer, and the most loop steps between two looks at the queue (while a slot is
-        free: admission_steps) (specjax.serve.engine.Engine).
+    max_batch, max_model_len, chunk_steps, admission_steps, prefill_chunk: the engine's slots, the
+        longest prompt + answer, the most loop steps between two looks at the queue (while a slot
+        is free: admission_steps), and the chunks a long prompt is prefilled in (EngineConfig).
     max_waiting: the most requests waiting for a slot (default 4 x max_batch); past it, 503.
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
     precompile: before listening, compile the loop at every width and the prefill of prompts up to
@@ -439,6 +440,7 @@ def serve(
         max_model_len=max_model_len,
         chunk_steps=chunk_steps,
         admission_steps=admission_steps,
+        prefill_chunk=prefill_chunk,
     )
     engine = Engine(model, proposer, config)
     if precompile is not None:

@@ -8,6 +8,11 @@ programs move it, each compiled ahead of time (docs/serving.md):
 - prefill (one per prompt bucket, on first use or at `precompile`): one request's row (the
   target's cache, its proposer's state, its first token); write (one per width, at start) puts
   it into a free slot, the other slots untouched;
+- a prompt longer than `prefill_chunk` tokens is prefilled in chunks instead, one chunk per
+  `step` between the running rows' chunks (all of them back to back when nothing else runs):
+  start_prompt and prompt_chunk (one program each, whatever the prompt's length), then
+  finish_prompt (one per power-of-two bucket: the proposer's state and the first token) and
+  write. One long prompt is in chunks at a time; shorter ones are admitted beside it;
 - move (one per width, at start): a running row copied into a free slot below it, when requests
   finishing have left the others fitting a narrower width for more than `narrow_after` chunks;
 - resize (at start: one per pair of widths up, one per neighbouring pair down): the state grown
@@ -40,6 +45,7 @@ import dataclasses
 import functools
 import itertools
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +57,7 @@ from specjax import planner
 from specjax.checks import is_int
 from specjax.models.model import Model
 from specjax.serve import engine_programs
+from specjax.serve.chunked_prompt import PromptInChunks
 from specjax.serve.engine_config import (
     MAX_STOP_TOKEN_IDS,
     EngineConfig,
@@ -60,10 +67,11 @@ from specjax.serve.engine_config import (
     admission_bucket,
     check_request,
 )
+from specjax.serve.engine_inputs import check_memory, check_warp, engine_capacity, loop_inputs
 from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
-from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
+from specjax.speculate.sampling import Sampling, WarpSpec
 from specjax.speculate.stops import MAX_STOP_STRINGS, StopStringSet, cut_text
 
 MIN_BUCKET = planner.MIN_BUCKET
@@ -126,14 +134,14 @@ class Engine:
             config=model.config,
             batch_size=config.max_batch,
             prompt_bucket=MIN_BUCKET,
-            capacity=planner.capacity(config.max_model_len, proposer_spec),
+            capacity=engine_capacity(config, proposer_spec),
             warp=warp,
             proposer=proposer_spec,
             dtype=model.params.dtype.name,
             cache_dtype=planner.cache_dtype_of(model, config.cache_dtype),
             backend=backend,
         )
-        self._check_memory()
+        check_memory(self.config, self.spec, model.params)
         params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
             with backend.tracing():
@@ -149,12 +157,14 @@ class Engine:
         self._key = jax.random.key(0) if config.key is None else planner.as_key(config.key)
         self._eos = frozenset(planner.eos_ids(model))
         self._max_stop_states = config.max_stop_states
+        self._chunk = config.prefill_chunk
         self._programs: dict[Any, Any] = {}
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`_batch_axes`), found once
         self.num_compiles = 0
         self.stats = EngineStats()
 
         self._ids = itertools.count()
+        self._in_chunks: PromptInChunks | None = None  # the long prompt being prefilled, if any
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
         self._slots: list[_Running | None] = [None] * config.max_batch
         self._samplings: list[Sampling] = [Sampling()] * config.max_batch
@@ -205,19 +215,6 @@ class Engine:
                 loops |= {kind: drafting, f"{kind}-quiet": quiet}
         return loops
 
-    def _check_memory(self) -> None:
-        """Refuse a batch whose caches and working memory do not fit (before allocating them)."""
-        spec = dataclasses.replace(self.spec, prompt_bucket=self._bucket(self.max_model_len))
-        shortfall = planner.memory_shortfall(spec, self.model.params)
-        if shortfall is not None:
-            (needed, available), gib = shortfall, 1 << 30
-            raise ValueError(
-                f"max_batch={self.max_batch} and max_model_len={self.max_model_len}: the slots' caches "
-                f"({spec.capacity} slots per row) and working memory need about {needed / gib:.2f} GiB, "
-                f"but the device has {available / gib:.2f} GiB free; use a smaller max_batch or "
-                "max_model_len"
-            )
-
     # ----- the public face -------------------------------------------------------------------
 
     @property
@@ -242,7 +239,8 @@ class Engine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self._waiting)
+        """Requests not yet decoding: queued, or a long prompt part-way through its chunks."""
+        return len(self._waiting) + (self._in_chunks is not None)
 
     @property
     def num_running(self) -> int:
@@ -250,13 +248,13 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting) or self.num_running > 0
+        return self.num_waiting > 0 or self.num_running > 0
 
     def add(self, request: Request) -> int:
         """Check a request and queue it; returns its id. ValueError naming what is wrong."""
         prompt = check_request(request, self.model.config.vocab_size, self.max_model_len)
         planner.check_token_options([request.sampling], self.model)
-        self._check_warp(request.sampling)
+        check_warp(request.sampling, self.spec.warp)
         stop_ids = self._stop_ids(request)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(
@@ -285,6 +283,9 @@ class Engine:
             if waiting_id == request_id:
                 del self._waiting[i]
                 return [self._final(request_id, [], "abort", None)]
+        if self._in_chunks is not None and self._in_chunks.request_id == request_id:
+            self._in_chunks = None  # (its partial row's memory goes with it)
+            return [self._final(request_id, [], "abort", None)]
         for b, slot in enumerate(self._slots):
             if slot is not None and slot.request_id == request_id:
                 self._state = self._state.replace(done=self._state.done.at[b].set(True))
@@ -300,15 +301,9 @@ class Engine:
         free = [b for b, slot in enumerate(self._slots) if slot is None][: len(self._waiting)]
         if free:
             self._resize(max(self._width, min(w for w in self._widths if w > free[-1])))
-        while self._waiting and None in self._slots:
-            request_id, request = self._waiting[0]
-            b = self._slots.index(None)
-            if not self._stop_strings_fit(b, request.sampling.stop):
-                break  # it waits (first in line) until running requests with other strings finish
-            self._waiting.popleft()
-            self._admit(b, request_id, request)
-            self.stats.admissions += 1
-        if self.stats.admissions > admitted:
+        chunks = self.stats.prompt_chunks
+        self._admit_waiting()
+        if self.stats.admissions > admitted or self.stats.prompt_chunks > chunks:
             jax.block_until_ready(self._state)  # (the prefills' time, not the next chunk's)
             self.stats.admission_s += time.perf_counter() - start
         if self.num_running == 0:
@@ -345,7 +340,9 @@ class Engine:
         # While a slot is free, an arrival could take it: the chunk is short, so that a request
         # that comes while it runs waits little for its prefill. A chunk always ends when a row
         # finishes: its last tokens go out at once and its slot is free for the next request.
-        max_steps = self.admission_steps if None in self._slots else self.chunk_steps
+        # (So is it while a long prompt runs its chunks: one per chunk of the running rows.)
+        pending = None in self._slots or self._in_chunks is not None
+        max_steps = self.admission_steps if pending else self.chunk_steps
         start = time.perf_counter()
         self._state, window = self._run(
             kind,
@@ -390,9 +387,19 @@ class Engine:
                     f"prompt_lengths holds {length!r}: lengths must be integers in [1, {self.max_model_len}]"
                 )
         before = self.num_compiles
-        for bucket in sorted({self._bucket(int(n)) for n in lengths}):
+        for bucket in sorted(
+            {self._bucket(int(n)) for n in lengths if self._chunk is None or n <= self._chunk}
+        ):
             inputs = self._row_inputs_free(1, bucket)
             self._program("prefill", bucket, self._params, self._proposer_params, inputs)
+        long = [int(n) for n in lengths if self._chunk is not None and n > self._chunk]
+        if long:
+            partial = self._program("start_prompt", self._chunk, self._params)(self._params)
+            tokens, start = jnp.zeros((1, self._chunk), jnp.int32), jnp.int32(0)
+            self._program("prompt_chunk", self._chunk, self._params, partial, tokens, start, start)
+        for bucket in sorted({min(1 << (n - 1).bit_length(), self.spec.capacity) for n in long}):
+            inputs = self._row_inputs_free(1, bucket)
+            self._program("finish_prompt", bucket, self._params, self._proposer_params, partial, inputs)
         for width in self._widths:
             args = (
                 self._params,
@@ -420,8 +427,58 @@ class Engine:
 
     # ----- slots -----------------------------------------------------------------------------
 
-    def _admit(self, b: int, request_id: int, request: Request) -> None:
-        """Prefill the request into slot b (one compiled program per prompt bucket)."""
+    def _admit_waiting(self) -> None:
+        """Admit what waits into free slots, first come first served: a prompt of at most
+        `prefill_chunk` tokens in one pass, a longer one in chunks. One long prompt is in chunks
+        at a time; its chunks run one per step while other rows run (back to back when none
+        does), and it takes a free slot when its last chunk has run; shorter prompts behind it
+        are admitted meanwhile."""
+        ran_chunk = False
+        while True:
+            free = None if None not in self._slots else self._slots.index(None)
+            if self._in_chunks is None and free is not None:
+                self._in_chunks = self._start_long_prompt()
+            prompt = self._in_chunks
+            while prompt is not None and not prompt.complete and not (ran_chunk and self.num_running):
+                prompt.partial = self._run(
+                    "prompt_chunk", self._chunk, self._params, prompt.partial, *prompt.next_chunk()
+                )
+                self.stats.prompt_chunks += 1
+                ran_chunk = True
+            if prompt is not None and prompt.complete and free is not None:
+                if self._stop_strings_fit(free, prompt.request.sampling.stop):
+                    self._in_chunks = None
+                    self._admit(free, prompt.request_id, prompt.request, prompt.partial)
+                    self.stats.admissions += 1
+                    continue
+            short = next((i for i, (_, r) in enumerate(self._waiting) if not self._long(r)), None)
+            if free is None or short is None:
+                return
+            request_id, request = self._waiting[short]
+            if not self._stop_strings_fit(free, request.sampling.stop):
+                return  # it waits (first in line) until running requests with other strings finish
+            del self._waiting[short]
+            self._admit(free, request_id, request)
+            self.stats.admissions += 1
+
+    def _long(self, request: Request) -> bool:
+        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk)."""
+        return self._chunk is not None and len(request.prompt) > self._chunk
+
+    def _start_long_prompt(self) -> PromptInChunks | None:
+        """The first waiting long prompt, taken out of the queue before its first chunk (None if
+        none waits)."""
+        at = next((i for i, (_, r) in enumerate(self._waiting) if self._long(r)), None)
+        if at is None:
+            return None
+        request_id, request = self._waiting[at]
+        del self._waiting[at]
+        partial = self._run("start_prompt", self._chunk, self._params)
+        return PromptInChunks(request_id, request, partial, self._chunk)
+
+    def _admit(self, b: int, request_id: int, request: Request, partial=None) -> None:
+        """Prefill the request into slot b (one compiled program per prompt bucket), or, for a
+        long prompt whose chunks have run (`partial`), make its row from them."""
         sampling = request.sampling
         if self._stop_strings is not None and not set(sampling.stop) <= set(self._stop_strings.patterns):
             self._grow_stop_strings(b, sampling.stop)  # (before the slot changes: it may refuse)
@@ -436,13 +493,15 @@ class Engine:
             started=time.perf_counter(),
         )
         self._inputs = {}  # the slots' options changed
-        bucket = self._bucket(len(request.prompt))
+        n = len(request.prompt)
+        bucket = self._bucket(n) if partial is None else min(1 << (n - 1).bit_length(), self.spec.capacity)
         padded = np.zeros((1, bucket), np.int32)
-        padded[0, : len(request.prompt)] = request.prompt
-        row = self._row_inputs(
-            b, padded, len(request.prompt), request.max_new_tokens, request_id, request.key
-        )
-        row = self._run("prefill", bucket, self._params, self._proposer_params, row)
+        padded[0, :n] = request.prompt
+        row = self._row_inputs(b, padded, n, request.max_new_tokens, request_id, request.key)
+        if partial is None:
+            row = self._run("prefill", bucket, self._params, self._proposer_params, row)
+        else:
+            row = self._run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
         width = min(w for w in self._widths if w > b)
         self._resize(max(width, self._width))
         self._state = self._run("write", self._width, self._state, row, jnp.int32(b))
@@ -503,22 +562,6 @@ class Engine:
 
     # ----- options and stop strings ------------------------------------------------------------
 
-    def _check_warp(self, sampling: Sampling) -> None:
-        """A request may use only the sampling code paths the engine was compiled with."""
-        need, have = WarpSpec.of(sampling), self.spec.warp
-        missing = [
-            name
-            for name in ("top_k", "top_p", "min_p", "penalties", "logit_bias")
-            if getattr(need, name) and not getattr(have, name)
-        ]
-        if not need.greedy and have.greedy:
-            missing.insert(0, "temperature > 0")
-        if missing:
-            raise ValueError(
-                f"sampling: this engine was built without {', '.join(missing)} (its warp is {have}); "
-                "build it with warp=None (every option) to serve such requests"
-            )
-
     def _tables(self, stop_strings: StopStringSet):
         if stop_strings.num_states > self._max_stop_states:
             raise ValueError(
@@ -572,56 +615,43 @@ class Engine:
 
     def _slot_inputs(self, width: int) -> GenerationInputs:
         samplings, slots = self._samplings[:width], self._slots[:width]
-        stop_strings = None
-        if self._stop_tables is not None:
-            masks = [self._stop_strings.mask(s.stop) for s in samplings]
-            stop_strings = self._stop_tables.replace(row_mask=jnp.asarray(masks, jnp.int32))
-        return GenerationInputs(
-            prompt_tokens=jnp.zeros((width, 1), jnp.int32),  # (the prefill's; the loop reads none)
-            prompt_lengths=jnp.ones((width,), jnp.int32),
-            max_new_tokens=jnp.zeros((width,), jnp.int32),
-            sampling=self._sampling_params(samplings),
-            key=self._key,
-            seeds=jnp.zeros((width,), jnp.uint32),
-            seeded=jnp.zeros((width,), bool),
-            stop_token_ids=jnp.asarray(self._stop_ids_table(slots)),
-            stop_strings=stop_strings,
-            speculate=jnp.asarray([s is None or s.request.speculate for s in slots]),
+        return self._loop_inputs(
+            samplings,
+            [frozenset() if s is None else s.stop_ids for s in slots],
+            [s is None or s.request.speculate for s in slots],
         )
 
     def _row_inputs(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int, key):
         """One request's inputs for its prefill (batch 1)."""
-        sampling = self._samplings[b]
-        stop_strings = None
-        if self._stop_tables is not None:
-            mask = self._stop_strings.mask(sampling.stop)
-            stop_strings = self._stop_tables.replace(row_mask=jnp.asarray([mask], jnp.int32))
-        return GenerationInputs(
-            prompt_tokens=jnp.asarray(prompt),
-            prompt_lengths=jnp.asarray([prompt_length], jnp.int32),
-            max_new_tokens=jnp.asarray([max_new_tokens], jnp.int32),
-            sampling=self._sampling_params([sampling]),
+        slot = self._slots[b]
+        return self._loop_inputs(
+            [self._samplings[b]],
+            [slot.stop_ids],
+            [slot.request.speculate],
+            prompt_tokens=prompt,
+            prompt_lengths=[prompt_length],
+            max_new_tokens=[max_new_tokens],
             key=jax.random.fold_in(self._key, request_id) if key is None else key,
-            seeds=jnp.asarray([sampling.seed or 0], jnp.uint32),
-            seeded=jnp.asarray([sampling.seed is not None]),
-            stop_token_ids=jnp.asarray(self._stop_ids_table([self._slots[b]])),
-            stop_strings=stop_strings,
-            speculate=jnp.asarray([self._slots[b].request.speculate]),
+            seeded=True,
         )
 
-    def _sampling_params(self, rows: list[Sampling]) -> SamplingParams:
-        params = SamplingParams.of(rows, len(rows), self.model.config.vocab_size)
-        if self.spec.warp.logit_bias and params.logit_bias is None:  # the program reads one
-            params = params.replace(logit_bias=jnp.zeros((len(rows), self.model.config.vocab_size)))
-        return params
-
-    def _stop_ids_table(self, slots) -> np.ndarray:
-        table = np.full((len(slots), MAX_STOP_TOKEN_IDS), -1, np.int32)
-        for i, slot in enumerate(slots):
-            if slot is not None:
-                ids = sorted(slot.stop_ids)
-                table[i, : len(ids)] = ids
-        return table
+    def _loop_inputs(self, samplings, stop_ids, speculate, key=None, **prompts) -> GenerationInputs:
+        """`engine_inputs.loop_inputs` for these rows, with the engine's vocabulary, warp, key and
+        stop-string tables."""
+        masks = [0] * len(samplings)
+        if self._stop_tables is not None:
+            masks = [self._stop_strings.mask(s.stop) for s in samplings]
+        return loop_inputs(
+            samplings,
+            stop_ids,
+            speculate,
+            vocab_size=self.model.config.vocab_size,
+            warp=self.spec.warp,
+            key=self._key if key is None else key,
+            stop_tables=self._stop_tables,
+            stop_masks=masks,
+            **prompts,
+        )
 
     def _free_row_state(self) -> DecodeState:
         """A free slot's row: a one-token request with nothing to generate, prefilled once (so
@@ -697,20 +727,9 @@ class Engine:
 
     def _row_inputs_free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
         """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
-        stop_strings = None
-        if self._stop_tables is not None:
-            stop_strings = self._stop_tables.replace(row_mask=jnp.zeros((batch,), jnp.int32))
-        return GenerationInputs(
-            prompt_tokens=jnp.zeros((batch, bucket), jnp.int32),
-            prompt_lengths=jnp.ones((batch,), jnp.int32),
-            max_new_tokens=jnp.zeros((batch,), jnp.int32),
-            sampling=self._sampling_params([Sampling()] * batch),
-            key=self._key,
-            seeds=jnp.zeros((batch,), jnp.uint32),
-            seeded=jnp.zeros((batch,), bool),
-            stop_token_ids=jnp.full((batch, MAX_STOP_TOKEN_IDS), -1, jnp.int32),
-            stop_strings=stop_strings,
-            speculate=jnp.ones((batch,), bool),
+        prompt = np.zeros((batch, bucket), np.int32)
+        return self._loop_inputs(
+            [Sampling()] * batch, [frozenset()] * batch, [True] * batch, prompt_tokens=prompt
         )
 
     # ----- programs ----------------------------------------------------------------------------
@@ -741,7 +760,11 @@ class Engine:
         key = (kind, size)
         if key not in self._programs:
             program, statics = self._statics(kind, size)
-            self._programs[key] = engine_programs.jitted(program, *statics).lower(*args).compile()
+            with warnings.catch_warnings():
+                # finish_prompt donates a long prompt's partial row for its cache, and its other
+                # buffers (the features, the last hidden state) have no output to go to.
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                self._programs[key] = engine_programs.jitted(program, *statics).lower(*args).compile()
             self.num_compiles += 1
         return self._programs[key]
 
@@ -753,6 +776,10 @@ class Engine:
             return "resume", (dataclasses.replace(self._loops[kind], batch_size=size), self._window)
         if kind == "prefill":  # one request's row, its prompt padded to `size`
             return kind, (dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size),)
+        if kind in ("start_prompt", "prompt_chunk", "finish_prompt"):  # a long prompt's (`size`:
+            # the chunk, or the bucket the finish pads the prompt to)
+            spec = dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size, prefill_chunk=self._chunk)
+            return kind, (spec,)
         if kind == "may_draft":
             return kind, (self.spec,)
         axes = self._batch_axes()  # the programs over the running state read its rows' axes

@@ -36,6 +36,9 @@ ADMISSION_STEPS = 4
 # clients here 0.7-2.4 s of moves and fresh memory, against a few steps at the wider width
 # (docs/serving.md).
 NARROW_AFTER = 2
+# Tokens per prefill chunk of a long prompt (EngineConfig.prefill_chunk): see docs/serving.md,
+# "Long prompts in chunks", for the latencies measured at 64, 128 and 256.
+PREFILL_CHUNK = 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,14 @@ class EngineConfig:
     """Chunks in a row the running requests must fit a narrower width before the state narrows to
     it (0: at once). Until then the chunks step at the wider width, so that requests arriving just
     after others finished find the slots where they were."""
+
+    prefill_chunk: int | None = PREFILL_CHUNK
+    """A prompt longer than this many tokens is prefilled in chunks of this size (a multiple of
+    16), one chunk per `step` while other requests run, so that their rows wait at most one
+    chunk's pass for it (every chunk runs in the same program, whatever the prompt's length);
+    when nothing else runs, its chunks run back to back. Shorter prompts are prefilled in one pass
+    of their bucket (admitted beside a long one in chunks). None: every prompt in one pass of its
+    bucket, while the running rows wait."""
 
     warp: WarpSpec | None = None
     """The sampling code paths compiled in (None: every option; a `WarpSpec.of(...)` of the
@@ -104,6 +115,13 @@ class EngineConfig:
         object.__setattr__(self, "admission_steps", admission)
         check_int("max_stop_states", self.max_stop_states, 1)
         check_int("narrow_after", self.narrow_after, 0)
+        if self.prefill_chunk is not None:
+            check_int("prefill_chunk", self.prefill_chunk, MIN_BUCKET)
+            if self.prefill_chunk % MIN_BUCKET:
+                raise ValueError(
+                    f"prefill_chunk={self.prefill_chunk}: chunks are a multiple of {MIN_BUCKET} tokens "
+                    "(or None: every prompt in one pass)"
+                )
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         if self.warp is not None and not isinstance(self.warp, WarpSpec):
@@ -178,6 +196,7 @@ class EngineStats:
 
     admissions: int = 0
     admission_s: float = 0.0  # prefills and writes into slots, while the running rows wait
+    prompt_chunks: int = 0  # long prompts' prefill chunks (EngineConfig.prefill_chunk)
     steps: dict[int, int] = dataclasses.field(default_factory=dict)  # loop steps, by chunk width
     chunk_s: dict[int, float] = dataclasses.field(default_factory=dict)  # chunks' seconds, by width
     # Of those, the quiet chunks' (Dynamic's chunks in which no row may draft), by width
@@ -186,6 +205,7 @@ class EngineStats:
 
     def reset(self) -> None:
         self.admissions, self.admission_s, self.steps, self.chunk_s = 0, 0.0, {}, {}
+        self.prompt_chunks = 0
         self.quiet_steps, self.quiet_s = {}, {}
 
     def ms_per_step(self, width: int) -> float:

@@ -2,6 +2,8 @@
 (`PROGRAMS`). Each takes its static arguments first (bound before jit) and the arrays after:
 
 - `prefill_row`: one request's row (the target's cache, its proposer's state, its first token);
+- `start_prompt`, `prompt_chunk`, `finish_prompt`: the same for a long prompt in chunks of a fixed
+  size, run one at a time between the running rows' chunks (a `PartialPrefill` in between);
 - `write_row`: a prefilled row into a free slot of the running state, the other slots untouched;
 - `move_row`: a running row copied into a free slot below it;
 - `resize`: the running state grown to a wider width (free rows added) or cut to a narrower one;
@@ -22,7 +24,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.models.llama import lm_head
 from specjax.speculate.loop import DecodeState, LoopSpec, prefill, resume_program
+from specjax.speculate.prefill import PartialPrefill, first_tokens, prefill_chunk
 
 SHARED = -1  # the batch axis of a leaf that all rows share
 
@@ -79,6 +83,30 @@ def prefill_row(spec: LoopSpec, params, proposer_params, inputs) -> DecodeState:
     """One request's row, a batch of one whose prompt is padded to `spec.prompt_bucket`."""
     with spec.backend.tracing():
         return prefill(spec, params, proposer_params, inputs)
+
+
+def start_prompt(spec: LoopSpec, params) -> PartialPrefill:
+    """A long prompt's row before its first chunk (an empty cache of `spec.capacity` slots)."""
+    return PartialPrefill.empty(spec, params, 1, spec.capacity)
+
+
+def prompt_chunk(spec: LoopSpec, params, partial: PartialPrefill, tokens, start, length) -> PartialPrefill:
+    """The row after its prompt's chunk tokens [1, spec.prefill_chunk] at position `start` (the
+    prompt has `length` tokens): one program whatever the prompt's length."""
+    with spec.backend.tracing():
+        return prefill_chunk(spec, params, partial, jnp.int32(0), tokens, start, length)
+
+
+def finish_prompt(spec: LoopSpec, params, proposer_params, partial: PartialPrefill, inputs) -> DecodeState:
+    """The row of a prompt whose chunks have all run: its proposer's state and its first token,
+    as `prefill_row` makes them (inputs: the prompt padded to a bucket; the proposer reads that
+    many positions of the features)."""
+    with spec.backend.tracing():
+        logits = lm_head(params, partial.last_hidden, spec.config)
+        bucket = inputs.prompt_tokens.shape[1]
+        features = partial.features[:, :bucket] if spec.proposer_reads_features else None
+        cache = partial.cache.replace(lengths=inputs.prompt_lengths)
+        return first_tokens(spec, params, proposer_params, inputs, logits, features, cache)
 
 
 def write_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot) -> DecodeState:
@@ -158,6 +186,9 @@ class Program:
 # compiled once per loop spec (the full, lean and quiet ones) and width.
 PROGRAMS = {
     "prefill": Program(prefill_row),
+    "start_prompt": Program(start_prompt),
+    "prompt_chunk": Program(prompt_chunk, donate=(1,)),
+    "finish_prompt": Program(finish_prompt, donate=(2,)),
     "write": Program(write_row, donate=(0,)),
     "move": Program(move_row, donate=(0,)),
     "resize": Program(resize),  # (its output has another shape: nothing to donate to)

@@ -1,0 +1,39 @@
+"""A long prompt part-way through its prefill chunks, as the engine keeps it between its steps
+(specjax/serve/engine.py, EngineConfig.prefill_chunk)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.serve.engine_config import Request
+
+
+@dataclasses.dataclass
+class PromptInChunks:
+    """The request, its row so far on the device (a `PartialPrefill`: the target's cache through
+    the chunks run, the features its proposer reads) and how many prompt tokens those chunks held."""
+
+    request_id: int
+    request: Request
+    partial: Any
+    chunk: int  # tokens per chunk
+    done: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.done >= len(self.request.prompt)
+
+    def next_chunk(self):
+        """The next chunk's arguments (tokens [1, chunk] padded past the prompt with 0, its start
+        position, the prompt's length), counted as run."""
+        prompt = self.request.prompt
+        tokens = np.zeros((1, self.chunk), np.int32)
+        piece = prompt[self.done : self.done + self.chunk]
+        tokens[0, : len(piece)] = piece
+        start = self.done
+        self.done += self.chunk
+        return jnp.asarray(tokens), jnp.int32(start), jnp.int32(len(prompt))
