@@ -165,5 +165,5 @@ def test_every_engine_config_field_has_a_docstring():
 def test_an_unknown_engine_program_is_an_error():
     from specjax.serve import engine_programs
 
-    with pytest.raises(ValueError, match="engine program kind 'prefil' is not one of prefill, start_prompt, prompt_chunk"):
+    with pytest.raises(ValueError, match="engine program kind 'prefil' is not one of prefill, start_prompt"):
         engine_programs.jitted("prefil")
