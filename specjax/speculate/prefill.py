@@ -11,6 +11,7 @@ from specjax.models.cache import KVCache, init_cache
 from specjax.models.llama import lm_head
 from specjax.models.params import LlamaParams
 from specjax.speculate.history import TokenHistory
+from specjax.speculate.logprobs import TokenLogprobs, records
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.proposers.protocol import InitContext
 from specjax.speculate.sampling import choose_tokens
@@ -86,9 +87,13 @@ def first_tokens(
         history=history,
         stop_states=None if inputs.stop_strings is None else zeros,
         nonfinite_step=zeros - 1,
+        logprobs=TokenLogprobs.empty(spec.logprobs, B, spec.capacity),
     )
     state = flag_nonfinite(state, all_finite(logits), live)
-    state, num_emitted = commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
+    first_logprobs = records(spec.logprobs, adjusted[:, None], inputs.sampling, spec.warp, first[:, None])
+    state, num_emitted = commit(
+        spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32), first_logprobs
+    )
     forwards = live.astype(jnp.int32)
     return state.replace(metrics=state.metrics.replace(target_forwards=forwards, emitted=num_emitted))
 

@@ -40,6 +40,10 @@ class LoopSpec:
     # the prompts then come in the token buffer's width (`prompt_bucket` == `capacity`) and no pass
     # depends on their lengths. None: the prompts in one pass over [B, prompt_bucket] (`whole_prefill`).
     prefill_chunk: int | None = None
+    # Per emitted token, its logprob and the logprobs of this many most likely tokens
+    # (speculate/logprobs.py), computed in the loop into buffers of the state; None: off, none of it
+    # compiled.
+    logprobs: int | None = None
 
     @property
     def k(self) -> int:
@@ -93,6 +97,8 @@ def memory_bytes(spec: LoopSpec, params: LlamaParams | None = None) -> int:
     if spec.warp.penalties:
         total += B * V * 5 + B * (K + 1) * V * 4  # counts, prompt mask, counts at the drafts
     total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
+    if spec.logprobs is not None:  # the buffers (speculate/logprobs.py) and one pass's log-probabilities
+        total += B * S * (4 + 8 * spec.logprobs) + B * (K + 1) * V * 4
     ffw = max(c.intermediate_size, (c.moe_intermediate_size or 0) * c.num_experts_per_tok)
     itemsize = np.dtype(jnp.dtype(spec.dtype)).itemsize
     on = spec.backend or backend.active()
