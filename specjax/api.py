@@ -243,7 +243,7 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
     )
     logprobs = None
     if kept is not None:
-        logprobs = [Logprobs.of_row(kept, tokens, b, len(row), lengths[b]) for b, row in enumerate(rows)]
+        logprobs = [Logprobs.of_row(kept, new_tokens[b], b, len(row)) for b, row in enumerate(rows)]
     return GenerateResult(
         tokens=new_tokens,
         texts=texts,

@@ -3,6 +3,7 @@ inside the compiled loop, checked against an independent reference (a float64 nu
 of a teacher-forced pass over the emitted tokens, with the sampling options' processing written
 out again here), and equal under every proposer family to what plain decoding reports."""
 
+import dataclasses
 import functools
 
 import jax
@@ -15,6 +16,7 @@ from oracle import Oracle, references
 import specjax
 from specjax import programs
 from specjax.models import MedusaHead, forward, init_cache
+from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.tree import TokenTree
 
 TARGET = layered_target(seed=11, late_scale=0.3)
@@ -222,3 +224,48 @@ def test_no_recompilation_per_prompt_length_and_no_host_callback():
     text = str(jaxpr)
     assert "while" in text and "top_k" in text
     assert "callback" not in text
+
+
+def joined_logprobs(pieces):
+    """One Logprobs of consecutive pieces (a stream's deltas, an engine's updates)."""
+    pieces = [p for p in pieces if p is not None and len(p)]
+    return Logprobs(
+        *(np.concatenate([getattr(p, f.name) for p in pieces]) for f in dataclasses.fields(Logprobs))
+    )
+
+
+def assert_row_equal(ours: Logprobs, theirs: Logprobs):
+    assert ours.token_ids.tolist() == theirs.token_ids.tolist()
+    np.testing.assert_allclose(ours.logprobs, theirs.logprobs, atol=TOL)
+    np.testing.assert_allclose(ours.top_logprobs, theirs.top_logprobs, atol=TOL)
+    assert ours.top_ids.tolist() == theirs.top_ids.tolist()
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram"])
+def test_stream_carries_generates_logprobs(name):
+    proposer = None if name == "plain" else specjax.NGram(k=3, n_max=3)
+    sampling = MIXED[1]  # seeded: the stream draws generate's tokens
+    whole = specjax.generate(TARGET, [PROMPTS[0]], proposer, sampling, max_new_tokens=NEW, logprobs=N)
+    deltas = list(
+        specjax.stream(TARGET, PROMPTS[0], proposer, sampling, max_new_tokens=NEW, chunk_steps=2, logprobs=N)
+    )
+    assert all(len(d.logprobs) == len(d.token_ids) for d in deltas)
+    assert_row_equal(joined_logprobs([d.logprobs for d in deltas]), whole.logprobs[0])
+
+
+def test_engine_updates_carry_logprobs(plain_greedy):
+    engine = specjax.Engine(TARGET, specjax.NGram(k=3, n_max=3), max_batch=2, max_model_len=96, chunk_steps=3)
+    assert engine.spec.logprobs is None  # off by default
+    engine = specjax.Engine(
+        TARGET, specjax.NGram(k=3, n_max=3), max_batch=2, max_model_len=96, chunk_steps=3, logprobs=N
+    )
+    ids = [engine.add(specjax.Request(p, max_new_tokens=NEW)) for p in PROMPTS[:3]]
+    pieces = {i: [] for i in ids}
+    while engine.has_work:
+        for update in engine.step():
+            assert len(update.logprobs) == len(update.tokens)
+            pieces[update.request_id].append(update.logprobs)
+    for b, i in enumerate(ids):
+        assert_row_equal(joined_logprobs(pieces[i]), plain_greedy.logprobs[b])
+    with pytest.raises(ValueError, match="logprobs must be an integer >= 0, got -2"):
+        specjax.EngineConfig(logprobs=-2)

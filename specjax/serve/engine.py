@@ -60,6 +60,7 @@ from specjax.serve.engine_config import (
     admission_bucket,
     check_request,
 )
+from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
@@ -132,6 +133,7 @@ class Engine:
             dtype=model.params.dtype.name,
             cache_dtype=planner.cache_dtype_of(model, config.cache_dtype),
             backend=backend,
+            logprobs=planner.check_logprobs(config.logprobs, model.config.vocab_size),
         )
         self._check_memory()
         params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
@@ -347,7 +349,7 @@ class Engine:
         # finishes: its last tokens go out at once and its slot is free for the next request.
         max_steps = self.admission_steps if None in self._slots else self.chunk_steps
         start = time.perf_counter()
-        self._state, window = self._run(
+        self._state, window, logprobs = self._run(
             kind,
             width,
             self._params,
@@ -358,8 +360,8 @@ class Engine:
             jnp.asarray(reported),
         )
         state = self._state
-        window, lengths, done, nonfinite, counters, step = jax.device_get(
-            (window, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
+        window, logprobs, lengths, done, nonfinite, counters, step = jax.device_get(
+            (window, logprobs, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
         self.stats.add_chunk(
             width, int(step) - self._step_count, time.perf_counter() - start, kind.endswith("-quiet")
@@ -368,7 +370,10 @@ class Engine:
         updates = []
         for b, slot in enumerate(self._slots):
             if slot is not None:
-                updates.append(self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters))
+                update = self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters)
+                if logprobs is not None:
+                    update.logprobs = Logprobs.of_row(logprobs, update.tokens, b, 0)
+                updates.append(update)
         return updates
 
     def _steps_left(self) -> int:

@@ -89,6 +89,10 @@ class EngineConfig:
     """The size of the stop-string automaton the running requests share: a request whose strings
     do not fit beside theirs waits; one that never fits is refused."""
 
+    logprobs: int | None = None
+    """Per committed token, its logprob and those of the N most likely tokens, as `generate`'s
+    logprobs, in each Update's `logprobs` (every request's); None: off, the programs compute none."""
+
     def __post_init__(self):
         check_int("max_batch", self.max_batch, 1)
         check_int("chunk_steps", self.chunk_steps, 1)
@@ -104,6 +108,8 @@ class EngineConfig:
         object.__setattr__(self, "admission_steps", admission)
         check_int("max_stop_states", self.max_stop_states, 1)
         check_int("narrow_after", self.narrow_after, 0)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         if self.warp is not None and not isinstance(self.warp, WarpSpec):
@@ -169,6 +175,8 @@ class Update:
     num_accepted_tokens: int
     accepted_per_pos: list[int]  # accepted drafts at each draft position (k of them)
     metrics: Any = None  # the request's whole figures (a SpecMetrics), once finished
+    # With EngineConfig.logprobs: the new tokens' logprobs (a speculate/logprobs.py Logprobs)
+    logprobs: Any = None
 
 
 @dataclasses.dataclass

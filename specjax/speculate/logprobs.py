@@ -103,6 +103,10 @@ class TokenLogprobs:
             put(self.top_values, records.top_values),
         )
 
+    def window(self, columns: jax.Array) -> LogprobRecords:
+        """The records at columns [B, W] of each row (a continuous batch's chunk's new tokens)."""
+        return LogprobRecords(self.chosen, self.top_ids, self.top_values).gather(columns)
+
 
 def processed_log_probs(adjusted: jax.Array, sampling: SamplingParams, warp) -> jax.Array:
     """[B, ..., V] float32: the log-probabilities each row's token is drawn from at each position
@@ -153,17 +157,14 @@ class Logprobs:
         return {int(t): float(v) for t, v in zip(self.top_ids[i], self.top_logprobs[i], strict=True)}
 
     @classmethod
-    def of_row(cls, buffers: TokenLogprobs, tokens: np.ndarray, b: int, start: int, end: int) -> Logprobs:
-        """Row b's slots start..end of fetched buffers (numpy) and of its tokens [B, S]."""
+    def of_row(cls, buffers, token_ids, b: int, start: int) -> Logprobs:
+        """The records of token_ids [n], row b's, at slots start.. of fetched buffers (a
+        TokenLogprobs or LogprobRecords of numpy arrays [B, S, ...])."""
+        token_ids = np.asarray(token_ids, np.int32)
+        end = start + len(token_ids)
         chosen = np.asarray(buffers.chosen[b, start:end])
         if buffers.top_ids is None:
-            no = (end - start, 0)
-            return cls(
-                np.asarray(tokens[b, start:end]), chosen, np.zeros(no, np.int32), np.zeros(no, np.float32)
-            )
-        return cls(
-            np.asarray(tokens[b, start:end]),
-            chosen,
-            np.asarray(buffers.top_ids[b, start:end]),
-            np.asarray(buffers.top_values[b, start:end]),
-        )
+            no = (len(token_ids), 0)
+            return cls(token_ids, chosen, np.zeros(no, np.int32), np.zeros(no, np.float32))
+        top_ids, top_values = buffers.top_ids[b, start:end], buffers.top_values[b, start:end]
+        return cls(token_ids, chosen, np.asarray(top_ids), np.asarray(top_values))

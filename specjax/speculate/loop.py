@@ -471,7 +471,7 @@ def resume_program(
     max_steps: jax.Array,
     reported: jax.Array,
     window: int,
-) -> tuple[DecodeState, jax.Array]:
+) -> tuple[DecodeState, jax.Array, LogprobRecords | None]:
     """Run the loop from `state` for at most max_steps [] steps, or until a row finishes (its
     slot is free for the next request), or until every row is done.
 
@@ -479,7 +479,8 @@ def resume_program(
     them (the engine stacks its weights once, not every chunk). Returns the state and, so that
     only new tokens go to the host, tokens [B, window] of each row from column reported[b] on
     (the host's count of the row's tokens it has seen; `window` static, >= the tokens a chunk
-    can commit past it)."""
+    can commit past it), and their logprob records [B, window, ...] (None where the state keeps
+    none)."""
     with (spec.backend or backend.active()).tracing():
         first_step, done_before = state.step, state.done
 
@@ -498,4 +499,5 @@ def resume_program(
         step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)
         state = jax.lax.while_loop(cond, step, state)
         columns = jnp.minimum(reported[:, None] + jnp.arange(window)[None, :], spec.capacity - 1)
-        return state, jnp.take_along_axis(state.tokens, columns, axis=1)
+        logprobs = None if state.logprobs is None else state.logprobs.window(columns)
+        return state, jnp.take_along_axis(state.tokens, columns, axis=1), logprobs
