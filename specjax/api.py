@@ -37,6 +37,9 @@ class GenerateResult:
     # With `generate(..., logprobs=N)`: per row, its emitted tokens' logprobs and each position's
     # N most likely tokens (speculate/logprobs.py's `Logprobs`); None when logprobs were off.
     logprobs: list[Logprobs] | None = None
+    # With `generate(..., prompt_logprobs=N)`: per row, its prompt tokens from the second on, each
+    # with its logprob given those before it and the N most likely tokens there; None when off.
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 def load(
@@ -96,6 +99,7 @@ def generate(
     scan_layers: bool | None = None,
     prefill_chunk: int | str | None = "auto",
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
@@ -159,6 +163,12 @@ def generate(
     reports its logprob under the target's distribution p, as vLLM does, so every proposer reports
     the logprobs plain decoding reports for the same tokens (to float rounding).
 
+    `prompt_logprobs`: None (off), or N >= 0: `result.prompt_logprobs[b]` holds row b's prompt
+    tokens from the second on, each with its logprob given the tokens before it and the N most
+    likely tokens there, under the model's own distribution (the log-softmax of the raw logits,
+    temperature 1, no bias, penalty or filter: the prompt was not sampled), as vLLM reports them;
+    taken from the prefill's pass (then one pass over the padded prompts, not chunks).
+
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from
     the others' makes every process raise a ValueError before anything is compiled
@@ -180,6 +190,7 @@ def generate(
             scan_layers=scan_layers,
             prefill_chunk=prefill_chunk,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         return _generate(model, prompts, options, agreement)
     except Exception:
@@ -207,7 +218,7 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
     fetch = jax.device_get if mesh is None else sharding.fetch  # the latter spans hosts too
     # A proposer's own counts (a Hybrid's per part), or None
     own = None if spec.proposer is None else spec.proposer.counters(state.proposer_state)
-    tokens, lengths, max_lengths, nonfinite_step, counters, own, kept = fetch(
+    tokens, lengths, max_lengths, nonfinite_step, counters, own, kept, scored = fetch(
         (
             state.tokens,
             state.lengths,
@@ -216,6 +227,7 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
             state.metrics,
             own,
             state.logprobs,
+            state.prompt_logprobs,
         )
     )
     run_time = time.perf_counter() - start
@@ -244,6 +256,9 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
     logprobs = None
     if kept is not None:
         logprobs = [Logprobs.of_row(kept, new_tokens[b], b, len(row)) for b, row in enumerate(rows)]
+    prompt_logprobs = None
+    if scored is not None:
+        prompt_logprobs = [Logprobs.of_row(scored, row[1:], b, 0) for b, row in enumerate(rows)]
     return GenerateResult(
         tokens=new_tokens,
         texts=texts,
@@ -251,4 +266,5 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
         prompt_tokens=rows,
         finish_reasons=planner.finish_reasons(model, new_tokens, samplings, at_limit, cut),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

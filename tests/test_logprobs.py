@@ -82,7 +82,7 @@ def processed(z: np.ndarray, s: specjax.Sampling, prompt, before) -> np.ndarray:
     return _log_softmax(np.where(keep, z, -np.inf))
 
 
-def check_against_reference(model, result, samplings):
+def check_against_reference(model, result, samplings, top=N):
     """Every row's logprobs and top N equal the float64 reference over a teacher-forced pass."""
     for b, (prompt, out) in enumerate(zip(result.prompt_tokens, result.tokens, strict=True)):
         lp = result.logprobs[b]
@@ -92,7 +92,7 @@ def check_against_reference(model, result, samplings):
             ref = processed(logits[len(prompt) - 1 + i], samplings[b], prompt, out[:i])
             assert np.isfinite(lp.logprobs[i])
             np.testing.assert_allclose(lp.logprobs[i], ref[token], atol=TOL, err_msg=f"row {b} token {i}")
-            order = np.argsort(-ref, kind="stable")[:N]
+            order = np.argsort(-ref, kind="stable")[:top]
             np.testing.assert_allclose(lp.top_logprobs[i], ref[order], atol=TOL)
             finite = np.isfinite(ref[order])
             assert lp.top_ids[i][finite].tolist() == order[finite].tolist(), (b, i)
@@ -269,3 +269,37 @@ def test_engine_updates_carry_logprobs(plain_greedy):
         assert_row_equal(joined_logprobs(pieces[i]), plain_greedy.logprobs[b])
     with pytest.raises(ValueError, match="logprobs must be an integer >= 0, got -2"):
         specjax.EngineConfig(logprobs=-2)
+
+
+def test_prompt_logprobs_equal_the_reference():
+    """Each prompt token from the second on, under the raw log-softmax of the teacher-forced logits
+    before it (rows of different lengths in one padded prefill, beside a proposer and sampled rows'
+    logprobs)."""
+    result = specjax.generate(
+        TARGET,
+        PROMPTS,
+        proposer=specjax.NGram(k=2),
+        sampling=MIXED,
+        max_new_tokens=4,
+        logprobs=1,
+        prompt_logprobs=N,
+    )
+    for b, prompt in enumerate(PROMPTS):
+        lp = result.prompt_logprobs[b]
+        assert lp.token_ids.tolist() == prompt[1:]
+        logits = np.asarray(_logits(TARGET.params, TARGET.config, jnp.asarray([prompt])))[0]
+        for i, token in enumerate(prompt[1:]):
+            ref = _log_softmax(logits[i].astype(np.float64))
+            np.testing.assert_allclose(lp.logprobs[i], ref[token], atol=TOL)
+            order = np.argsort(-ref, kind="stable")[:N]
+            assert lp.top_ids[i].tolist() == order.tolist()
+            np.testing.assert_allclose(lp.top_logprobs[i], ref[order], atol=TOL)
+    check_against_reference(TARGET, result, MIXED, top=1)
+    assert specjax.generate(TARGET, PROMPTS[:1], max_new_tokens=2).prompt_logprobs is None
+
+
+def test_prompt_logprobs_refuse_a_chunked_prefill():
+    with pytest.raises(ValueError, match="prompt_logprobs=0 scores the prompts in one pass"):
+        specjax.generate(TARGET, PROMPTS[:1], max_new_tokens=2, prompt_logprobs=0, prefill_chunk=32)
+    with pytest.raises(ValueError, match="prompt_logprobs must be None"):
+        specjax.generate(TARGET, PROMPTS[:1], max_new_tokens=2, prompt_logprobs=-1)

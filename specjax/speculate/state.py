@@ -48,6 +48,9 @@ class DecodeState:
     # The emitted tokens' logprobs, slot by slot beside `tokens` (speculate/logprobs.py); None
     # when the program computes none (LoopSpec.logprobs None)
     logprobs: TokenLogprobs | None = None
+    # The prompt tokens' logprobs, [B, prompt_bucket, ...]: column t holds prompt token t + 1's
+    # (speculate/prompt_logprobs.py); None when the program computes none
+    prompt_logprobs: LogprobRecords | None = None
 
 
 @flax.struct.dataclass
