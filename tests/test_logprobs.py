@@ -303,3 +303,28 @@ def test_prompt_logprobs_refuse_a_chunked_prefill():
         specjax.generate(TARGET, PROMPTS[:1], max_new_tokens=2, prompt_logprobs=0, prefill_chunk=32)
     with pytest.raises(ValueError, match="prompt_logprobs must be None"):
         specjax.generate(TARGET, PROMPTS[:1], max_new_tokens=2, prompt_logprobs=-1)
+
+
+@pytest.mark.slow  # the built-in model and transformers' load of it (tiny models check the rest)
+def test_builtin_model_logprobs_equal_transformers(smollm2, hf_smollm2):
+    """Greedy logprobs (top 5) and prompt logprobs of SmolLM2 under NGram drafts, against the
+    log-softmax of transformers' float32 logits of the same GGUF over prompt and output: within
+    twice the logits' float32 tolerance (tests/test_builtin_model.py, 1e-4 of the largest logit)."""
+    import torch
+
+    prompt = smollm2.tokenizer("The capital of France is Paris. The capital of Italy is")["input_ids"]
+    result = specjax.generate(
+        smollm2, [prompt], proposer=specjax.NGram(k=3), max_new_tokens=8, logprobs=5, prompt_logprobs=5
+    )
+    ids = prompt + result.tokens[0]
+    with torch.no_grad():
+        logits = hf_smollm2(torch.tensor([ids]), use_cache=False).logits[0].double().numpy()
+    for i in range(1, len(ids)):
+        ref = _log_softmax(logits[i - 1])
+        tol = 2e-4 * np.abs(logits[i - 1]).max()
+        ours = result.prompt_logprobs[0] if i < len(prompt) else result.logprobs[0]
+        j = i - 1 if i < len(prompt) else i - len(prompt)
+        assert ours.token_ids[j] == ids[i]
+        np.testing.assert_allclose(ours.logprobs[j], ref[ids[i]], atol=tol)
+        order = np.argsort(-ref)[:5]
+        np.testing.assert_allclose(ours.top_logprobs[j], ref[order], atol=tol)
