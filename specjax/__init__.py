@@ -32,6 +32,7 @@ from specjax.speculate import (
     TokenTree,
     WithNGram,
 )
+from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.proposers import Capabilities, Proposal, Proposer, ProposerSpec
 from specjax.text import TextDeltas, chat_prompt_ids
 
@@ -65,6 +66,7 @@ __all__ = [
     "MTP",
     "WithNGram",
     "GenerateResult",
+    "Logprobs",
     "MemoryEstimate",
     "Medusa",
     "MLPSpeculator",

@@ -18,6 +18,7 @@ import numpy as np
 
 from specjax import models, planner, programs, sharding
 from specjax.models.model import Model
+from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.sampling import Sampling
 from specjax.speculate.stops import cut_text
@@ -33,6 +34,12 @@ class GenerateResult:
     # Why each row ended: "stop" (EOS, a stop token id or a stop string) or "length" (it reached
     # max_new_tokens). A row whose last allowed token is a stop ends with "stop".
     finish_reasons: list[str]
+    # With `generate(..., logprobs=N)`: per row, its emitted tokens' logprobs and each position's
+    # N most likely tokens (speculate/logprobs.py's `Logprobs`); None when logprobs were off.
+    logprobs: list[Logprobs] | None = None
+    # With `generate(..., prompt_logprobs=N)`: per row, its prompt tokens from the second on, each
+    # with its logprob given those before it and the N most likely tokens there; None when off.
+    prompt_logprobs: list[Logprobs] | None = None
 
 
 def load(
@@ -91,6 +98,8 @@ def generate(
     batch_buckets: Sequence[int] | None = None,
     scan_layers: bool | None = None,
     prefill_chunk: int | str | None = "auto",
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
@@ -144,6 +153,22 @@ def generate(
     32, 64, then multiples of 64 tokens: a program per bucket). Default "auto": chunks of 256 on
     one CPU device, one pass on a mesh or an accelerator (where chunks are not yet measured).
 
+    `logprobs`: None (off: the program computes none), or N >= 0: `result.logprobs[b]` holds each
+    emitted token's logprob and, at its position, the N most likely tokens and their logprobs
+    (N = 0: the token's own only), computed inside the compiled loop from the logits of the passes
+    it makes anyway. The distribution is the one the token was drawn from: the target's logits
+    after logit bias and penalties, then temperature, top-k, top-p and min-p (filtered tokens:
+    -inf); for a greedy row, the log-softmax of the logits after bias and penalties, at temperature
+    1 and unfiltered. A rejection-sampling correction token (drawn from the residual max(p - q, 0))
+    reports its logprob under the target's distribution p, as vLLM does, so every proposer reports
+    the logprobs plain decoding reports for the same tokens (to float rounding).
+
+    `prompt_logprobs`: None (off), or N >= 0: `result.prompt_logprobs[b]` holds row b's prompt
+    tokens from the second on, each with its logprob given the tokens before it and the N most
+    likely tokens there, under the model's own distribution (the log-softmax of the raw logits,
+    temperature 1, no bias, penalty or filter: the prompt was not sampled), as vLLM reports them;
+    taken from the prefill's pass (then one pass over the padded prompts, not chunks).
+
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from
     the others' makes every process raise a ValueError before anything is compiled
@@ -164,6 +189,8 @@ def generate(
             batch_buckets=batch_buckets,
             scan_layers=scan_layers,
             prefill_chunk=prefill_chunk,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
         return _generate(model, prompts, options, agreement)
     except Exception:
@@ -191,8 +218,17 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
     fetch = jax.device_get if mesh is None else sharding.fetch  # the latter spans hosts too
     # A proposer's own counts (a Hybrid's per part), or None
     own = None if spec.proposer is None else spec.proposer.counters(state.proposer_state)
-    tokens, lengths, max_lengths, nonfinite_step, counters, own = fetch(
-        (state.tokens, state.lengths, state.max_lengths, state.nonfinite_step, state.metrics, own)
+    tokens, lengths, max_lengths, nonfinite_step, counters, own, kept, scored = fetch(
+        (
+            state.tokens,
+            state.lengths,
+            state.max_lengths,
+            state.nonfinite_step,
+            state.metrics,
+            own,
+            state.logprobs,
+            state.prompt_logprobs,
+        )
     )
     run_time = time.perf_counter() - start
     # Drop the padding rows: every per-row array, the metrics' counters included.
@@ -217,10 +253,18 @@ def _run(model: Model, prepared: planner.Plan) -> GenerateResult:
     metrics = SpecMetrics.from_counters(
         counters, k=k, compile_time_s=compile_time, run_time_s=run_time, proposer=own
     )
+    logprobs = None
+    if kept is not None:
+        logprobs = [Logprobs.of_row(kept, new_tokens[b], b, len(row)) for b, row in enumerate(rows)]
+    prompt_logprobs = None
+    if scored is not None:
+        prompt_logprobs = [Logprobs.of_row(scored, row[1:], b, 0) for b, row in enumerate(rows)]
     return GenerateResult(
         tokens=new_tokens,
         texts=texts,
         metrics=metrics,
         prompt_tokens=rows,
         finish_reasons=planner.finish_reasons(model, new_tokens, samplings, at_limit, cut),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )

@@ -144,6 +144,19 @@ def prefill_chunk_of(prefill_chunk, mesh, backend) -> int | None:
     return int(prefill_chunk)
 
 
+def check_logprobs(logprobs, vocab_size: int, name: str = "logprobs") -> int | None:
+    """`generate`'s logprobs (or prompt_logprobs, `name`) as LoopSpec's: None (off) or the number N
+    of most likely tokens reported beside each token's own logprob, an integer in 0..vocab_size."""
+    if logprobs is None:
+        return None
+    if not is_int(logprobs) or not 0 <= logprobs <= vocab_size:
+        raise ValueError(
+            f"{name} must be None (off) or an integer in 0..{vocab_size} (the vocabulary's size): "
+            f"the number of most likely tokens reported beside each token's own logprob, got {logprobs!r}"
+        )
+    return int(logprobs)
+
+
 def cache_dtype_of(model: Model, cache_dtype) -> str:
     """The dtype name of the target's KV cache: `cache_dtype` ("float32", "bfloat16", "float16" or
     a jnp dtype), by default the model's own."""
@@ -401,6 +414,8 @@ def plan(
     batch_buckets=None,
     scan_layers=None,
     prefill_chunk="auto",
+    logprobs=None,
+    prompt_logprobs=None,
     *,
     agreement=None,
     devices=None,
@@ -415,6 +430,8 @@ def plan(
         sharding.check_model_split(mesh, model.config)
     check_int("max_new_tokens", max_new_tokens, 1)
     batch_buckets = check_batch_buckets(batch_buckets)
+    logprobs = check_logprobs(logprobs, model.config.vocab_size)
+    prompt_logprobs = check_logprobs(prompt_logprobs, model.config.vocab_size, "prompt_logprobs")
     dtype, cache_dtype = model.params.dtype.name, cache_dtype_of(model, cache_dtype)
     rows = tokenize(model, prompts, chat)
     samplings = row_samplings(sampling, len(rows))
@@ -430,6 +447,13 @@ def plan(
     # generate: the loop counts them done from the start (see `prefill`); they are dropped below.
     num_rows = len(rows)
     chunk = prefill_chunk_of(prefill_chunk, mesh, backend)
+    if prompt_logprobs is not None:  # scored in the one-pass prefill (speculate/prompt_logprobs.py)
+        if chunk is not None and prefill_chunk != "auto":
+            raise ValueError(
+                f"prompt_logprobs={prompt_logprobs} scores the prompts in one pass: give prefill_chunk "
+                f'"auto" or None with it, got {prefill_chunk!r}'
+            )
+        chunk = None
     if chunk is None:
         bucket = prompt_bucket(longest)
         slots = capacity(bucket + max_new_tokens, proposer_spec)
@@ -452,6 +476,8 @@ def plan(
         cache_dtype=cache_dtype,
         backend=backend,
         prefill_chunk=chunk,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
     if platforms is None:  # (an exported program's device is not this one)
         check_memory(spec, max_new_tokens, model.params)

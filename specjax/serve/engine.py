@@ -57,7 +57,6 @@ from specjax import planner
 from specjax.checks import is_int
 from specjax.models.model import Model
 from specjax.serve import engine_programs
-from specjax.serve.chunked_prompt import PromptInChunks
 from specjax.serve.engine_config import (
     MAX_STOP_TOKEN_IDS,
     EngineConfig,
@@ -68,6 +67,8 @@ from specjax.serve.engine_config import (
     check_request,
 )
 from specjax.serve.engine_inputs import check_memory, check_warp, engine_capacity, loop_inputs
+from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Running
+from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
@@ -75,22 +76,6 @@ from specjax.speculate.sampling import Sampling, WarpSpec
 from specjax.speculate.stops import MAX_STOP_STRINGS, StopStringSet, cut_text
 
 MIN_BUCKET = planner.MIN_BUCKET
-
-
-@dataclasses.dataclass
-class _Running:
-    """The host's view of a request in a slot."""
-
-    request_id: int
-    request: Request
-    stop_ids: frozenset[int]
-    reported: int  # tokens of the row (prompt included) already reported
-    tokens: list[int]  # generated so far
-    seen: dict[str, np.ndarray]  # counters at the previous Update
-    started: float
-
-
-_DELTAS = ("drafting_steps", "drafted", "accepted", "accepted_at")
 
 
 class Engine:
@@ -140,6 +125,7 @@ class Engine:
             dtype=model.params.dtype.name,
             cache_dtype=planner.cache_dtype_of(model, config.cache_dtype),
             backend=backend,
+            logprobs=planner.check_logprobs(config.logprobs, model.config.vocab_size),
         )
         check_memory(self.config, self.spec, model.params)
         params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
@@ -166,7 +152,7 @@ class Engine:
         self._ids = itertools.count()
         self._in_chunks: PromptInChunks | None = None  # the long prompt being prefilled, if any
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
-        self._slots: list[_Running | None] = [None] * config.max_batch
+        self._slots: list[Running | None] = [None] * config.max_batch
         self._samplings: list[Sampling] = [Sampling()] * config.max_batch
         self._stop_strings = StopStringSet(()) if model.tokenizer is not None else None
         self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
@@ -344,7 +330,7 @@ class Engine:
         pending = None in self._slots or self._in_chunks is not None
         max_steps = self.admission_steps if pending else self.chunk_steps
         start = time.perf_counter()
-        self._state, window = self._run(
+        self._state, window, logprobs = self._run(
             kind,
             width,
             self._params,
@@ -355,8 +341,8 @@ class Engine:
             jnp.asarray(reported),
         )
         state = self._state
-        window, lengths, done, nonfinite, counters, step = jax.device_get(
-            (window, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
+        window, logprobs, lengths, done, nonfinite, counters, step = jax.device_get(
+            (window, logprobs, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
         self.stats.add_chunk(
             width, int(step) - self._step_count, time.perf_counter() - start, kind.endswith("-quiet")
@@ -365,7 +351,10 @@ class Engine:
         updates = []
         for b, slot in enumerate(self._slots):
             if slot is not None:
-                updates.append(self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters))
+                update = self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters)
+                if logprobs is not None:
+                    update.logprobs = Logprobs.of_row(logprobs, update.tokens, b, 0)
+                updates.append(update)
         return updates
 
     def _steps_left(self) -> int:
@@ -483,13 +472,13 @@ class Engine:
         if self._stop_strings is not None and not set(sampling.stop) <= set(self._stop_strings.patterns):
             self._grow_stop_strings(b, sampling.stop)  # (before the slot changes: it may refuse)
         self._samplings[b] = sampling
-        self._slots[b] = _Running(
+        self._slots[b] = Running(
             request_id,
             request,
             self._stop_ids(request),
             reported=len(request.prompt),
             tokens=[],
-            seen={name: 0 for name in _DELTAS},
+            seen={name: 0 for name in COUNTERS},
             started=time.perf_counter(),
         )
         self._inputs = {}  # the slots' options changed
@@ -514,12 +503,12 @@ class Engine:
         self._slots[b] = None
         self._samplings[b] = Sampling()
 
-    def _report(self, b, slot: _Running, window, length, done, nonfinite, counters) -> Update:
+    def _report(self, b, slot: Running, window, length, done, nonfinite, counters) -> Update:
         new = window[: length - slot.reported].tolist()
         slot.reported = int(length)
         slot.tokens += new
-        now = {name: np.asarray(getattr(counters, name)[b]) for name in _DELTAS}
-        delta = {name: now[name] - slot.seen[name] for name in _DELTAS}
+        now = {name: np.asarray(getattr(counters, name)[b]) for name in COUNTERS}
+        delta = {name: now[name] - slot.seen[name] for name in COUNTERS}
         slot.seen = now
         reason = None
         if done:
@@ -541,7 +530,7 @@ class Engine:
             self._free(b)
         return update
 
-    def _finish_reason(self, slot: _Running) -> str:
+    def _finish_reason(self, slot: Running) -> str:
         """As `generate`'s finish_reasons: "stop" at EOS, a stop token id or a stop string (even
         on the row's last allowed token), "length" when it ran out of new tokens."""
         request, tokens, cut = slot.request, slot.tokens, False

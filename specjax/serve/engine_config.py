@@ -100,6 +100,10 @@ class EngineConfig:
     """The size of the stop-string automaton the running requests share: a request whose strings
     do not fit beside theirs waits; one that never fits is refused."""
 
+    logprobs: int | None = None
+    """Per committed token, its logprob and those of the N most likely tokens, as `generate`'s
+    logprobs, in each Update's `logprobs` (every request's); None: off, the programs compute none."""
+
     def __post_init__(self):
         check_int("max_batch", self.max_batch, 1)
         check_int("chunk_steps", self.chunk_steps, 1)
@@ -122,6 +126,8 @@ class EngineConfig:
                     f"prefill_chunk={self.prefill_chunk}: chunks are a multiple of {MIN_BUCKET} tokens "
                     "(or None: every prompt in one pass)"
                 )
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0)
         if self.max_model_len is not None:
             check_int("max_model_len", self.max_model_len, 2)
         if self.warp is not None and not isinstance(self.warp, WarpSpec):
@@ -187,6 +193,8 @@ class Update:
     num_accepted_tokens: int
     accepted_per_pos: list[int]  # accepted drafts at each draft position (k of them)
     metrics: Any = None  # the request's whole figures (a SpecMetrics), once finished
+    # With EngineConfig.logprobs: the new tokens' logprobs (a speculate/logprobs.py Logprobs)
+    logprobs: Any = None
 
 
 @dataclasses.dataclass

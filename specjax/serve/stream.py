@@ -23,6 +23,7 @@ from specjax.checks import check_int
 from specjax.models.model import Model
 from specjax.serve.engine import Engine
 from specjax.serve.engine_config import Request
+from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.sampling import Sampling, WarpSpec
 from specjax.text import TextDeltas
@@ -39,6 +40,8 @@ class StreamDelta:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" on the last delta
     metrics: SpecMetrics | None = None  # on the last delta
+    # With stream(..., logprobs=N): the token ids' logprobs and top N (a speculate/logprobs.py Logprobs)
+    logprobs: Logprobs | None = None
 
     def __str__(self) -> str:
         return self.text
@@ -57,6 +60,7 @@ def stream(
     matmul_precision: str | None = None,
     cache_dtype=None,
     scan_layers: bool | None = None,
+    logprobs: int | None = None,
 ) -> Iterator[StreamDelta]:
     """Generate from one prompt and yield StreamDelta's as tokens are committed.
 
@@ -64,7 +68,8 @@ def stream(
     ([{"role": "user", "content": ...}, ...], through the tokenizer's chat template); the other
     arguments are `generate`'s. Joined, the deltas' texts equal `generate(...).texts[0]` and their
     token ids its tokens. Every `chunk_steps` steps of the loop the host receives the new tokens
-    (fewer: text sooner; more: fewer round trips).
+    (fewer: text sooner; more: fewer round trips). With `logprobs=N`, each delta's `logprobs` holds
+    its tokens' logprobs and top N, as `generate(..., logprobs=N)` reports them.
 
         for delta in specjax.stream(model, "Write a haiku.", chat=True):
             print(delta.text, end="", flush=True)
@@ -89,6 +94,7 @@ def stream(
         matmul_precision=matmul_precision,
         cache_dtype=cache_dtype,
         scan_layers=scan_layers,
+        logprobs=planner.check_logprobs(logprobs, model.config.vocab_size),
     )
     engine = _engine(model, proposer, options)
     request_id = engine.add(Request(ids, sampling, max_new_tokens, key=key))
@@ -103,7 +109,7 @@ def _deltas(engine: Engine, request_id: int, text: TextDeltas | None) -> Iterato
         while not finished:
             for update in engine.step():
                 finished = update.finished
-                delta = StreamDelta("", update.tokens, update.finish_reason, update.metrics)
+                delta = StreamDelta("", update.tokens, update.finish_reason, update.metrics, update.logprobs)
                 if text is not None:
                     delta.text = text.push(update.tokens) + (text.finish() if finished else "")
                 yield delta

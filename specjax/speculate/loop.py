@@ -27,6 +27,7 @@ from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.llama import stack_layers
 from specjax.models.params import LlamaParams
 from specjax.sharding import mesh_move_slots
+from specjax.speculate.logprobs import LogprobRecords, records
 from specjax.speculate.prefill import prefill
 from specjax.speculate.proposers.protocol import ProposeContext, UpdateContext
 from specjax.speculate.sampling import (
@@ -54,13 +55,14 @@ from specjax.speculate.verify import rejection_sample
 
 def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys):
     """Feed each row's last token and pick the next: a step without drafts.
-    Returns (new tokens [B], finite [B], cache)."""
+    Returns (new tokens [B], finite [B], cache, their logprob records or None)."""
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     logits, _, cache = target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
     adjusted = adjust(spec, sampling, logits[:, 0], state.history)
     new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
-    return new, all_finite(logits), cache
+    logprobs = records(spec.logprobs, adjusted[:, None], sampling, spec.warp, new[:, None])
+    return new, all_finite(logits), cache, logprobs
 
 
 def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: GenerationInputs):
@@ -69,8 +71,8 @@ def plain_step(spec: LoopSpec, params: LlamaParams, state: DecodeState, inputs: 
     running = ~state.done
     state = state.replace(step=state.step + 1)
     keys = step_keys(state.keys, row_step(state))
-    new, finite, cache = _score_last_token(spec, params, state, inputs.sampling, keys)
-    state, num_emitted = commit(spec, inputs, state, new[:, None], jnp.ones((B,), jnp.int32))
+    new, finite, cache, logprobs = _score_last_token(spec, params, state, inputs.sampling, keys)
+    state, num_emitted = commit(spec, inputs, state, new[:, None], jnp.ones((B,), jnp.int32), logprobs)
     state = flag_nonfinite(state, finite, running)
 
     m, grow = state.metrics, running.astype(jnp.int32)
@@ -95,6 +97,9 @@ class Verdict:
     #                               lengths .. lengths + n; or the pass's entries, to store there
     path_hidden: jax.Array  # [B, K+1, D] the target's hidden states at the last token and the
     #                         accepted drafts (entry num_accepted: the state the next token came from)
+    # The candidates' logprobs under the target's processed distributions (speculate/logprobs.py),
+    # [B, K+1, ...]; None when the program computes none
+    logprobs: LogprobRecords | None = None
 
 
 def _score(
@@ -141,7 +146,8 @@ def _verify_drafts(
     # Positions after the stop position are never used: a bad value there (say, after an absurd
     # draft token) is not an error of the output.
     finite = jnp.all(finite_at | (jnp.arange(K + 1)[None, :] > num_accepted[:, None]), axis=1)
-    return Verdict(candidates, num_accepted, expected, valid, finite, cache, path_hidden=hidden)
+    logprobs = records(spec.logprobs, logits, sampling, spec.warp, candidates)
+    return Verdict(candidates, num_accepted, expected, valid, finite, cache, hidden, logprobs)
 
 
 def verifier(spec: LoopSpec):
@@ -179,7 +185,12 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
         cache = mesh_move_slots(spec.mesh, cache.replace(lengths=state.lengths), sources)
         cache = cache.replace(lengths=state.lengths - 1)
     path_hidden = hidden[rows[:, None], fed_index]  # [B, D+1, D_model]
-    return Verdict(candidates, num_accepted, expected, drafted_at, finite, cache, path_hidden)
+    # The token at depth d was chosen from the logits of the path's node at depth d (the last token's
+    # at 0): only those are needed, [B, D+1, V].
+    logprobs = None
+    if spec.logprobs is not None:
+        logprobs = records(spec.logprobs, logits[rows[:, None], fed_index], sampling, spec.warp, candidates)
+    return Verdict(candidates, num_accepted, expected, drafted_at, finite, cache, path_hidden, logprobs)
 
 
 def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling, keys, write=True):
@@ -211,7 +222,11 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     zeros = jnp.zeros((B,), jnp.int32)
     path_hidden = jnp.concatenate([hidden, jnp.zeros((B, K) + hidden.shape[2:], hidden.dtype)], axis=1)
     no = jnp.zeros((B, K), bool)
-    return Verdict(candidates, zeros, no.astype(jnp.float32), no, all_finite(logits), cache, path_hidden)
+    logprobs = records(spec.logprobs, logits, sampling, spec.warp, new[:, None])
+    logprobs = None if logprobs is None else logprobs.pad_to(K + 1)
+    return Verdict(
+        candidates, zeros, no.astype(jnp.float32), no, all_finite(logits), cache, path_hidden, logprobs
+    )
 
 
 def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
@@ -230,6 +245,7 @@ def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
         drafted_at=pad(verdict.drafted_at, False),
         path_hidden=pad(verdict.path_hidden, 0.0),
         cache=cache if isinstance(cache, KVCache) else cache.pad_to(K + 1),
+        logprobs=None if verdict.logprobs is None else verdict.logprobs.pad_to(K + 1),
     )
 
 
@@ -378,7 +394,9 @@ def speculative_step(
         )
     num_accepted = verdict.num_accepted
     with jax.named_scope("commit"):
-        state, num_emitted = commit(spec, inputs, state, verdict.candidates, num_accepted + 1)
+        state, num_emitted = commit(
+            spec, inputs, state, verdict.candidates, num_accepted + 1, verdict.logprobs
+        )
     state = flag_nonfinite(state, verdict.finite, running)
     with jax.named_scope("propose"):  # the proposer catching up on the verdict
         context = UpdateContext(path_features=verdict.path_hidden, num_accepted=num_accepted, running=running)
@@ -453,7 +471,7 @@ def resume_program(
     max_steps: jax.Array,
     reported: jax.Array,
     window: int,
-) -> tuple[DecodeState, jax.Array]:
+) -> tuple[DecodeState, jax.Array, LogprobRecords | None]:
     """Run the loop from `state` for at most max_steps [] steps, or until a row finishes (its
     slot is free for the next request), or until every row is done.
 
@@ -461,7 +479,8 @@ def resume_program(
     them (the engine stacks its weights once, not every chunk). Returns the state and, so that
     only new tokens go to the host, tokens [B, window] of each row from column reported[b] on
     (the host's count of the row's tokens it has seen; `window` static, >= the tokens a chunk
-    can commit past it)."""
+    can commit past it), and their logprob records [B, window, ...] (None where the state keeps
+    none)."""
     with (spec.backend or backend.active()).tracing():
         first_step, done_before = state.step, state.done
 
@@ -480,4 +499,5 @@ def resume_program(
         step = functools.partial(decoding_step, spec, params, proposer_params, inputs=inputs)
         state = jax.lax.while_loop(cond, step, state)
         columns = jnp.minimum(reported[:, None] + jnp.arange(window)[None, :], spec.capacity - 1)
-        return state, jnp.take_along_axis(state.tokens, columns, axis=1)
+        logprobs = None if state.logprobs is None else state.logprobs.window(columns)
+        return state, jnp.take_along_axis(state.tokens, columns, axis=1), logprobs

@@ -11,7 +11,9 @@ from specjax.models.cache import KVCache, init_cache
 from specjax.models.llama import lm_head
 from specjax.models.params import LlamaParams
 from specjax.speculate.history import TokenHistory
+from specjax.speculate.logprobs import TokenLogprobs, records
 from specjax.speculate.metrics import MetricCounters
+from specjax.speculate.prompt_logprobs import scored_whole_prefill
 from specjax.speculate.proposers.protocol import InitContext
 from specjax.speculate.sampling import choose_tokens
 from specjax.speculate.spec import LoopSpec
@@ -35,6 +37,10 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     from the start: it never commits a token, never counts in the metrics, never holds the loop."""
     B = inputs.prompt_tokens.shape[0]
     cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype, like=params.layers)
+    if spec.prompt_logprobs is not None:  # one pass that scores every prompt token too
+        logits, features, cache, scored = scored_whole_prefill(spec, params, inputs, cache)
+        state = first_tokens(spec, params, proposer_params, inputs, logits, features, cache)
+        return state.replace(prompt_logprobs=scored)
     if spec.prefill_chunk is None:
         logits, features, cache = whole_prefill(spec, params, inputs, cache)
     else:
@@ -86,9 +92,13 @@ def first_tokens(
         history=history,
         stop_states=None if inputs.stop_strings is None else zeros,
         nonfinite_step=zeros - 1,
+        logprobs=TokenLogprobs.empty(spec.logprobs, B, spec.capacity),
     )
     state = flag_nonfinite(state, all_finite(logits), live)
-    state, num_emitted = commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
+    first_logprobs = records(spec.logprobs, adjusted[:, None], inputs.sampling, spec.warp, first[:, None])
+    state, num_emitted = commit(
+        spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32), first_logprobs
+    )
     forwards = live.astype(jnp.int32)
     return state.replace(metrics=state.metrics.replace(target_forwards=forwards, emitted=num_emitted))
 

@@ -40,6 +40,13 @@ class LoopSpec:
     # the prompts then come in the token buffer's width (`prompt_bucket` == `capacity`) and no pass
     # depends on their lengths. None: the prompts in one pass over [B, prompt_bucket] (`whole_prefill`).
     prefill_chunk: int | None = None
+    # Per emitted token, its logprob and the logprobs of this many most likely tokens
+    # (speculate/logprobs.py), computed in the loop into buffers of the state; None: off, none of it
+    # compiled.
+    logprobs: int | None = None
+    # Per prompt token, its logprob and this many most likely tokens, from a one-pass prefill that
+    # keeps every position's hidden state (speculate/prompt_logprobs.py); None: off.
+    prompt_logprobs: int | None = None
 
     @property
     def k(self) -> int:
@@ -93,6 +100,10 @@ def memory_bytes(spec: LoopSpec, params: LlamaParams | None = None) -> int:
     if spec.warp.penalties:
         total += B * V * 5 + B * (K + 1) * V * 4  # counts, prompt mask, counts at the drafts
     total += 3 * B * (K + 1) * V * 4  # logits, target and draft probabilities
+    if spec.logprobs is not None:  # the buffers (speculate/logprobs.py) and one pass's log-probabilities
+        total += B * S * (4 + 8 * spec.logprobs) + B * (K + 1) * V * 4
+    if spec.prompt_logprobs is not None:  # the prompt's records and one chunk's logits
+        total += B * T * (4 + 8 * spec.prompt_logprobs) + 2 * B * 16 * V * 4
     ffw = max(c.intermediate_size, (c.moe_intermediate_size or 0) * c.num_experts_per_tok)
     itemsize = np.dtype(jnp.dtype(spec.dtype)).itemsize
     on = spec.backend or backend.active()

@@ -19,6 +19,7 @@ from specjax.models.llama import lm_head
 from specjax.models.params import LlamaParams
 from specjax.sharding import mesh_forward_hidden, mesh_write
 from specjax.speculate.history import TokenHistory
+from specjax.speculate.logprobs import LogprobRecords, TokenLogprobs
 from specjax.speculate.metrics import MetricCounters
 from specjax.speculate.sampling import SamplingParams, adjust_logits
 from specjax.speculate.spec import LoopSpec
@@ -44,6 +45,12 @@ class DecodeState:
     history: TokenHistory | None  # token counts for the penalties; None when no row has one
     stop_states: jax.Array | None  # [B] int32 stop-string automaton states; None without stops
     nonfinite_step: jax.Array  # [B] int32: first step with NaN / inf target logits, -1 if none
+    # The emitted tokens' logprobs, slot by slot beside `tokens` (speculate/logprobs.py); None
+    # when the program computes none (LoopSpec.logprobs None)
+    logprobs: TokenLogprobs | None = None
+    # The prompt tokens' logprobs, [B, prompt_bucket, ...]: column t holds prompt token t + 1's
+    # (speculate/prompt_logprobs.py); None when the program computes none
+    prompt_logprobs: LogprobRecords | None = None
 
 
 @flax.struct.dataclass
@@ -131,9 +138,17 @@ def adjust(spec: LoopSpec, sampling: SamplingParams, logits, history: TokenHisto
     return adjust_logits(logits, sampling, spec.warp, counts, history.in_prompt)
 
 
-def commit(spec: LoopSpec, inputs: GenerationInputs, state: DecodeState, candidates, num_candidates):
+def commit(
+    spec: LoopSpec,
+    inputs: GenerationInputs,
+    state: DecodeState,
+    candidates,
+    num_candidates,
+    logprobs: LogprobRecords | None = None,
+):
     """Append the first num_candidates[b] of candidates [B, T] to each running row, cut at the
-    first stop (EOS, a stop token id, the end of a stop string) and at the row's max length.
+    first stop (EOS, a stop token id, the end of a stop string) and at the row's max length; with
+    the candidates' logprob records (when the state keeps logprobs), write them beside the tokens.
 
     Tokens past a stop are neither written into the sequence nor counted. Returns the state with
     tokens, lengths, done, history and stop states updated, and num_emitted [B]."""
@@ -151,6 +166,9 @@ def commit(spec: LoopSpec, inputs: GenerationInputs, state: DecodeState, candida
     num_emitted = jnp.where(running, num_emitted, 0)
     # Tokens past num_emitted land beyond the row's end: never read, later overwritten.
     tokens = write_rows(state.tokens, state.lengths, candidates)
+    kept = state.logprobs
+    if kept is not None:
+        kept = kept.write(state.lengths, logprobs)
     lengths = state.lengths + num_emitted
     done = state.done | (running & ((first_stop < num_emitted) | (lengths >= state.max_lengths)))
     stop_states = state.stop_states
@@ -161,7 +179,7 @@ def commit(spec: LoopSpec, inputs: GenerationInputs, state: DecodeState, candida
     if history is not None:
         history = history.add(candidates, num_emitted)
     new_state = state.replace(
-        tokens=tokens, lengths=lengths, done=done, history=history, stop_states=stop_states
+        tokens=tokens, lengths=lengths, done=done, history=history, stop_states=stop_states, logprobs=kept
     )
     return new_state, num_emitted
 

@@ -1,5 +1,6 @@
-"""A long prompt part-way through its prefill chunks, as the engine keeps it between its steps
-(specjax/serve/engine.py, EngineConfig.prefill_chunk)."""
+"""The host's view of the engine's requests (specjax/serve/engine.py): a request in a slot, and a
+long prompt part-way through its prefill chunks, kept between the engine's steps
+(EngineConfig.prefill_chunk)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.serve.engine_config import Request
+
+# The metric counters an Update reports as deltas since the request's previous Update
+COUNTERS = ("drafting_steps", "drafted", "accepted", "accepted_at")
+
+
+@dataclasses.dataclass
+class Running:
+    """A request in a slot."""
+
+    request_id: int
+    request: Request
+    stop_ids: frozenset[int]
+    reported: int  # tokens of the row (prompt included) already reported
+    tokens: list[int]  # generated so far
+    seen: dict[str, np.ndarray]  # counters at the previous Update
+    started: float
 
 
 @dataclasses.dataclass
