@@ -58,7 +58,7 @@ def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, s
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     logits, _, cache = target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
-    adjusted = adjust(spec, sampling, logits[:, 0], state.history)
+    adjusted = adjust(spec, sampling, logits[:, 0], state.history, states=state.grammar_states)
     new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
     return new, all_finite(logits), cache
 
@@ -123,7 +123,12 @@ def _score(
     counts = None
     if state.history is not None:  # penalties as they would be after each fed token's path
         counts = state.history.counts_at_nodes(proposal.draft_tokens, proposal.valid, jnp.asarray(fresh_mask))
-    return adjust(spec, sampling, logits, state.history, counts), finite_at, hidden, cache
+    states = None  # the constraints' states at each fed token (a chain's path; see grammar.py)
+    if sampling.grammar is not None:
+        states = sampling.grammar.path_states(
+            state.grammar_states, proposal.draft_tokens, spec.config.vocab_size
+        )
+    return adjust(spec, sampling, logits, state.history, counts, states), finite_at, hidden, cache
 
 
 def _verify_drafts(
@@ -194,12 +199,14 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     )
     if not write:  # the same shape as the verify branch's entries
         cache = cache.pad_to(K + 1)
+    finite = all_finite(logits)  # of the raw logits: a constraint's -inf are no error
     logits = adjust(
         spec,
         sampling,
         logits,
         state.history,
         None if state.history is None else state.history.counts[:, None],
+        None if state.grammar_states is None else state.grammar_states[:, None],
     )
     new = greedy_argmax(logits[:, 0])
     if not spec.warp.greedy:
@@ -211,7 +218,7 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     zeros = jnp.zeros((B,), jnp.int32)
     path_hidden = jnp.concatenate([hidden, jnp.zeros((B, K) + hidden.shape[2:], hidden.dtype)], axis=1)
     no = jnp.zeros((B, K), bool)
-    return Verdict(candidates, zeros, no.astype(jnp.float32), no, all_finite(logits), cache, path_hidden)
+    return Verdict(candidates, zeros, no.astype(jnp.float32), no, finite, cache, path_hidden)
 
 
 def _pad_verdict(verdict: Verdict, K: int) -> Verdict:

@@ -66,7 +66,9 @@ def first_tokens(
     if spec.warp.penalties:
         history = TokenHistory.of_prompts(inputs.prompt_tokens, inputs.prompt_lengths, spec.config.vocab_size)
     keys = row_keys(inputs)
-    adjusted = adjust(spec, inputs.sampling, logits, history)
+    grammar = inputs.sampling.grammar
+    grammar_states = None if grammar is None else grammar.start
+    adjusted = adjust(spec, inputs.sampling, logits, history, states=grammar_states)
     first, _ = choose_tokens(step_keys(keys, jnp.zeros((), jnp.int32)), adjusted, inputs.sampling, spec.warp)
 
     zeros = jnp.zeros((B,), jnp.int32)
@@ -86,6 +88,7 @@ def first_tokens(
         history=history,
         stop_states=None if inputs.stop_strings is None else zeros,
         nonfinite_step=zeros - 1,
+        grammar_states=grammar_states,
     )
     state = flag_nonfinite(state, all_finite(logits), live)
     state, num_emitted = commit(spec, inputs, state, first[:, None], jnp.ones((B,), jnp.int32))
