@@ -149,7 +149,7 @@ def test_sampled_outputs_match_their_constraint(name):
 def test_greedy_constrained_output_is_the_restricted_argmax():
     """Plain constrained greedy against a reference that takes the argmax over the tokens that keep
     the text a prefix of the (finite) language, EOS where the text is in it."""
-    language = ["yes", "no", "maybe", "nab"]
+    language = ["n", "no", "yes", "nope", "nab"]  # prefixes of later ones, and accepting on the way
     result = generate(None, specjax.Sampling(choice=language), max_new_tokens=8)
     for prompt, tokens in zip(PROMPTS, result.tokens, strict=True):
         out = []
@@ -209,14 +209,16 @@ def restricted_joint(prompt_ids, language, temperature):
 
 @pytest.mark.parametrize("name", ["none", "ngram", "draft"])
 def test_sampled_output_follows_the_restricted_law(name):
-    """2,000 rows of `(a|b|ab)c?` at temperature 1 (the language's six words, reached by 10 token
+    """2,000 rows of `(a|b|ab)c?` at temperature 1 (the language's six words, reached by 8 token
     sequences as "ab" is one token or two) against exact enumeration; tests/laws.py's G-test and
     per-cell bounds."""
+    # "a" before "ab", and "a" an accepting prefix of "ac": the two ways outlines-core's own index
+    # loses words (specjax/speculate/grammar.py, compile_constraint)
     regex, language = r"(a|b|ab)c?", ["a", "b", "ab", "ac", "bc", "abc"]
     prompt = "ab c"
     prompt_ids = TARGET.tokenizer(prompt)["input_ids"]
     joint = restricted_joint(prompt_ids, language, 1.0)
-    assert len(joint) == 10 and abs(sum(joint.values()) - 1) < 1e-9
+    assert len(joint) == 8 and abs(sum(joint.values()) - 1) < 1e-9
     rows = 2000
     result = specjax.generate(
         TARGET,

@@ -154,6 +154,7 @@ def _vocabulary(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
     for v, piece in enumerate(token_bytes(tokenizer, vocab_size)):
         if piece is not None and v not in eos_ids:
             pieces.setdefault(piece, []).append(v)
+    pieces.setdefault(END.encode(), []).append(vocab_size)  # see compile_constraint
     vocabulary = Vocabulary(eos_ids[0], pieces)
     _VOCABULARIES[key] = (tokenizer, vocabulary)
     return vocabulary
@@ -170,8 +171,20 @@ class TokenAutomaton:
     accepting: np.ndarray  # [num_states] bool
 
 
+# A character no constraint should hold (a private-use code point), read by a token outside the
+# vocabulary and appended to every regex: see `compile_constraint`.
+END = "\U0010fffd"
+
+
 def compile_constraint(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> TokenAutomaton:
-    """The token automaton of a regular expression over the model's vocabulary (cached)."""
+    """The token automaton of a regular expression over the model's vocabulary (cached).
+
+    outlines-core 0.2.14's `Index` keeps, out of an accepting state, only the tokens that lead to
+    accepting states (in `n(ab)?` after "n", token "a" is lost, "ab" kept; measured here), and
+    matches alternatives leftmost-first (in `(a|ab)`, "ab" is lost). So the index is built for
+    `(?:regex)END` with END read by one extra token (id vocab_size): the only accepting states are
+    after END, every state of the regex itself keeps its edges, and the regex's accepting states
+    are those with an END edge. The END edges and the states after them are dropped."""
     from outlines_core import Index
 
     eos_ids = tuple(sorted(set(eos_ids)))
@@ -180,28 +193,28 @@ def compile_constraint(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence
     if cached is not None:
         return cached
     try:
-        index = Index(regex, _vocabulary(tokenizer, vocab_size, eos_ids))
+        index = Index(f"(?:{regex}){END}", _vocabulary(tokenizer, vocab_size, eos_ids))
     except ValueError as error:
         raise ValueError(
             f"Sampling regex {regex[:200]!r} cannot be compiled over the vocabulary: {error}"
         ) from None
     transitions = index.get_transitions()
+    after_end = {edges[vocab_size] for edges in transitions.values() if vocab_size in edges}
     initial = index.get_initial_state()
-    order = [initial] + sorted(s for s in set(transitions) | set(index.get_final_states()) if s != initial)
-    number = {s: i for i, s in enumerate(order)}
-    for edges in transitions.values():
-        for target in edges.values():
-            number.setdefault(target, len(number))
-    eos = set(eos_ids)
+    live = [initial] + sorted(s for s in transitions if s != initial and s not in after_end)
+    number = {s: i for i, s in enumerate(live)}
+    skip = set(eos_ids) | {vocab_size}
     sources, tokens, targets = [], [], []
+    accepting = np.zeros(len(number), bool)
     for state, edges in transitions.items():
+        if state not in number:
+            continue
+        accepting[number[state]] = vocab_size in edges
         for token, target in edges.items():
-            if token not in eos:
+            if token not in skip and target in number:
                 sources.append(number[state])
                 tokens.append(token)
                 targets.append(number[target])
-    accepting = np.zeros(len(number), bool)
-    accepting[[number[s] for s in index.get_final_states()]] = True
     automaton = TokenAutomaton(
         num_states=len(number),
         sources=np.asarray(sources, np.int32),
