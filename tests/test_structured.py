@@ -289,3 +289,19 @@ def test_device_tables_are_fixed_size_bitmasks_and_a_sorted_edge_list():
     after = tables.advance(jnp.asarray(start), jnp.asarray([[digits[1], digits[2]], [5, 6]]), V)
     final = np.asarray(tables.mask(after[:, 1], V))
     assert np.flatnonzero(final[0]).tolist() == [EOS]
+
+
+def test_grammar_draft_drafts_what_the_constraint_forces_losslessly():
+    """GrammarDraft alone and before NGram (Hybrid): the JSON schema's keys and punctuation are
+    forced, so they are drafted and accepted; the tokens equal plain constrained greedy."""
+    sampling = specjax.Sampling(json_schema=SCHEMA)
+    plain = plain_greedy(json.dumps(dict(json_schema=SCHEMA)))
+    alone = generate(specjax.GrammarDraft(k=4), sampling, max_new_tokens=30)
+    assert alone.tokens == plain
+    drafted, accepted = alone.metrics.drafted.sum(), alone.metrics.accepted.sum()
+    assert drafted > 0 and accepted == drafted  # forced tokens: the target's mask leaves p = 1
+    hybrid = specjax.Hybrid(specjax.GrammarDraft(k=3), specjax.NGram(k=3, n_max=3, n_min=1))
+    assert generate(hybrid, sampling, max_new_tokens=30).tokens == plain
+    free = generate(specjax.GrammarDraft(k=4), specjax.Sampling(), max_new_tokens=6)
+    assert free.tokens == generate(None, specjax.Sampling(), max_new_tokens=6).tokens
+    assert free.metrics.drafted.sum() == 0

@@ -199,9 +199,9 @@ def compile_constraint(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence
             f"Sampling regex {regex[:200]!r} cannot be compiled over the vocabulary: {error}"
         ) from None
     transitions = index.get_transitions()
-    after_end = {edges[vocab_size] for edges in transitions.values() if vocab_size in edges}
+    finals = set(index.get_final_states())  # the states after the closing END, and only those
     initial = index.get_initial_state()
-    live = [initial] + sorted(s for s in transitions if s != initial and s not in after_end)
+    live = [initial] + sorted(s for s in transitions if s != initial and s not in finals)
     number = {s: i for i, s in enumerate(live)}
     skip = set(eos_ids) | {vocab_size}
     sources, tokens, targets = [], [], []
@@ -209,17 +209,31 @@ def compile_constraint(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence
     for state, edges in transitions.items():
         if state not in number:
             continue
-        accepting[number[state]] = vocab_size in edges
+        # (END inside the regex, say in a JSON string, leads elsewhere: an END edge counts only
+        # where it closes the match)
+        accepting[number[state]] = edges.get(vocab_size) in finals
         for token, target in edges.items():
             if token not in skip and target in number:
                 sources.append(number[state])
                 tokens.append(token)
                 targets.append(number[target])
+    sources, tokens, targets = (np.asarray(x, np.int32) for x in (sources, tokens, targets))
+    # Keep only edges into states from which the match can still end (a real token spelling part
+    # of END's bytes would otherwise lead to a dead end).
+    useful = accepting.copy()
+    while True:
+        grown = useful.copy()
+        grown[sources[useful[targets]]] = True
+        if (grown == useful).all():
+            break
+        useful = grown
+    keep = useful[targets]
+    sources, tokens, targets = sources[keep], tokens[keep], targets[keep]
     automaton = TokenAutomaton(
         num_states=len(number),
-        sources=np.asarray(sources, np.int32),
-        tokens=np.asarray(tokens, np.int32),
-        targets=np.asarray(targets, np.int32),
+        sources=sources,
+        tokens=tokens,
+        targets=targets,
         accepting=accepting,
     )
     _AUTOMATA[key] = automaton

@@ -252,6 +252,7 @@ def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs
         sampling=inputs.sampling,
         history=state.history,
         width=width,
+        grammar_states=state.grammar_states,
     )
     with jax.named_scope("propose"):
         proposal, proposer_state = spec.proposer.propose(context, state.proposer_state)
