@@ -30,6 +30,7 @@ from specjax.kernels import backend as backends
 from specjax.kernels.layouts import with_panel_weights
 from specjax.models.checkpoint import dtype_name
 from specjax.models.model import Model
+from specjax.speculate.grammar import build_grammar
 from specjax.speculate.loop import GenerationInputs
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
@@ -489,11 +490,22 @@ def plan(
         stop_strings = build_stop_strings(
             model.tokenizer, model.config.vocab_size, [s.stop for s in padded_samplings]
         )
+    sampling_params = SamplingParams.of(padded_samplings, B, model.config.vocab_size)
+    if any(s.constraint is not None for s in samplings):
+        if spec.tree is not None:
+            raise ValueError(
+                "Sampling regex / json_schema / choice: token-tree proposers are not supported with "
+                "constraints yet; use a chain proposer (tree=None)"
+            )
+        grammar = build_grammar(
+            model.tokenizer, model.config.vocab_size, eos_ids(model), [s.constraint for s in padded_samplings]
+        )
+        sampling_params = sampling_params.replace(grammar=grammar)
     inputs = GenerationInputs(
         prompt_tokens=jnp.asarray(padded),
         prompt_lengths=jnp.asarray([len(r) for r in rows] + [1] * padding, jnp.int32),
         max_new_tokens=jnp.asarray([max_new_tokens] * num_rows + [0] * padding, jnp.int32),
-        sampling=SamplingParams.of(padded_samplings, B, model.config.vocab_size),
+        sampling=sampling_params,
         key=key,
         seeds=jnp.asarray([s.seed or 0 for s in padded_samplings], jnp.uint32),
         seeded=jnp.asarray([s.seed is not None for s in padded_samplings]),

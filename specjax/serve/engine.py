@@ -240,6 +240,8 @@ class Engine:
         """Check a request and queue it; returns its id. ValueError naming what is wrong."""
         prompt = check_request(request, self.model.config.vocab_size, self.max_model_len)
         planner.check_token_options([request.sampling], self.model)
+        if request.sampling.constraint is not None:  # the engine's loop carries no automaton yet
+            raise ValueError("sampling regex / json_schema / choice: the Engine does not support them yet")
         check_warp(request.sampling, self.spec.warp)
         stop_ids = self._stop_ids(request)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:

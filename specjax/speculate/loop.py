@@ -59,7 +59,7 @@ def _score_last_token(spec: LoopSpec, params: LlamaParams, state: DecodeState, s
     B = state.tokens.shape[0]
     last = state.tokens[jnp.arange(B), state.lengths - 1]
     logits, _, cache = target_forward(spec, params, last[:, None], (state.lengths - 1)[:, None], state.cache)
-    adjusted = adjust(spec, sampling, logits[:, 0], state.history)
+    adjusted = adjust(spec, sampling, logits[:, 0], state.history, states=state.grammar_states)
     new, _ = choose_tokens(keys, adjusted, sampling, spec.warp)
     logprobs = records(spec.logprobs, adjusted[:, None], sampling, spec.warp, new[:, None])
     return new, all_finite(logits), cache, logprobs
@@ -128,7 +128,12 @@ def _score(
     counts = None
     if state.history is not None:  # penalties as they would be after each fed token's path
         counts = state.history.counts_at_nodes(proposal.draft_tokens, proposal.valid, jnp.asarray(fresh_mask))
-    return adjust(spec, sampling, logits, state.history, counts), finite_at, hidden, cache
+    states = None  # the constraints' states at each fed token (a chain's path; see grammar.py)
+    if sampling.grammar is not None:
+        states = sampling.grammar.path_states(
+            state.grammar_states, proposal.draft_tokens, spec.config.vocab_size
+        )
+    return adjust(spec, sampling, logits, state.history, counts, states), finite_at, hidden, cache
 
 
 def _verify_drafts(
@@ -205,12 +210,14 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     )
     if not write:  # the same shape as the verify branch's entries
         cache = cache.pad_to(K + 1)
+    finite = all_finite(logits)  # of the raw logits: a constraint's -inf are no error
     logits = adjust(
         spec,
         sampling,
         logits,
         state.history,
         None if state.history is None else state.history.counts[:, None],
+        None if state.grammar_states is None else state.grammar_states[:, None],
     )
     new = greedy_argmax(logits[:, 0])
     if not spec.warp.greedy:
@@ -224,9 +231,7 @@ def _no_drafts(spec: LoopSpec, params: LlamaParams, state: DecodeState, sampling
     no = jnp.zeros((B, K), bool)
     logprobs = records(spec.logprobs, logits, sampling, spec.warp, new[:, None])
     logprobs = None if logprobs is None else logprobs.pad_to(K + 1)
-    return Verdict(
-        candidates, zeros, no.astype(jnp.float32), no, all_finite(logits), cache, path_hidden, logprobs
-    )
+    return Verdict(candidates, zeros, no.astype(jnp.float32), no, finite, cache, path_hidden, logprobs)
 
 
 def _pad_verdict(verdict: Verdict, K: int) -> Verdict:
@@ -261,6 +266,7 @@ def _propose(spec: LoopSpec, params, proposer_params, state: DecodeState, inputs
         sampling=inputs.sampling,
         history=state.history,
         width=width,
+        grammar_states=state.grammar_states,
     )
     with jax.named_scope("propose"):
         proposal, proposer_state = spec.proposer.propose(context, state.proposer_state)

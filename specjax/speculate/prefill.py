@@ -72,7 +72,9 @@ def first_tokens(
     if spec.warp.penalties:
         history = TokenHistory.of_prompts(inputs.prompt_tokens, inputs.prompt_lengths, spec.config.vocab_size)
     keys = row_keys(inputs)
-    adjusted = adjust(spec, inputs.sampling, logits, history)
+    grammar = inputs.sampling.grammar
+    grammar_states = None if grammar is None else grammar.start
+    adjusted = adjust(spec, inputs.sampling, logits, history, states=grammar_states)
     first, _ = choose_tokens(step_keys(keys, jnp.zeros((), jnp.int32)), adjusted, inputs.sampling, spec.warp)
 
     zeros = jnp.zeros((B,), jnp.int32)
@@ -93,6 +95,7 @@ def first_tokens(
         stop_states=None if inputs.stop_strings is None else zeros,
         nonfinite_step=zeros - 1,
         logprobs=TokenLogprobs.empty(spec.logprobs, B, spec.capacity),
+        grammar_states=grammar_states,
     )
     state = flag_nonfinite(state, all_finite(logits), live)
     first_logprobs = records(spec.logprobs, adjusted[:, None], inputs.sampling, spec.warp, first[:, None])

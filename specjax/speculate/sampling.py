@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.checks import is_int, is_number
+from specjax.speculate.grammar import Grammar, check_constraint, constraint_regex
 
 MAX_SEED = 2**32  # seeds become uint32 arrays
 # Candidates the top-k / top-p filters look at (`WarpSpec.candidates`): the batch's largest top_k
@@ -58,6 +59,9 @@ class Sampling:
       stops before it, the returned tokens end with the token that completes it.
     stop_token_ids: token ids that end the row like EOS (the token is returned).
     seed: this row's own random stream; rows with a seed give the same output whatever `key`.
+    regex, json_schema (a dict or its JSON text), choice (a list of strings): at most one; the row's
+      output (before EOS) matches it in full, drawn from the target's law restricted to the
+      tokens the constraint allows at each step (specjax/speculate/grammar.py).
     """
 
     temperature: float = 0.0
@@ -71,6 +75,9 @@ class Sampling:
     stop: str | Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     seed: int | None = None
+    regex: str | None = None
+    json_schema: Mapping | str | None = None
+    choice: Sequence[str] | None = None
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -114,6 +121,15 @@ class Sampling:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             fail("seed", f"None or an integer in [0, 2**32), not {type(self.seed).__name__}")
+        check_constraint(self.regex, self.json_schema, self.choice)
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+
+    @property
+    def constraint(self) -> str | None:
+        """The regular expression the row's output must match in full (regex, json_schema or
+        choice; specjax/speculate/grammar.py), None when it has none."""
+        return constraint_regex(self.regex, self.json_schema, self.choice)
 
     @property
     def greedy(self) -> bool:
@@ -177,6 +193,7 @@ class SamplingParams:
     frequency_penalty: jax.Array  # [B] float32
     presence_penalty: jax.Array  # [B] float32
     logit_bias: jax.Array | None  # [B, V] float32, None when no row has a bias
+    grammar: Grammar | None = None  # the rows' constraints' automata, None when no row has one
 
     @classmethod
     def of(cls, sampling: Sampling | Sequence[Sampling], batch_size: int, vocab_size: int = 0):

@@ -18,6 +18,7 @@ from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.llama import lm_head
 from specjax.models.params import LlamaParams
 from specjax.sharding import mesh_forward_hidden, mesh_write
+from specjax.speculate.grammar import mask_logits
 from specjax.speculate.history import TokenHistory
 from specjax.speculate.logprobs import LogprobRecords, TokenLogprobs
 from specjax.speculate.metrics import MetricCounters
@@ -51,6 +52,9 @@ class DecodeState:
     # The prompt tokens' logprobs, [B, prompt_bucket, ...]: column t holds prompt token t + 1's
     # (speculate/prompt_logprobs.py); None when the program computes none
     prompt_logprobs: LogprobRecords | None = None
+    # [B] int32 states of the rows' constraint automata (-1: a free row), at the last committed
+    # token; None when no row has a constraint (specjax/speculate/grammar.py)
+    grammar_states: jax.Array | None = None
 
 
 @flax.struct.dataclass
@@ -130,12 +134,18 @@ def write_rows(tokens: jax.Array, starts: jax.Array, new: jax.Array) -> jax.Arra
     )
 
 
-def adjust(spec: LoopSpec, sampling: SamplingParams, logits, history: TokenHistory | None, counts=None):
-    """Logit bias and penalties; counts default to the history's (the next position's)."""
+def adjust(
+    spec: LoopSpec, sampling: SamplingParams, logits, history: TokenHistory | None, counts=None, states=None
+):
+    """Logit bias and penalties, then the rows' constraints: tokens the automaton forbids at
+    states [B, ...] (logits' positions; the grammar's states there) get -inf. counts default to
+    the history's (the next position's)."""
     if history is None:
-        return adjust_logits(logits, sampling, spec.warp)
-    counts = history.counts if counts is None else counts
-    return adjust_logits(logits, sampling, spec.warp, counts, history.in_prompt)
+        adjusted = adjust_logits(logits, sampling, spec.warp)
+    else:
+        counts = history.counts if counts is None else counts
+        adjusted = adjust_logits(logits, sampling, spec.warp, counts, history.in_prompt)
+    return mask_logits(sampling.grammar, adjusted, states)
 
 
 def commit(
@@ -178,8 +188,19 @@ def commit(
     history = state.history
     if history is not None:
         history = history.add(candidates, num_emitted)
+    grammar_states = state.grammar_states
+    if inputs.sampling.grammar is not None:
+        after = inputs.sampling.grammar.advance(grammar_states, candidates, spec.config.vocab_size)
+        last = after[jnp.arange(B), jnp.maximum(num_emitted - 1, 0)]
+        grammar_states = jnp.where(num_emitted > 0, last, grammar_states)
     new_state = state.replace(
-        tokens=tokens, lengths=lengths, done=done, history=history, stop_states=stop_states, logprobs=kept
+        tokens=tokens,
+        lengths=lengths,
+        done=done,
+        history=history,
+        stop_states=stop_states,
+        grammar_states=grammar_states,
+        logprobs=kept,
     )
     return new_state, num_emitted
 

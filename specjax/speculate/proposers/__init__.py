@@ -31,6 +31,7 @@ from specjax.speculate.proposers.dynamic import Dynamic, DynamicSpec, GoodputSch
 from specjax.speculate.proposers.eagle import Eagle, EagleSpec
 from specjax.speculate.proposers.eagle3 import Eagle3, Eagle3Spec
 from specjax.speculate.proposers.forced import ForcedAcceptance, ForcedSpec
+from specjax.speculate.proposers.grammar_draft import GrammarDraft
 from specjax.speculate.proposers.hybrid import Hybrid, HybridSpec
 from specjax.speculate.proposers.medusa import Medusa, MedusaSpec
 from specjax.speculate.proposers.mlp_speculator import MLPSpeculator, MLPSpeculatorSpec
@@ -89,6 +90,7 @@ __all__ = [
     "MTPSpec",
     "Medusa",
     "MedusaSpec",
+    "GrammarDraft",
     "NGram",
     "Proposal",
     "ProposeContext",

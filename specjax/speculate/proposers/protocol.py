@@ -69,6 +69,9 @@ class ProposeContext:
     # The draft width the loop chose for this step among `capabilities.widths` (Dynamic); None:
     # the spec's own k.
     width: int | None = None
+    # [B] int32 the rows' constraint automaton states (-1: a free row; the tables are in
+    # sampling.grammar); None when no row has a constraint (specjax/speculate/grammar.py)
+    grammar_states: jax.Array | None = None
 
     def replace(self, **changes) -> ProposeContext:
         return dataclasses.replace(self, **changes)

@@ -21,6 +21,7 @@ from specjax.speculate.proposers.dynamic import Dynamic
 from specjax.speculate.proposers.eagle import Eagle
 from specjax.speculate.proposers.eagle3 import Eagle3
 from specjax.speculate.proposers.forced import ForcedAcceptance
+from specjax.speculate.proposers.grammar_draft import GrammarDraft
 from specjax.speculate.proposers.hybrid import Hybrid
 from specjax.speculate.proposers.medusa import Medusa
 from specjax.speculate.proposers.mlp_speculator import MLPSpeculator
@@ -309,6 +310,12 @@ ENTRIES: tuple[Entry, ...] = (
             Option("proposer", PROPOSER, "the proposer whose k it schedules"),
             Option("schedule", SCHEDULE, default="heuristic"),
         ),
+    ),
+    Entry(
+        "grammar",
+        GrammarDraft,
+        "the tokens a row's constraint (regex, json_schema, choice) forces, drafted for free",
+        (Option("k"),),
     ),
 )
 BY_NAME: dict[str, Entry] = {entry.name: entry for entry in ENTRIES}

@@ -1,0 +1,349 @@
+"""Structured output: a row constrained by a regex, a JSON schema or a list of choices, inside the
+compiled loop and lossless under the constraint.
+
+The host compiles a row's constraint to a regular expression (a JSON schema through
+outlines-core's `build_regex_from_schema`, a choice list as an alternation of escaped strings)
+and that to a deterministic automaton over *tokens* of the model's vocabulary (outlines-core's
+`Index`; docs/structured.md says why that library). The automata of a call's rows are numbered
+into one state space and put on the device as fixed-size tables:
+
+- `allowed [S, ceil(V/32)] uint32`: per state, a bitmask of the tokens it allows (EOS exactly in
+  the accepting states);
+- `edge_keys [E] int32` sorted, `edge_next [E] int32`: the transitions as a sparse list, key
+  state * V + token, looked up with `searchsorted` (a state inside a JSON string allows nearly the
+  whole vocabulary, so a dense [S, V] table would be mostly copies; the list holds what is there).
+
+S and E are budgets rounded up to powers of two (from MIN_STATES / MIN_EDGES), so another schema of
+the same budget reuses the compiled program; one over MAX_STATES / MAX_EDGES is refused.
+
+On device a row's automaton state (DecodeState.grammar_states, -1 for an unconstrained row)
+advances by committed tokens only. The target's logits at every scored position are masked by the
+state reached along the draft path to it, so a draft token the automaton forbids has p = 0 and is
+rejected, whatever the proposer's q: the output follows the target's law restricted to the grammar
+and renormalised at each step (greedy: its argmax over the allowed tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from collections.abc import Mapping, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MIN_STATES = 64  # the smallest state budget (tables round up to a power of two from here)
+MAX_STATES = 4096  # states of one call's automata together
+MIN_EDGES = 4096
+MAX_EDGES = 1 << 21  # transitions of one call's automata together (16 MiB of int32 pairs)
+CONSTRAINTS = ("regex", "json_schema", "choice")
+
+
+def check_constraint(regex, json_schema, choice) -> None:
+    """Validate a Sampling's constraint fields (at most one set); ValueError naming the field."""
+    given = [
+        name
+        for name, value in zip(CONSTRAINTS, (regex, json_schema, choice), strict=True)
+        if value is not None
+    ]
+    if len(given) > 1:
+        raise ValueError(
+            f"Sampling takes at most one of regex, json_schema and choice, got {', '.join(given)}"
+        )
+    if regex is not None and (not isinstance(regex, str) or not regex):
+        raise ValueError(f"Sampling regex must be a non-empty string, got {regex!r}")
+    if json_schema is not None:
+        schema_regex(json_schema)  # raises on a schema outlines-core cannot compile
+    if choice is not None and (
+        isinstance(choice, str)
+        or not isinstance(choice, Sequence)
+        or not choice
+        or not all(isinstance(c, str) and c for c in choice)
+    ):
+        raise ValueError(f"Sampling choice must be a non-empty list of non-empty strings, got {choice!r}")
+
+
+def schema_regex(json_schema) -> str:
+    """The regular expression of a JSON schema (a dict or its JSON text)."""
+    from outlines_core.json_schema import build_regex_from_schema
+
+    if isinstance(json_schema, Mapping):
+        try:
+            text = json.dumps(json_schema)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"Sampling json_schema must be JSON-serialisable: {error}") from None
+    elif isinstance(json_schema, str):
+        text = json_schema
+    else:
+        raise ValueError(
+            f"Sampling json_schema must be a dict or a JSON string, got {type(json_schema).__name__}"
+        )
+    try:
+        return build_regex_from_schema(text)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"Sampling json_schema is not a schema specjax can compile: {error}") from None
+
+
+def constraint_regex(regex, json_schema, choice) -> str | None:
+    """The regular expression a row's output must match in full, or None when it has none."""
+    if regex is not None:
+        return regex
+    if json_schema is not None:
+        return schema_regex(json_schema)
+    if choice is not None:
+        return "(" + "|".join(re.escape(c) for c in choice) + ")"
+    return None
+
+
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins (GPT-2's bytes_to_unicode), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = list(printable)
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+
+
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def token_bytes(tokenizer, vocab_size: int) -> list[bytes | None]:
+    """Each token id's bytes as it reads inside a sequence; None for special and unused ids."""
+    from specjax.speculate.stops import token_texts
+
+    decoder = type(tokenizer.backend_tokenizer.decoder).__name__
+    byte_level = decoder == "ByteLevel"
+    to_byte = _byte_decoder()
+    special = set(tokenizer.all_special_ids)
+    texts = token_texts(tokenizer, vocab_size)
+    pieces = tokenizer.convert_ids_to_tokens(list(range(min(vocab_size, len(tokenizer)))))
+    out: list[bytes | None] = []
+    for v in range(vocab_size):
+        piece = pieces[v] if v < len(pieces) else None
+        if piece is None or v in special:
+            out.append(None)
+        elif byte_level and all(c in to_byte for c in piece):
+            out.append(bytes(to_byte[c] for c in piece))
+        elif (match := _SENTENCEPIECE_BYTE.fullmatch(piece)) is not None:
+            out.append(bytes([int(match.group(1), 16)]))
+        else:
+            out.append(texts[v].encode() or None)
+    return out
+
+
+_VOCABULARIES: dict[tuple, tuple[object, object]] = {}
+_AUTOMATA: dict[tuple, TokenAutomaton] = {}
+
+
+def _vocabulary(tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
+    """outlines-core's Vocabulary of the model's tokens (EOS and special tokens left out)."""
+    from outlines_core import Vocabulary
+
+    key = (id(tokenizer), vocab_size, eos_ids)
+    cached = _VOCABULARIES.get(key)
+    if cached is not None and cached[0] is tokenizer:
+        return cached[1]
+    pieces: dict[bytes, list[int]] = {}
+    for v, piece in enumerate(token_bytes(tokenizer, vocab_size)):
+        if piece is not None and v not in eos_ids:
+            pieces.setdefault(piece, []).append(v)
+    pieces.setdefault(END.encode(), []).append(vocab_size)  # see compile_constraint
+    vocabulary = Vocabulary(eos_ids[0], pieces)
+    _VOCABULARIES[key] = (tokenizer, vocabulary)
+    return vocabulary
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenAutomaton:
+    """One constraint's automaton on the host, states renumbered 0..n-1 (0 the start)."""
+
+    num_states: int
+    sources: np.ndarray  # [n_edges] int32
+    tokens: np.ndarray  # [n_edges] int32
+    targets: np.ndarray  # [n_edges] int32
+    accepting: np.ndarray  # [num_states] bool
+
+
+# A character no constraint should hold (a private-use code point), read by a token outside the
+# vocabulary and appended to every regex: see `compile_constraint`.
+END = "\U0010fffd"
+
+
+def compile_constraint(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence[int]) -> TokenAutomaton:
+    """The token automaton of a regular expression over the model's vocabulary (cached).
+
+    outlines-core 0.2.14's `Index` keeps, out of an accepting state, only the tokens that lead to
+    accepting states (in `n(ab)?` after "n", token "a" is lost, "ab" kept; measured here), and
+    matches alternatives leftmost-first (in `(a|ab)`, "ab" is lost). So the index is built for
+    `(?:regex)END` with END read by one extra token (id vocab_size): the only accepting states are
+    after END, every state of the regex itself keeps its edges, and the regex's accepting states
+    are those with an END edge. The END edges and the states after them are dropped."""
+    from outlines_core import Index
+
+    eos_ids = tuple(sorted(set(eos_ids)))
+    key = (regex, id(tokenizer), vocab_size, eos_ids)
+    cached = _AUTOMATA.get(key)
+    if cached is not None:
+        return cached
+    try:
+        index = Index(f"(?:{regex}){END}", _vocabulary(tokenizer, vocab_size, eos_ids))
+    except ValueError as error:
+        raise ValueError(
+            f"Sampling regex {regex[:200]!r} cannot be compiled over the vocabulary: {error}"
+        ) from None
+    transitions = index.get_transitions()
+    finals = set(index.get_final_states())  # the states after the closing END, and only those
+    initial = index.get_initial_state()
+    live = [initial] + sorted(s for s in transitions if s != initial and s not in finals)
+    number = {s: i for i, s in enumerate(live)}
+    skip = set(eos_ids) | {vocab_size}
+    sources, tokens, targets = [], [], []
+    accepting = np.zeros(len(number), bool)
+    for state, edges in transitions.items():
+        if state not in number:
+            continue
+        # (END inside the regex, say in a JSON string, leads elsewhere: an END edge counts only
+        # where it closes the match)
+        accepting[number[state]] = edges.get(vocab_size) in finals
+        for token, target in edges.items():
+            if token not in skip and target in number:
+                sources.append(number[state])
+                tokens.append(token)
+                targets.append(number[target])
+    sources, tokens, targets = (np.asarray(x, np.int32) for x in (sources, tokens, targets))
+    # Keep only edges into states from which the match can still end (a real token spelling part
+    # of END's bytes would otherwise lead to a dead end).
+    useful = accepting.copy()
+    while True:
+        grown = useful.copy()
+        grown[sources[useful[targets]]] = True
+        if (grown == useful).all():
+            break
+        useful = grown
+    keep = useful[targets]
+    sources, tokens, targets = sources[keep], tokens[keep], targets[keep]
+    automaton = TokenAutomaton(
+        num_states=len(number),
+        sources=sources,
+        tokens=tokens,
+        targets=targets,
+        accepting=accepting,
+    )
+    _AUTOMATA[key] = automaton
+    return automaton
+
+
+def _budget(needed: int, smallest: int, largest: int, what: str) -> int:
+    if needed > largest:
+        raise ValueError(
+            f"Sampling constraint: the call's automata need {needed} {what}, more than the budget of "
+            f"{largest}; use a smaller regex / schema (fewer fields, bounded repeats) or fewer "
+            "distinct constraints per call"
+        )
+    return max(smallest, 1 << max(needed - 1, 0).bit_length())
+
+
+@flax.struct.dataclass
+class Grammar:
+    """The device side: one call's automata in one state space, and each row's start state."""
+
+    allowed: jax.Array  # [S, ceil(V/32)] uint32: bit v of state s, token v is allowed there
+    edge_keys: jax.Array  # [E] int32 sorted: state * V + token; padding past the edges is int32 max
+    edge_next: jax.Array  # [E] int32: the state after the edge's token
+    start: jax.Array  # [B] int32: the row's start state, -1 for a row without a constraint
+
+    def mask(self, states: jax.Array, vocab_size: int) -> jax.Array:
+        """states [B, ...] -> allowed [B, ..., V] bool (all True where the state is -1)."""
+        bits = self.allowed[jnp.maximum(states, 0)]  # [B, ..., W]
+        shifts = jnp.arange(32, dtype=jnp.uint32)
+        unpacked = (bits[..., None] >> shifts) & jnp.uint32(1)  # [B, ..., W, 32]
+        allowed = unpacked.reshape(bits.shape[:-1] + (-1,))[..., :vocab_size] != 0
+        return allowed | (states < 0)[..., None]
+
+    def step(self, states: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
+        """The states after one token each (states, tokens of one shape). A token without an edge
+        (one the state forbids, EOS, or -1 padding) leaves the state as it is: its row stops there
+        or the position is never used."""
+        key = states * vocab_size + tokens
+        at = jnp.minimum(jnp.searchsorted(self.edge_keys, key), self.edge_keys.shape[0] - 1)
+        hit = (self.edge_keys[at] == key) & (states >= 0) & (tokens >= 0)
+        return jnp.where(hit, self.edge_next[at], states)
+
+    def advance(self, states: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
+        """Read tokens [B, T] from states [B]: the states after each token [B, T]."""
+        after = []
+        for t in range(tokens.shape[1]):  # T = k + 1, small and static
+            states = self.step(states, tokens[:, t], vocab_size)
+            after.append(states)
+        return jnp.stack(after, axis=1)
+
+    def path_states(self, states: jax.Array, drafts: jax.Array, vocab_size: int) -> jax.Array:
+        """[B, K+1] the state at each scored position of a chain: states [B] at the last committed
+        token, then after each of the drafts [B, K]."""
+        if drafts.shape[1] == 0:
+            return states[:, None]
+        return jnp.concatenate([states[:, None], self.advance(states, drafts, vocab_size)], axis=1)
+
+
+def mask_logits(grammar: Grammar | None, logits: jax.Array, states: jax.Array | None) -> jax.Array:
+    """logits [B, ..., V] with the tokens forbidden at states [B, ...] set to -inf."""
+    if grammar is None:
+        return logits
+    return jnp.where(grammar.mask(states, logits.shape[-1]), logits, -jnp.inf)
+
+
+def build_grammar(
+    tokenizer, vocab_size: int, eos_ids: Sequence[int], regexes: Sequence[str | None]
+) -> Grammar | None:
+    """The device tables for a batch whose row b must match regexes[b] (None: free); None when no
+    row has a constraint. Equal regexes share one automaton."""
+    if all(r is None for r in regexes):
+        return None
+    if tokenizer is None:
+        raise ValueError("Sampling regex / json_schema / choice needs a tokenizer; the model has none")
+    if not eos_ids:
+        raise ValueError("Sampling regex / json_schema / choice needs an EOS token; the model has none")
+    distinct = sorted({r for r in regexes if r is not None})
+    automata = [compile_constraint(r, tokenizer, vocab_size, eos_ids) for r in distinct]
+    offsets = np.cumsum([0] + [a.num_states for a in automata])
+    S = _budget(int(offsets[-1]), MIN_STATES, MAX_STATES, "states")
+    E = _budget(sum(len(a.tokens) for a in automata), MIN_EDGES, MAX_EDGES, "transitions")
+    if S * vocab_size >= 2**31:
+        raise ValueError(
+            f"Sampling constraint: {S} states x {vocab_size} tokens overflow the int32 edge keys"
+        )
+    words = -(-vocab_size // 32)
+    allowed = np.zeros((S, words * 32), bool)
+    keys, targets = [], []
+    for offset, a in zip(offsets[:-1], automata, strict=True):
+        sources = a.sources.astype(np.int64) + offset
+        allowed[sources, a.tokens] = True
+        keys.append(sources * vocab_size + a.tokens)
+        targets.append(a.targets + offset)
+        accepting = np.flatnonzero(a.accepting) + offset
+        for eos in eos_ids:
+            allowed[accepting, eos] = True
+    # A state with nothing allowed (a dead end) may end the row, so that no row is left without a
+    # token: the automata outlines-core builds have none, this is a guard.
+    dead = ~allowed.any(axis=1)
+    allowed[np.ix_(dead, list(eos_ids))] = True
+    keys, targets = np.concatenate(keys), np.concatenate(targets)
+    order = np.argsort(keys, kind="stable")
+    edge_keys = np.full(E, np.iinfo(np.int32).max, np.int32)
+    edge_next = np.zeros(E, np.int32)
+    edge_keys[: len(keys)], edge_next[: len(keys)] = keys[order], targets[order]
+    packed = np.packbits(allowed.reshape(S, words, 32), axis=-1, bitorder="little")  # [S, W, 4] uint8
+    start = [-1 if r is None else int(offsets[distinct.index(r)]) for r in regexes]
+    return Grammar(
+        allowed=jnp.asarray(packed.view(np.uint32).reshape(S, words)),
+        edge_keys=jnp.asarray(edge_keys),
+        edge_next=jnp.asarray(edge_next),
+        start=jnp.asarray(start, jnp.int32),
+    )

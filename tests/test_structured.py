@@ -1,0 +1,307 @@
+"""Structured output (Sampling(regex=...), json_schema, choice) inside the compiled loop: every
+output matches its constraint, greedy speculative output equals plain constrained greedy, sampled
+output follows the target's law restricted to the grammar (exact enumeration against a reference
+that reads the constraint's language, not the library's automaton), mixed batches, one program
+for constraints of one budget, no host callback."""
+
+import functools
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from laws import assert_sequence_law
+from tiny import tiny_model, tiny_tokenizer
+
+import specjax
+from specjax import programs
+from specjax.models import EagleHead, forward, init_cache
+from specjax.speculate import grammar as grammar_module
+from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
+from specjax.speculate.sampling import SamplingParams, WarpSpec
+
+BASE = tiny_model(seed=21)
+TARGET = specjax.Model(BASE.config, BASE.params, tiny_tokenizer(), name="tiny-structured")
+_DRAFT = tiny_model(seed=22, num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, intermediate_size=48)
+DRAFT = specjax.Model(_DRAFT.config, _DRAFT.params, TARGET.tokenizer, name="tiny-structured-draft")
+EOS = 96  # tiny_tokenizer's "<eos>"; ids 0..94 are chr(32 + id), 95 is "ab"
+PROMPTS = ["12 cats", "x", "hello there"]
+
+
+def text_of(token: int) -> str:
+    return "ab" if token == 95 else chr(32 + token)
+
+
+def output_text(tokens) -> tuple[str, bool]:
+    """(the text before EOS, whether the row ended with EOS)."""
+    ended = bool(tokens) and tokens[-1] == EOS
+    return "".join(text_of(t) for t in (tokens[:-1] if ended else tokens)), ended
+
+
+def proposers():
+    return {
+        "none": None,
+        "ngram": specjax.NGram(k=3, n_max=3, n_min=1),
+        "draft": specjax.DraftModel(DRAFT, k=3),
+        "eagle": specjax.Eagle(EagleHead.init(TARGET, jax.random.key(0)), k=3),
+    }
+
+
+def generate(proposer, sampling, prompts=PROMPTS, max_new_tokens=12, **options):
+    return specjax.generate(
+        TARGET, prompts, proposer=proposer, sampling=sampling, max_new_tokens=max_new_tokens, **options
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# At the door
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(regex="a", choice=["a"]), "at most one of regex, json_schema and choice, got regex, choice"),
+        (dict(regex=""), "regex must be a non-empty string"),
+        (dict(regex=3), "regex must be a non-empty string"),
+        (dict(choice="abc"), "choice must be a non-empty list of non-empty strings"),
+        (dict(choice=[]), "choice must be a non-empty list"),
+        (dict(choice=["a", ""]), "choice must be a non-empty list of non-empty strings"),
+        (
+            dict(json_schema={"type": "strin"}),
+            "json_schema is not a schema specjax can compile: Unsupported type",
+        ),
+        (dict(json_schema=5), "json_schema must be a dict or a JSON string"),
+        (dict(json_schema="{not json"), "json_schema is not a schema specjax can compile"),
+    ],
+)
+def test_bad_constraints_are_refused_naming_the_field(fields, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        specjax.Sampling(**fields)
+
+
+def test_a_regex_the_vocabulary_cannot_spell_is_refused():
+    with pytest.raises(ValueError, match=re.escape("regex 'é+' cannot be compiled over the vocabulary")):
+        generate(None, specjax.Sampling(regex="é+"))
+
+
+def test_a_constraint_over_the_budget_is_refused(monkeypatch):
+    monkeypatch.setattr(grammar_module, "MAX_STATES", 8)
+    with pytest.raises(ValueError, match=r"need \d+ states, more than the budget of 8"):
+        generate(None, specjax.Sampling(regex="[0-9]{20}"))
+
+
+def test_a_constraint_needs_a_tokenizer():
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        specjax.generate(BASE, [[1, 2]], sampling=specjax.Sampling(regex="a"), max_new_tokens=2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs match their constraints; speculation changes nothing at temperature 0
+
+REGEX = r"[0-9]{2,4}(ab|cd)?-[a-c]+"
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 3}, "ok": {"type": "boolean"}},
+    "required": ["name", "ok"],
+}
+
+
+@functools.cache
+def plain_greedy(constraint: str):
+    return generate(None, specjax.Sampling(**json.loads(constraint)), max_new_tokens=30).tokens
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft", "eagle"])
+def test_greedy_speculation_equals_plain_constrained_greedy(name):
+    for fields in (dict(regex=REGEX), dict(json_schema=SCHEMA), dict(choice=["yes", "no", "maybe"])):
+        result = generate(proposers()[name], specjax.Sampling(**fields), max_new_tokens=30)
+        assert result.tokens == plain_greedy(json.dumps(fields)), (name, fields)
+        for tokens in result.tokens:
+            text, ended = output_text(tokens)
+            assert ended, (fields, text)
+            if "regex" in fields:
+                assert re.fullmatch(REGEX, text), text
+            elif "choice" in fields:
+                assert text in fields["choice"], text
+            else:
+                jsonschema = pytest.importorskip("jsonschema")
+                jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft"])
+def test_sampled_outputs_match_their_constraint(name):
+    """Sampled rows (the draft model's drafts are sampled from its unmasked law) never leave the
+    language."""
+    sampling = specjax.Sampling(regex=REGEX, temperature=1.0)
+    result = generate(
+        proposers()[name], sampling, prompts=PROMPTS * 8, max_new_tokens=16, key=jax.random.key(3)
+    )
+    for tokens in result.tokens:
+        text, ended = output_text(tokens)
+        if ended:
+            assert re.fullmatch(REGEX, text), text
+        else:  # cut at max_new_tokens: a prefix of the language
+            assert re.fullmatch(r"[0-9]{0,4}|[0-9]{2,4}(a|ab|c|cd)?(-[a-c]*)?", text), text
+
+
+def test_greedy_constrained_output_is_the_restricted_argmax():
+    """Plain constrained greedy against a reference that takes the argmax over the tokens that keep
+    the text a prefix of the (finite) language, EOS where the text is in it."""
+    language = ["n", "no", "yes", "nope", "nab"]  # prefixes of later ones, and accepting on the way
+    result = generate(None, specjax.Sampling(choice=language), max_new_tokens=8)
+    for prompt, tokens in zip(PROMPTS, result.tokens, strict=True):
+        out = []
+        while not out or out[-1] != EOS:
+            probs = restricted_probs(list(TARGET.tokenizer(prompt)["input_ids"]) + out, out, language, 1.0)
+            out.append(int(np.argmax(probs)))
+        assert tokens == out
+
+
+# ---------------------------------------------------------------------------------------------
+# The law: the target's, restricted to the grammar and renormalised at each step
+
+
+@functools.cache
+def _last_logits_fn():
+    @jax.jit
+    def last_logits(tokens, length):
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None]
+        cache = init_cache(TARGET.config, 1, tokens.shape[1])
+        return forward(TARGET.params, TARGET.config, tokens, positions, cache)[0][0, length - 1]
+
+    return last_logits
+
+
+def next_logits(sequence) -> np.ndarray:
+    padded = np.zeros((1, 64), np.int32)
+    padded[0, : len(sequence)] = sequence
+    return np.asarray(_last_logits_fn()(jnp.asarray(padded), len(sequence)), np.float64)
+
+
+def restricted_probs(sequence, generated, language, temperature) -> np.ndarray:
+    """The next token's law [V]: softmax(logits / T) over the tokens that keep the generated text
+    a prefix of a word of the language, and EOS when the text is a word of it."""
+    text = "".join(text_of(t) for t in generated)
+    allowed = np.zeros(TARGET.config.vocab_size, bool)
+    for v in range(EOS):
+        allowed[v] = any(w.startswith(text + text_of(v)) for w in language)
+    allowed[EOS] = text in language
+    x = np.where(allowed, next_logits(sequence) / temperature, -np.inf)
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def restricted_joint(prompt_ids, language, temperature):
+    """{token sequence (EOS included): probability} by enumeration."""
+    joint, done = {(): 1.0}, {}
+    while joint:
+        grown = {}
+        for prefix, prob in joint.items():
+            p = restricted_probs(list(prompt_ids) + list(prefix), prefix, language, temperature)
+            for token in np.flatnonzero(p > 0):
+                seq = prefix + (int(token),)
+                (done if token == EOS else grown)[seq] = prob * p[token]
+        joint = grown
+    return done
+
+
+@pytest.mark.parametrize("name", ["none", "ngram", "draft"])
+def test_sampled_output_follows_the_restricted_law(name):
+    """2,000 rows of `(a|b|ab)c?` at temperature 1 (the language's six words, reached by 8 token
+    sequences as "ab" is one token or two) against exact enumeration; tests/laws.py's G-test and
+    per-cell bounds."""
+    # "a" before "ab", and "a" an accepting prefix of "ac": the two ways outlines-core's own index
+    # loses words (specjax/speculate/grammar.py, compile_constraint)
+    regex, language = r"(a|b|ab)c?", ["a", "b", "ab", "ac", "bc", "abc"]
+    prompt = "ab c"
+    prompt_ids = TARGET.tokenizer(prompt)["input_ids"]
+    joint = restricted_joint(prompt_ids, language, 1.0)
+    assert len(joint) == 8 and abs(sum(joint.values()) - 1) < 1e-9
+    rows = 2000
+    result = specjax.generate(
+        TARGET,
+        [prompt] * rows,
+        proposer=proposers()[name],
+        sampling=specjax.Sampling(regex=regex, temperature=1.0),
+        max_new_tokens=5,
+        key=jax.random.key(7),
+    )
+    assert_sequence_law(result.tokens, joint, f"{name}: {regex}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Batches, programs
+
+
+def test_mixed_batch_of_constrained_and_free_rows():
+    free = specjax.Sampling()
+    samplings = [specjax.Sampling(regex=REGEX), free, specjax.Sampling(choice=["no", "yes"]), free]
+    prompts = ["12 cats", "x", "hello there", "a b"]
+    for proposer in (None, specjax.NGram(k=3, n_max=3, n_min=1)):
+        mixed = generate(proposer, samplings, prompts=prompts, max_new_tokens=20)
+        alone = generate(None, free, prompts=prompts, max_new_tokens=20)
+        assert mixed.tokens[1] == alone.tokens[1] and mixed.tokens[3] == alone.tokens[3]
+        assert re.fullmatch(REGEX, output_text(mixed.tokens[0])[0])
+        assert output_text(mixed.tokens[2])[0] in ("no", "yes")
+
+
+def test_a_second_constraint_of_the_same_budget_does_not_recompile():
+    proposer = specjax.NGram(k=3, n_max=3, n_min=1)
+    generate(proposer, specjax.Sampling(regex=r"[0-9]{3}"), max_new_tokens=8)
+    count = programs.compiled_program_count()
+    other = generate(proposer, specjax.Sampling(regex=r"(yes|no)-[a-z]{2}"), max_new_tokens=8)
+    assert programs.compiled_program_count() == count
+    assert all(re.fullmatch(r"(yes|no)-[a-z]{2}", output_text(t)[0]) for t in other.tokens)
+
+
+def test_the_program_holds_no_host_callback():
+    sampling = [specjax.Sampling(regex=REGEX), specjax.Sampling()]
+    V = TARGET.config.vocab_size
+    spec = LoopSpec(TARGET.config, 2, 16, 64, WarpSpec.of(sampling))
+    tables = grammar_module.build_grammar(TARGET.tokenizer, V, (EOS,), [s.constraint for s in sampling])
+    inputs = GenerationInputs.simple(
+        prompt_tokens=jnp.zeros((2, 16), jnp.int32),
+        prompt_lengths=jnp.array([3, 5], jnp.int32),
+        max_new_tokens=jnp.array([8, 8], jnp.int32),
+        sampling=SamplingParams.of(sampling, 2, V).replace(grammar=tables),
+        key=jax.random.key(0),
+        stop_token_ids=(EOS,),
+    )
+    jaxpr = str(jax.make_jaxpr(generate_program, static_argnums=0)(spec, TARGET.params, None, inputs))
+    assert "callback" not in jaxpr and jaxpr.count("while") >= 1
+
+
+def test_device_tables_are_fixed_size_bitmasks_and_a_sorted_edge_list():
+    V = TARGET.config.vocab_size
+    tables = grammar_module.build_grammar(TARGET.tokenizer, V, (EOS,), [r"[0-9]{2}", None])
+    assert tables.allowed.shape == (grammar_module.MIN_STATES, -(-V // 32))
+    assert tables.allowed.dtype == jnp.uint32
+    assert tables.edge_keys.shape == (grammar_module.MIN_EDGES,)
+    keys = np.asarray(tables.edge_keys)
+    assert np.all(np.diff(keys) >= 0)
+    start = np.asarray(tables.start)
+    assert start[1] == -1
+    allowed = np.asarray(tables.mask(jnp.asarray(start), V))
+    digits = [ord(c) - 32 for c in "0123456789"]
+    assert allowed[0].sum() == 10 and allowed[0, digits].all() and allowed[1].all()
+    after = tables.advance(jnp.asarray(start), jnp.asarray([[digits[1], digits[2]], [5, 6]]), V)
+    final = np.asarray(tables.mask(after[:, 1], V))
+    assert np.flatnonzero(final[0]).tolist() == [EOS]
+
+
+def test_grammar_draft_drafts_what_the_constraint_forces_losslessly():
+    """GrammarDraft alone and before NGram (Hybrid): the JSON schema's keys and punctuation are
+    forced, so they are drafted and accepted; the tokens equal plain constrained greedy."""
+    sampling = specjax.Sampling(json_schema=SCHEMA)
+    plain = plain_greedy(json.dumps(dict(json_schema=SCHEMA)))
+    alone = generate(specjax.GrammarDraft(k=4), sampling, max_new_tokens=30)
+    assert alone.tokens == plain
+    drafted, accepted = alone.metrics.drafted.sum(), alone.metrics.accepted.sum()
+    assert drafted > 0 and accepted == drafted  # forced tokens: the target's mask leaves p = 1
+    hybrid = specjax.Hybrid(specjax.GrammarDraft(k=3), specjax.NGram(k=3, n_max=3, n_min=1))
+    assert generate(hybrid, sampling, max_new_tokens=30).tokens == plain
+    free = generate(specjax.GrammarDraft(k=4), specjax.Sampling(), max_new_tokens=6)
+    assert free.tokens == generate(None, specjax.Sampling(), max_new_tokens=6).tokens
+    assert free.metrics.drafted.sum() == 0
