@@ -207,7 +207,8 @@ def restricted_joint(prompt_ids, language, temperature):
     return done
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "draft"])
+# (the draft model's law, 55 s here, runs in make test-all)
+@pytest.mark.parametrize("name", ["none", "ngram", pytest.param("draft", marks=pytest.mark.slow)])
 def test_sampled_output_follows_the_restricted_law(name):
     """2,000 rows of `(a|b|ab)c?` at temperature 1 (the language's six words, reached by 8 token
     sequences as "ab" is one token or two) against exact enumeration; tests/laws.py's G-test and
