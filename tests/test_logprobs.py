@@ -186,7 +186,7 @@ def test_every_proposer_reports_plain_decodings_logprobs(plain_greedy, name):
     proposer = chain_proposers()[name]
     greedy = specjax.generate(TARGET, PROMPTS, proposer=proposer, max_new_tokens=NEW, logprobs=N)
     assert_same_logprobs(greedy, plain_greedy)
-    assert greedy.metrics.accepted.sum() > 0
+    assert 0 < greedy.metrics.accepted.sum() < greedy.metrics.drafted.sum()  # accepted in part
     mixed = specjax.generate(
         TARGET, PROMPTS, proposer=proposer, sampling=MIXED, max_new_tokens=NEW, logprobs=N
     )

@@ -67,7 +67,7 @@ from specjax.serve.engine_config import (
     check_request,
 )
 from specjax.serve.engine_inputs import check_memory, check_warp, engine_capacity, loop_inputs
-from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Running
+from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Running, row_counters
 from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
@@ -509,7 +509,7 @@ class Engine:
         new = window[: length - slot.reported].tolist()
         slot.reported = int(length)
         slot.tokens += new
-        now = {name: np.asarray(getattr(counters, name)[b]) for name in COUNTERS}
+        now = row_counters(counters, b)
         delta = {name: now[name] - slot.seen[name] for name in COUNTERS}
         slot.seen = now
         reason = None

@@ -91,11 +91,14 @@ def loop_inputs(
 def check_warp(sampling: Sampling, have: WarpSpec) -> None:
     """A request may use only the sampling code paths the engine was compiled with (`have`)."""
     need = WarpSpec.of(sampling)
-    missing = [
-        name
-        for name in ("top_k", "top_p", "min_p", "penalties", "logit_bias")
-        if getattr(need, name) and not getattr(have, name)
-    ]
+    paths = {
+        "top_k": (need.top_k, have.top_k),
+        "top_p": (need.top_p, have.top_p),
+        "min_p": (need.min_p, have.min_p),
+        "penalties": (need.penalties, have.penalties),
+        "logit_bias": (need.logit_bias, have.logit_bias),
+    }
+    missing = [name for name, (wanted, built) in paths.items() if wanted and not built]
     if not need.greedy and have.greedy:
         missing.insert(0, "temperature > 0")
     if missing:

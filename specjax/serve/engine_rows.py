@@ -16,6 +16,16 @@ from specjax.serve.engine_config import Request
 COUNTERS = ("drafting_steps", "drafted", "accepted", "accepted_at")
 
 
+def row_counters(counters, b: int) -> dict[str, np.ndarray]:
+    """Row b's COUNTERS, read from the loop's MetricCounters (on the host)."""
+    return {
+        "drafting_steps": np.asarray(counters.drafting_steps[b]),
+        "drafted": np.asarray(counters.drafted[b]),
+        "accepted": np.asarray(counters.accepted[b]),
+        "accepted_at": np.asarray(counters.accepted_at[b]),
+    }
+
+
 @dataclasses.dataclass
 class Running:
     """A request in a slot."""
