@@ -259,16 +259,69 @@ def test_engine_updates_carry_logprobs(plain_greedy):
     engine = specjax.Engine(
         TARGET, specjax.NGram(k=3, n_max=3), max_batch=2, max_model_len=96, chunk_steps=3, logprobs=N
     )
-    ids = [engine.add(specjax.Request(p, max_new_tokens=NEW)) for p in PROMPTS[:3]]
+    # Requests 0 and 2 ask for logprobs (request 2 for fewer alternatives), request 1 for none.
+    asked = [N, None, 1]
+    ids = [
+        engine.add(specjax.Request(p, max_new_tokens=NEW, logprobs=n))
+        for p, n in zip(PROMPTS[:3], asked, strict=True)
+    ]
     pieces = {i: [] for i in ids}
     while engine.has_work:
         for update in engine.step():
-            assert len(update.logprobs) == len(update.tokens)
-            pieces[update.request_id].append(update.logprobs)
+            if asked[update.request_id] is None:
+                assert update.logprobs is None
+            else:
+                assert len(update.logprobs) == len(update.tokens)
+                pieces[update.request_id].append(update.logprobs)
     for b, i in enumerate(ids):
-        assert_row_equal(joined_logprobs(pieces[i]), plain_greedy.logprobs[b])
+        if asked[b] is not None:
+            expected = plain_greedy.logprobs[b].first(asked[b])
+            assert_row_equal(joined_logprobs(pieces[i]), expected)
     with pytest.raises(ValueError, match="logprobs must be an integer >= 0, got -2"):
         specjax.EngineConfig(logprobs=-2)
+    with pytest.raises(ValueError, match=r"logprobs=5: this engine computes at most .*allowed: 0 to 4"):
+        engine.add(specjax.Request(PROMPTS[0], max_new_tokens=NEW, logprobs=N + 1))
+    with pytest.raises(ValueError, match=r"prompt_logprobs=0: .*allowed: none"):
+        specjax.Engine(TARGET, max_batch=1, max_model_len=96).add(
+            specjax.Request(PROMPTS[0], max_new_tokens=NEW, prompt_logprobs=0)
+        )
+
+
+def test_engine_runs_logprobs_programs_only_for_chunks_that_ask():
+    """A chunk of requests that ask for no logprobs runs a program computing none; the variant
+    computing them compiles on the first chunk whose request asks, and its tokens are the same."""
+    engine = specjax.Engine(TARGET, max_batch=1, max_model_len=96, chunk_steps=4, logprobs=N)
+    plain = engine.run([specjax.Request(PROMPTS[0], max_new_tokens=NEW)])
+    compiled = engine.num_compiles
+    asked = engine.run([specjax.Request(PROMPTS[0], max_new_tokens=NEW, logprobs=N)])
+    assert engine.num_compiles == compiled + 1  # the loop with logprobs, at width 1
+    assert list(asked.values()) == list(plain.values())
+
+
+def test_engine_reports_prompt_logprobs_with_the_first_update():
+    """Request.prompt_logprobs: the first Update carries generate(prompt_logprobs=N)'s records of
+    the prompt, for a short prompt and for one longer than prefill_chunk (scored in one pass, not
+    in chunks), beside a request that asks for none."""
+    long_prompt = (PROMPTS[2] * 3)[:40]
+    prompts = [PROMPTS[0], long_prompt, PROMPTS[1]]
+    whole = specjax.generate(TARGET, prompts[:2], max_new_tokens=4, prompt_logprobs=N)
+    engine = specjax.Engine(TARGET, max_batch=2, max_model_len=96, prefill_chunk=16, logprobs=N)
+    asked = [N, 2, None]
+    ids = [
+        engine.add(specjax.Request(p, max_new_tokens=4, prompt_logprobs=n))
+        for p, n in zip(prompts, asked, strict=True)
+    ]
+    first = {}
+    while engine.has_work:
+        for update in engine.step():
+            first.setdefault(update.request_id, update)
+    for b, i in enumerate(ids):
+        scored = first[i].prompt_logprobs
+        if asked[b] is None:
+            assert scored is None
+        else:
+            assert_row_equal(scored, whole.prompt_logprobs[b].first(asked[b]))
+    assert engine.stats.prompt_chunks == 0
 
 
 def test_prompt_logprobs_equal_the_reference():

@@ -95,7 +95,7 @@ def test_sampling_fields_map_onto_specjax_sampling():
         ),
         ({"prompt": "x", "stop": [1]}, "stop", "stop must be"),
         ({"prompt": "x", "stop_token_ids": [200]}, "stop_token_ids", "token id 200 outside the vocabulary"),
-        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens must be an integer >= 1, got 0"),
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens", "max_tokens=0 asks for no token"),
         (
             {"prompt": "x", "max_tokens": 64},
             "max_tokens",
@@ -110,8 +110,8 @@ def test_sampling_fields_map_onto_specjax_sampling():
             "stream_options",
             "only allowed with stream",
         ),
-        ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=2 is not supported"),
-        ({"prompt": "x", "echo": True}, "echo", "echo=True is not supported"),
+        ({"prompt": "x", "logprobs": 2}, "logprobs", "logprobs=2: this server computes no logprobs"),
+        ({"prompt": "x", "echo": "yes"}, "echo", "echo must be true or false, got 'yes'"),
         ({"prompt": "x", "best_of": 3}, "best_of", "best_of=3 is not supported"),
         ({"prompt": "x", "guided_json": {}}, "guided_json", "guided_json={} is not supported"),
         ({"prompt": "x", "temprature": 0}, "temprature", "unknown field 'temprature' for /v1/completions"),
@@ -269,7 +269,8 @@ def test_the_extras_and_the_fields_policy():
     assert (request.ignore_eos, request.include_stop, request.skip_special_tokens) == (True, True, False)
     assert request.ignored == ("store", "user", "priority")
     assert completion({"prompt": "x", "add_special_tokens": False}).prompt == TOKENIZER("x")["input_ids"]
-    # 0 is not false: logprobs=0 asks for the sampled token's logprob; top_logprobs=false is no int
+    # 0 is not false: logprobs=0 asks for the sampled token's logprob (of a server computing none);
+    # top_logprobs is chat's
     for body, param in [
         ({"prompt": "x", "logprobs": 0}, "logprobs"),
         ({"prompt": "x", "logprobs": False, "top_logprobs": False}, "top_logprobs"),

@@ -251,11 +251,15 @@ def test_the_chat_templates_options(server):
 @pytest.mark.parametrize(
     "options, param, match",
     [
-        ({"logprobs": True}, "logprobs", "logprobs=True is not supported"),
-        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "top_logprobs=2 is not supported"),
+        ({"logprobs": True}, "logprobs", "logprobs=true: this server computes no logprobs"),
+        ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "top_logprobs=2: this server computes no"),
         ({"response_format": {"type": "json_object"}}, "response_format", "it would change the answer"),
-        ({"extra_body": {"prompt_logprobs": 1}}, "prompt_logprobs", "prompt_logprobs=1 is not supported"),
-        ({"extra_body": {"echo": True}}, "echo", "echo=True is not supported"),
+        (
+            {"extra_body": {"prompt_logprobs": 1}},
+            "prompt_logprobs",
+            "prompt_logprobs=1: this server computes",
+        ),
+        ({"extra_body": {"echo": True}}, "echo", "echo=true is not supported for chat completions"),
         ({"extra_body": {"min_tokens": 2}}, "min_tokens", "min_tokens=2 is not supported"),
         ({"extra_body": {"temprature": 0.5}}, "temprature", "unknown field 'temprature'"),
         ({"extra_body": {"ignore_eos": "yes"}}, "ignore_eos", "ignore_eos must be true or false"),
@@ -276,11 +280,10 @@ def test_refused_chat_fields_are_400_naming_them(server, options, param, match):
     assert error.value.body["param"] == param and error.value.body["type"] == "invalid_request_error"
 
 
-def test_logprobs_zero_and_echo_on_completions_are_refused(server):
+def test_logprobs_on_a_server_without_them_and_best_of_are_refused(server):
     for options, match in [
-        ({"logprobs": 0}, "logprobs=0 is not supported"),
-        ({"logprobs": 1, "echo": True}, "logprobs=1 is not supported"),
-        ({"echo": True}, "echo=True is not supported"),
+        ({"logprobs": 0}, "logprobs=0: this server computes no logprobs"),
+        ({"logprobs": 1, "echo": True}, "logprobs=1: this server computes no logprobs"),
         ({"best_of": 2}, r"best_of=2 is not supported by this server \(accepted: null, or n=1\)"),
     ]:
         with pytest.raises(openai.BadRequestError, match=match):

@@ -12,6 +12,7 @@ from specjax.cli.arguments import (
     positive_int,
     tokens_or_off,
 )
+from specjax.serve.engine_config import DEFAULT_MAX_LOGPROBS
 
 SERVE_HELP = """An OpenAI-compatible HTTP server (FastAPI and uvicorn) over specjax's engine, which
 batches requests continuously over the compiled loop.
@@ -56,6 +57,7 @@ def serve_command(args: argparse.Namespace) -> None:
             if args.prefill_chunk is None
             else {"prefill_chunk": None if args.prefill_chunk == -1 else args.prefill_chunk}
         ),
+        max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
@@ -114,6 +116,13 @@ def add_serve_command(commands) -> None:
         help="prompts longer than this are prefilled in chunks of it (a multiple of 16), one chunk per "
         "step between the running requests' steps (default: EngineConfig.prefill_chunk, 128 tokens; "
         "-1: each prompt in one pass while the others wait)",
+    )
+    command.add_argument(
+        "--max-logprobs",
+        type=tokens_or_off,
+        default=DEFAULT_MAX_LOGPROBS,
+        help="the most alternatives per token that logprobs, top_logprobs and prompt_logprobs may ask "
+        f"for (default {DEFAULT_MAX_LOGPROBS}, vLLM's; -1: no logprobs, and the loop never computes them)",
     )
     command.add_argument(
         "--max-waiting",

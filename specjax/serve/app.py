@@ -40,12 +40,26 @@ from specjax.checks import check_int, is_int
 from specjax.models import Model, load
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
-from specjax.serve.engine_config import PREFILL_CHUNK, EngineConfig
+from specjax.serve.engine_config import DEFAULT_MAX_LOGPROBS, PREFILL_CHUNK, EngineConfig
 from specjax.serve.engine_config import Request as EngineRequest
 from specjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Guard, add_error_handlers, check_api_key
+from specjax.serve.logprob_bodies import (
+    TokenTexts,
+    chat_logprobs,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from specjax.serve.metrics import ServerMetrics
 from specjax.serve.protocol import GenerationRequest, RequestError, parse_request
-from specjax.serve.responses import CHAT, COMPLETION, Responder, error_body, speculate_metrics, usage
+from specjax.serve.responses import (
+    CHAT,
+    COMPLETION,
+    Responder,
+    error_body,
+    spec_decode_metrics,
+    speculate_metrics,
+    usage,
+)
 from specjax.serve.routes import add_routes, check_model, json_body
 from specjax.serve.scheduler import (
     EngineError,
@@ -168,13 +182,41 @@ def make_app(
 class _Choice:
     """One choice of a request on its way: its engine stream and what it has sent so far."""
 
-    def __init__(self, index: int, prompt_tokens: int, stream: RequestStream, deltas: TextDeltas):
-        self.index, self.prompt_tokens, self.stream, self.deltas = index, prompt_tokens, stream, deltas
+    def __init__(
+        self, index: int, prompt: list[int], stream: RequestStream, deltas: TextDeltas, answers: bool
+    ):
+        self.index, self.prompt, self.stream, self.deltas = index, prompt, stream, deltas
+        self.answers = answers  # False for max_tokens=0: the engine's one token is not sent
         self.tokens: list[int] = []
+        self.logprobs: list = []  # the answer's Logprobs, a piece per Update (when asked)
+        self.scored_prompt = None  # the prompt's Logprobs (Request.prompt_logprobs), once reported
+        self.text_offset = 0  # a streamed completion's logprobs: the text offset of its next token
+        self.opened = False  # streamed: its opening chunk (echo's prompt, prompt_logprobs) is sent
         self.finished = None  # its last Update
 
+    def take(self, update):
+        """Keep what an Update brings; its new tokens and their Logprobs (none where the request
+        asked for no answer: max_tokens=0)."""
+        if update.prompt_logprobs is not None:
+            self.scored_prompt = update.prompt_logprobs
+        if update.finished:
+            self.finished = update
+        if not self.answers:
+            return [], None
+        self.tokens += update.tokens
+        if update.logprobs is not None:
+            self.logprobs.append(update.logprobs)
+        return update.tokens, update.logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The finished choice's: the engine's, but "length" for an answer of max_tokens=0 (its
+        budget spent at once), unless it was aborted or failed."""
+        reason = self.finished.finish_reason
+        return "length" if not self.answers and reason == "stop" else reason
+
     def usage(self) -> dict:
-        return usage(self.prompt_tokens, len(self.tokens))
+        return usage(len(self.prompt), len(self.tokens))
 
 
 class _Routes:
@@ -186,13 +228,17 @@ class _Routes:
         self.vocab_size = engine.model.config.vocab_size
         self.max_model_len = engine.max_model_len
         self.speculative = engine.proposer is not None
+        self.max_logprobs = engine.config.logprobs
+        self.texts = TokenTexts(self.tokenizer)
         self.started = int(time.time())
         self.warned: set[str] = set()  # the ignored fields already logged at warning level
 
     async def generate(self, http_request: Request, kind: str) -> Response:
         body = await json_body(http_request)
         check_model(body, self.name)
-        parsed = parse_request(body, kind, self.tokenizer, self.vocab_size, self.max_model_len)
+        parsed = parse_request(
+            body, kind, self.tokenizer, self.vocab_size, self.max_model_len, self.max_logprobs
+        )
         self._log_ignored(parsed)
         choices = await self._admit(parsed)
         responder = Responder.new(kind, self.name, http_request.headers.get("x-request-id"))
@@ -236,9 +282,12 @@ class _Routes:
                 request = EngineRequest(
                     prompt=prompt,
                     sampling=sampling,
-                    max_new_tokens=parsed.max_new_tokens,
+                    # max_tokens=0 (the prompt scored, no answer): the prefill's token is not sent
+                    max_new_tokens=max(parsed.max_new_tokens, 1),
                     speculate=parsed.speculate,
                     ignore_eos=parsed.ignore_eos,
+                    logprobs=parsed.logprobs,
+                    prompt_logprobs=parsed.scored_prompt,
                 )
                 stream = RequestStream(request, loop)
                 deltas = TextDeltas(
@@ -248,7 +297,7 @@ class _Routes:
                     include_stop=parsed.include_stop,
                 )
                 self.scheduler.submit(stream)
-                choices.append(_Choice(index, len(prompt), stream, deltas))
+                choices.append(_Choice(index, prompt, stream, deltas, parsed.max_new_tokens > 0))
             for choice in choices:
                 await choice.stream.admitted
         except BaseException as error:
@@ -271,6 +320,13 @@ class _Routes:
             return None
         return speculate_metrics(update.metrics)
 
+    def _spec_decode(self, parsed: GenerationRequest, choices: list[_Choice]) -> dict | None:
+        """The request's acceptance over its choices in vLLM's per-request shape (AIPerf's)."""
+        if not (self.speculative and parsed.speculate):
+            return None
+        summaries = [c.finished.metrics.summary() for c in choices if c.finished.metrics is not None]
+        return spec_decode_metrics(summaries) if summaries else None
+
     def _usage(self, parsed: GenerationRequest, choices: list[_Choice]) -> dict:
         """Each prompt's tokens once (however many choices it has), every choice's new tokens."""
         prompt_tokens = sum(len(prompt) for prompt in parsed.prompts)
@@ -284,10 +340,7 @@ class _Routes:
 
         async def collect(choice: _Choice) -> None:
             while choice.finished is None:
-                update = await choice.stream.next_update()
-                choice.tokens += update.tokens
-                if update.finished:
-                    choice.finished = update
+                choice.take(await choice.stream.next_update())
 
         try:
             await asyncio.gather(*(collect(c) for c in choices))
@@ -302,9 +355,43 @@ class _Routes:
         for choice in choices:
             text = self.tokenizer.decode(choice.tokens, skip_special_tokens=parsed.skip_special_tokens)
             text = cut_text(text, choice.stream.request.sampling.stop, parsed.include_stop)
+            if parsed.echo:
+                text = self._prompt_text(parsed, choice) + text
             spec = self._speculate_metrics(parsed, choice.finished)
-            bodies.append(responder.choice(text, choice.finished.finish_reason, spec, choice.index))
-        return responder.responses(bodies, self._usage(parsed, choices))
+            logprobs = self._logprobs(parsed, choice, choice.logprobs, prompt=parsed.echo, streamed=False)
+            body = responder.choice(text, choice.finish_reason, spec, choice.index, logprobs)
+            if parsed.prompt_logprobs is not None and parsed.kind == COMPLETION:
+                body["prompt_logprobs"] = self._prompt_logprobs(parsed, choice)
+            bodies.append(body)
+        answer = responder.responses(bodies, self._usage(parsed, choices), self._spec_decode(parsed, choices))
+        if parsed.prompt_logprobs is not None and parsed.kind == CHAT:  # (vLLM's place for them)
+            answer["prompt_logprobs"] = self._prompt_logprobs(parsed, choices[0])
+        return answer
+
+    def _prompt_text(self, parsed: GenerationRequest, choice: _Choice) -> str:
+        return self.tokenizer.decode(choice.prompt, skip_special_tokens=parsed.skip_special_tokens)
+
+    def _prompt_logprobs(self, parsed: GenerationRequest, choice: _Choice) -> list:
+        return prompt_logprobs(self.texts, choice.scored_prompt, parsed.prompt_logprobs)
+
+    def _logprobs(
+        self, parsed: GenerationRequest, choice: _Choice, pieces: list, prompt: bool, streamed: bool
+    ) -> dict | None:
+        """A choice's logprobs body (logprob_bodies.py) of the answer's `pieces` (Logprobs), after
+        the prompt's tokens where `prompt` (echo: the first prompt token with none); `streamed`:
+        a chunk's, whose text offsets follow the chunks before it. None where the request asked
+        for no logprobs."""
+        if parsed.logprobs is None:
+            return None
+        if parsed.kind == CHAT:
+            return chat_logprobs(self.texts, pieces, parsed.tokens_as_ids)
+        first = choice.prompt[0] if prompt else None
+        if prompt:
+            pieces = [choice.scored_prompt.first(parsed.logprobs), *pieces]
+        body, after = completion_logprobs(self.texts, pieces, parsed.tokens_as_ids, choice.text_offset, first)
+        if streamed:
+            choice.text_offset = after
+        return body
 
     async def _events(self, choices: list[_Choice], parsed: GenerationRequest, responder: Responder):
         """The server-sent events of a streamed request: each choice's text deltas (by index, as
@@ -324,11 +411,26 @@ class _Routes:
             except EngineError as error:
                 updates.put_nowait((choice, error))
 
-        def chunk(choice: _Choice, text: str, **options) -> str:
+        def chunk(choice: _Choice, text: str, prompt_logprobs=None, **options) -> str:
             now = choice.usage() if continuous else None
-            return _event(
-                responder.chunk(text, index=choice.index, include_usage=include_usage, usage=now, **options)
+            body = responder.chunk(
+                text, index=choice.index, include_usage=include_usage, usage=now, **options
             )
+            if prompt_logprobs is not None:  # vLLM's place: the choice's, or the chat chunk's
+                (body["choices"][0] if parsed.kind == COMPLETION else body)["prompt_logprobs"] = (
+                    prompt_logprobs
+                )
+            return _event(body)
+
+        def opening(choice: _Choice) -> str | None:
+            """The chunk sent before a choice's first tokens: with echo its prompt (and the
+            prompt's logprobs), with prompt_logprobs vLLM's; None where it has none."""
+            scored = None if parsed.prompt_logprobs is None else self._prompt_logprobs(parsed, choice)
+            if not parsed.echo and scored is None:
+                return None
+            text = self._prompt_text(parsed, choice) if parsed.echo else ""
+            logprobs = self._logprobs(parsed, choice, [], prompt=True, streamed=True) if parsed.echo else None
+            return chunk(choice, text, prompt_logprobs=scored, logprobs=logprobs)
 
         pumps = [asyncio.create_task(pump(c)) for c in choices]
         try:
@@ -341,18 +443,28 @@ class _Routes:
                 if isinstance(update, EngineError):  # the status (200) is already sent
                     yield _event(error_body(str(update), "server_error"))
                     break
-                choice.tokens += update.tokens
-                text = choice.deltas.push(update.tokens)
+                new, piece = choice.take(update)
+                if not choice.opened:  # (after its first Update: it brings the prompt's logprobs)
+                    choice.opened = True
+                    if (first := opening(choice)) is not None:
+                        yield first
+                text = choice.deltas.push(new)
+                logprobs = self._logprobs(
+                    parsed, choice, [] if piece is None else [piece], prompt=False, streamed=True
+                )
                 if update.finished:
-                    choice.finished, running = update, running - 1
+                    running -= 1
                     text += choice.deltas.finish()
                     spec = self._speculate_metrics(parsed, update)
-                    yield chunk(choice, text, finish_reason=update.finish_reason, spec=spec)
-                elif text:
-                    yield chunk(choice, text)
+                    yield chunk(
+                        choice, text, finish_reason=choice.finish_reason, spec=spec, logprobs=logprobs
+                    )
+                elif text or new and logprobs is not None:  # (text held back: its logprobs go now)
+                    yield chunk(choice, text, logprobs=logprobs)
             else:
                 if include_usage:
-                    yield _event(responder.usage_chunk(self._usage(parsed, choices)))
+                    spec = self._spec_decode(parsed, choices)
+                    yield _event(responder.usage_chunk(self._usage(parsed, choices), spec))
         finally:
             for task in pumps:
                 task.cancel()
@@ -390,6 +502,7 @@ def serve(
     chunk_steps: int = 16,
     admission_steps: int | None = None,
     prefill_chunk: int | None = PREFILL_CHUNK,
+    max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
@@ -409,6 +522,8 @@ def serve(
     max_batch, max_model_len, chunk_steps, admission_steps, prefill_chunk: the engine's slots, the
         longest prompt + answer, the most loop steps between two looks at the queue (while a slot
         is free: admission_steps), and the chunks a long prompt is prefilled in (EngineConfig).
+    max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
+        prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
     max_waiting: the most requests waiting for a slot (default 4 x max_batch); past it, 503.
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
     precompile: before listening, compile the loop at every width and the prefill of prompts up to
@@ -441,6 +556,7 @@ def serve(
         chunk_steps=chunk_steps,
         admission_steps=admission_steps,
         prefill_chunk=prefill_chunk,
+        logprobs=max_logprobs,
     )
     engine = Engine(model, proposer, config)
     if precompile is not None:

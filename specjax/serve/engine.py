@@ -23,7 +23,9 @@ programs move it, each compiled ahead of time (docs/serving.md):
 - resume (`loop.resume_program`, one per width, on first use or at `precompile`): the decoding
   loop over the state, for at most `chunk_steps` steps (`admission_steps` while a slot is free),
   or until a row finishes; only each row's new tokens and the metric counters come back to the
-  host. A lean variant serves the chunks whose requests are all greedy without penalties or bias;
+  host. A lean variant serves the chunks whose requests are all greedy without penalties or bias,
+  and with `EngineConfig.logprobs` a variant of each computes logprobs for the chunks in which a
+  request asked for them (engine_loops.py);
 - the state stays on the device between calls (donated: updated in place).
 
 Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
@@ -56,7 +58,7 @@ import numpy as np
 from specjax import planner
 from specjax.checks import is_int
 from specjax.models.model import Model
-from specjax.serve import engine_programs
+from specjax.serve import engine_loops, engine_programs
 from specjax.serve.engine_config import (
     MAX_STOP_TOKEN_IDS,
     EngineConfig,
@@ -72,7 +74,7 @@ from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
-from specjax.speculate.sampling import Sampling, WarpSpec
+from specjax.speculate.sampling import Sampling
 from specjax.speculate.stops import MAX_STOP_STRINGS, StopStringSet, cut_text
 
 MIN_BUCKET = planner.MIN_BUCKET
@@ -135,8 +137,7 @@ class Engine:
                     self.spec, params, proposer_params
                 )
         self._params, self._proposer_params = params, proposer_params
-        self._lean = self._lean_loop(resolved_params)
-        self._loops = self._loop_specs()
+        self._loops = engine_loops.loop_specs(self.spec, proposer, model, resolved_params)
         self._widths = config.widths
         self.k = self.spec.k
         self._window = config.chunk_steps * (self.k + 1) + 1
@@ -173,33 +174,6 @@ class Engine:
         self._spare: DecodeState | None = None
         self._step_count = int(self._state.step)  # the loop's step counter, as the host last saw it
         self._compile_width_programs()
-
-    def _lean_loop(self, proposer_params) -> LoopSpec | None:
-        """The loop for chunks whose requests are all greedy, without penalties or logit bias (the
-        common case), compiled without the sampling paths: the full program's filters and draws
-        cost every row's logits a sort and a softmax per step. Its state is the full program's
-        (penalty counts kept up to date, unread). None where the full loop is lean already, or
-        where the proposer's params differ without the sampling paths."""
-        if self.spec.warp == WarpSpec():
-            return None
-        lean_proposer, lean_params = resolve(self.proposer, self.model, WarpSpec(), None)
-        if jax.tree.structure(lean_params) != jax.tree.structure(proposer_params):
-            return None
-        return dataclasses.replace(self.spec, warp=WarpSpec(), proposer=lean_proposer)
-
-    def _loop_specs(self) -> dict[str, LoopSpec]:
-        """The loop's programs by kind: "resume" (every sampling option) and "lean". A Dynamic
-        proposer that can skip drafting splits each in two (DynamicSpec.chunk_programs): chunks
-        in which no row may draft (a batch under load whose schedule turned drafting off) run a
-        quiet program ("resume-quiet", "lean-quiet") of plain decoding's one-token steps, and end
-        as soon as a row may draft (a probe); the others end as soon as none may."""
-        loops = {"resume": self.spec} | ({} if self._lean is None else {"lean": self._lean})
-        for kind, loop in list(loops.items()):
-            programs = None if loop.proposer is None else loop.proposer.chunk_programs()
-            if programs is not None:
-                drafting, quiet = (dataclasses.replace(loop, proposer=p) for p in programs)
-                loops |= {kind: drafting, f"{kind}-quiet": quiet}
-        return loops
 
     # ----- the public face -------------------------------------------------------------------
 
@@ -238,7 +212,9 @@ class Engine:
 
     def add(self, request: Request) -> int:
         """Check a request and queue it; returns its id. ValueError naming what is wrong."""
-        prompt = check_request(request, self.model.config.vocab_size, self.max_model_len)
+        prompt = check_request(
+            request, self.model.config.vocab_size, self.max_model_len, self.config.logprobs
+        )
         planner.check_token_options([request.sampling], self.model)
         if request.sampling.constraint is not None:  # the engine's loop carries no automaton yet
             raise ValueError("sampling regex / json_schema / choice: the Engine does not support them yet")
@@ -318,13 +294,14 @@ class Engine:
         self._resize(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
         # A chunk whose requests are all greedy without penalties or bias runs the lean program;
-        # one in which no row may draft, its quiet variant.
-        lean = self._lean is not None and all(
-            s is None or WarpSpec.of(s.request.sampling) == self._lean.warp for s in self._slots
-        )
-        kind = "lean" if lean else "resume"
-        if f"{kind}-quiet" in self._loops and not self._run("may_draft", width, self._state):
-            kind = f"{kind}-quiet"
+        # one in which a request asked for logprobs, a variant computing them; one in which no
+        # row may draft, its quiet variant (engine_loops.py).
+        running = [s for s in self._slots if s is not None]
+        asked = any(s.request.logprobs is not None for s in running)
+        kind = engine_loops.chunk_kind(self._loops, [s.request.sampling for s in running], asked)
+        quiet = engine_loops.quiet_kind(kind)
+        if quiet in self._loops and not self._run("may_draft", width, self._state):
+            kind = quiet
         # While a slot is free, an arrival could take it: the chunk is short, so that a request
         # that comes while it runs waits little for its prefill. A chunk always ends when a row
         # finishes: its last tokens go out at once and its slot is free for the next request.
@@ -347,15 +324,16 @@ class Engine:
             (window, logprobs, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
         self.stats.add_chunk(
-            width, int(step) - self._step_count, time.perf_counter() - start, kind.endswith("-quiet")
+            width, int(step) - self._step_count, time.perf_counter() - start, engine_loops.is_quiet(kind)
         )
         self._step_count = int(step)
         updates = []
         for b, slot in enumerate(self._slots):
             if slot is not None:
+                asked = slot.request.logprobs
                 update = self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters)
-                if logprobs is not None:
-                    update.logprobs = Logprobs.of_row(logprobs, update.tokens, b, 0)
+                if asked is not None:
+                    update.logprobs = Logprobs.of_row(logprobs, update.tokens, b, 0).first(asked)
                 updates.append(update)
         return updates
 
@@ -453,8 +431,11 @@ class Engine:
             self.stats.admissions += 1
 
     def _long(self, request: Request) -> bool:
-        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk)."""
-        return self._chunk is not None and len(request.prompt) > self._chunk
+        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk); not
+        one whose prompt is scored (prompt_logprobs: the scoring runs in the one-pass prefill)."""
+        return (
+            self._chunk is not None and len(request.prompt) > self._chunk and request.prompt_logprobs is None
+        )
 
     def _start_long_prompt(self) -> PromptInChunks | None:
         """The first waiting long prompt, taken out of the queue before its first chunk (None if
@@ -489,7 +470,14 @@ class Engine:
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = request.prompt
         row = self._row_inputs(b, padded, n, request.max_new_tokens, request_id, request.key)
-        if partial is None:
+        if partial is None and request.prompt_logprobs is not None:  # scored in its one pass
+            row = self._run("scored_prefill", bucket, self._params, self._proposer_params, row)
+            scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
+            self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
+                request.prompt_logprobs
+            )
+            row = row.replace(prompt_logprobs=None)
+        elif partial is None:
             row = self._run("prefill", bucket, self._params, self._proposer_params, row)
         else:
             row = self._run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
@@ -524,7 +512,9 @@ class Engine:
             num_draft_tokens=int(delta["drafted"]),
             num_accepted_tokens=int(delta["accepted"]),
             accepted_per_pos=np.asarray(delta["accepted_at"]).astype(int).tolist(),
+            prompt_logprobs=slot.prompt_logprobs,
         )
+        slot.prompt_logprobs = None  # (sent with the first Update)
         if done:
             row = jax.tree.map(lambda x: np.asarray(x)[b : b + 1], counters)
             elapsed = time.perf_counter() - slot.started
@@ -761,12 +751,17 @@ class Engine:
 
     def _statics(self, kind, size: int) -> tuple[str, tuple]:
         """(the engine_programs kind, its static arguments) of the engine's program (kind, size):
-        a loop by its name in `_loops` ("resume", "lean", their "-quiet" variants), or one of
+        a loop by its name in `_loops` (engine_loops.py), "scored_prefill", or one of
         engine_programs.PROGRAMS; anything else is an error."""
         if kind in self._loops:  # the loop over the running state, `size` slots wide
             return "resume", (dataclasses.replace(self._loops[kind], batch_size=size), self._window)
         if kind == "prefill":  # one request's row, its prompt padded to `size`
             return kind, (dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size),)
+        if kind == "scored_prefill":  # the same, scoring the prompt's tokens (Request.prompt_logprobs)
+            spec = dataclasses.replace(
+                self.spec, batch_size=1, prompt_bucket=size, prompt_logprobs=self.config.logprobs
+            )
+            return "prefill", (spec,)
         if kind in ("start_prompt", "prompt_chunk", "finish_prompt"):  # a long prompt's (`size`:
             # the chunk, or the bucket the finish pads the prompt to)
             spec = dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size, prefill_chunk=self._chunk)

@@ -39,6 +39,9 @@ NARROW_AFTER = 2
 # Tokens per prefill chunk of a long prompt (EngineConfig.prefill_chunk): see docs/serving.md,
 # "Long prompts in chunks", for the latencies measured at 64, 128 and 256.
 PREFILL_CHUNK = 128
+# The most logprobs a served request may ask for, unless `serve(max_logprobs=)` says otherwise
+# (vLLM's --max-logprobs default)
+DEFAULT_MAX_LOGPROBS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +104,11 @@ class EngineConfig:
     do not fit beside theirs waits; one that never fits is refused."""
 
     logprobs: int | None = None
-    """Per committed token, its logprob and those of the N most likely tokens, as `generate`'s
-    logprobs, in each Update's `logprobs` (every request's); None: off, the programs compute none."""
+    """The most logprobs a request may ask for (`Request.logprobs` and `prompt_logprobs`): the
+    programs can compute each committed token's logprob and those of the N most likely tokens,
+    as `generate`'s logprobs, for the requests that ask. None: off, the programs compute none
+    and a request asking is refused. (Chunks in which no running request asks run programs
+    without them: engine_loops.py.)"""
 
     def __post_init__(self):
         check_int("max_batch", self.max_batch, 1)
@@ -177,6 +183,14 @@ class Request:
     # True: EOS does not end the request (it runs to max_new_tokens, a stop token id or a stop
     # string), as vLLM's ignore_eos, which benchmark clients send to fix the answers' lengths.
     ignore_eos: bool = False
+    # N: each Update's `logprobs` holds its tokens' logprobs and the N most likely tokens at each
+    # (as `generate(..., logprobs=N)`); at most EngineConfig.logprobs. None: none.
+    logprobs: int | None = None
+    # N: the first Update's `prompt_logprobs` holds the prompt's tokens from the second on, each
+    # with its logprob given the tokens before it and the N most likely tokens there (as
+    # `generate(..., prompt_logprobs=N)`: the model's raw distribution); at most
+    # EngineConfig.logprobs. Such a prompt is prefilled in one pass, never in chunks. None: none.
+    prompt_logprobs: int | None = None
 
 
 @dataclasses.dataclass
@@ -193,8 +207,11 @@ class Update:
     num_accepted_tokens: int
     accepted_per_pos: list[int]  # accepted drafts at each draft position (k of them)
     metrics: Any = None  # the request's whole figures (a SpecMetrics), once finished
-    # With EngineConfig.logprobs: the new tokens' logprobs (a speculate/logprobs.py Logprobs)
+    # With Request.logprobs: the new tokens' logprobs (a speculate/logprobs.py Logprobs)
     logprobs: Any = None
+    # With Request.prompt_logprobs, on the request's first Update: its prompt's (a Logprobs of the
+    # prompt's tokens from the second on)
+    prompt_logprobs: Any = None
 
 
 @dataclasses.dataclass
@@ -236,9 +253,10 @@ class EngineStats:
         return ", ".join(parts)
 
 
-def check_request(request, vocab_size: int, max_model_len: int) -> list[int]:
+def check_request(request, vocab_size: int, max_model_len: int, max_logprobs: int | None) -> list[int]:
     """A request's prompt as a list of token ids, after the checks of its own fields (what the
-    engine checks beside them, the sampling options, it checks itself)."""
+    engine checks beside them, the sampling options, it checks itself); `max_logprobs`: the
+    engine's EngineConfig.logprobs."""
     if not isinstance(request, Request):
         raise ValueError(f"request must be a specjax.serve.Request, got {type(request).__name__}")
     prompt = request.prompt
@@ -260,4 +278,16 @@ def check_request(request, vocab_size: int, max_model_len: int) -> list[int]:
         raise ValueError(f"speculate must be True or False, got {request.speculate!r}")
     if not isinstance(request.ignore_eos, bool):
         raise ValueError(f"ignore_eos must be True or False, got {request.ignore_eos!r}")
+    for name, value in (("logprobs", request.logprobs), ("prompt_logprobs", request.prompt_logprobs)):
+        if value is None:
+            continue
+        check_int(name, value, 0)
+        if max_logprobs is None or value > max_logprobs:
+            allowed = (
+                "none (EngineConfig.logprobs is None)" if max_logprobs is None else f"0 to {max_logprobs}"
+            )
+            raise ValueError(
+                f"{name}={value}: this engine computes at most EngineConfig.logprobs={max_logprobs} "
+                f"alternatives per token (allowed: {allowed})"
+            )
     return [int(t) for t in prompt]

@@ -37,6 +37,7 @@ class Running:
     tokens: list[int]  # generated so far
     seen: dict[str, np.ndarray]  # counters at the previous Update
     started: float
+    prompt_logprobs: Any = None  # its prompt's Logprobs (Request.prompt_logprobs), until reported
 
 
 @dataclasses.dataclass

@@ -11,16 +11,18 @@ Fields read (OpenAI's, vLLM's extras and one of specjax's):
     model, messages (chat) / prompt (completions: a string, token ids, or a list of either),
     max_tokens, max_completion_tokens (chat), temperature, top_p, presence_penalty,
     frequency_penalty, logit_bias, seed, stop, n, stream, stream_options (include_usage, and
-    vLLM's continuous_usage_stats)
+    vLLM's continuous_usage_stats), logprobs and top_logprobs (chat), logprobs and echo
+    (completions; max_tokens=0 with echo scores the prompt only)
     vLLM's: top_k (-1 or 0: off), min_p, repetition_penalty, stop_token_ids, ignore_eos,
         min_tokens (0 only), include_stop_str_in_output, skip_special_tokens, add_special_tokens,
+        prompt_logprobs, return_tokens_as_token_ids,
         chat (add_generation_prompt, continue_final_message, chat_template_kwargs)
     specjax's: speculative (default true; false decodes this request without the proposer)
 
 The policy for the others (docs/serving.md, "Fields"): a field that cannot change the answer
 (IGNORED: OpenAI's store, metadata, service_tier, parallel_tool_calls, user; vLLM's priority,
 cache_salt, ...) is accepted, type-checked and ignored, and the app logs it; a field the server
-does not implement and that would change the answer (UNSUPPORTED: logprobs, echo, tools,
+does not implement and that would change the answer (UNSUPPORTED: suffix, tools,
 response_format, ...) is accepted only at the value that asks for nothing (false, null, ...), and
 any other value is a 400 naming it; and any other field is a 400 "unknown field" (a misspelt
 option answered as if it were absent would be an answer to another question).
@@ -46,10 +48,6 @@ DEFAULT_COMPLETION_TOKENS = 16
 # (accepted and ignored); a value is neutral when it equals one of them and has its type (so
 # logprobs=0, which asks for the sampled token's logprob, is not the neutral false).
 UNSUPPORTED = {
-    "logprobs": (None, False),  # completions' 0 asks for the sampled token's: not neutral
-    "top_logprobs": (None, 0),
-    "prompt_logprobs": (None,),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -82,7 +80,6 @@ IGNORED = {
     "priority": int,  # vLLM: its scheduler's priority (this server serves in arrival order)
     "cache_salt": str,  # vLLM: keeps its prefix cache apart per tenant
     "request_id": str,  # vLLM: its engine's request id (X-Request-Id names the response here)
-    "return_tokens_as_token_ids": bool,  # vLLM: the form of logprobs' tokens (no logprobs here)
 }
 SAMPLING_FIELDS = (
     "temperature",
@@ -99,10 +96,19 @@ SAMPLING_FIELDS = (
     "min_tokens",
     "ignore_eos",
 )
-OUTPUT_FIELDS = ("include_stop_str_in_output", "skip_special_tokens", "best_of")
+OUTPUT_FIELDS = (
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "best_of",
+    "logprobs",
+    "prompt_logprobs",
+    "return_tokens_as_token_ids",
+)
 COMMON_FIELDS = ("model", "n", "stream", "stream_options", "max_tokens", "speculative")
 CHAT_FIELDS = (
     "messages",
+    "top_logprobs",
+    "echo",  # (vLLM's chat echo is not served: refused unless false, `_logprobs_options`)
     "max_completion_tokens",
     "add_generation_prompt",
     "continue_final_message",
@@ -113,6 +119,7 @@ FIELDS = {
     CHAT: {*CHAT_FIELDS, *COMMON_FIELDS, *SAMPLING_FIELDS, *OUTPUT_FIELDS, *UNSUPPORTED, *IGNORED},
     COMPLETION: {
         "prompt",
+        "echo",
         "add_special_tokens",
         *COMMON_FIELDS,
         *SAMPLING_FIELDS,
@@ -167,6 +174,19 @@ class GenerationRequest:
     include_stop: bool = False  # include_stop_str_in_output: the text keeps the stop string
     skip_special_tokens: bool = True
     ignored: tuple[str, ...] = ()  # the IGNORED fields the request sent (the app logs them)
+    # N: each generated token's logprob and the N most likely tokens (chat: top_logprobs, with
+    # logprobs true; completions: logprobs); None: none
+    logprobs: int | None = None
+    echo: bool = False  # completions: the prompt comes back before the answer (and its logprobs)
+    prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top N
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:7"
+
+    @property
+    def scored_prompt(self) -> int | None:
+        """The alternatives the engine scores the prompt with (Request.prompt_logprobs): echo's
+        logprobs and vLLM's prompt_logprobs, whichever asks for more; None: the prompt unscored."""
+        asked = [n for n in (self.prompt_logprobs, self.logprobs if self.echo else None) if n is not None]
+        return max(asked) if asked else None
 
     @property
     def n(self) -> int:
@@ -373,16 +393,23 @@ def _min_tokens(body: dict) -> None:
         )
 
 
-def _max_tokens(body: dict, kind: str, prompts: list[list[int]], max_model_len: int) -> int:
+def _max_tokens(body: dict, kind: str, prompts: list[list[int]], max_model_len: int, scores: bool) -> int:
     """The token budget: max_completion_tokens (chat) or max_tokens; default 16 for a completion
     (OpenAI's) and what the context leaves for a chat completion. Each prompt and the budget must
-    fit in max_model_len."""
+    fit in max_model_len. 0 only where the prompt comes back (`scores`: echo, or prompt_logprobs),
+    as lm-eval's loglikelihood requests may send: the answer is the prompt's, and its logprobs."""
     check_prompt_lengths(kind, prompts, max_model_len)
     longest = max(len(p) for p in prompts)
     chat_budget = kind == CHAT and body.get("max_completion_tokens") is not None
     name = "max_completion_tokens" if chat_budget else "max_tokens"
     default = DEFAULT_COMPLETION_TOKENS if kind == COMPLETION else max_model_len - longest
-    value = _int_at_least(body, name, default, 1)
+    value = _int_at_least(body, name, default, 0)
+    if value == 0 and not scores:
+        raise RequestError(
+            f"{name}=0 asks for no token: allowed only where the prompt comes back (echo, or "
+            "prompt_logprobs); else give at least 1",
+            param=name,
+        )
     if longest + value > max_model_len:
         raise RequestError(
             f"{name}={value}: with a prompt of {longest} tokens it exceeds the server's max_model_len "
@@ -390,6 +417,63 @@ def _max_tokens(body: dict, kind: str, prompts: list[list[int]], max_model_len: 
             param=name,
         )
     return value
+
+
+NO_LOGPROBS = "this server computes no logprobs (it was started with --max-logprobs -1)"
+
+
+def _count_of_alternatives(body: dict, name: str, max_logprobs: int | None) -> int | None:
+    """A field asking for N >= 0 alternatives per token (None: absent), at most the server's."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not is_int(value) or value < 0:
+        raise RequestError(f"{name} must be an integer >= 0, got {value!r}", param=name)
+    if max_logprobs is None:
+        raise RequestError(f"{name}={value}: {NO_LOGPROBS}", param=name)
+    if value > max_logprobs:
+        raise RequestError(
+            f"{name}={value}: this server computes at most {max_logprobs} alternatives per token "
+            f"(--max-logprobs; allowed: 0 to {max_logprobs})",
+            param=name,
+        )
+    return value
+
+
+def _logprobs_options(body: dict, kind: str, max_logprobs: int | None) -> dict:
+    """What the request asks of logprobs (GenerationRequest's logprobs, echo, prompt_logprobs,
+    tokens_as_ids). Chat: logprobs true or false, and top_logprobs (N alternatives, with logprobs
+    true, as OpenAI requires). Completions: logprobs N (OpenAI's legacy shape; 0 is the sampled
+    token's alone), and echo. Both: vLLM's prompt_logprobs N and return_tokens_as_token_ids."""
+    if kind == CHAT:
+        if bool_field(body, "echo", False):
+            raise RequestError(
+                "echo=true is not supported for chat completions by this server (accepted: false); "
+                "use /v1/completions with echo",
+                param="echo",
+            )
+        wanted = bool_field(body, "logprobs", False)
+        top = _count_of_alternatives(body, "top_logprobs", max_logprobs)
+        if top and not wanted:  # (0 without logprobs asks for nothing)
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if wanted and max_logprobs is None:
+            raise RequestError(f"logprobs=true: {NO_LOGPROBS}", param="logprobs")
+        logprobs = (0 if top is None else top) if wanted else None
+        echo = False
+    else:
+        if isinstance(body.get("logprobs"), bool):
+            raise RequestError(
+                f"logprobs must be an integer >= 0 for /v1/completions, got {body['logprobs']!r}",
+                param="logprobs",
+            )
+        logprobs = _count_of_alternatives(body, "logprobs", max_logprobs)
+        echo = bool_field(body, "echo", False)
+    return dict(
+        logprobs=logprobs,
+        echo=echo,
+        prompt_logprobs=_count_of_alternatives(body, "prompt_logprobs", max_logprobs),
+        tokens_as_ids=bool_field(body, "return_tokens_as_token_ids", False),
+    )
 
 
 def check_prompt_lengths(kind: str, prompts: list[list[int]], max_model_len: int) -> None:
@@ -506,13 +590,18 @@ def completion_prompts(tokenizer, prompt, vocab_size: int, max_model_len: int, a
     return [list(ids) for ids in prompts]
 
 
-def parse_request(body: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int) -> GenerationRequest:
+def parse_request(
+    body: Any, kind: str, tokenizer, vocab_size: int, max_model_len: int, max_logprobs: int | None = None
+) -> GenerationRequest:
     """A chat (kind CHAT) or completions (COMPLETION) request body, checked and turned into what
-    the engine takes; RequestError names the first bad field."""
+    the engine takes; RequestError names the first bad field. `max_logprobs`: the most
+    alternatives per token the server computes (None: no logprobs)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
     ignored = _check_fields(body, kind)
     _min_tokens(body)
+    logprobs = _logprobs_options(body, kind, max_logprobs)
+    scores = logprobs["prompt_logprobs"] is not None or logprobs["echo"]
     sampling = _sampling(body, vocab_size)  # (before the prompts: it costs nothing)
     samplings = _choices(body, sampling)
     stream = bool_field(body, "stream", False)
@@ -528,7 +617,7 @@ def parse_request(body: Any, kind: str, tokenizer, vocab_size: int, max_model_le
         kind=kind,
         prompts=prompts,
         samplings=samplings,
-        max_new_tokens=_max_tokens(body, kind, prompts, max_model_len),
+        max_new_tokens=_max_tokens(body, kind, prompts, max_model_len, scores),
         speculate=bool_field(body, "speculative", True),
         stream=stream,
         include_usage=include_usage,
@@ -537,4 +626,5 @@ def parse_request(body: Any, kind: str, tokenizer, vocab_size: int, max_model_le
         include_stop=bool_field(body, "include_stop_str_in_output", False),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         ignored=ignored,
+        **logprobs,
     )

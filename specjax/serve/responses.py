@@ -48,6 +48,28 @@ def speculate_metrics(metrics) -> dict | None:
     return {key: _finite(summary[key]) for key in SPECULATE_METRICS_KEYS if key in summary}
 
 
+def spec_decode_metrics(summaries: list[dict]) -> dict:
+    """vLLM's per-request acceptance (its --per-request-spec-decode-metrics summary), which AIPerf
+    reads: the response's top-level "metrics": {"speculative_decoding": this}, over the request's
+    choices (SpecMetrics.summary()'s). acceptance_histogram[j]: the drafting steps that accepted
+    exactly j drafts."""
+    drafts = sum(s["num_drafts"] for s in summaries)
+    drafted = sum(s["num_draft_tokens"] for s in summaries)
+    accepted = sum(s["num_accepted_tokens"] for s in summaries)
+    histogram = [
+        sum(column) for column in zip(*(s["acceptance_length_histogram"] for s in summaries), strict=True)
+    ]
+    return {
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": drafts,
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": summaries[0]["num_speculative_tokens"],
+    }
+
+
 def new_id(kind: str) -> str:
     return f"{'chatcmpl' if kind == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
 
@@ -85,13 +107,16 @@ class Responder:
             **extra,
         }
 
-    def choice(self, text: str, finish_reason: str | None, spec: dict | None, index: int = 0) -> dict:
-        """One finished choice of a whole (not streamed) answer."""
+    def choice(
+        self, text: str, finish_reason: str | None, spec: dict | None, index: int = 0, logprobs=None
+    ) -> dict:
+        """One finished choice of a whole (not streamed) answer; `logprobs`: its logprobs body
+        (logprob_bodies.py), or None."""
         content = {"message": {"role": "assistant", "content": text}} if self.kind == CHAT else {"text": text}
         return {
             "index": index,
             **content,
-            "logprobs": None,
+            "logprobs": logprobs,
             "finish_reason": finish_reason,
             "speculate_metrics": spec,
         }
@@ -100,10 +125,12 @@ class Responder:
         """The whole answer of one choice."""
         return self.responses([self.choice(text, finish_reason, spec)], usage)
 
-    def responses(self, choices: list[dict], usage: dict) -> dict:
-        """The whole answer of several choices (`choice`'s), in the order of their indices."""
+    def responses(self, choices: list[dict], usage: dict, spec: dict | None = None) -> dict:
+        """The whole answer of several choices (`choice`'s), in the order of their indices;
+        `spec`: the request's `spec_decode_metrics`, or None where it did not speculate."""
         object = "chat.completion" if self.kind == CHAT else "text_completion"
-        return self._body(object, sorted(choices, key=lambda c: c["index"]), usage=usage)
+        extra = {} if spec is None else {"metrics": {"speculative_decoding": spec}}
+        return self._body(object, sorted(choices, key=lambda c: c["index"]), usage=usage, **extra)
 
     def chunk(
         self,
@@ -115,9 +142,11 @@ class Responder:
         spec: dict | None = None,
         include_usage: bool = False,
         usage: dict | None = None,
+        logprobs: dict | None = None,
     ) -> dict:
         """A streamed chunk with a text delta; the first chat chunk also says the role, the last
-        one gives the finish reason and the acceptance figures. `usage`: the choice's usage so
+        one gives the finish reason and the acceptance figures; `logprobs`: the logprobs body of
+        the chunk's tokens (logprob_bodies.py), or None. `usage`: the choice's usage so
         far (vLLM's stream_options.continuous_usage_stats); else with `include_usage` the chunk
         says "usage": null, as OpenAI's do until the usage chunk."""
         if self.kind == CHAT:
@@ -125,15 +154,17 @@ class Responder:
             content = {"delta": delta}
         else:
             content = {"text": text}
-        choice = {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["speculate_metrics"] = spec
         extra = {"usage": usage} if usage is not None or include_usage else {}
         return self._body(self._chunk_object, [choice], **extra)
 
-    def usage_chunk(self, usage: dict) -> dict:
-        """The last chunk when stream_options.include_usage: no choices, the whole usage."""
-        return self._body(self._chunk_object, [], usage=usage)
+    def usage_chunk(self, usage: dict, spec: dict | None = None) -> dict:
+        """The last chunk when stream_options.include_usage: no choices, the whole usage (and the
+        request's `spec_decode_metrics`, where vLLM sends them)."""
+        extra = {} if spec is None else {"metrics": {"speculative_decoding": spec}}
+        return self._body(self._chunk_object, [], usage=usage, **extra)
 
     @property
     def _chunk_object(self) -> str:

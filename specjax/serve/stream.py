@@ -97,7 +97,7 @@ def stream(
         logprobs=planner.check_logprobs(logprobs, model.config.vocab_size),
     )
     engine = _engine(model, proposer, options)
-    request_id = engine.add(Request(ids, sampling, max_new_tokens, key=key))
+    request_id = engine.add(Request(ids, sampling, max_new_tokens, key=key, logprobs=options["logprobs"]))
     return _deltas(
         engine, request_id, TextDeltas(model.tokenizer, sampling.stop) if model.tokenizer else None
     )

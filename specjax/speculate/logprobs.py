@@ -156,6 +156,13 @@ class Logprobs:
         """{token id: logprob} of the N most likely tokens at the row's i-th emitted token."""
         return {int(t): float(v) for t, v in zip(self.top_ids[i], self.top_logprobs[i], strict=True)}
 
+    def first(self, num_top: int) -> Logprobs:
+        """These records with only their `num_top` most likely alternatives (an engine computes
+        its most, and each request gets the number it asked for)."""
+        return dataclasses.replace(
+            self, top_ids=self.top_ids[:, :num_top], top_logprobs=self.top_logprobs[:, :num_top]
+        )
+
     @classmethod
     def of_row(cls, buffers, token_ids, b: int, start: int) -> Logprobs:
         """The records of token_ids [n], row b's, at slots start.. of fetched buffers (a

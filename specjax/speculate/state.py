@@ -177,7 +177,8 @@ def commit(
     # Tokens past num_emitted land beyond the row's end: never read, later overwritten.
     tokens = write_rows(state.tokens, state.lengths, candidates)
     kept = state.logprobs
-    if kept is not None:
+    if logprobs is not None:  # (a program computing none leaves the buffers as they are: the
+        # serving engine runs such programs for chunks in which no request asked for logprobs)
         kept = kept.write(state.lengths, logprobs)
     lengths = state.lengths + num_emitted
     done = state.done | (running & ((first_stop < num_emitted) | (lengths >= state.max_lengths)))
