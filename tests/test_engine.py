@@ -130,30 +130,44 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     assert tokens[2] == alone(TARGET, again[2], proposer)
 
 
-@pytest.mark.parametrize("name", ["plain", pytest.param("dynamic-ngram", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["plain", "plain-logprobs", pytest.param("dynamic-ngram", marks=pytest.mark.slow)]
+)
 def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
     """After `precompile` (the loop at every width, lean and full, with Dynamic the quiet variant of
-    each, and the prefill of the given prompt lengths' buckets), greedy and sampled requests
-    arriving at random steps compile nothing: a compile while serving would stall every running
-    request."""
-    proposer = None if name == "plain" else specjax.Dynamic(specjax.NGram(k=3), specjax.GoodputSchedule())
+    each, with logprobs the full loop computing them, and the prefill of the given prompt lengths'
+    buckets, with logprobs the prefill scoring the prompt too), greedy and sampled requests
+    arriving at random steps, some asking for logprobs, compile nothing: a compile while serving
+    would stall every running request."""
+    proposer = (
+        None if name != "dynamic-ngram" else specjax.Dynamic(specjax.NGram(k=3), specjax.GoodputSchedule())
+    )
+    logprobs = 2 if name == "plain-logprobs" else None
     prompts = _prompts(5, 8)
-    engine = Engine(TARGET, proposer, max_batch=4, max_model_len=96, chunk_steps=3)
+    engine = Engine(TARGET, proposer, max_batch=4, max_model_len=96, chunk_steps=3, logprobs=logprobs)
     compiled = engine.precompile([len(p) for p in prompts])
     widths = set(engine._widths)
     loops = {"lean", "resume"} | (set() if proposer is None else {"lean-quiet", "resume-quiet"})
+    loops |= set() if logprobs is None else {"resume+logprobs"}
     assert set(engine._loops) == loops
     for loop in loops:
         assert {w for kind, w in engine._programs if kind == loop} == widths
     buckets = {admission_bucket(len(p)) for p in prompts}
     assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.planner.MIN_BUCKET}
+    scored = {b for kind, b in engine._programs if kind == "scored_prefill"}
+    assert scored == (set() if logprobs is None else buckets)
     checks = {w for kind, w in engine._programs if kind == "may_draft"}  # which of the two runs
     assert checks == (set() if proposer is None else widths)
     programs = len(loops) + (proposer is not None)
-    assert compiled == programs * len(widths) + len(buckets - {specjax.planner.MIN_BUCKET})
+    prefills = len(buckets - {specjax.planner.MIN_BUCKET}) + len(scored)
+    assert compiled == programs * len(widths) + prefills
     before = engine.num_compiles
     samplings = [specjax.Sampling(), specjax.Sampling(temperature=0.8, seed=3)]
-    requests = [Request(p, samplings[i % 3 == 2], max_new_tokens=6 + i) for i, p in enumerate(prompts)]
+    asks = {} if logprobs is None else {1: {"logprobs": 2}, 3: {"logprobs": 0, "prompt_logprobs": 1}}
+    requests = [
+        Request(p, samplings[i % 3 == 2], max_new_tokens=6 + i, **asks.get(i, {}))
+        for i, p in enumerate(prompts)
+    ]
     engine.stats.reset()
     tokens, finals = drive(engine, requests, seed=4)
     assert engine.num_compiles == before

@@ -344,9 +344,10 @@ class Engine:
 
     def precompile(self, prompt_lengths: Sequence[int] = ()) -> int:
         """Compile now what a chunk or an admission would otherwise compile on first use: the
-        loop at every width (the lean variant and the full one; with Dynamic, the quiet variant of
-        each and the check of which one a chunk runs), and the prefill of the buckets of
-        `prompt_lengths`. A server calls it before taking requests: a program compiled while the
+        loop at every width (the lean variant and the full one, with logprobs the full one that
+        computes them; with Dynamic, the quiet variant of each and the check of which one a chunk
+        runs), and the prefill of the buckets of `prompt_lengths` (with logprobs, also the prefill
+        that scores the prompt). A server calls it before taking requests: a program compiled while the
         engine serves stalls every running request for as long as it compiles (tens of seconds for
         a speculative loop on a small CPU). Returns the number of programs it compiled."""
         lengths = list(prompt_lengths)
@@ -361,6 +362,8 @@ class Engine:
         ):
             inputs = self._row_inputs_free(1, bucket)
             self._program("prefill", bucket, self._params, self._proposer_params, inputs)
+            if self.config.logprobs is not None:  # a request's prompt_logprobs (or echo's)
+                self._program("scored_prefill", bucket, self._params, self._proposer_params, inputs)
         long = [int(n) for n in lengths if self._chunk is not None and n > self._chunk]
         if long:
             partial = self._program("start_prompt", self._chunk, self._params)(self._params)

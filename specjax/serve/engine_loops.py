@@ -10,11 +10,14 @@ The engine compiles its decoding loop in a few variants, each a `LoopSpec` named
   (DynamicSpec.chunk_programs): chunks in which no row may draft run a quiet program of plain
   decoding's one-token steps, and end as soon as a row may draft; the others end as soon as none
   may;
-- "...+logprobs": with `EngineConfig.logprobs`, each of those also computes the committed
-  tokens' logprobs and top N, for chunks in which a running request asked for them
-  (`Request.logprobs`). The others compute none: the top N of every row's distribution at every
-  verified position costs a top-k over the vocabulary per position, which no request pays for
-  unless one asks. Every variant runs on the same state (its logprob buffers are written only by
+- "resume+logprobs" (and "resume-quiet+logprobs"): with `EngineConfig.logprobs`, the full
+  loop also computes the committed tokens' logprobs and top N, for chunks in which a running
+  request asked for them (`Request.logprobs`). The others compute none: the top N of every row's
+  distribution at every verified position costs a top-k over the vocabulary per position, which
+  no request pays for unless one asks. There is no lean variant with logprobs: each variant is
+  one more program per width to compile before serving (about 20 s each for the built-in model
+  on this CPU), and a chunk that computes logprobs already pays a softmax over the vocabulary
+  per position. Every variant runs on the same state (its logprob buffers are written only by
   the "+logprobs" ones), so a chunk may run any of them.
 """
 
@@ -49,6 +52,7 @@ def loop_specs(spec: LoopSpec, proposer, model, proposer_params) -> dict[str, Lo
         counted = {
             kind + WITH_LOGPROBS: dataclasses.replace(loop, logprobs=spec.logprobs)
             for kind, loop in loops.items()
+            if kind.startswith("resume")
         }
         loops |= counted
     return loops
@@ -67,16 +71,18 @@ def _lean_loop(spec: LoopSpec, proposer, model, proposer_params) -> LoopSpec | N
 
 
 def chunk_kind(loops: dict[str, LoopSpec], samplings, logprobs: bool) -> str:
-    """The kind of loop a chunk runs before Dynamic's quiet check: "lean" where every running
-    request's sampling (`samplings`, the running slots') is greedy without penalties or bias and
-    the engine has a lean variant, else "resume"; with "+logprobs" where a running request asked
-    for logprobs (`logprobs`)."""
+    """The kind of loop a chunk runs before Dynamic's quiet check: "resume+logprobs" where a
+    running request asked for logprobs (`logprobs`), else "lean" where every running request's
+    sampling (`samplings`, the running slots') is greedy without penalties or bias and the engine
+    has a lean variant, else "resume"."""
+    if logprobs:
+        return "resume" + WITH_LOGPROBS
     lean = "lean" in loops and all(WarpSpec.of(s) == loops["lean"].warp for s in samplings)
-    return ("lean" if lean else "resume") + (WITH_LOGPROBS if logprobs else "")
+    return "lean" if lean else "resume"
 
 
 def quiet_kind(kind: str) -> str:
-    """The quiet variant of a kind ("lean+logprobs" -> "lean-quiet+logprobs")."""
+    """The quiet variant of a kind ("resume+logprobs" -> "resume-quiet+logprobs")."""
     if kind.endswith(WITH_LOGPROBS):
         return kind.removesuffix(WITH_LOGPROBS) + QUIET + WITH_LOGPROBS
     return kind + QUIET
