@@ -59,6 +59,7 @@ from specjax import planner
 from specjax.checks import is_int
 from specjax.models.model import Model
 from specjax.serve import engine_loops, engine_programs
+from specjax.serve.engine_automata import ConstraintPool, StopStringTables
 from specjax.serve.engine_config import (
     MAX_STOP_TOKEN_IDS,
     EngineConfig,
@@ -75,7 +76,7 @@ from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, prog
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling
-from specjax.speculate.stops import MAX_STOP_STRINGS, StopStringSet, cut_text
+from specjax.speculate.stops import cut_text
 
 MIN_BUCKET = planner.MIN_BUCKET
 
@@ -143,7 +144,6 @@ class Engine:
         self._window = config.chunk_steps * (self.k + 1) + 1
         self._key = jax.random.key(0) if config.key is None else planner.as_key(config.key)
         self._eos = frozenset(planner.eos_ids(model))
-        self._max_stop_states = config.max_stop_states
         self._chunk = config.prefill_chunk
         self._programs: dict[Any, Any] = {}
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`_batch_axes`), found once
@@ -155,8 +155,20 @@ class Engine:
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
         self._slots: list[Running | None] = [None] * config.max_batch
         self._samplings: list[Sampling] = [Sampling()] * config.max_batch
-        self._stop_strings = StopStringSet(()) if model.tokenizer is not None else None
-        self._stop_tables = None if self._stop_strings is None else self._tables(self._stop_strings)
+        self._stops = None  # the running requests' stop strings' automaton (engine_automata.py)
+        if model.tokenizer is not None:
+            self._stops = StopStringTables(
+                model.tokenizer, model.config.vocab_size, config.max_batch, config.max_stop_states
+            )
+        self._constraints = None  # their constraints' automata (engine_automata.py)
+        if config.constraint_states is not None:
+            self._constraints = ConstraintPool(
+                model.tokenizer,
+                model.config.vocab_size,
+                self._eos,
+                config.constraint_states,
+                config.constraint_edges,
+            )
         self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
         # The running part of the batch: the state of the first `width` slots, the smallest
         # program width holding the running requests (slots past it are free). It is kept at that
@@ -216,8 +228,8 @@ class Engine:
             request, self.model.config.vocab_size, self.max_model_len, self.config.logprobs
         )
         planner.check_token_options([request.sampling], self.model)
-        if request.sampling.constraint is not None:  # the engine's loop carries no automaton yet
-            raise ValueError("sampling regex / json_schema / choice: the Engine does not support them yet")
+        if request.sampling.constraint is not None:
+            self._check_constraint(request.sampling.constraint)
         check_warp(request.sampling, self.spec.warp)
         stop_ids = self._stop_ids(request)
         if len(stop_ids) > MAX_STOP_TOKEN_IDS:
@@ -225,14 +237,8 @@ class Engine:
                 f"sampling.stop_token_ids: {len(stop_ids)} stop token ids with EOS, at most "
                 f"{MAX_STOP_TOKEN_IDS} per request"
             )
-        if self._stop_strings is not None and request.sampling.stop:
-            own = StopStringSet(sorted(set(request.sampling.stop)))
-            if len(own.patterns) > MAX_STOP_STRINGS or own.num_states > self._max_stop_states:
-                raise ValueError(
-                    f"sampling.stop: {len(own.patterns)} stop strings needing {own.num_states} automaton "
-                    f"states; the engine holds at most {MAX_STOP_STRINGS} strings in "
-                    f"max_stop_states={self._max_stop_states} states; use fewer or shorter stop strings"
-                )
+        if self._stops is not None and request.sampling.stop:
+            self._stops.check(request.sampling.stop)
         if request.key is not None:
             request = dataclasses.replace(request, key=planner.as_key(request.key))
         request = dataclasses.replace(request, prompt=prompt)
@@ -418,7 +424,7 @@ class Engine:
                 self.stats.prompt_chunks += 1
                 ran_chunk = True
             if prompt is not None and prompt.complete and free is not None:
-                if self._stop_strings_fit(free, prompt.request.sampling.stop):
+                if self._fits(free, prompt.request):
                     self._in_chunks = None
                     self._admit(free, prompt.request_id, prompt.request, prompt.partial)
                     self.stats.admissions += 1
@@ -427,8 +433,8 @@ class Engine:
             if free is None or short is None:
                 return
             request_id, request = self._waiting[short]
-            if not self._stop_strings_fit(free, request.sampling.stop):
-                return  # it waits (first in line) until running requests with other strings finish
+            if not self._fits(free, request):
+                return  # it waits (first in line) until running requests with other automata finish
             del self._waiting[short]
             self._admit(free, request_id, request)
             self.stats.admissions += 1
@@ -455,8 +461,12 @@ class Engine:
         """Prefill the request into slot b (one compiled program per prompt bucket), or, for a
         long prompt whose chunks have run (`partial`), make its row from them."""
         sampling = request.sampling
-        if self._stop_strings is not None and not set(sampling.stop) <= set(self._stop_strings.patterns):
-            self._grow_stop_strings(b, sampling.stop)  # (before the slot changes: it may refuse)
+        if self._stops is not None and not self._stops.has(sampling.stop):  # (before the slot
+            # changes: it may refuse)
+            states = np.asarray(jax.device_get(self._state.stop_states))
+            moved = self._stops.grow(self._running_stop_strings(b), sampling.stop, states)
+            self._state = self._state.replace(stop_states=jnp.asarray(moved))
+        start = -1 if sampling.constraint is None else self._constraints.acquire(sampling.constraint)
         self._samplings[b] = sampling
         self._slots[b] = Running(
             request_id,
@@ -466,6 +476,7 @@ class Engine:
             tokens=[],
             seen={name: 0 for name in COUNTERS},
             started=time.perf_counter(),
+            constraint_start=start,
         )
         self._inputs = {}  # the slots' options changed
         n = len(request.prompt)
@@ -493,6 +504,8 @@ class Engine:
         return min(admission_bucket(length), self.spec.capacity)
 
     def _free(self, b: int) -> None:
+        if self._slots[b] is not None and self._samplings[b].constraint is not None:
+            self._constraints.release(self._samplings[b].constraint)
         self._slots[b] = None
         self._samplings[b] = Sampling()
 
@@ -546,47 +559,31 @@ class Engine:
 
     # ----- options and stop strings ------------------------------------------------------------
 
-    def _tables(self, stop_strings: StopStringSet):
-        if stop_strings.num_states > self._max_stop_states:
+    def _check_constraint(self, regex: str) -> None:
+        if self._constraints is None:
             raise ValueError(
-                f"sampling.stop: the stop strings of the running requests and this one need "
-                f"{stop_strings.num_states} automaton states, more than the engine's max_stop_states="
-                f"{self._max_stop_states}; use fewer or shorter stop strings, or a larger max_stop_states"
+                "sampling regex / json_schema / choice: this engine was built without constraint "
+                "tables; build it with EngineConfig(constraint_states=N)"
             )
-        no_rows = [()] * self.max_batch  # (each row's strings: `_inputs_at`, per admission)
-        return stop_strings.device_tables(
-            self.model.tokenizer, self.model.config.vocab_size, no_rows, self._max_stop_states
-        )
+        if self.spec.tree is not None:
+            raise ValueError(
+                "sampling regex / json_schema / choice: token-tree proposers are not supported with "
+                "constraints yet; use a chain proposer"
+            )
+        self._constraints.check(regex)
 
-    def _stop_strings_fit(self, b: int, stops) -> bool:
-        """Whether the running requests' stop strings and these fit one automaton of the engine's
-        size (with slot b about to take the new request)."""
-        if self._stop_strings is None or set(stops) <= set(self._stop_strings.patterns):
-            return True
-        patterns = sorted(self._running_stop_strings(b) | set(stops))
-        return (
-            len(patterns) <= MAX_STOP_STRINGS and StopStringSet(patterns).num_states <= self._max_stop_states
-        )
+    def _fits(self, b: int, request: Request) -> bool:
+        """Whether the request's stop strings and its constraint fit the automata beside the
+        running requests' (with slot b about to take it): else it waits (engine_automata.py)."""
+        sampling = request.sampling
+        if self._stops is not None and not self._stops.fits(self._running_stop_strings(b), sampling.stop):
+            return False
+        return self._constraints is None or self._constraints.can_place(sampling.constraint)
 
     def _running_stop_strings(self, b: int) -> set[str]:
         """The stop strings of the requests running in slots other than b."""
         others = [i for i, slot in enumerate(self._slots) if slot is not None and i != b]
         return {s for i in others for s in self._samplings[i].stop}
-
-    def _grow_stop_strings(self, b: int, stops) -> None:
-        """A new automaton over the running requests' stop strings and these (the finished
-        requests' dropped), with the running rows moved to it."""
-        patterns = sorted(self._running_stop_strings(b) | set(stops))
-        if len(patterns) > MAX_STOP_STRINGS:
-            raise ValueError(
-                f"sampling.stop: the running requests and this one have {len(patterns)} distinct stop "
-                f"strings, at most {MAX_STOP_STRINGS} at once"
-            )
-        new = StopStringSet(patterns)
-        tables = self._tables(new)  # (raises before anything changes)
-        states = new.move_states(np.asarray(jax.device_get(self._state.stop_states)), self._stop_strings)
-        self._stop_strings, self._stop_tables = new, tables
-        self._state = self._state.replace(stop_states=jnp.asarray(states))
 
     # ----- inputs and state --------------------------------------------------------------------
 
@@ -616,15 +613,21 @@ class Engine:
             prompt_lengths=[prompt_length],
             max_new_tokens=[max_new_tokens],
             key=jax.random.fold_in(self._key, request_id) if key is None else key,
+            starts=[slot.constraint_start],
             seeded=True,
         )
 
-    def _loop_inputs(self, samplings, stop_ids, speculate, key=None, **prompts) -> GenerationInputs:
+    def _loop_inputs(
+        self, samplings, stop_ids, speculate, key=None, starts=None, **prompts
+    ) -> GenerationInputs:
         """`engine_inputs.loop_inputs` for these rows, with the engine's vocabulary, warp, key and
         stop-string tables."""
         masks = [0] * len(samplings)
-        if self._stop_tables is not None:
-            masks = [self._stop_strings.mask(s.stop) for s in samplings]
+        if self._stops is not None:
+            masks = [self._stops.mask(s.stop) for s in samplings]
+        grammar = None  # the constraint tables: a prefill's row starts in its automaton's state
+        if self._constraints is not None:
+            grammar = self._constraints.grammar(starts or [-1] * len(samplings))
         return loop_inputs(
             samplings,
             stop_ids,
@@ -632,7 +635,8 @@ class Engine:
             vocab_size=self.model.config.vocab_size,
             warp=self.spec.warp,
             key=self._key if key is None else key,
-            stop_tables=self._stop_tables,
+            stop_tables=None if self._stops is None else self._stops.tables,
+            grammar=grammar,
             stop_masks=masks,
             **prompts,
         )
@@ -683,7 +687,7 @@ class Engine:
                 to = free.pop(0)
                 self._state = self._run("move", self._width, self._state, jnp.int32(b), jnp.int32(to))
                 self._slots[to], self._samplings[to] = self._slots[b], self._samplings[b]
-                self._free(b)
+                self._slots[b], self._samplings[b] = None, Sampling()  # (its constraint moved along)
                 self._inputs = {}  # the slots' options moved
 
     def _compile_width_programs(self) -> None:

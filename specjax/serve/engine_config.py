@@ -110,8 +110,23 @@ class EngineConfig:
     and a request asking is refused. (Chunks in which no running request asks run programs
     without them: engine_loops.py.)"""
 
+    constraint_states: int | None = None
+    """The constraint automata's state budget (`Sampling(regex=, json_schema=, choice=)`): the
+    programs carry tables of that many states (a bitmask of the allowed tokens each, V / 8 bytes)
+    and `constraint_edges` transitions (8 bytes each), shared by the running requests' automata.
+    A request whose automaton does not fit beside theirs waits; one that never fits is refused.
+    None: off, the programs carry no tables and a constrained request is refused.
+    (engine_constraints.py)"""
+
+    constraint_edges: int = 1 << 21
+    """The transitions the constraint tables hold (with `constraint_states`): a JSON string's
+    state allows nearly the whole vocabulary, so each costs about V transitions."""
+
     def __post_init__(self):
         check_int("max_batch", self.max_batch, 1)
+        if self.constraint_states is not None:
+            check_int("constraint_states", self.constraint_states, 1)
+        check_int("constraint_edges", self.constraint_edges, 1)
         check_int("chunk_steps", self.chunk_steps, 1)
         admission = (
             min(ADMISSION_STEPS, self.chunk_steps) if self.admission_steps is None else self.admission_steps

@@ -13,6 +13,7 @@ import numpy as np
 
 from specjax import planner
 from specjax.serve.engine_config import MAX_STOP_TOKEN_IDS, EngineConfig, admission_bucket
+from specjax.speculate.grammar import Grammar
 from specjax.speculate.loop import GenerationInputs, LoopSpec
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
 from specjax.speculate.stops import StopStrings
@@ -56,6 +57,7 @@ def loop_inputs(
     key: jax.Array,
     stop_tables: StopStrings | None,
     stop_masks: Sequence[int],
+    grammar: Grammar | None = None,
     prompt_tokens=None,
     prompt_lengths=None,
     max_new_tokens=None,
@@ -63,9 +65,10 @@ def loop_inputs(
 ) -> GenerationInputs:
     """Inputs of len(samplings) rows. The prompt's fields default to a one-token prompt with
     nothing to generate (what the loop over running rows reads none of, and what a free row
-    holds); `seeded`: the rows' own seeds, where their Sampling has one (a prefill's)."""
+    holds); `seeded`: the rows' own seeds, where their Sampling has one (a prefill's); `grammar`:
+    the constraint tables, with the rows' start states (engine_automata.ConstraintPool)."""
     n = len(samplings)
-    params = SamplingParams.of(list(samplings), n, vocab_size)
+    params = SamplingParams.of(list(samplings), n, vocab_size).replace(grammar=grammar)
     if warp.logit_bias and params.logit_bias is None:  # the program reads one
         params = params.replace(logit_bias=jnp.zeros((n, vocab_size)))
     table = np.full((n, MAX_STOP_TOKEN_IDS), -1, np.int32)

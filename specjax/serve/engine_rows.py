@@ -38,6 +38,7 @@ class Running:
     seen: dict[str, np.ndarray]  # counters at the previous Update
     started: float
     prompt_logprobs: Any = None  # its prompt's Logprobs (Request.prompt_logprobs), until reported
+    constraint_start: int = -1  # its constraint automaton's start state in the engine's tables
 
 
 @dataclasses.dataclass

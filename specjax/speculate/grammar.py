@@ -299,6 +299,43 @@ def mask_logits(grammar: Grammar | None, logits: jax.Array, states: jax.Array | 
     return jnp.where(grammar.mask(states, logits.shape[-1]), logits, -jnp.inf)
 
 
+def packed_allowed(automaton: TokenAutomaton, vocab_size: int, eos_ids: Sequence[int]) -> np.ndarray:
+    """[num_states, ceil(V/32)] uint32: bit v of row s set where the automaton allows token v in
+    its state s (EOS exactly in the accepting states)."""
+    words = -(-vocab_size // 32)
+    allowed = np.zeros((automaton.num_states, words * 32), bool)
+    allowed[automaton.sources, automaton.tokens] = True
+    eos = list(eos_ids)
+    allowed[np.ix_(np.flatnonzero(automaton.accepting), eos)] = True
+    # A state with nothing allowed (a dead end) may end the row, so that no row is left without a
+    # token: the automata outlines-core builds have none, this is a guard.
+    allowed[np.ix_(~allowed.any(axis=1), eos)] = True
+    packed = np.packbits(allowed.reshape(-1, words, 32), axis=-1, bitorder="little")  # [n, W, 4] uint8
+    return packed.view(np.uint32).reshape(automaton.num_states, words)
+
+
+def sorted_edges(automaton: TokenAutomaton, vocab_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """The automaton's transitions as (keys state * V + token, sorted; the states after them),
+    states numbered from 0: an automaton placed at offset o has keys + o * V and states + o."""
+    keys = automaton.sources.astype(np.int64) * vocab_size + automaton.tokens
+    order = np.argsort(keys, kind="stable")
+    return keys[order], automaton.targets[order]
+
+
+def device_grammar(allowed: np.ndarray, keys: np.ndarray, targets: np.ndarray, edges: int, start) -> Grammar:
+    """A Grammar from host tables: allowed [S, W] uint32, sorted edge keys and their targets,
+    padded to `edges` transitions (past them, int32's largest key, never a state * V + token)."""
+    edge_keys = np.full(edges, np.iinfo(np.int32).max, np.int32)
+    edge_next = np.zeros(edges, np.int32)
+    edge_keys[: len(keys)], edge_next[: len(keys)] = keys, targets
+    return Grammar(
+        allowed=jnp.asarray(allowed),
+        edge_keys=jnp.asarray(edge_keys),
+        edge_next=jnp.asarray(edge_next),
+        start=jnp.asarray(start, jnp.int32),
+    )
+
+
 def build_grammar(
     tokenizer, vocab_size: int, eos_ids: Sequence[int], regexes: Sequence[str | None]
 ) -> Grammar | None:
@@ -306,44 +343,33 @@ def build_grammar(
     row has a constraint. Equal regexes share one automaton."""
     if all(r is None for r in regexes):
         return None
-    if tokenizer is None:
-        raise ValueError("Sampling regex / json_schema / choice needs a tokenizer; the model has none")
-    if not eos_ids:
-        raise ValueError("Sampling regex / json_schema / choice needs an EOS token; the model has none")
+    check_constraint_model(tokenizer, eos_ids)
     distinct = sorted({r for r in regexes if r is not None})
     automata = [compile_constraint(r, tokenizer, vocab_size, eos_ids) for r in distinct]
     offsets = np.cumsum([0] + [a.num_states for a in automata])
     S = _budget(int(offsets[-1]), MIN_STATES, MAX_STATES, "states")
     E = _budget(sum(len(a.tokens) for a in automata), MIN_EDGES, MAX_EDGES, "transitions")
-    if S * vocab_size >= 2**31:
-        raise ValueError(
-            f"Sampling constraint: {S} states x {vocab_size} tokens overflow the int32 edge keys"
-        )
-    words = -(-vocab_size // 32)
-    allowed = np.zeros((S, words * 32), bool)
+    check_edge_keys(S, vocab_size)
+    allowed = np.zeros((S, -(-vocab_size // 32)), np.uint32)
     keys, targets = [], []
     for offset, a in zip(offsets[:-1], automata, strict=True):
-        sources = a.sources.astype(np.int64) + offset
-        allowed[sources, a.tokens] = True
-        keys.append(sources * vocab_size + a.tokens)
-        targets.append(a.targets + offset)
-        accepting = np.flatnonzero(a.accepting) + offset
-        for eos in eos_ids:
-            allowed[accepting, eos] = True
-    # A state with nothing allowed (a dead end) may end the row, so that no row is left without a
-    # token: the automata outlines-core builds have none, this is a guard.
-    dead = ~allowed.any(axis=1)
-    allowed[np.ix_(dead, list(eos_ids))] = True
-    keys, targets = np.concatenate(keys), np.concatenate(targets)
-    order = np.argsort(keys, kind="stable")
-    edge_keys = np.full(E, np.iinfo(np.int32).max, np.int32)
-    edge_next = np.zeros(E, np.int32)
-    edge_keys[: len(keys)], edge_next[: len(keys)] = keys[order], targets[order]
-    packed = np.packbits(allowed.reshape(S, words, 32), axis=-1, bitorder="little")  # [S, W, 4] uint8
+        allowed[offset : offset + a.num_states] = packed_allowed(a, vocab_size, eos_ids)
+        local_keys, local_targets = sorted_edges(a, vocab_size)
+        keys.append(local_keys + int(offset) * vocab_size)  # (automata in order of their offsets:
+        targets.append(local_targets + offset)  # the keys stay sorted)
     start = [-1 if r is None else int(offsets[distinct.index(r)]) for r in regexes]
-    return Grammar(
-        allowed=jnp.asarray(packed.view(np.uint32).reshape(S, words)),
-        edge_keys=jnp.asarray(edge_keys),
-        edge_next=jnp.asarray(edge_next),
-        start=jnp.asarray(start, jnp.int32),
-    )
+    return device_grammar(allowed, np.concatenate(keys), np.concatenate(targets), E, start)
+
+
+def check_constraint_model(tokenizer, eos_ids: Sequence[int]) -> None:
+    if tokenizer is None:
+        raise ValueError("Sampling regex / json_schema / choice needs a tokenizer; the model has none")
+    if not eos_ids:
+        raise ValueError("Sampling regex / json_schema / choice needs an EOS token; the model has none")
+
+
+def check_edge_keys(states: int, vocab_size: int) -> None:
+    if states * vocab_size >= 2**31:
+        raise ValueError(
+            f"Sampling constraint: {states} states x {vocab_size} tokens overflow the int32 edge keys"
+        )
