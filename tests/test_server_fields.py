@@ -253,7 +253,7 @@ def test_the_chat_templates_options(server):
     [
         ({"logprobs": True}, "logprobs", "logprobs=true: this server computes no logprobs"),
         ({"logprobs": False, "top_logprobs": 2}, "top_logprobs", "top_logprobs=2: this server computes no"),
-        ({"response_format": {"type": "json_object"}}, "response_format", "it would change the answer"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "without constraint tables"),
         (
             {"extra_body": {"prompt_logprobs": 1}},
             "prompt_logprobs",

@@ -12,7 +12,7 @@ from specjax.cli.arguments import (
     positive_int,
     tokens_or_off,
 )
-from specjax.serve.engine_config import DEFAULT_MAX_LOGPROBS
+from specjax.serve.engine_config import DEFAULT_CONSTRAINT_STATES, DEFAULT_MAX_LOGPROBS
 
 SERVE_HELP = """An OpenAI-compatible HTTP server (FastAPI and uvicorn) over specjax's engine, which
 batches requests continuously over the compiled loop.
@@ -58,6 +58,7 @@ def serve_command(args: argparse.Namespace) -> None:
             else {"prefill_chunk": None if args.prefill_chunk == -1 else args.prefill_chunk}
         ),
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
+        constraint_states=None if args.constraint_states == -1 else args.constraint_states,
         max_waiting=args.max_waiting,
         served_model_name=args.served_model_name,
         metrics_prefix=args.metrics_prefix,
@@ -123,6 +124,13 @@ def add_serve_command(commands) -> None:
         default=DEFAULT_MAX_LOGPROBS,
         help="the most alternatives per token that logprobs, top_logprobs and prompt_logprobs may ask "
         f"for (default {DEFAULT_MAX_LOGPROBS}, vLLM's; -1: no logprobs, and the loop never computes them)",
+    )
+    command.add_argument(
+        "--constraint-states",
+        type=tokens_or_off,
+        default=DEFAULT_CONSTRAINT_STATES,
+        help="the states the constraint automata of response_format, tools and structured_outputs "
+        f"share (default {DEFAULT_CONSTRAINT_STATES}; -1: constraints refused, the loop carries no tables)",
     )
     command.add_argument(
         "--max-waiting",

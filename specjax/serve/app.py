@@ -40,7 +40,12 @@ from specjax.checks import check_int, is_int
 from specjax.models import Model, load
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
-from specjax.serve.engine_config import DEFAULT_MAX_LOGPROBS, PREFILL_CHUNK, EngineConfig
+from specjax.serve.engine_config import (
+    DEFAULT_CONSTRAINT_STATES,
+    DEFAULT_MAX_LOGPROBS,
+    PREFILL_CHUNK,
+    EngineConfig,
+)
 from specjax.serve.engine_config import Request as EngineRequest
 from specjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Guard, add_error_handlers, check_api_key
 from specjax.serve.logprob_bodies import (
@@ -69,6 +74,7 @@ from specjax.serve.scheduler import (
     Unavailable,
     check_max_waiting,
 )
+from specjax.serve.structured_fields import FIELDS as CONSTRAINT_FIELDS
 from specjax.speculate.stops import cut_text
 from specjax.text import TextDeltas
 
@@ -240,6 +246,7 @@ class _Routes:
             body, kind, self.tokenizer, self.vocab_size, self.max_model_len, self.max_logprobs
         )
         self._log_ignored(parsed)
+        await self._prepare(parsed, body)
         choices = await self._admit(parsed)
         responder = Responder.new(kind, self.name, http_request.headers.get("x-request-id"))
         headers = {"X-Request-Id": responder.id}
@@ -259,6 +266,17 @@ class _Routes:
             level = logging.DEBUG if name in self.warned else logging.WARNING
             self.warned.add(name)
             log.log(level, "the request's field %r is ignored: it does not change the answer", name)
+
+    async def _prepare(self, parsed: GenerationRequest, body: dict) -> None:
+        """A constrained request's automaton, compiled off the engine's thread (Engine.prepare):
+        a new schema's takes up to seconds, which the running requests would otherwise wait."""
+        if parsed.sampling.constraint is None:
+            return
+        try:
+            await asyncio.to_thread(self.engine.prepare, parsed.sampling)
+        except ValueError as error:
+            field = next((name for name in CONSTRAINT_FIELDS if body.get(name) is not None), None)
+            raise RequestError(str(error), param=field) from None
 
     def _capacity_check(self, parsed: GenerationRequest) -> None:
         count = parsed.n * len(parsed.prompts)
@@ -503,6 +521,7 @@ def serve(
     admission_steps: int | None = None,
     prefill_chunk: int | None = PREFILL_CHUNK,
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
+    constraint_states: int | None = DEFAULT_CONSTRAINT_STATES,
     max_waiting: int | None = None,
     served_model_name: str | None = None,
     metrics_prefix: str = "specjax:",
@@ -524,6 +543,8 @@ def serve(
         is free: admission_steps), and the chunks a long prompt is prefilled in (EngineConfig).
     max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
         prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
+    constraint_states: the constraint automata's tables (EngineConfig.constraint_states), for
+        response_format, tools and vLLM's structured_outputs. None: constraints refused.
     max_waiting: the most requests waiting for a slot (default 4 x max_batch); past it, 503.
     served_model_name: the model's id in the API (default: `model` as given, or the Model's name).
     precompile: before listening, compile the loop at every width and the prefill of prompts up to
@@ -557,6 +578,7 @@ def serve(
         admission_steps=admission_steps,
         prefill_chunk=prefill_chunk,
         logprobs=max_logprobs,
+        constraint_states=constraint_states,
     )
     engine = Engine(model, proposer, config)
     if precompile is not None:

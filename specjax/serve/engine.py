@@ -246,6 +246,14 @@ class Engine:
         self._waiting.append((request_id, request))
         return request_id
 
+    def prepare(self, sampling: Sampling) -> None:
+        """Compile now, on the calling thread, what a request's options need on the host before
+        `add` (its constraint's automaton, cached; seconds for a nested JSON schema), so that a
+        server calls it off the thread that steps the engine and the running rows do not wait.
+        ValueError as `add`'s."""
+        if sampling.constraint is not None:
+            self._check_constraint(sampling.constraint)
+
     def abort(self, request_id: int) -> list[Update]:
         """Drop a waiting or running request: its final Update (finish_reason "abort"), or [] if
         it is not here (finished already, or never added)."""

@@ -42,6 +42,10 @@ PREFILL_CHUNK = 128
 # The most logprobs a served request may ask for, unless `serve(max_logprobs=)` says otherwise
 # (vLLM's --max-logprobs default)
 DEFAULT_MAX_LOGPROBS = 20
+# The constraint automata's state budget of a served engine (`serve(constraint_states=)`): 4096
+# states' bitmasks are 4096 x V / 8 bytes (25 MB for the built-in model's 49,152 tokens), beside
+# the transitions' 16 MB; a flat JSON schema needs tens of states, a nested one hundreds.
+DEFAULT_CONSTRAINT_STATES = 4096
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,12 +18,14 @@ Fields read (OpenAI's, vLLM's extras and one of specjax's):
         prompt_logprobs, return_tokens_as_token_ids,
         chat (add_generation_prompt, continue_final_message, chat_template_kwargs)
     specjax's: speculative (default true; false decodes this request without the proposer)
+    constraints (structured_fields.py): response_format, vLLM's structured_outputs, guided_json,
+        guided_regex, guided_choice
 
 The policy for the others (docs/serving.md, "Fields"): a field that cannot change the answer
 (IGNORED: OpenAI's store, metadata, service_tier, parallel_tool_calls, user; vLLM's priority,
 cache_salt, ...) is accepted, type-checked and ignored, and the app logs it; a field the server
 does not implement and that would change the answer (UNSUPPORTED: suffix, tools,
-response_format, ...) is accepted only at the value that asks for nothing (false, null, ...), and
+bad_words, ...) is accepted only at the value that asks for nothing (false, null, ...), and
 any other value is a 400 naming it; and any other field is a 400 "unknown field" (a misspelt
 option answered as if it were absent would be an answer to another question).
 """
@@ -39,6 +41,8 @@ from typing import Any
 
 from specjax.checks import is_int, is_number
 from specjax.serve.responses import CHAT, COMPLETION, error_body
+from specjax.serve.structured_fields import FIELDS as CONSTRAINT_FIELDS
+from specjax.serve.structured_fields import ConstraintFieldError, constraint_options
 from specjax.speculate.sampling import MAX_SEED, Sampling
 from specjax.text import chat_prompt_ids, has_chat_template
 
@@ -53,12 +57,6 @@ UNSUPPORTED = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
     "bad_words": (None, []),
     "allowed_token_ids": (None,),
     "truncate_prompt_tokens": (None,),
@@ -104,7 +102,7 @@ OUTPUT_FIELDS = (
     "prompt_logprobs",
     "return_tokens_as_token_ids",
 )
-COMMON_FIELDS = ("model", "n", "stream", "stream_options", "max_tokens", "speculative")
+COMMON_FIELDS = ("model", "n", "stream", "stream_options", "max_tokens", "speculative", *CONSTRAINT_FIELDS)
 CHAT_FIELDS = (
     "messages",
     "top_logprobs",
@@ -351,10 +349,18 @@ def _sampling(body: dict, vocab_size: int) -> Sampling:
         options["stop_token_ids"] = token_ids(body["stop_token_ids"], "stop_token_ids", vocab_size)
     options.update(logit_bias=_logit_bias(body, vocab_size), stop=_stop_strings(body), seed=body.get("seed"))
     try:
+        constraint, field = constraint_options(body)
+    except ConstraintFieldError as error:
+        raise RequestError(str(error), param=error.param) from None
+    options.update(constraint)
+    try:
         return Sampling(**options)
     except ValueError as error:  # "Sampling top_p must be in (0, 1] ...": the field is its second word
         name = re.match(r"Sampling (\w+)", str(error))
-        raise RequestError(str(error), param=name and name.group(1)) from None
+        name = name and name.group(1)
+        if name in constraint:  # (a schema's, a regex's or a choice's error: the field that gave it)
+            name = field
+        raise RequestError(str(error), param=name) from None
 
 
 def _choices(body: dict, sampling: Sampling) -> list[Sampling]:

@@ -26,6 +26,7 @@ and renormalised at each step (greedy: its argmax over the allowed tokens).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -68,8 +69,6 @@ def check_constraint(regex, json_schema, choice) -> None:
 
 def schema_regex(json_schema) -> str:
     """The regular expression of a JSON schema (a dict or its JSON text)."""
-    from outlines_core.json_schema import build_regex_from_schema
-
     if isinstance(json_schema, Mapping):
         try:
             text = json.dumps(json_schema)
@@ -81,6 +80,14 @@ def schema_regex(json_schema) -> str:
         raise ValueError(
             f"Sampling json_schema must be a dict or a JSON string, got {type(json_schema).__name__}"
         )
+    return _regex_of_schema(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _regex_of_schema(text: str) -> str:
+    """(Cached: a served schema's regex is asked for at each admission check of its request.)"""
+    from outlines_core.json_schema import build_regex_from_schema
+
     try:
         return build_regex_from_schema(text)
     except (TypeError, ValueError) as error:
