@@ -151,7 +151,9 @@ def generate(
     coarsely (256, 512, ..., 4096, then multiples of 4096 slots: prompts of 40 to 4,000 tokens
     share six programs). None: every prompt in one pass, the batch padded to a prompt bucket (16,
     32, 64, then multiples of 64 tokens: a program per bucket). Default "auto": chunks of 256 on
-    one CPU device, one pass on a mesh or an accelerator (where chunks are not yet measured).
+    one CPU device, except for a batch whose prompts all fit a bucket shorter than a chunk, which
+    runs in one pass (each row's chunk would compute mostly padding); one pass on a mesh or an
+    accelerator (where chunks are not yet measured).
 
     `logprobs`: None (off: the program computes none), or N >= 0: `result.logprobs[b]` holds each
     emitted token's logprob and, at its position, the N most likely tokens and their logprobs

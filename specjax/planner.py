@@ -124,13 +124,27 @@ def chunked_capacity(longest: int, max_new_tokens: int, proposer_spec, chunk: in
     return -(-slots // CAPACITY_DOUBLING) * CAPACITY_DOUBLING
 
 
-def prefill_chunk_of(prefill_chunk, mesh, backend) -> int | None:
-    """`generate`'s prefill_chunk as LoopSpec.prefill_chunk. "auto": PREFILL_CHUNK on one CPU
-    device, where chunks were measured; on a mesh (rows split over devices) and for accelerators,
-    None (the prompts in one pass over the batch padded to a prompt bucket). An int: chunks of
-    that many tokens (a multiple of 16), on one device."""
+def prefill_chunk_of(prefill_chunk, mesh, backend, longest: int, batch: int) -> int | None:
+    """`generate`'s prefill_chunk as LoopSpec.prefill_chunk, for `batch` rows (the batch bucket)
+    whose longest prompt has `longest` tokens. "auto": PREFILL_CHUNK on one CPU device, where
+    chunks were measured, unless one pass does less work (below); on a mesh (rows split over
+    devices) and for accelerators, None (the prompts in one pass over the batch padded to a prompt
+    bucket). An int: chunks of that many tokens (a multiple of 16), on one device."""
     if prefill_chunk == "auto":
-        return PREFILL_CHUNK if mesh is None and backend.cpu_only and not backend.portable else None
+        if mesh is not None or not backend.cpu_only or backend.portable:
+            return None
+        # Chunks save work where rows are ragged: each row computes its prompt rounded up to whole
+        # chunks, not the longest prompt's bucket. Where every prompt's bucket is shorter than a
+        # chunk they save none: the B rows (padding rows included) run a chunk each, B x C token
+        # positions, against B x bucket < B x C in one pass (1,000 rows of 6 tokens: 262,144
+        # positions against 16,384, 18.6 s against 0.4 s). Such a batch runs in one pass (a small
+        # program per bucket below C). A single row keeps its chunk, which wastes at most one
+        # pass's padding, so that single prompts of any length share the few programs of the
+        # capacity's steps; so do longer prompts, where one pass saves under one chunk a row and
+        # compiles a larger program per 64-token bucket (docs/benchmarks.md, "A mixed batch").
+        if batch > 1 and prompt_bucket(longest) < PREFILL_CHUNK:
+            return None
+        return PREFILL_CHUNK
     if prefill_chunk is None:
         return None
     if not is_int(prefill_chunk) or prefill_chunk < 16 or prefill_chunk % 16:
@@ -447,7 +461,8 @@ def plan(
     # Padding rows (B - num_rows of them) have a one-token prompt, neutral options and no token to
     # generate: the loop counts them done from the start (see `prefill`); they are dropped below.
     num_rows = len(rows)
-    chunk = prefill_chunk_of(prefill_chunk, mesh, backend)
+    B = batch_bucket(num_rows, batch_buckets, 1 if mesh is None else sharding.data_degree(mesh))
+    chunk = prefill_chunk_of(prefill_chunk, mesh, backend, longest, B)
     if prompt_logprobs is not None:  # scored in the one-pass prefill (speculate/prompt_logprobs.py)
         if chunk is not None and prefill_chunk != "auto":
             raise ValueError(
@@ -460,7 +475,6 @@ def plan(
         slots = capacity(bucket + max_new_tokens, proposer_spec)
     else:  # the prompts in the token buffer's width: the program depends on its capacity alone
         bucket = slots = chunked_capacity(longest, max_new_tokens, proposer_spec, chunk)
-    B = batch_bucket(num_rows, batch_buckets, 1 if mesh is None else sharding.data_degree(mesh))
     padding = B - num_rows
     padded_samplings = samplings + [Sampling()] * padding  # warp and key come from the real rows
     if mesh is not None:
