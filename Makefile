@@ -16,6 +16,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps speculators==0.9.0 eagle-llm==1.2.1 medusa-llm==0.1
 	touch $(STAMP)
 
+# The real clients the server is tested with (tests/test_clients.py): lm-eval, guidellm and aiperf,
+# pinned in tests/clients-requirements.txt, in an environment of their own (their dependencies
+# conflict with .venv's). Without it those tests skip, naming this target.
+CLIENTS_VENV := .venv-clients
+CLIENTS_STAMP := $(CLIENTS_VENV)/.installed
+
+$(CLIENTS_STAMP): tests/clients-requirements.txt
+	test -x $(CLIENTS_VENV)/bin/python || $(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(CLIENTS_VENV)/bin/python -m pip install --quiet -r tests/clients-requirements.txt
+	touch $(CLIENTS_STAMP)
+
 demo: $(STAMP)
 	$(PY) -m specjax.demo
 
@@ -23,12 +35,12 @@ demo: $(STAMP)
 # spends much of its time in single-threaded compiles, so two workers on two cores finish ~25% sooner.
 PYTEST := $(PY) -m pytest -q -n 2 --dist loadfile
 
-test: $(STAMP)
+test: $(STAMP) $(CLIENTS_STAMP)
 	$(PYTEST)
 
 # Every test, slow ones included; then the planted bugs (tests/planted_bugs.py, docs/planted-bugs.md):
 # small bugs planted one at a time in a copy of the package, each of which the tests must catch.
-test-all: $(STAMP)
+test-all: $(STAMP) $(CLIENTS_STAMP)
 	$(PYTEST) -m ""
 	$(PY) tests/planted_bugs.py
 
