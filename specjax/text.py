@@ -31,8 +31,9 @@ def check_messages(messages, name: str = "messages") -> list[dict[str, str]]:
     """The messages as plain dicts, or a ValueError naming `name` (or `name[j]`, the message at
     fault), the value and what is allowed: a non-empty list of {"role": str, "content": str}.
 
-    Other keys (e.g. "name") pass through to the template. Content must be text: lists of content
-    parts (images, audio) have no meaning for a text model's template here."""
+    Other keys (e.g. "name", "tool_calls") pass through to the template. Content must be text
+    (lists of content parts, images, audio, have no meaning for a text model's template here),
+    or null in an assistant's message that makes tool calls."""
     if not isinstance(messages, Sequence) or isinstance(messages, str | bytes) or len(messages) == 0:
         raise ValueError(
             f'{name} must be a non-empty list of messages {{"role": str, "content": str}}, '
@@ -54,6 +55,9 @@ def check_messages(messages, name: str = "messages") -> list[dict[str, str]]:
                 f'{where}["role"] must be a non-empty str ("system", "user", "assistant", ...), '
                 f"got {reprlib.repr(role)}"
             )
+        if content is None and message.get("tool_calls"):  # an assistant's calls, OpenAI's shape
+            checked.append(dict(message))
+            continue
         if not isinstance(content, str):
             raise ValueError(
                 f'{where}["content"] must be a str (the message\'s text), got '
@@ -79,6 +83,7 @@ def chat_prompt_ids(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     template_kwargs: Mapping | None = None,
+    tools: Sequence[Mapping] | None = None,
 ) -> list[int]:
     """The prompt token ids of a conversation: `messages` rendered by the tokenizer's chat template
     with the assistant's turn opened (`add_generation_prompt=True`), then tokenized without
@@ -88,21 +93,45 @@ def chat_prompt_ids(
     tokenize=True)`. ValueError, naming `name`, for malformed messages or a tokenizer without a chat
     template. The keywords are the server's (vLLM's chat options): `continue_final_message` renders
     the last message unclosed, for the answer to continue it; `template_kwargs` are more variables
-    for the template (e.g. {"enable_thinking": False})."""
+    for the template (e.g. {"enable_thinking": False}); `tools`, OpenAI's function tools, for a
+    template that renders them."""
+    text = chat_text(
+        tokenizer,
+        messages,
+        name,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        template_kwargs=template_kwargs,
+        tools=tools,
+    )
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def chat_text(
+    tokenizer,
+    messages: Sequence[Message],
+    name: str = "messages",
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: Mapping | None = None,
+    tools: Sequence[Mapping] | None = None,
+) -> str:
+    """The text `chat_prompt_ids` tokenizes: the messages rendered by the chat template."""
     checked = check_messages(messages, name)
     if not has_chat_template(tokenizer):
         raise ValueError(
             f"{name}: the tokenizer has no chat template to render messages with; give the prompt as "
             "text formatted by hand (with chat=False) or as token ids"
         )
-    text = tokenizer.apply_chat_template(
+    return tokenizer.apply_chat_template(
         checked,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         tokenize=False,
+        tools=None if tools is None else list(tools),
         **(template_kwargs or {}),
     )
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 REPLACEMENT = "\ufffd"  # what decode writes for the bytes of an incomplete character

@@ -202,7 +202,7 @@ def test_chat_n_and_the_harmless_fields(server, caplog):
     assert [c.message.content for c in response.choices] == [text, text]
     assert [c.index for c in response.choices] == [0, 1] and response.usage.prompt_tokens == len(ids)
     logged = " ".join(r.getMessage() for r in caplog.records)
-    for name in ("store", "metadata", "service_tier", "parallel_tool_calls", "user"):
+    for name in ("store", "metadata", "service_tier", "user"):
         assert f"field {name!r} is ignored" in logged
     stream = server.client.chat.completions.create(
         model="tiny",

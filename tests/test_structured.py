@@ -73,12 +73,26 @@ def generate(proposer, sampling, prompts=PROMPTS, max_new_tokens=12, **options):
             "json_schema is not a schema specjax can compile: Unsupported type",
         ),
         (dict(json_schema=5), "json_schema must be a dict or a JSON string"),
-        (dict(json_schema="{not json"), "json_schema is not a schema specjax can compile"),
+        (dict(json_schema="{not json"), "json_schema is not JSON"),
+        (
+            dict(json_schema={"type": "object", "properties": {"age": {"type": "integer", "minimum": 0}}}),
+            "json_schema uses 'minimum' (at /properties/age), which outlines-core's compiler",
+        ),
+        (
+            dict(json_schema={"anyOf": [{"type": "null"}, {"type": "array", "uniqueItems": True}]}),
+            "json_schema uses 'uniqueItems' (at /anyOf/1)",
+        ),
     ],
 )
 def test_bad_constraints_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         specjax.Sampling(**fields)
+
+
+def test_a_property_named_like_a_keyword_is_not_taken_for_one():
+    """Property names are not keywords: a property called "minimum" compiles."""
+    schema = {"type": "object", "properties": {"minimum": {"type": "boolean"}}, "required": ["minimum"]}
+    assert specjax.Sampling(json_schema=schema).constraint == '\\{[ ]?"minimum"[ ]?:[ ]?(true|false)[ ]?\\}'
 
 
 def test_a_regex_the_vocabulary_cannot_spell_is_refused():

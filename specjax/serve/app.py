@@ -74,7 +74,6 @@ from specjax.serve.scheduler import (
     Unavailable,
     check_max_waiting,
 )
-from specjax.serve.structured_fields import FIELDS as CONSTRAINT_FIELDS
 from specjax.speculate.stops import cut_text
 from specjax.text import TextDeltas
 
@@ -199,6 +198,7 @@ class _Choice:
         self.text_offset = 0  # a streamed completion's logprobs: the text offset of its next token
         self.opened = False  # streamed: its opening chunk (echo's prompt, prompt_logprobs) is sent
         self.finished = None  # its last Update
+        self.held = ""  # streamed tool calls: the text so far (sent whole at the end)
 
     def take(self, update):
         """Keep what an Update brings; its new tokens and their Logprobs (none where the request
@@ -246,7 +246,7 @@ class _Routes:
             body, kind, self.tokenizer, self.vocab_size, self.max_model_len, self.max_logprobs
         )
         self._log_ignored(parsed)
-        await self._prepare(parsed, body)
+        await self._prepare(parsed)
         choices = await self._admit(parsed)
         responder = Responder.new(kind, self.name, http_request.headers.get("x-request-id"))
         headers = {"X-Request-Id": responder.id}
@@ -267,7 +267,7 @@ class _Routes:
             self.warned.add(name)
             log.log(level, "the request's field %r is ignored: it does not change the answer", name)
 
-    async def _prepare(self, parsed: GenerationRequest, body: dict) -> None:
+    async def _prepare(self, parsed: GenerationRequest) -> None:
         """A constrained request's automaton, compiled off the engine's thread (Engine.prepare):
         a new schema's takes up to seconds, which the running requests would otherwise wait."""
         if parsed.sampling.constraint is None:
@@ -275,8 +275,7 @@ class _Routes:
         try:
             await asyncio.to_thread(self.engine.prepare, parsed.sampling)
         except ValueError as error:
-            field = next((name for name in CONSTRAINT_FIELDS if body.get(name) is not None), None)
-            raise RequestError(str(error), param=field) from None
+            raise RequestError(str(error), param=parsed.constraint_field) from None
 
     def _capacity_check(self, parsed: GenerationRequest) -> None:
         count = parsed.n * len(parsed.prompts)
@@ -377,7 +376,11 @@ class _Routes:
                 text = self._prompt_text(parsed, choice) + text
             spec = self._speculate_metrics(parsed, choice.finished)
             logprobs = self._logprobs(parsed, choice, choice.logprobs, prompt=parsed.echo, streamed=False)
-            body = responder.choice(text, choice.finish_reason, spec, choice.index, logprobs)
+            reason, message = choice.finish_reason, None
+            if parsed.tool_calls is not None:  # the answer's text is a call (or calls)
+                answer = parsed.tool_calls.answer(text, reason)
+                reason, message = answer["finish_reason"], answer["message"]
+            body = responder.choice(text, reason, spec, choice.index, logprobs, message)
             if parsed.prompt_logprobs is not None and parsed.kind == COMPLETION:
                 body["prompt_logprobs"] = self._prompt_logprobs(parsed, choice)
             bodies.append(body)
@@ -417,6 +420,7 @@ class _Routes:
         then `data: [DONE]`. Starlette cancels this generator when the client disconnects;
         `finally` then aborts the choices not finished."""
         include_usage, continuous = parsed.include_usage, parsed.continuous_usage
+        calls = parsed.tool_calls if parsed.tool_calls and parsed.tool_calls.schema is not None else None
         updates: asyncio.Queue = asyncio.Queue()  # (choice, Update or EngineError), every choice's
 
         async def pump(choice: _Choice) -> None:
@@ -467,6 +471,8 @@ class _Routes:
                     if (first := opening(choice)) is not None:
                         yield first
                 text = choice.deltas.push(new)
+                if calls is not None:  # a call goes whole in the last chunk (ToolCalls.delta)
+                    choice.held, text = choice.held + text, ""
                 logprobs = self._logprobs(
                     parsed, choice, [] if piece is None else [piece], prompt=False, streamed=True
                 )
@@ -474,9 +480,11 @@ class _Routes:
                     running -= 1
                     text += choice.deltas.finish()
                     spec = self._speculate_metrics(parsed, update)
-                    yield chunk(
-                        choice, text, finish_reason=choice.finish_reason, spec=spec, logprobs=logprobs
-                    )
+                    reason, delta = choice.finish_reason, None
+                    if calls is not None:
+                        last = calls.delta(choice.held + text, reason)
+                        text, reason, delta = "", last["finish_reason"], last["delta"]
+                    yield chunk(choice, text, finish_reason=reason, spec=spec, logprobs=logprobs, delta=delta)
                 elif text or new and logprobs is not None:  # (text held back: its logprobs go now)
                     yield chunk(choice, text, logprobs=logprobs)
             else:

@@ -19,15 +19,15 @@ Fields read (OpenAI's, vLLM's extras and one of specjax's):
         chat (add_generation_prompt, continue_final_message, chat_template_kwargs)
     specjax's: speculative (default true; false decodes this request without the proposer)
     constraints (structured_fields.py): response_format, vLLM's structured_outputs, guided_json,
-        guided_regex, guided_choice
+        guided_regex, guided_choice; tools, tool_choice, parallel_tool_calls (chat: tool_calls.py)
 
 The policy for the others (docs/serving.md, "Fields"): a field that cannot change the answer
-(IGNORED: OpenAI's store, metadata, service_tier, parallel_tool_calls, user; vLLM's priority,
-cache_salt, ...) is accepted, type-checked and ignored, and the app logs it; a field the server
-does not implement and that would change the answer (UNSUPPORTED: suffix, tools,
-bad_words, ...) is accepted only at the value that asks for nothing (false, null, ...), and
-any other value is a 400 naming it; and any other field is a 400 "unknown field" (a misspelt
-option answered as if it were absent would be an answer to another question).
+(IGNORED: OpenAI's store, metadata, service_tier, user; vLLM's priority, cache_salt, ...) is
+accepted, type-checked and ignored, and the app logs it; a field the server does not implement
+and that would change the answer (UNSUPPORTED: suffix, functions, bad_words, ...) is accepted
+only at the value that asks for nothing (false, null, ...), and any other value is a 400 naming
+it; and any other field is a 400 "unknown field" (a misspelt option answered as if it were absent
+would be an answer to another question).
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ from specjax.checks import is_int, is_number
 from specjax.serve.responses import CHAT, COMPLETION, error_body
 from specjax.serve.structured_fields import FIELDS as CONSTRAINT_FIELDS
 from specjax.serve.structured_fields import ConstraintFieldError, constraint_options
+from specjax.serve.tool_calls import FIELDS as TOOL_FIELDS
+from specjax.serve.tool_calls import ToolCalls, ToolFieldError, check_rendered, tool_request
 from specjax.speculate.sampling import MAX_SEED, Sampling
-from specjax.text import chat_prompt_ids, has_chat_template
+from specjax.text import chat_text, has_chat_template
 
 # OpenAI's default token budget of a completion; a chat completion may fill the context.
 DEFAULT_COMPLETION_TOKENS = 16
@@ -53,8 +55,6 @@ DEFAULT_COMPLETION_TOKENS = 16
 # logprobs=0, which asks for the sampled token's logprob, is not the neutral false).
 UNSUPPORTED = {
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
     "bad_words": (None, []),
@@ -73,7 +73,6 @@ IGNORED = {
     "store": bool,  # OpenAI: keep the answer for distillation or evals
     "metadata": dict,  # OpenAI: tags for stored answers
     "service_tier": str,  # OpenAI: which capacity serves it
-    "parallel_tool_calls": bool,  # OpenAI: tools, none here
     "user": str,  # OpenAI: the end user, for abuse monitoring
     "priority": int,  # vLLM: its scheduler's priority (this server serves in arrival order)
     "cache_salt": str,  # vLLM: keeps its prefix cache apart per tenant
@@ -112,6 +111,7 @@ CHAT_FIELDS = (
     "continue_final_message",
     "chat_template_kwargs",
     "add_special_tokens",
+    *TOOL_FIELDS,
 )
 FIELDS = {
     CHAT: {*CHAT_FIELDS, *COMMON_FIELDS, *SAMPLING_FIELDS, *OUTPUT_FIELDS, *UNSUPPORTED, *IGNORED},
@@ -178,6 +178,8 @@ class GenerationRequest:
     echo: bool = False  # completions: the prompt comes back before the answer (and its logprobs)
     prompt_logprobs: int | None = None  # vLLM's: the prompt tokens' logprobs and top N
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs' tokens as "token_id:7"
+    constraint_field: str | None = None  # the field that constrains the answer (its errors name it)
+    tool_calls: ToolCalls | None = None  # chat's tools and tool_choice (tool_calls.py)
 
     @property
     def scored_prompt(self) -> int | None:
@@ -332,8 +334,9 @@ def _int_at_least(body: dict, name: str, default: int, least: int) -> int:
     return value
 
 
-def _sampling(body: dict, vocab_size: int) -> Sampling:
-    """The request's Sampling, its seed as given (None: each choice gets its own, `_choices`)."""
+def _sampling(body: dict, vocab_size: int, tools: ToolCalls | None) -> tuple[Sampling, str | None]:
+    """The request's Sampling, its seed as given (None: each choice gets its own, `_choices`),
+    and the field its constraint comes from (None: unconstrained)."""
     options = {
         name: body[name]
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
@@ -352,9 +355,17 @@ def _sampling(body: dict, vocab_size: int) -> Sampling:
         constraint, field = constraint_options(body)
     except ConstraintFieldError as error:
         raise RequestError(str(error), param=error.param) from None
+    if tools is not None and tools.schema is not None:
+        if constraint:
+            raise RequestError(
+                f"{field} and tool_choice={tools.choice!r} both constrain the answer; a request takes one "
+                "constraint at most",
+                param=field,
+            )
+        constraint, field = {"json_schema": tools.schema}, "tools"
     options.update(constraint)
     try:
-        return Sampling(**options)
+        return Sampling(**options), field
     except ValueError as error:  # "Sampling top_p must be in (0, 1] ...": the field is its second word
         name = re.match(r"Sampling (\w+)", str(error))
         name = name and name.group(1)
@@ -546,10 +557,12 @@ def template_options(body: dict) -> dict:
     )
 
 
-def chat_prompt(tokenizer, messages, options: dict | None = None) -> list[int]:
+def chat_prompt(
+    tokenizer, messages, options: dict | None = None, tools: ToolCalls | None = None
+) -> list[int]:
     """The prompt token ids of a chat request: the chat template over the messages with the
     assistant's turn opened (`specjax.chat_prompt_ids`, which `generate` uses too), or as the
-    `template_options` say."""
+    `template_options` say; with `tools`, which the template must render."""
     if not has_chat_template(tokenizer):
         raise RequestError("the served model's tokenizer has no chat template: use /v1/completions")
     if isinstance(messages, list):
@@ -557,13 +570,21 @@ def chat_prompt(tokenizer, messages, options: dict | None = None) -> list[int]:
             {**m, "content": _message_text(m, i)} if isinstance(m, dict) else m
             for i, m in enumerate(messages)
         ]
+    options = dict(options or {})
+    add_special_tokens = options.pop("add_special_tokens", False)
     try:
-        return chat_prompt_ids(tokenizer, messages, **(options or {}))
+        text = chat_text(tokenizer, messages, **options, tools=None if tools is None else tools.tools)
     except ValueError as error:  # 'messages[1]["content"] must be a str ...': it names the message
         name = re.match(r"messages(\[\d+\])?", str(error))
         raise RequestError(str(error), param=name.group(0) if name else "messages") from None
     except Exception as error:  # the template's own checks (jinja2's TemplateError: roles, order)
         raise RequestError(f"messages: the chat template refused them: {error}", param="messages") from None
+    if tools is not None:
+        try:
+            check_rendered(tools, text)
+        except ToolFieldError as error:
+            raise RequestError(str(error), param=error.param) from None
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
 
 def completion_prompts(tokenizer, prompt, vocab_size: int, max_model_len: int, add_special_tokens=True):
@@ -608,12 +629,16 @@ def parse_request(
     _min_tokens(body)
     logprobs = _logprobs_options(body, kind, max_logprobs)
     scores = logprobs["prompt_logprobs"] is not None or logprobs["echo"]
-    sampling = _sampling(body, vocab_size)  # (before the prompts: it costs nothing)
+    try:
+        tools = tool_request(body) if kind == CHAT else None
+    except ToolFieldError as error:
+        raise RequestError(str(error), param=error.param) from None
+    sampling, constraint_field = _sampling(body, vocab_size, tools)  # (before the prompts: cheap)
     samplings = _choices(body, sampling)
     stream = bool_field(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body, stream)
     if kind == CHAT:
-        prompts = [chat_prompt(tokenizer, body.get("messages"), template_options(body))]
+        prompts = [chat_prompt(tokenizer, body.get("messages"), template_options(body), tools)]
     else:
         if "prompt" not in body:
             raise RequestError("prompt is required", param="prompt")
@@ -632,5 +657,7 @@ def parse_request(
         include_stop=bool_field(body, "include_stop_str_in_output", False),
         skip_special_tokens=bool_field(body, "skip_special_tokens", True),
         ignored=ignored,
+        constraint_field=constraint_field,
+        tool_calls=tools,
         **logprobs,
     )

@@ -108,11 +108,20 @@ class Responder:
         }
 
     def choice(
-        self, text: str, finish_reason: str | None, spec: dict | None, index: int = 0, logprobs=None
+        self,
+        text: str,
+        finish_reason: str | None,
+        spec: dict | None,
+        index: int = 0,
+        logprobs=None,
+        message: dict | None = None,
     ) -> dict:
         """One finished choice of a whole (not streamed) answer; `logprobs`: its logprobs body
-        (logprob_bodies.py), or None."""
-        content = {"message": {"role": "assistant", "content": text}} if self.kind == CHAT else {"text": text}
+        (logprob_bodies.py), or None; `message`: a chat answer's other than its text (tool calls)."""
+        if self.kind == CHAT:
+            content = {"message": message or {"role": "assistant", "content": text}}
+        else:
+            content = {"text": text}
         return {
             "index": index,
             **content,
@@ -143,14 +152,19 @@ class Responder:
         include_usage: bool = False,
         usage: dict | None = None,
         logprobs: dict | None = None,
+        delta: dict | None = None,
     ) -> dict:
         """A streamed chunk with a text delta; the first chat chunk also says the role, the last
         one gives the finish reason and the acceptance figures; `logprobs`: the logprobs body of
         the chunk's tokens (logprob_bodies.py), or None. `usage`: the choice's usage so
         far (vLLM's stream_options.continuous_usage_stats); else with `include_usage` the chunk
-        says "usage": null, as OpenAI's do until the usage chunk."""
+        says "usage": null, as OpenAI's do until the usage chunk. `delta`: a chat chunk's other
+        than its text (tool calls)."""
         if self.kind == CHAT:
-            delta = ({"role": "assistant"} if first else {}) | ({"content": text} if text or first else {})
+            if delta is None:
+                delta = ({"role": "assistant"} if first else {}) | (
+                    {"content": text} if text or first else {}
+                )
             content = {"delta": delta}
         else:
             content = {"text": text}

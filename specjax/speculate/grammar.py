@@ -89,9 +89,73 @@ def _regex_of_schema(text: str) -> str:
     from outlines_core.json_schema import build_regex_from_schema
 
     try:
+        schema = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"Sampling json_schema is not JSON: {error}") from None
+    found = unenforced_keyword(schema)
+    if found is not None:
+        keyword, where = found
+        raise ValueError(
+            f"Sampling json_schema uses {keyword!r} (at {where or '/'}), which outlines-core's compiler does "
+            "not enforce, so an answer could break it; drop it (or express it another way: a pattern, "
+            "an enum)"
+        )
+    try:
         return build_regex_from_schema(text)
     except (TypeError, ValueError) as error:
         raise ValueError(f"Sampling json_schema is not a schema specjax can compile: {error}") from None
+
+
+# Validation keywords outlines-core 0.2.14's build_regex_from_schema reads past without enforcing
+# (each checked against its output: the regex is the same with and without). A schema using one
+# is refused rather than answered with JSON that may not validate.
+UNENFORCED_KEYWORDS = (
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "multipleOf",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "minProperties",
+    "maxProperties",
+    "propertyNames",
+    "patternProperties",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+# Where a schema holds subschemas: a keyword's value is one, or a list or a map of them.
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions")
+
+
+def unenforced_keyword(schema, where: str = "") -> tuple[str, str] | None:
+    """The first UNENFORCED_KEYWORDS keyword in a schema and its JSON pointer; None if none."""
+    if not isinstance(schema, dict):
+        return None
+    for keyword in UNENFORCED_KEYWORDS:
+        if keyword in schema:
+            return keyword, where
+    inner = [(schema[k], f"{where}/{k}") for k in _SUBSCHEMA if k in schema]
+    for k in _SUBSCHEMA_LISTS:
+        if isinstance(schema.get(k), list):
+            inner += [(s, f"{where}/{k}/{i}") for i, s in enumerate(schema[k])]
+    for k in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(k), dict):
+            inner += [(s, f"{where}/{k}/{name}") for name, s in schema[k].items()]
+    if isinstance(schema.get("items"), list):  # (draft 4's tuple form)
+        inner += [(s, f"{where}/items/{i}") for i, s in enumerate(schema["items"])]
+    for subschema, path in inner:
+        found = unenforced_keyword(subschema, path)
+        if found is not None:
+            return found
+    return None
 
 
 def constraint_regex(regex, json_schema, choice) -> str | None:
@@ -366,6 +430,12 @@ def build_grammar(
         targets.append(local_targets + offset)  # the keys stay sorted)
     start = [-1 if r is None else int(offsets[distinct.index(r)]) for r in regexes]
     return device_grammar(allowed, np.concatenate(keys), np.concatenate(targets), E, start)
+
+
+def forget_compiled() -> None:
+    """Empty the caches of schema regexes and token automata (for timing a build from scratch)."""
+    _regex_of_schema.cache_clear()
+    _AUTOMATA.clear()
 
 
 def check_constraint_model(tokenizer, eos_ids: Sequence[int]) -> None:
