@@ -167,6 +167,26 @@ def test_target_as_its_own_draft_accepts_everything(k):
     assert summary["expected_acceptance_per_position"] == pytest.approx([1.0] * k)
 
 
+def test_drafts_accepted_past_a_stop_are_not_counted():
+    """The target as its own draft accepts every draft, also those after a stop token it drafts
+    itself; the row ends at the stop, and the metrics count only the accepted drafts up to it
+    (every emitted token but the prefill's is an accepted draft or a step's bonus token)."""
+    k, prompt = 3, PROMPTS[0]
+    plain = specjax.generate(TARGET, [prompt], max_new_tokens=24).tokens[0]
+    # A token's first appearance at a step's first or second draft (the prefill emits token 0, each
+    # step k + 1 = 4 more: drafts at 1, 2, 3, the bonus at 4, ...), so drafts follow it in its step.
+    first_stop = next(i for i, t in enumerate(plain) if i % (k + 1) in (1, 2) and t not in plain[:i])
+    sampling = specjax.Sampling(stop_token_ids=[plain[first_stop]])
+    result = specjax.generate(
+        TARGET, [prompt], proposer=specjax.DraftModel(TARGET, k=k), sampling=sampling, max_new_tokens=24
+    )
+    assert result.tokens[0] == plain[: first_stop + 1]
+    metrics = result.metrics
+    steps = int(metrics.drafting_steps.sum())
+    assert int(metrics.accepted.sum()) == int(metrics.emitted.sum()) - 1 - (steps - 1)
+    assert int(metrics.accepted.sum()) < steps * k  # the last step's drafts past the stop: not counted
+
+
 def one_live_layer(model):
     """The model with its second (last) layer's attention and MLP output projections zeroed: that
     layer adds exactly zero to the residual stream, so the first layer, the final norm and the head

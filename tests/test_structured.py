@@ -325,3 +325,16 @@ def test_grammar_draft_drafts_what_the_constraint_forces_losslessly():
     free = generate(specjax.GrammarDraft(k=4), specjax.Sampling(), max_new_tokens=6)
     assert free.tokens == generate(None, specjax.Sampling(), max_new_tokens=6).tokens
     assert free.metrics.drafted.sum() == 0
+
+
+def test_grammar_draft_drafts_nothing_past_the_end():
+    """A choice forces every token: after the prefill's "h", one step drafts "ello" and the EOS
+    that ends the row, and nothing after it (the automaton has no edge for EOS: drafting on would
+    have the target "accept" EOS again and again past the end); the metrics count those 5."""
+    result = specjax.generate(
+        TARGET, [PROMPTS[0]], specjax.GrammarDraft(k=8), specjax.Sampling(choice=["hello"]), max_new_tokens=20
+    )
+    assert output_text(result.tokens[0])[0] == "hello" and result.tokens[0][-1] == EOS
+    metrics = result.metrics
+    assert metrics.drafted.sum() == 5 and metrics.accepted.sum() == 5 and metrics.emitted.sum() == 6
+    assert metrics.accept_hist.sum(0).tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0]

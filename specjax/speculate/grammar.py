@@ -342,10 +342,15 @@ class Grammar:
         """The states after one token each (states, tokens of one shape). A token without an edge
         (one the state forbids, EOS, or -1 padding) leaves the state as it is: its row stops there
         or the position is never used."""
+        hit, after = self.edge(states, tokens, vocab_size)
+        return jnp.where(hit, after, states)
+
+    def edge(self, states: jax.Array, tokens: jax.Array, vocab_size: int) -> tuple[jax.Array, jax.Array]:
+        """(whether each state has an edge for its token, the state it leads to where it has)."""
         key = states * vocab_size + tokens
         at = jnp.minimum(jnp.searchsorted(self.edge_keys, key), self.edge_keys.shape[0] - 1)
         hit = (self.edge_keys[at] == key) & (states >= 0) & (tokens >= 0)
-        return jnp.where(hit, self.edge_next[at], states)
+        return hit, self.edge_next[at]
 
     def advance(self, states: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
         """Read tokens [B, T] from states [B]: the states after each token [B, T]."""

@@ -403,6 +403,7 @@ def speculative_step(
         state, num_emitted = commit(
             spec, inputs, state, verdict.candidates, num_accepted + 1, verdict.logprobs
         )
+    ended_at_stop = running & state.done & (state.lengths < state.max_lengths)
     state = flag_nonfinite(state, verdict.finite, running)
     with jax.named_scope("propose"):  # the proposer catching up on the verdict
         context = UpdateContext(path_features=verdict.path_hidden, num_accepted=num_accepted, running=running)
@@ -411,6 +412,11 @@ def speculative_step(
     m = state.metrics
     live = running[:, None]
     position = jnp.arange(K)[None, :]
+    # In a step that ends its row at a stop (EOS, a stop id or string), accepted drafts count only
+    # up to it: the target "agreeing" with drafts past the end of the text is no acceptance, and
+    # counting it would inflate a proposer that drafts through EOS (a constraint's forced EOS).
+    # Drafts accepted past the row's max length do count: the target did accept them.
+    num_accepted = jnp.where(ended_at_stop, jnp.minimum(num_accepted, num_emitted), num_accepted)
     drafted_at = live & verdict.drafted_at
     accepted_at = live & (position < num_accepted[:, None])
     drafting = running & jnp.any(valid, axis=1)  # the step verified a draft of the row

@@ -54,5 +54,9 @@ class GrammarDraft(Stateless, Proposer):
             forced_so_far &= jnp.sum(allowed, axis=-1) == 1
             drafts.append(token)
             valid.append(forced_so_far)
-            states = grammar.step(states, token, self.vocab_size)
+            # A forced token without an edge is EOS (where the automaton accepts): the row ends
+            # there, so nothing is drafted after it (drafts past it would be "accepted" uselessly).
+            hit, after = grammar.edge(states, token, self.vocab_size)
+            forced_so_far &= hit
+            states = jnp.where(hit, after, states)
         return Proposal(draft_tokens=jnp.stack(drafts, axis=1), valid=jnp.stack(valid, axis=1)), state
