@@ -4,6 +4,7 @@ docs/serving.md, "What a narrower chunk costs"), and with --clients, the through
 loop of clients over Spec-Bench prompts.
 
     .venv/bin/python benchmarks/engine_step.py [--max-model-len 2048 256] [--widths 8 16 8]
+    .venv/bin/python benchmarks/engine_step.py --max-model-len 512 --widths 1 8 1 --constraint-states -1 4096
     .venv/bin/python benchmarks/engine_step.py --max-model-len 2048 512 --clients 1 8 16 \
         --data ../shared/data --categories mt_bench,qa,math_reasoning,translation --per-category 4
 
@@ -12,7 +13,9 @@ requests of one short chat prompt at once, so they occupy the first `width` slot
 runs at that width; after the first chunk (admissions, compilation) --chunks chunks are timed,
 and the time is divided by their steps (`Engine.stats`: --chunk-steps each when the width fills
 the engine, --admission-steps while slots are free). The first width is timed again last, as a
-check on the machine's drift.
+check on the machine's drift. --constraint-states: engines with constraint tables of that many
+states (-1: none; `specjax serve`'s default is 4096), each timed at each width in turn, to show what
+the tables cost requests that use no constraint.
 
 --clients: N clients in a closed loop over the prompts (each chat-templated), each sending its
 next request the moment its last one finishes (between two engine steps: no HTTP, no client
@@ -51,8 +54,9 @@ def closed_loop(engine, prompts, clients: int, max_new_tokens: int) -> tuple[int
     return tokens, time.perf_counter() - start
 
 
-def plain_engine(model, args, max_len: int) -> Engine:
-    """An engine of the built-in model, plain decoding, with the command line's batch and chunks."""
+def plain_engine(model, args, max_len: int, constraint_states: int = -1) -> Engine:
+    """An engine of the built-in model, plain decoding, with the command line's batch and chunks
+    (and constraint tables of `constraint_states` states; -1: none)."""
     return Engine(
         model,
         None,
@@ -60,6 +64,7 @@ def plain_engine(model, args, max_len: int) -> Engine:
         max_model_len=max_len,
         chunk_steps=args.chunk_steps,
         admission_steps=args.admission_steps,
+        constraint_states=None if constraint_states < 0 else constraint_states,
     )
 
 
@@ -106,6 +111,9 @@ def main() -> None:
     parser.add_argument("--categories", help="comma-separated Spec-Bench categories (default: all)")
     parser.add_argument("--per-category", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument(
+        "--constraint-states", type=int, nargs="+", default=[-1], help="engines' constraint tables (-1: none)"
+    )
     args = parser.parse_args()
     model = specjax.load("smollm2-135m")
     if args.clients:
@@ -119,21 +127,22 @@ def main() -> None:
     new_tokens = args.chunk_steps * (args.chunks + 2)
     rows = []
     for max_len in args.max_model_len:
-        engine = plain_engine(model, args, max_len)
+        engines = {states: plain_engine(model, args, max_len, states) for states in args.constraint_states}
         for width in args.widths:
-            for _ in range(width):
-                engine.add(Request(prompt, max_new_tokens=new_tokens))
-            engine.step()  # admissions, compilation and the first chunk
-            engine.stats.reset()
-            for _ in range(args.chunks):
-                engine.step()
-            ms = engine.stats.ms_per_step(width)
-            rows.append([max_len, args.max_batch, width, ms])
-            print(rows[-1], flush=True)
-            while engine.has_work:
-                engine.step()
+            for states, engine in engines.items():  # (in turn at each width: the drift falls on all)
+                for _ in range(width):
+                    engine.add(Request(prompt, max_new_tokens=new_tokens))
+                engine.step()  # admissions, compilation and the first chunk
+                engine.stats.reset()
+                for _ in range(args.chunks):
+                    engine.step()
+                ms = engine.stats.ms_per_step(width)
+                rows.append([max_len, args.max_batch, width, "none" if states < 0 else states, ms])
+                print(rows[-1], flush=True)
+                while engine.has_work:
+                    engine.step()
     print(f"\nmachine: {machine()}\n")
-    print(markdown_table(["max_model_len", "max_batch", "width", "ms per step"], rows))
+    print(markdown_table(["max_model_len", "max_batch", "width", "constraint states", "ms per step"], rows))
 
 
 if __name__ == "__main__":
