@@ -506,11 +506,6 @@ def plan(
         )
     sampling_params = SamplingParams.of(padded_samplings, B, model.config.vocab_size)
     if any(s.constraint is not None for s in samplings):
-        if spec.tree is not None:
-            raise ValueError(
-                "Sampling regex / json_schema / choice: token-tree proposers are not supported with "
-                "constraints yet; use a chain proposer (tree=None)"
-            )
         grammar = build_grammar(
             model.tokenizer, model.config.vocab_size, eos_ids(model), [s.constraint for s in padded_samplings]
         )

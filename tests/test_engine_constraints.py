@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 from test_engine import drive
-from test_structured import EOS, REGEX, SCHEMA, TARGET, output_text
+from test_structured import EOS, REGEX, SCHEMA, TARGET, output_text, proposers
 
 import specjax
 from specjax import Request
@@ -43,12 +43,15 @@ def check_output(fields: dict, tokens: list[int]) -> None:
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram"])
+@pytest.mark.parametrize("name", ["plain", "ngram", "eagle-tree"])
 def test_constrained_and_free_requests_side_by_side_equal_generate_alone(name):
     """Six requests through two slots: each constraint's rows and free rows interleave, arriving
     at random steps; every greedy answer is `generate`'s for its prompt alone, matching its
-    constraint; a second round with the same constraints compiles nothing."""
-    proposer = None if name == "plain" else specjax.NGram(k=3, n_max=3, n_min=1)
+    constraint; a second round with the same constraints compiles nothing. Chains and a token
+    tree (each node masked along its own path)."""
+    proposer = {"plain": None, "ngram": specjax.NGram(k=3, n_max=3, n_min=1)}.get(name)
+    if name == "eagle-tree":
+        proposer = proposers()[name]
     engine = specjax.Engine(
         TARGET, proposer, max_batch=2, max_model_len=64, chunk_steps=3, constraint_states=256
     )

@@ -21,6 +21,7 @@ from specjax.models import EagleHead, forward, init_cache
 from specjax.speculate import grammar as grammar_module
 from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
 from specjax.speculate.sampling import SamplingParams, WarpSpec
+from specjax.speculate.tree import TokenTree
 
 BASE = tiny_model(seed=21)
 TARGET = specjax.Model(BASE.config, BASE.params, tiny_tokenizer(), name="tiny-structured")
@@ -46,6 +47,8 @@ def proposers():
         "ngram": specjax.NGram(k=3, n_max=3, n_min=1),
         "draft": specjax.DraftModel(DRAFT, k=3),
         "eagle": specjax.Eagle(EagleHead.init(TARGET, jax.random.key(0)), k=3),
+        # a token tree: every node's target distribution masked along its own path
+        "eagle-tree": specjax.Eagle(EagleHead.init(TARGET, jax.random.key(0)), tree=TokenTree.top_k((3, 2))),
     }
 
 
@@ -127,7 +130,7 @@ def plain_greedy(constraint: str):
     return generate(None, specjax.Sampling(**json.loads(constraint)), max_new_tokens=30).tokens
 
 
-@pytest.mark.parametrize("name", ["none", "ngram", "draft", "eagle"])
+@pytest.mark.parametrize("name", ["none", "ngram", "draft", "eagle", "eagle-tree"])
 def test_greedy_speculation_equals_plain_constrained_greedy(name):
     accepted = drafted = 0
     for fields in (dict(regex=REGEX), dict(json_schema=SCHEMA), dict(choice=["yes", "no", "maybe"])):
@@ -227,7 +230,9 @@ def restricted_joint(prompt_ids, language, temperature):
 
 
 # (the draft model's law, 55 s here, runs in make test-all)
-@pytest.mark.parametrize("name", ["none", "ngram", pytest.param("draft", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["none", "ngram", "eagle-tree", pytest.param("draft", marks=pytest.mark.slow)]
+)
 def test_sampled_output_follows_the_restricted_law(name):
     """2,000 rows of `(a|b|ab)c?` at temperature 1 (the language's six words, reached by 8 token
     sequences as "ab" is one token or two) against exact enumeration; tests/laws.py's G-test and
@@ -291,6 +296,36 @@ def test_the_program_holds_no_host_callback():
     )
     jaxpr = str(jax.make_jaxpr(generate_program, static_argnums=0)(spec, TARGET.params, None, inputs))
     assert "callback" not in jaxpr and jaxpr.count("while") >= 1
+
+
+def test_tree_node_states_follow_each_nodes_own_path():
+    """Grammar.node_states against the host automaton walked along each node's path (its
+    ancestors' tokens, root first): siblings read their own token from their parent's state, not
+    the drafts before them in node order (a chain's path_states would do that)."""
+    V = TARGET.config.vocab_size
+    regex = "[0-3][0-3][0-3]x"
+    tables = grammar_module.build_grammar(TARGET.tokenizer, V, (EOS,), [regex])
+    automaton = grammar_module.compile_constraint(regex, TARGET.tokenizer, V, (EOS,))
+    edges = {
+        (int(s), int(t)): int(n)
+        for s, t, n in zip(automaton.sources, automaton.tokens, automaton.targets, strict=True)
+    }
+    tree = TokenTree.top_k((3, 2, 1))
+    digits = [ord(c) - 32 for c in "0123"]
+    rng = np.random.default_rng(0)
+    node_tokens = rng.choice(digits + [ord("y") - 32], size=(4, tree.num_nodes))  # some forbidden
+    states = np.asarray(
+        tables.node_states(tables.start[:1].repeat(4), jnp.asarray(node_tokens), tree.parents, V)
+    )
+    for b in range(4):
+        for i, path in enumerate(tree.paths, start=1):
+            state = 0  # (the only automaton: its start is state 0)
+            nodes = [tree.paths.index(path[:d]) + 1 for d in range(1, len(path) + 1)]
+            for node in nodes:
+                state = edges.get((state, int(node_tokens[b, node - 1])), state)  # no edge: it stays
+            assert states[b, i] == state, (b, path)
+    chain = np.asarray(tables.path_states(tables.start[:1].repeat(4), jnp.asarray(node_tokens), V))
+    assert (chain != states).any()  # the test tells the two apart
 
 
 def test_device_tables_are_fixed_size_bitmasks_and_a_sorted_edge_list():

@@ -573,11 +573,6 @@ class Engine:
                 "sampling regex / json_schema / choice: this engine was built without constraint "
                 "tables; build it with EngineConfig(constraint_states=N)"
             )
-        if self.spec.tree is not None:
-            raise ValueError(
-                "sampling regex / json_schema / choice: token-tree proposers are not supported with "
-                "constraints yet; use a chain proposer"
-            )
         self._constraints.check(regex)
 
     def _fits(self, b: int, request: Request) -> bool:

@@ -360,6 +360,16 @@ class Grammar:
             after.append(states)
         return jnp.stack(after, axis=1)
 
+    def node_states(self, states: jax.Array, node_tokens: jax.Array, parents, vocab_size: int) -> jax.Array:
+        """[B, N+1] the state at each node of a token tree: the root's is states [B] (at the last
+        committed token), every other node's the state after its parent's, read by its token
+        (node_tokens [B, N], node i's at i - 1). parents [N+1] (static, numpy): each node's, the
+        root's -1; nodes come after their parents."""
+        at = [states]
+        for i in range(1, len(parents)):  # N small and static
+            at.append(self.step(at[int(parents[i])], node_tokens[:, i - 1], vocab_size))
+        return jnp.stack(at, axis=1)
+
     def path_states(self, states: jax.Array, drafts: jax.Array, vocab_size: int) -> jax.Array:
         """[B, K+1] the state at each scored position of a chain: states [B] at the last committed
         token, then after each of the drafts [B, K]."""

@@ -111,11 +111,13 @@ def _score(
     depths,
     fresh_mask,
     write=True,
+    parents=None,
 ):
     """Feed each row's last token and its N drafts (a chain's or a tree's nodes) in one target pass.
 
     depths [N+1] (numpy) are the position offsets, fresh_mask [N+1, N+1] (numpy) what each fed
-    token sees of the others: for a chain, 0..K and the causal mask. Returns the adjusted logits
+    token sees of the others: for a chain, 0..K and the causal mask; parents [N+1] (numpy) a tree's
+    (TokenTree.parents), None for a chain. Returns the adjusted logits
     [B, N+1, V] (penalties count the drafts on each token's path), finite [B, N+1] of the raw
     logits, the hidden states [B, N+1, D] and the cache with every fed token written (with
     `write=False`, the fed tokens' entries)."""
@@ -128,10 +130,14 @@ def _score(
     counts = None
     if state.history is not None:  # penalties as they would be after each fed token's path
         counts = state.history.counts_at_nodes(proposal.draft_tokens, proposal.valid, jnp.asarray(fresh_mask))
-    states = None  # the constraints' states at each fed token (a chain's path; see grammar.py)
-    if sampling.grammar is not None:
+    states = None  # the constraints' states at each fed token, along its path (see grammar.py)
+    if sampling.grammar is not None and parents is None:
         states = sampling.grammar.path_states(
             state.grammar_states, proposal.draft_tokens, spec.config.vocab_size
+        )
+    elif sampling.grammar is not None:
+        states = sampling.grammar.node_states(
+            state.grammar_states, proposal.draft_tokens, parents, spec.config.vocab_size
         )
     return adjust(spec, sampling, logits, state.history, counts, states), finite_at, hidden, cache
 
@@ -171,7 +177,7 @@ def _verify_tree(spec: LoopSpec, params: LlamaParams, state: DecodeState, propos
     B, N, D = state.tokens.shape[0], tree.num_nodes, tree.depth
     rows = jnp.arange(B)
     logits, finite_at, hidden, cache = _score(
-        spec, params, state, proposal, sampling, tree.depths, tree.attention_mask
+        spec, params, state, proposal, sampling, tree.depths, tree.attention_mask, parents=tree.parents
     )
     candidates, num_accepted, path, expected, drafted_at = verifier(spec).tree(
         spec.warp, tree, logits, proposal, sampling, keys
