@@ -108,11 +108,15 @@ def test_per_row_eos_stops_only_that_row():
 
 def test_new_prompt_length_in_same_bucket_does_not_recompile():
     model = tiny_model(seed=4, num_layers=3)  # a config no other test compiles
+    # An XLA compilation, or an executable read back from the persistent compilation cache
+    # (tests/conftest.py), which records its retrieval instead of a backend compile.
+    compile_events = {
+        "/jax/core/compile/backend_compile_duration",
+        "/jax/compilation_cache/cache_retrieval_time_sec",
+    }
     compiles = []
     jax.monitoring.register_event_duration_secs_listener(
-        lambda name, *a, **k: (
-            compiles.append(name) if name == "/jax/core/compile/backend_compile_duration" else None
-        )
+        lambda name, *a, **k: compiles.append(name) if name in compile_events else None
     )
     first = specjax.generate(model, [[1, 2, 3, 4, 5]], max_new_tokens=8)
     programs, backend_compiles = compiled_program_count(), len(compiles)
