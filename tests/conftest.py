@@ -80,6 +80,13 @@ def data_file(name: str) -> Path:
     return path
 
 
+def pytest_runtest_setup(item):
+    """A test marked `data` skips before its fixtures load anything (the built-in model and its
+    transformers twin take a minute) when the prompt sets' folder is missing altogether."""
+    if item.get_closest_marker("data") is not None and not data_dir().is_dir():
+        pytest.skip(f"the prompt sets' folder {data_dir()} is missing (set SPECJAX_DATA to it)")
+
+
 def read_jsonl(name: str) -> list[dict]:
     with open(data_file(name)) as f:
         return [json.loads(line) for line in f if line.strip()]
