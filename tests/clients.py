@@ -1,9 +1,10 @@
 """The real clients the server is tested with (tests/test_clients.py): lm-evaluation-harness,
 guidellm and aiperf, run as their own command-line programs from a virtual environment of
 their own, `.venv-clients` at the repo root (`make .venv-clients/.installed` builds it; `make
-test` does first). Their pinned dependencies (pandas, httpx, huggingface_hub, ...) conflict with
-the main environment's, so they never share it: the tests start the server in this process and
-the clients in child processes, which reach it over HTTP only.
+test` does first, and without it the tests fail saying so). Their pinned dependencies (pandas,
+httpx, huggingface_hub, ...) conflict with the main environment's, so they never share it: the
+tests start the server in this process and the clients in child processes, which reach it over
+HTTP only.
 
 Every client runs offline (no Hugging Face hub, no dataset downloads): the tasks and the
 tokenizer are local files the tests write."""
@@ -24,10 +25,12 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFL
 
 
 def client_program(name: str) -> Path:
-    """The path of a client's command in .venv-clients, or skip the test saying how to build it."""
+    """The path of a client's command in .venv-clients, or fail the test saying how to build it.
+    (Not a skip: `make test` builds the environment before it runs the tests, so a missing one is
+    a broken setup, and a skipped client test would check nothing.)"""
     path = CLIENTS_VENV / "bin" / name
     if not (REPO / CLIENTS_STAMP).is_file() or not path.is_file():
-        pytest.skip(f"the real clients' environment is missing ({path}): run `make {CLIENTS_STAMP}`")
+        pytest.fail(f"the real clients' environment is missing ({path}): run `make {CLIENTS_STAMP}`")
     return path
 
 

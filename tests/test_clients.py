@@ -60,7 +60,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    client_program("lm_eval")  # skip before compiling anything when the clients are missing
+    client_program("lm_eval")  # fail before compiling anything when the clients are missing
     engine = Engine(
         model, specjax.SelfDraft(layers=1, k=K), max_batch=2, max_model_len=256, chunk_steps=4, logprobs=1
     )

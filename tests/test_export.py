@@ -300,3 +300,30 @@ def test_the_engines_chunk_lowers_for_gpu_and_tpu(scan_layers):
         params, proposer_params, state, inputs, max_steps, reported
     )
     assert_accelerator_program(exported)
+
+
+@pytest.mark.parametrize("proposer", ["grammar_draft", "eagle_tree"])
+def test_constrained_generation_lowers_for_cuda_and_tpu(proposer):
+    """A JSON-schema row beside a free one: the automaton's tables, the masks along chain and tree
+    paths and GrammarDraft's forced drafts lower with the rest (test_structured.py's tiny model,
+    which has a tokenizer to compile the constraint over)."""
+    from test_structured import SCHEMA
+    from test_structured import TARGET as WITH_TOKENIZER
+
+    drafting = {
+        "grammar_draft": specjax.GrammarDraft(k=4),
+        "eagle_tree": specjax.Eagle(
+            EagleHead.init(WITH_TOKENIZER, jax.random.key(0)), tree=TokenTree.top_k((2, 2))
+        ),
+    }[proposer]
+    exported = specjax.export_generate(
+        WITH_TOKENIZER,
+        [[10, 11, 12], [13, 14]],
+        proposer=drafting,
+        sampling=[specjax.Sampling(json_schema=SCHEMA, temperature=0.8), specjax.Sampling(temperature=0.8)],
+        key=jax.random.key(1),
+        max_new_tokens=8,
+    )
+    assert exported.platforms == ("cuda", "tpu")
+    # (no CPU kernel in it; this model's head size takes XLA's attention, not the Pallas kernels)
+    assert not {c for c in custom_calls(exported) if c.startswith("specjax_")}

@@ -26,20 +26,28 @@ TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}|{% endfor
 MESSAGES = [{"role": "user", "content": "a pet?"}]
 
 
-def model():
+def with_template(template: str) -> specjax.Model:
+    """test_structured's tiny model, served as "tiny", with this chat template."""
     tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = TEMPLATE
+    tokenizer.chat_template = template
     return dataclasses.replace(TARGET, tokenizer=tokenizer, name="tiny")
 
 
-MODEL = model()
+MODEL = with_template(TEMPLATE)
 NGRAM = specjax.NGram(k=3, n_max=3, n_min=1)
+
+
+def start_server(model: specjax.Model, constraint_states: int) -> Running:
+    """The model served speculating with NGRAM, two slots, constraint tables of that many states."""
+    engine = Engine(
+        model, NGRAM, max_batch=2, max_model_len=160, chunk_steps=3, constraint_states=constraint_states
+    )
+    return Running(make_app(engine, max_waiting=4))
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine(MODEL, NGRAM, max_batch=2, max_model_len=160, chunk_steps=3, constraint_states=2048)
-    running = Running(make_app(engine, max_waiting=4))
+    running = start_server(MODEL, constraint_states=2048)
     yield running
     running.close()
 

@@ -5,18 +5,14 @@ call's schema, and its arguments validate against the function's parameters; eve
 request is a 400 naming its field. The tiny character-tokenizer model of test_structured.py,
 with a chat template that writes the tools' names into the prompt, speculating with n-gram drafts."""
 
-import dataclasses
 import json
 
 import openai
 import pytest
-from test_server import Running
-from test_structured import SCHEMA, TARGET, output_text
-from tiny import tiny_tokenizer
+from test_server_structured import NGRAM, start_server, with_template
+from test_structured import SCHEMA, output_text
 
 import specjax
-from specjax.serve import make_app
-from specjax.serve.engine import Engine
 from specjax.serve.protocol import CHAT, COMPLETION, RequestError, parse_request
 from specjax.serve.tool_calls import ToolCalls
 from specjax.text import chat_prompt_ids
@@ -40,20 +36,12 @@ MESSAGES = [{"role": "user", "content": "a pet?"}]
 GET_PET = {"type": "function", "function": {"name": "get_pet"}}
 
 
-def with_template(template: str) -> specjax.Model:
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = template
-    return dataclasses.replace(TARGET, tokenizer=tokenizer, name="tiny")
-
-
 MODEL = with_template(TOOLS_TEMPLATE)
-NGRAM = specjax.NGram(k=3, n_max=3, n_min=1)
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = Engine(MODEL, NGRAM, max_batch=2, max_model_len=160, chunk_steps=3, constraint_states=4096)
-    running = Running(make_app(engine, max_waiting=4))
+    running = start_server(MODEL, constraint_states=4096)
     yield running
     running.close()
 

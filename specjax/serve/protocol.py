@@ -44,7 +44,7 @@ from specjax.serve.responses import CHAT, COMPLETION, error_body
 from specjax.serve.structured_fields import FIELDS as CONSTRAINT_FIELDS
 from specjax.serve.structured_fields import ConstraintFieldError, constraint_options
 from specjax.serve.tool_calls import FIELDS as TOOL_FIELDS
-from specjax.serve.tool_calls import ToolCalls, ToolFieldError, check_rendered, tool_request
+from specjax.serve.tool_calls import ToolCalls, check_rendered, tool_request
 from specjax.speculate.sampling import MAX_SEED, Sampling
 from specjax.text import chat_text, has_chat_template
 
@@ -582,7 +582,7 @@ def chat_prompt(
     if tools is not None:
         try:
             check_rendered(tools, text)
-        except ToolFieldError as error:
+        except ConstraintFieldError as error:
             raise RequestError(str(error), param=error.param) from None
     return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
@@ -631,7 +631,7 @@ def parse_request(
     scores = logprobs["prompt_logprobs"] is not None or logprobs["echo"]
     try:
         tools = tool_request(body) if kind == CHAT else None
-    except ToolFieldError as error:
+    except ConstraintFieldError as error:
         raise RequestError(str(error), param=error.param) from None
     sampling, constraint_field = _sampling(body, vocab_size, tools)  # (before the prompts: cheap)
     samplings = _choices(body, sampling)

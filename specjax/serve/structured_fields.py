@@ -34,7 +34,7 @@ REFUSED_KEYS = ("grammar", "structural_tag")  # vLLM's, not served (a full gramm
 
 
 class ConstraintFieldError(ValueError):
-    """A constraint field's bad value; `param` names the field."""
+    """A constraint field's bad value (tool_calls.py's tools fields too); `param` names the field."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)

@@ -28,18 +28,12 @@ import json
 import re
 import secrets
 
+from specjax.serve.structured_fields import ConstraintFieldError
+
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 NO_PARAMETERS = {"type": "object", "properties": {}}  # a function that takes no arguments
 FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 SERVED_CHOICES = '"required", "none" or {"type": "function", "function": {"name": ...}}'
-
-
-class ToolFieldError(ValueError):
-    """A bad tools, tool_choice or parallel_tool_calls value; `param` names the field."""
-
-    def __init__(self, message: str, param: str):
-        super().__init__(message)
-        self.param = param
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,23 +114,25 @@ def tool_request(body: dict) -> ToolCalls | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f"parallel_tool_calls must be true or false, got {parallel!r}", "parallel_tool_calls"
         )
     if tools is None or tools == []:
         if choice not in (None, "none"):
-            raise ToolFieldError(f"tool_choice={choice!r} needs tools: the request gives none", "tool_choice")
+            raise ConstraintFieldError(
+                f"tool_choice={choice!r} needs tools: the request gives none", "tool_choice"
+            )
         return None
     if not isinstance(tools, list):
-        raise ToolFieldError(f"tools must be a list of functions, got {tools!r:.80}", "tools")
+        raise ConstraintFieldError(f"tools must be a list of functions, got {tools!r:.80}", "tools")
     for i, tool in enumerate(tools):
         _check_tool(tool, i)
     names = [t["function"]["name"] for t in tools]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ToolFieldError(f"tools: the function name {twice[0]!r} is given twice", "tools")
+        raise ConstraintFieldError(f"tools: the function name {twice[0]!r} is given twice", "tools")
     if choice is None or choice == "auto":
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f"tool_choice={choice or 'auto'!r} (OpenAI's default with tools) lets the model answer in its "
             f"own tool-call format, which this server does not parse; it serves tool_choice {SERVED_CHOICES}",
             "tool_choice",
@@ -148,9 +144,9 @@ def tool_request(body: dict) -> ToolCalls | None:
     )
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise ToolFieldError(f"tool_choice must be {SERVED_CHOICES}, got {choice!r:.80}", "tool_choice")
+        raise ConstraintFieldError(f"tool_choice must be {SERVED_CHOICES}, got {choice!r:.80}", "tool_choice")
     if name not in names:
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f"tool_choice names {name!r}, which is not among the tools {names}", "tool_choice"
         )
     return ToolCalls(tools, "function", name=name)
@@ -163,7 +159,7 @@ def _check_tool(tool, i: int) -> None:
         or tool.get("type") != "function"
         or not isinstance(tool.get("function"), dict)
     ):
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f'{where} must be {{"type": "function", "function": {{"name", "parameters", ...}}}}, '
             f"got {tool!r:.80}",
             where,
@@ -171,13 +167,13 @@ def _check_tool(tool, i: int) -> None:
     function = tool["function"]
     name = function.get("name")
     if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got {name!r}",
             f"{where}.function.name",
         )
     parameters = function.get("parameters")
     if parameters is not None and not isinstance(parameters, dict):
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f"{where}.function.parameters must be a JSON schema (an object), got {parameters!r:.80}",
             f"{where}.function.parameters",
         )
@@ -187,7 +183,7 @@ def check_rendered(tools: ToolCalls, prompt_text: str) -> None:
     """Refuse a chat template that did not write every tool into the prompt."""
     missing = [name for name in tools.names() if name not in prompt_text]
     if missing:
-        raise ToolFieldError(
+        raise ConstraintFieldError(
             f"tools: the served model's chat template does not render tools (its prompt never names "
             f"{missing[0]!r}), so the model would be asked to call a function it was not shown",
             "tools",
