@@ -338,6 +338,13 @@ class Grammar:
         allowed = unpacked.reshape(bits.shape[:-1] + (-1,))[..., :vocab_size] != 0
         return allowed | (states < 0)[..., None]
 
+    def allows(self, states: jax.Array, tokens: jax.Array) -> jax.Array:
+        """states [B, ...] and token ids [W] (a draft vocabulary's) -> [B, ..., W] bool: whether
+        each state allows each token (all True where the state is -1); reads only W bits a state."""
+        words = self.allowed[jnp.maximum(states, 0)][..., tokens // 32]  # [B, ..., W]
+        bits = (words >> (tokens % 32).astype(jnp.uint32)) & jnp.uint32(1)
+        return (bits != 0) | (states < 0)[..., None]
+
     def step(self, states: jax.Array, tokens: jax.Array, vocab_size: int) -> jax.Array:
         """The states after one token each (states, tokens of one shape). A token without an edge
         (one the state forbids, EOS, or -1 padding) leaves the state as it is: its row stops there
@@ -383,6 +390,20 @@ def mask_logits(grammar: Grammar | None, logits: jax.Array, states: jax.Array | 
     if grammar is None:
         return logits
     return jnp.where(grammar.mask(states, logits.shape[-1]), logits, -jnp.inf)
+
+
+def mask_draft_logits(grammar: Grammar | None, logits: jax.Array, states: jax.Array | None, vocab=None):
+    """A drafter's logits [B, ..., W] masked as the target's are at states [B, ...] (the states
+    along its own drafts), so that each draft is drawn from the tokens the automaton allows and its
+    q is its law over them: what a draft the target would reject costs is then spent on one it may
+    accept. W is the vocabulary (vocab None) or a draft vocabulary, vocab [W] its token ids. Where a
+    state allows none of the W tokens (a draft vocabulary without them) the logits stay as they
+    are: that draft is rejected whatever it is, and q is still what it was drawn from."""
+    if grammar is None or states is None:
+        return logits
+    allowed = grammar.mask(states, logits.shape[-1]) if vocab is None else grammar.allows(states, vocab)
+    allowed |= ~jnp.any(allowed, axis=-1, keepdims=True)
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def packed_allowed(automaton: TokenAutomaton, vocab_size: int, eos_ids: Sequence[int]) -> np.ndarray:

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.checks import check_int
+from specjax.speculate.grammar import mask_draft_logits
 from specjax.speculate.proposers.protocol import (
     FINAL_HIDDEN,
     Capabilities,
@@ -112,19 +113,24 @@ def draft_keys(keys: jax.Array, k: int) -> jax.Array:
     return jnp.swapaxes(jax.vmap(lambda key: jax.random.split(key, k))(keys), 0, 1)
 
 
-def choose_draft(keys, logits, sampling, warp, history, counts):
+def choose_draft(keys, logits, sampling, warp, history, counts, states=None):
     """One draft token per row from a drafter's logits [B, V], adjusted and warped exactly as the
     target's are (bias, penalties with `counts` [B, V] as they would stand after the drafts so
-    far, temperature and filters). Returns (tokens [B], probs [B, V]: the distribution each was
-    drawn from, None when every row is greedy, counts with the tokens added)."""
+    far, the rows' constraints at `states` [B], the automaton states along the drafts so far or
+    None, then temperature and filters). Returns (tokens [B], probs [B, V]: the distribution each
+    was drawn from, None when every row is greedy, counts with the tokens added, the states after
+    the tokens)."""
     if history is not None:
         logits = adjust_logits(logits, sampling, warp, counts, history.in_prompt)
     else:
         logits = adjust_logits(logits, sampling, warp)
+    logits = mask_draft_logits(sampling.grammar, logits, states)
     token, probs = choose_tokens(keys, logits, sampling, warp)
     if history is not None:
         counts = counts.at[jnp.arange(token.shape[0]), token].add(1)
-    return token, probs, counts
+    if states is not None:
+        states = sampling.grammar.step(states, token, logits.shape[-1])
+    return token, probs, counts, states
 
 
 def kept_inputs(owner, target, build: Callable[[Any], Any]):

@@ -35,6 +35,7 @@ from specjax.models.dflash import (
     dflash_panel_weights,
 )
 from specjax.models.model import Model
+from specjax.speculate.grammar import mask_draft_logits
 from specjax.speculate.proposers.base import MAX_SPECULATIVE_TOKENS, HeadInputs, Proposal, kept_inputs
 from specjax.speculate.proposers.protocol import (
     Capabilities,
@@ -128,7 +129,15 @@ class DFlashSpec(ProposerSpec):
         block_positions = (lengths - 1)[:, None] + jnp.arange(self.block)[None, :]
         outputs = dflash_block(params.head, self.config, target_params.embed, block, block_positions, cache)
         logits = dflash_logits(params.head, self.config, target_params, outputs[:, 1:], self.target_config)
-        draft = params.vocab[jnp.argmax(logits, axis=-1)].astype(jnp.int32)  # [B, k]
+        if ctx.grammar_states is None:
+            draft = params.vocab[jnp.argmax(logits, axis=-1)].astype(jnp.int32)  # [B, k]
+        else:  # slot by slot, each masked by the automaton's state after the drafts before it
+            grammar, states, drafts = ctx.sampling.grammar, ctx.grammar_states, []
+            for i in range(self.k):  # k small and static
+                masked = mask_draft_logits(grammar, logits[:, i], states, params.vocab)
+                drafts.append(params.vocab[jnp.argmax(masked, axis=-1)].astype(jnp.int32))
+                states = grammar.step(states, drafts[-1], self.target_config.vocab_size)
+            draft = jnp.stack(drafts, axis=1)
         proposal = Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool))
         return proposal, state.replace(cache=cache)
 

@@ -112,36 +112,39 @@ class DraftSpec(ProposerSpec):
     def propose(self, ctx: ProposeContext, state: DraftState):
         """Draft k tokens per row, each drawn from the draft's logits adjusted and warped exactly as
         the target's are (bias, penalties with the counts as they would stand after the drafts so
-        far, temperature and filters); draft_probs is that distribution (None if every row is
-        greedy)."""
+        far, the rows' constraints along the drafts, temperature and filters); draft_probs is that
+        distribution (None if every row is greedy)."""
         params = ctx.target_params if self.shares_target_params else ctx.params
         tokens, lengths, sampling, history = ctx.tokens, ctx.lengths, ctx.sampling, ctx.history
         B = tokens.shape[0]
         rows = jnp.arange(B)[:, None]
         cache = state.cache.replace(lengths=lengths - 2)
 
-        def draft_one(cache, counts, fed, fed_positions, step_keys):
+        def draft_one(cache, counts, states, fed, fed_positions, step_keys):
             hidden, cache = self._forward(params, fed, fed_positions, cache)
             logits = lm_head(params, hidden[:, -1], self.config)  # [B, V]
             cache = cache.advance(jnp.full((B,), fed.shape[1], jnp.int32))
-            token, probs, counts = choose_draft(step_keys, logits, sampling, self.warp, history, counts)
-            return cache, counts, token, probs
+            token, probs, counts, states = choose_draft(
+                step_keys, logits, sampling, self.warp, history, counts, states
+            )
+            return cache, counts, states, token, probs
 
         keys = draft_keys(ctx.keys, self.k)  # [K, B]
         counts = None if history is None else history.counts
         first_positions = lengths[:, None] - 2 + jnp.arange(2)[None, :]  # [B, 2]
-        cache, counts, token, probs = draft_one(
-            cache, counts, tokens[rows, first_positions], first_positions, keys[0]
+        cache, counts, states, token, probs = draft_one(
+            cache, counts, ctx.grammar_states, tokens[rows, first_positions], first_positions, keys[0]
         )
 
         def later(carry, step_keys):
-            cache, counts, token, position = carry
-            cache, counts, next_token, probs = draft_one(
-                cache, counts, token[:, None], position[:, None], step_keys
+            cache, counts, states, token, position = carry
+            cache, counts, states, next_token, probs = draft_one(
+                cache, counts, states, token[:, None], position[:, None], step_keys
             )
-            return (cache, counts, next_token, position + 1), (next_token, probs)
+            return (cache, counts, states, next_token, position + 1), (next_token, probs)
 
-        (cache, _, _, _), (rest, rest_probs) = jax.lax.scan(later, (cache, counts, token, lengths), keys[1:])
+        carry = (cache, counts, states, token, lengths)
+        (cache, _, _, _, _), (rest, rest_probs) = jax.lax.scan(later, carry, keys[1:])
         draft = jnp.concatenate([token[:, None], rest.T], axis=1)  # [B, K]
         draft_probs = None
         if probs is not None:

@@ -44,6 +44,7 @@ from specjax.models.cache import KVCache, cache_bytes, init_cache
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.eagle import EagleConfig, EagleHead, eagle_entries, eagle_features, eagle_panel_weights
 from specjax.models.model import Model
+from specjax.speculate.grammar import mask_draft_logits
 from specjax.speculate.proposers.base import HeadInputs, Proposal, check_k, kept_inputs
 from specjax.speculate.proposers.protocol import (
     FINAL_HIDDEN,
@@ -230,9 +231,14 @@ class EagleSpec(ProposerSpec):
         features, cache = self._catch_up(target_params, params, state, tokens, lengths)
         root = features[rows, state.num_pending - 1]  # [B, D] predicts f_{L-1}
 
-        def candidates(parent_features, width):
-            """[B, n, D] -> (token ids [B, n, width], their log-probabilities under the head)."""
+        # (the target's vocabulary size: what the automaton's edge keys are built with)
+        grammar, vocab_size = ctx.sampling.grammar, ctx.target_params.embed.shape[0]
+
+        def candidates(parent_features, parent_states, width):
+            """[B, n, D] -> (token ids [B, n, width], their log-probabilities under the head), the
+            head's logits masked by the parents' automaton states [B, n] (None: no constraint)."""
             logits = self._logits(params, parent_features).astype(jnp.float32)
+            logits = mask_draft_logits(grammar, logits, parent_states, params.vocab)
             top, index = jax.lax.top_k(logits, width)
             return params.vocab[index], top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
@@ -241,12 +247,17 @@ class EagleSpec(ProposerSpec):
         parent_logprobs = jnp.zeros((B, 1), jnp.float32)
         node_inputs = jnp.zeros((B, N, root.shape[-1]), root.dtype)  # each node's parent's features
         parent_features = root[:, None]  # [B, 1, D]: the level above depth 1
+        parent_states = None if ctx.grammar_states is None else ctx.grammar_states[:, None]
         node_positions = (lengths - 2)[:, None] + jnp.asarray(tree.depths[1:])[None, :]
         node_mask = tree.attention_mask[1:, 1:]
         for d in range(tree.depth):  # fill depth d + 1 from the features of depth d
             nodes, parent_slot, ranks = levels.nodes_at[d], levels.parent_slot[d], levels.ranks_at[d]
-            ranked, logprobs = candidates(parent_features, levels.widths[d])  # [B, n_d, W_d]
+            ranked, logprobs = candidates(parent_features, parent_states, levels.widths[d])  # [B, n_d, W_d]
             node_tokens = node_tokens.at[:, nodes].set(ranked[:, parent_slot, ranks])
+            if parent_states is not None:  # the states at depth d + 1's nodes, their parents' next
+                parent_states = grammar.step(
+                    parent_states[:, parent_slot], ranked[:, parent_slot, ranks], vocab_size
+                )
             parent_logprobs = parent_logprobs[:, parent_slot] + logprobs[:, parent_slot, ranks]
             node_logprobs = node_logprobs.at[:, nodes].set(parent_logprobs)
             node_inputs = node_inputs.at[:, nodes].set(parent_features[:, parent_slot])
@@ -256,6 +267,8 @@ class EagleSpec(ProposerSpec):
                 )  # written past the length: scratch, never committed
                 parent_features = features[:, nodes]
         valid = jnp.ones((B, N), bool)
+        if parent_states is not None:  # a node ranked past what its parent's state allows: no draft
+            valid = node_logprobs > -jnp.inf
         if self.confidence_threshold > 0.0:  # a chain: path probabilities fall with depth, a prefix stays
             valid = node_logprobs >= np.log(self.confidence_threshold)
         proposal = Proposal(draft_tokens=node_tokens, valid=valid)

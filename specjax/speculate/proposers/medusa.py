@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.medusa import MedusaHead, medusa_hidden, medusa_logits
 from specjax.models.model import Model
+from specjax.speculate.grammar import mask_draft_logits
 from specjax.speculate.proposers.base import (
     FromLastHidden,
     HeadInputs,
@@ -53,10 +54,38 @@ class MedusaSpec(FromLastHidden):
             logits = draft_logits(params.head_matrix, features)
         else:  # each head's own (a released Medusa head): its whole vocabulary
             logits = medusa_logits(params.head.replace(lm_heads=params.head.lm_heads[: tree.depth]), features)
-        _, candidates = jax.lax.top_k(logits, max(tree.widths))
-        depth, rank = tree.depths[1:] - 1, tree.ranks[1:]  # per drafted node
-        draft = params.vocab[candidates[:, depth, rank]]  # [B, N] token ids
-        return Proposal(draft_tokens=draft, valid=jnp.ones(draft.shape, bool)), state
+        if ctx.grammar_states is not None:
+            draft, valid = self._constrained_nodes(ctx, params.vocab, logits)
+        else:
+            _, candidates = jax.lax.top_k(logits, max(tree.widths))
+            depth, rank = tree.depths[1:] - 1, tree.ranks[1:]  # per drafted node
+            draft = params.vocab[candidates[:, depth, rank]]  # [B, N] token ids
+            valid = jnp.ones(draft.shape, bool)
+        return Proposal(draft_tokens=draft, valid=valid), state
+
+    def _constrained_nodes(self, ctx: ProposeContext, vocab, logits):
+        """([B, N] the nodes' tokens, [B, N] valid) where rows are constrained: node i is the rank-r
+        candidate of its depth's head among the tokens the automaton allows at its parent (siblings
+        ranked under their parent's state, each node's state following its own path); a node
+        ranked past what its parent allows, or under such a node, drafts nothing."""
+        tree, grammar = self.tree, ctx.sampling.grammar
+        vocab_size = ctx.target_params.embed.shape[0]  # what the automaton's edge keys are built with
+        B = logits.shape[0]
+        states, valid = [ctx.grammar_states], [jnp.ones((B,), bool)]  # per node, the root's first
+        ranked_under = {}  # parent node -> its children's candidates: (logits, token ids) [B, width]
+        drafts = []
+        for i in range(1, tree.num_nodes + 1):  # N small and static; parents come first
+            parent, depth, rank = int(tree.parents[i]), int(tree.depths[i]) - 1, int(tree.ranks[i])
+            if parent not in ranked_under:
+                children = [j for j in range(1, tree.num_nodes + 1) if tree.parents[j] == parent]
+                masked = mask_draft_logits(grammar, logits[:, depth], states[parent], vocab)
+                top, index = jax.lax.top_k(masked, int(max(tree.ranks[j] for j in children)) + 1)
+                ranked_under[parent] = top, vocab[index]
+            top, tokens = ranked_under[parent]
+            states.append(grammar.step(states[parent], tokens[:, rank], vocab_size))
+            valid.append(valid[parent] & (top[:, rank] > -jnp.inf))
+            drafts.append(tokens[:, rank])
+        return jnp.stack(drafts, axis=1).astype(jnp.int32), jnp.stack(valid[1:], axis=1)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -58,11 +58,14 @@ class MLPSpeculatorSpec(FromLastHidden):
         token = tokens[jnp.arange(B), lengths - 1]  # [B]: the last committed token
         mlp_state = first_state(self.config, state.hidden)
         counts = None if history is None else history.counts
+        states = ctx.grammar_states
         drafts, probs = [], []
         for i, step_keys in enumerate(draft_keys(ctx.keys, self.k)):  # k <= n_predict stages, unrolled
             mlp_state = mlp_stage(params, self.config, i, mlp_state, token)
             logits = mlp_stage_logits(params, self.config, i, mlp_state)  # [B, V]
-            token, token_probs, counts = choose_draft(step_keys, logits, sampling, self.warp, history, counts)
+            token, token_probs, counts, states = choose_draft(
+                step_keys, logits, sampling, self.warp, history, counts, states
+            )
             drafts.append(token)
             probs.append(token_probs)
         draft = jnp.stack(drafts, axis=1)  # [B, K]

@@ -187,13 +187,14 @@ class MTPSpec(EagleSpec):
             "probs": [],
             "logprobs": [],
             "counts": None if history is None else history.counts,
+            "states": ctx.grammar_states,
         }
 
         def choose(i, features):  # d_i from step i's output
             logits = self._logits(params, features).astype(jnp.float32)  # [B, V]
             step_keys = None if self.warp.greedy else keys[i]
-            token, probs, drafted["counts"] = choose_draft(
-                step_keys, logits, sampling, self.warp, history, drafted["counts"]
+            token, probs, drafted["counts"], drafted["states"] = choose_draft(
+                step_keys, logits, sampling, self.warp, history, drafted["counts"], drafted["states"]
             )
             drafted["tokens"].append(token)
             drafted["probs"].append(probs)
