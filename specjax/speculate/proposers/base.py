@@ -124,7 +124,8 @@ def choose_draft(keys, logits, sampling, warp, history, counts, states=None):
         logits = adjust_logits(logits, sampling, warp, counts, history.in_prompt)
     else:
         logits = adjust_logits(logits, sampling, warp)
-    logits = mask_draft_logits(sampling.grammar, logits, states)
+    if states is not None:
+        logits = mask_draft_logits(sampling.grammar, logits, states)
     token, probs = choose_tokens(keys, logits, sampling, warp)
     if history is not None:
         counts = counts.at[jnp.arange(token.shape[0]), token].add(1)

@@ -232,7 +232,8 @@ class EagleSpec(ProposerSpec):
         root = features[rows, state.num_pending - 1]  # [B, D] predicts f_{L-1}
 
         # (the target's vocabulary size: what the automaton's edge keys are built with)
-        grammar, vocab_size = ctx.sampling.grammar, ctx.target_params.embed.shape[0]
+        grammar = None if ctx.grammar_states is None else ctx.sampling.grammar
+        vocab_size = ctx.target_params.embed.shape[0]
 
         def candidates(parent_features, parent_states, width):
             """[B, n, D] -> (token ids [B, n, width], their log-probabilities under the head), the
