@@ -6,6 +6,7 @@ for constraints of one budget, no host callback."""
 
 import functools
 import json
+import os
 import re
 
 import jax
@@ -373,3 +374,61 @@ def test_grammar_draft_drafts_nothing_past_the_end():
     metrics = result.metrics
     assert metrics.drafted.sum() == 5 and metrics.accepted.sum() == 5 and metrics.emitted.sum() == 6
     assert metrics.accept_hist.sum(0).tolist() == [0, 0, 0, 0, 0, 1, 0, 0, 0]
+
+
+def _walk(automaton, text: str) -> int:
+    """The automaton's state after `text` read one character token at a time (-1: no path)."""
+    vocab_size = TARGET.config.vocab_size
+    keys, targets = grammar_module.sorted_edges(automaton, vocab_size)
+    state = 0
+    for char in text:
+        key = state * vocab_size + ord(char) - 32
+        at = int(np.searchsorted(keys, key))
+        if at == len(keys) or keys[at] != key:
+            return -1
+        state = int(targets[at])
+    return state
+
+
+@pytest.mark.parametrize("choices", [["yes please", "yes thanks", "no"], ["abc-1", "abc-22", "abd"]])
+@pytest.mark.parametrize("keep_last", [True, False])
+def test_forced_tokens_spell_the_text_the_choices_force(choices, keep_last):
+    """At every state reached along a choice's characters, the forced table holds the tokenizer's
+    spelling of the longest common prefix of what may follow there (the reference reads the
+    choice list, not the automaton; "ab" is one token of tiny_tokenizer's, so "abc-" is spelt
+    [ab, c, -]), then EOS where that text ends the only word left; without keep_last, less its
+    last token where other text may follow."""
+    vocab_size = TARGET.config.vocab_size
+    regex = grammar_module.constraint_regex(None, None, choices)
+    automaton = grammar_module.compile_constraint(regex, TARGET.tokenizer, vocab_size, (EOS,))
+    forced = grammar_module.forced_tokens(
+        automaton, TARGET.tokenizer, vocab_size, (EOS,), keep_last=keep_last
+    )
+    checked = 0
+    for word in choices:
+        for i in range(len(word) + 1):
+            prefix = word[:i]
+            followers = {w[i:] for w in choices if w.startswith(prefix)}
+            if "" in followers:  # the prefix is a word: EOS may come, nothing is forced
+                expected = [EOS] if followers == {""} else []
+            else:
+                text = os.path.commonprefix(sorted(followers))
+                expected = list(TARGET.tokenizer.encode(text, add_special_tokens=False))
+                if followers == {text}:
+                    expected.append(EOS)
+                elif not keep_last:
+                    expected = expected[:-1]
+            row = forced[_walk(automaton, prefix)]
+            assert row[row >= 0].tolist() == expected, (prefix, followers)
+            checked += 1
+    assert checked > 10
+
+
+def test_grammar_draft_drafts_a_forced_text_spelt_as_the_tokenizer_spells_it():
+    """Under ["abc-1", "abc-22"], after the prefill's first token the rest of "abc-" is forced
+    (drafted less its "-", which other text follows), and after the digit the rest of the word and
+    EOS: at least two drafts a row, and the target's tokens equal plain constrained greedy."""
+    sampling = specjax.Sampling(choice=["abc-1", "abc-22"])
+    result = generate(specjax.GrammarDraft(k=4), sampling, max_new_tokens=10)
+    assert result.tokens == generate(None, sampling, max_new_tokens=10).tokens
+    assert result.metrics.drafted.sum() >= 2 * len(PROMPTS)

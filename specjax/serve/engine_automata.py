@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.speculate.grammar import (
+    FORCED_TOKENS,
     Grammar,
     TokenAutomaton,
     check_constraint_model,
@@ -127,6 +128,7 @@ class ConstraintPool:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, tuple(sorted(set(eos_ids)))
         self.max_states, self.max_edges = max_states, max_edges
         self._allowed = np.zeros((max_states, -(-vocab_size // 32)), np.uint32)
+        self._forced = np.full((max_states, FORCED_TOKENS), -1, np.int32)
         self._placed: dict[str, Placement] = {}  # by regex, least recently used first
         self._device: Grammar | None = None  # the tables on the device, while they are current
 
@@ -162,6 +164,7 @@ class ConstraintPool:
             placement = Placement(offset, automaton, keys, targets)
             rows = slice(offset, offset + automaton.num_states)
             self._allowed[rows] = packed_allowed(automaton, self.vocab_size, self.eos_ids)
+            self._forced[rows] = automaton.forced
             self._device = None
         placement.users += 1
         self._placed[regex] = placement  # (now the most recently used)
@@ -183,6 +186,7 @@ class ConstraintPool:
                 np.concatenate(targets) if targets else np.zeros(0, np.int32),
                 self.max_edges,
                 [-1],
+                self._forced,
             )
         return self._device.replace(start=jnp.asarray(starts, jnp.int32))
 

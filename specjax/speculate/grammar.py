@@ -240,6 +240,8 @@ class TokenAutomaton:
     tokens: np.ndarray  # [n_edges] int32
     targets: np.ndarray  # [n_edges] int32
     accepting: np.ndarray  # [num_states] bool
+    # [num_states, FORCED_TOKENS] int32 (`forced_tokens`, which reads the rest; compile_constraint sets it)
+    forced: np.ndarray | None = None
 
 
 # A character no constraint should hold (a private-use code point), read by a token outside the
@@ -307,8 +309,88 @@ def compile_constraint(regex: str, tokenizer, vocab_size: int, eos_ids: Sequence
         targets=targets,
         accepting=accepting,
     )
+    automaton = dataclasses.replace(
+        automaton, forced=forced_tokens(automaton, tokenizer, vocab_size, eos_ids)
+    )
     _AUTOMATA[key] = automaton
     return automaton
+
+
+FORCED_TOKENS = 16  # tokens of forced text a state's row of the forced table holds
+_FORCED_BYTES = 96  # the longest forced text read from one state
+
+
+def forced_tokens(
+    automaton: TokenAutomaton, tokenizer, vocab_size: int, eos_ids: Sequence[int], keep_last: bool = False
+) -> np.ndarray:
+    """[num_states, FORCED_TOKENS] int32: per state, the tokens of the text the constraint forces
+    from there, as the tokenizer spells that text (-1 past them; GrammarDraft drafts them).
+
+    The forced text is read byte by byte: a byte-level vocabulary holds a token for every single
+    byte, and a token is allowed exactly where its bytes keep the match alive, so the bytes that
+    may come next are those of the allowed single-byte tokens; while there is one of them and the
+    state does not accept, that byte is forced. The text's tokens (the tokenizer's encoding of it,
+    walked through the automaton: a token it has no edge for ends them) are one spelling among
+    several the automaton allows, the one a model trained on that tokenizer most likely writes.
+    Where free text follows the forced text, its last token is left out (unless `keep_last`): a
+    BPE model writes the boundary merged with what follows (`":` after a key, ` France` after
+    `Paris,`), so the tokenizer's spelling of the forced part alone ends in a token it would not
+    write. A state allowing a single token and nothing else (EOS where it accepts and has no
+    edges, or a vocabulary without single bytes) forces that token."""
+    n = automaton.num_states
+    forced = np.full((n, FORCED_TOKENS), -1, np.int32)
+    pieces = token_bytes(tokenizer, vocab_size)
+    keys, targets = sorted_edges(automaton, vocab_size)
+    eos = int(min(eos_ids))
+
+    def step(state: int, token: int) -> int:
+        key = state * vocab_size + token
+        at = int(np.searchsorted(keys, key))
+        return int(targets[at]) if at < len(keys) and keys[at] == key else -1
+
+    single = np.array([p is not None and len(p) == 1 for p in pieces] + [False], bool)
+    is_single = single[automaton.tokens]
+    next_byte: list[dict[int, int]] = [{} for _ in range(n)]  # state -> {byte: state after it}
+    for source, token, target in zip(
+        automaton.sources[is_single], automaton.tokens[is_single], automaton.targets[is_single], strict=True
+    ):
+        next_byte[source][pieces[token][0]] = int(target)
+    edges_from = np.bincount(automaton.sources, minlength=n)
+    only_token = {}  # state -> its one allowed token, where it has exactly one edge
+    for source, token in zip(automaton.sources, automaton.tokens, strict=True):
+        if edges_from[source] == 1:
+            only_token[int(source)] = int(token)
+
+    def ends_forced(state: int) -> bool:  # only EOS is allowed here
+        return bool(automaton.accepting[state]) and edges_from[state] == 0
+
+    for state in range(n):
+        text, at = bytearray(), state
+        while len(text) < _FORCED_BYTES and not automaton.accepting[at] and len(next_byte[at]) == 1:
+            ((byte, at),) = next_byte[at].items()
+            text.append(byte)
+        tokens: list[int] = []
+        if text:
+            spelled = bytes(text).decode("utf-8", errors="ignore")  # (a partial character is left out)
+            at = state
+            spelled_tokens = tokenizer.encode(spelled, add_special_tokens=False)
+            for token in spelled_tokens:
+                after = step(at, int(token))
+                if after < 0:
+                    break
+                tokens.append(int(token))
+                at = after
+            if len(tokens) == len(spelled_tokens) and ends_forced(at):
+                tokens.append(eos)
+            elif not keep_last:
+                tokens = tokens[:-1]
+        elif ends_forced(state):
+            tokens = [eos]
+        elif state in only_token and not automaton.accepting[state]:
+            tokens = [only_token[state]]
+        tokens = tokens[:FORCED_TOKENS]
+        forced[state, : len(tokens)] = tokens
+    return forced
 
 
 def _budget(needed: int, smallest: int, largest: int, what: str) -> int:
@@ -329,6 +411,9 @@ class Grammar:
     edge_keys: jax.Array  # [E] int32 sorted: state * V + token; padding past the edges is int32 max
     edge_next: jax.Array  # [E] int32: the state after the edge's token
     start: jax.Array  # [B] int32: the row's start state, -1 for a row without a constraint
+    # [S, FORCED_TOKENS] int32: per state, the tokens of the text the constraint forces from it
+    # (`forced_tokens`), -1 past them; what GrammarDraft drafts
+    forced: jax.Array
 
     def mask(self, states: jax.Array, vocab_size: int) -> jax.Array:
         """states [B, ...] -> allowed [B, ..., V] bool (all True where the state is -1)."""
@@ -429,9 +514,12 @@ def sorted_edges(automaton: TokenAutomaton, vocab_size: int) -> tuple[np.ndarray
     return keys[order], automaton.targets[order]
 
 
-def device_grammar(allowed: np.ndarray, keys: np.ndarray, targets: np.ndarray, edges: int, start) -> Grammar:
+def device_grammar(
+    allowed: np.ndarray, keys: np.ndarray, targets: np.ndarray, edges: int, start, forced: np.ndarray
+) -> Grammar:
     """A Grammar from host tables: allowed [S, W] uint32, sorted edge keys and their targets,
-    padded to `edges` transitions (past them, int32's largest key, never a state * V + token)."""
+    padded to `edges` transitions (past them, int32's largest key, never a state * V + token),
+    and the forced tokens [S, FORCED_TOKENS]."""
     edge_keys = np.full(edges, np.iinfo(np.int32).max, np.int32)
     edge_next = np.zeros(edges, np.int32)
     edge_keys[: len(keys)], edge_next[: len(keys)] = keys, targets
@@ -440,6 +528,7 @@ def device_grammar(allowed: np.ndarray, keys: np.ndarray, targets: np.ndarray, e
         edge_keys=jnp.asarray(edge_keys),
         edge_next=jnp.asarray(edge_next),
         start=jnp.asarray(start, jnp.int32),
+        forced=jnp.asarray(forced),
     )
 
 
@@ -458,14 +547,16 @@ def build_grammar(
     E = _budget(sum(len(a.tokens) for a in automata), MIN_EDGES, MAX_EDGES, "transitions")
     check_edge_keys(S, vocab_size)
     allowed = np.zeros((S, -(-vocab_size // 32)), np.uint32)
+    forced = np.full((S, FORCED_TOKENS), -1, np.int32)
     keys, targets = [], []
     for offset, a in zip(offsets[:-1], automata, strict=True):
         allowed[offset : offset + a.num_states] = packed_allowed(a, vocab_size, eos_ids)
+        forced[offset : offset + a.num_states] = a.forced
         local_keys, local_targets = sorted_edges(a, vocab_size)
         keys.append(local_keys + int(offset) * vocab_size)  # (automata in order of their offsets:
         targets.append(local_targets + offset)  # the keys stay sorted)
     start = [-1 if r is None else int(offsets[distinct.index(r)]) for r in regexes]
-    return device_grammar(allowed, np.concatenate(keys), np.concatenate(targets), E, start)
+    return device_grammar(allowed, np.concatenate(keys), np.concatenate(targets), E, start, forced)
 
 
 def forget_compiled() -> None:
