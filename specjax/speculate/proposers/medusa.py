@@ -13,6 +13,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.models.draft_vocab import draft_head_matrix, draft_logits
 from specjax.models.medusa import MedusaHead, medusa_hidden, medusa_logits
@@ -77,9 +78,9 @@ class MedusaSpec(FromLastHidden):
         for i in range(1, tree.num_nodes + 1):  # N small and static; parents come first
             parent, depth, rank = int(tree.parents[i]), int(tree.depths[i]) - 1, int(tree.ranks[i])
             if parent not in ranked_under:
-                children = [j for j in range(1, tree.num_nodes + 1) if tree.parents[j] == parent]
+                width = int(np.sum(tree.children[parent] >= 0))  # its children, ranks 0 .. width - 1
                 masked = mask_draft_logits(grammar, logits[:, depth], states[parent], vocab)
-                top, index = jax.lax.top_k(masked, int(max(tree.ranks[j] for j in children)) + 1)
+                top, index = jax.lax.top_k(masked, width)
                 ranked_under[parent] = top, vocab[index]
             top, tokens = ranked_under[parent]
             states.append(grammar.step(states[parent], tokens[:, rank], vocab_size))
