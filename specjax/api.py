@@ -100,6 +100,7 @@ def generate(
     prefill_chunk: int | str | None = "auto",
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
+    page_size: int | None = None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` tokens per prompt; see DESIGN.md section 3.
 
@@ -171,6 +172,12 @@ def generate(
     temperature 1, no bias, penalty or filter: the prompt was not sampled), as vLLM reports them;
     taken from the prefill's pass (then one pass over the padded prompts, not chunks).
 
+    `page_size`: None (the target's KV cache dense: each row's slots in one buffer), or the slots
+    per page of a paged cache (a power of two, at least 16): the cache is a pool of pages read and
+    written through each row's page table, as the serving engine's (docs/serving.md); here each
+    row holds its own pages in order, so the tokens are the dense layout's. One device only, not
+    under latent attention (MLA).
+
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from
     the others' makes every process raise a ValueError before anything is compiled
@@ -193,6 +200,7 @@ def generate(
             prefill_chunk=prefill_chunk,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            page_size=page_size,
         )
         return _generate(model, prompts, options, agreement)
     except Exception:

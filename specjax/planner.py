@@ -124,6 +124,22 @@ def chunked_capacity(longest: int, max_new_tokens: int, proposer_spec, chunk: in
     return -(-slots // CAPACITY_DOUBLING) * CAPACITY_DOUBLING
 
 
+def check_page_size(page_size, config, mesh) -> int | None:
+    """`generate`'s page_size, checked: None, or a power of two of at least 16 slots, on one
+    device, for a model without latent attention."""
+    if page_size is None:
+        return None
+    if not is_int(page_size) or page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"page_size must be None or a power of two of at least 16 slots, got {page_size!r}")
+    if mesh is not None:
+        raise ValueError(f"page_size={page_size}: a paged cache runs on one device; pass mesh=None")
+    if config.kv_lora_rank:
+        raise ValueError(
+            f"page_size={page_size}: this model's latent attention (MLA) reads a dense cache; pass None"
+        )
+    return int(page_size)
+
+
 def prefill_chunk_of(prefill_chunk, mesh, backend, longest: int, batch: int) -> int | None:
     """`generate`'s prefill_chunk as LoopSpec.prefill_chunk, for `batch` rows (the batch bucket)
     whose longest prompt has `longest` tokens. "auto": PREFILL_CHUNK on one CPU device, where
@@ -431,6 +447,7 @@ def plan(
     prefill_chunk="auto",
     logprobs=None,
     prompt_logprobs=None,
+    page_size=None,
     *,
     agreement=None,
     devices=None,
@@ -475,6 +492,10 @@ def plan(
         slots = capacity(bucket + max_new_tokens, proposer_spec)
     else:  # the prompts in the token buffer's width: the program depends on its capacity alone
         bucket = slots = chunked_capacity(longest, max_new_tokens, proposer_spec, chunk)
+    page_size = check_page_size(page_size, model.config, mesh)
+    if page_size is not None:  # whole pages per row (capacities are multiples of 16)
+        slots = -(-slots // page_size) * page_size
+        bucket = slots if chunk is not None else bucket
     padding = B - num_rows
     padded_samplings = samplings + [Sampling()] * padding  # warp and key come from the real rows
     if mesh is not None:
@@ -493,6 +514,7 @@ def plan(
         prefill_chunk=chunk,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        page_size=page_size,
     )
     if platforms is None:  # (an exported program's device is not this one)
         check_memory(spec, max_new_tokens, model.params)

@@ -206,6 +206,8 @@ def _kernel_attention(
         starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
     k_cache, v_cache = buffers.keys, buffers.values
     stacked = {} if buffers.layer is None else {"layer": buffers.layer}
+    if buffers.pages is not None:  # a paged cache's rows, gathered (the kernels read dense rows)
+        (k_cache, v_cache), stacked = buffers.read(), {}
     # (A one-token pass's mask is [[True]]: it sees itself. A cache of another dtype holds the
     # token's key rounded, which the merge below does not read.)
     own_slot = written and T == 1 and k_cache.dtype == k_new.dtype and v_cache.dtype == v_new.dtype

@@ -17,6 +17,9 @@ from specjax.models.config import LlamaConfig
 
 # Batches up to this many rows write their fresh keys and values row by row (see _write_slots).
 UNROLLED_WRITE_ROWS = 16
+# The page of a paged pool that no row holds (specjax/serve/pages.py never hands it out): unused
+# table entries point at it, and writes past a row's table land in it, where nothing reads them.
+NULL_PAGE = 0
 
 
 @flax.struct.dataclass
@@ -53,6 +56,14 @@ class KVCache:
     k: tuple[jax.Array, ...]
     v: tuple[jax.Array, ...]
     lengths: jax.Array  # [B] int32: committed slots per row
+    # [B, W] int32 page tables of a paged cache (None: dense). Paged, each buffer is a pool of
+    # pages of P = its slot axis' size, laid out as the dense rows are with a page for a row:
+    # keys [N*K, E, P], values [N*K, P, E] for N pages (a stack's with [n, ...] in front), entry
+    # p*K + k page p's kv head k. Slot s of row b is slot s % P of page pages[b, s // P]: a row
+    # holds W * P slots. Which pages a row holds is the host's business (specjax/serve/pages.py);
+    # here only the reads and writes go through the table. See `paged_cache`.
+    pages: jax.Array | None = None
+    paged_heads: int = flax.struct.field(pytree_node=False, default=0)  # paged: kv heads per page
 
     @property
     def num_layers(self) -> int:
@@ -70,7 +81,24 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
+        """Slots per row (a paged row's: its table's pages of slots)."""
+        if self.pages is not None:
+            return self.pages.shape[1] * self.page_size
         return self.v[0].shape[-2]
+
+    @property
+    def page_size(self) -> int:
+        """Slots per page of a paged cache."""
+        return self.v[0].shape[-2]
+
+    def kv_heads(self, buffer: jax.Array) -> int:
+        """The kv heads one of its buffers holds per row (dense) or per page (paged)."""
+        return self.paged_heads if self.pages is not None else buffer.shape[-3] // self.batch_size
+
+    @property
+    def num_pages(self) -> int:
+        """Pages in a paged cache's pool (the null page among them: specjax/serve/pages.py)."""
+        return self.k[0].shape[-3] // self.paged_heads
 
     @property
     def batch_size(self) -> int:
@@ -80,7 +108,10 @@ class KVCache:
         """Store T fresh keys per row at slots `lengths .. lengths + T - 1` of one layer's key
         buffer [B*K, E, S]; new [B, T, K, E]. See `_write_slots`. A stack's buffer
         [n, B*K, E, S] takes new [B, T, K, E] for its layer `layer` (an int or a traced index), or
-        [n, B, T, K, E] for all n with `layer` None (`_write_stacked`)."""
+        [n, B, T, K, E] for all n with `layer` None (`_write_stacked`). A paged cache's through
+        its page tables (`_write_paged`)."""
+        if self.pages is not None:
+            return self._write_paged(buffer, new, keys=True, fresh=fresh, layer=layer)
         if buffer.ndim == 4:
             return self._write_stacked(buffer, new, keys=True, fresh=fresh, layer=layer)
         return self._write_slots(buffer, jnp.transpose(new, (0, 2, 3, 1)), slot_axis=2, fresh=fresh)
@@ -89,9 +120,43 @@ class KVCache:
         """Store T fresh values per row at slots `lengths .. lengths + T - 1` of one layer's value
         buffer [B*K, S, E]; new [B, T, K, E]. See `_write_slots`; a stack's buffer as in
         `write_keys`."""
+        if self.pages is not None:
+            return self._write_paged(buffer, new, keys=False, fresh=fresh, layer=layer)
         if buffer.ndim == 4:
             return self._write_stacked(buffer, new, keys=False, fresh=fresh, layer=layer)
         return self._write_slots(buffer, jnp.swapaxes(new, 1, 2), slot_axis=1, fresh=fresh)
+
+    def page_entries(self, slots: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Where slots [B, T] of each row live in a paged pool: (entries [B, T, K], the page's kv
+        heads' entries, and offsets [B, T, K] within the page). A slot past the row's table maps
+        to the null page, so a stale write there lands where nothing reads."""
+        P, K, W = self.page_size, self.paged_heads, self.pages.shape[1]
+        index = slots // P
+        page = jnp.take_along_axis(self.pages, jnp.minimum(index, W - 1), axis=1)
+        page = jnp.where(index < W, page, NULL_PAGE)  # [B, T]
+        entries = page[..., None] * K + jnp.arange(K, dtype=page.dtype)
+        return entries, jnp.broadcast_to((slots % P)[..., None], entries.shape)
+
+    def _write_paged(self, buffer: jax.Array, new: jax.Array, keys: bool, fresh: bool, layer) -> jax.Array:
+        """Write new [B, T, K, E] at slots `lengths ..` of each row (0 .. with `fresh`) into a
+        pool (keys [N*K, E, P], values [N*K, P, E]) through the page tables, one scatter; a
+        stack's pool [n, N*K, ...] takes them for its layer `layer`, or new [n, B, T, K, E] for
+        all n with `layer` None. Rows write disjoint pages (the host gives a row a copy of any
+        page it shares before it writes there), so the scatter's only repeated targets are the
+        null page's."""
+        stacked = buffer.ndim == 4
+        if not stacked or layer is not None:
+            new = new[None]
+        T = new.shape[2]
+        starts = jnp.zeros_like(self.lengths) if fresh else self.lengths
+        entries, offsets = self.page_entries(starts[:, None] + jnp.arange(T, dtype=jnp.int32))
+        new = new.astype(buffer.dtype)
+        if not stacked:  # [B, T, K] indices, the head dim a slice: the update is [B, T, K, E]
+            at = buffer.at[entries, :, offsets] if keys else buffer.at[entries, offsets]
+            return at.set(new[0])
+        layers = (0 if layer is None else layer) + jnp.arange(new.shape[0])[:, None, None, None]
+        at = buffer.at[layers, entries, :, offsets] if keys else buffer.at[layers, entries, offsets]
+        return at.set(new)
 
     def _write_stacked(self, buffer: jax.Array, new: jax.Array, keys: bool, fresh: bool, layer) -> jax.Array:
         """Write into a stack's buffer (keys [n, B*K, E, S] or values [n, B*K, S, E]) the entries
@@ -158,6 +223,8 @@ class KVCache:
         [B, D] int32 with every source at or after its destination (a token tree's accepted path,
         fed at `lengths .. lengths + N`, moved to where a chain would have put it). Entries whose
         source is their destination stay as they are."""
+        if self.pages is not None:
+            return self._move_paged(sources)
         B = self.batch_size
         rows = jnp.arange(B)[:, None]
 
@@ -183,11 +250,45 @@ class KVCache:
             v=tuple(self.write_values(buf, values(buf)) for buf in self.v),
         )
 
+    def _move_paged(self, sources: jax.Array) -> KVCache:
+        """`move_slots` through the page tables: every source's entries gathered, then written."""
+        entries, offsets = self.page_entries(sources)  # [B, D, K]
+
+        def gather(buf, keys):  # -> [B, D, K, E], a stack's [n, B, D, K, E]
+            if buf.ndim == 3:
+                return buf[entries, :, offsets] if keys else buf[entries, offsets]
+            if keys:  # the indices apart: numpy puts their axes first, [B, D, K, n, E]
+                return jnp.moveaxis(buf[:, entries, :, offsets], 3, 0)
+            return buf[:, entries, offsets]
+
+        return self.replace(
+            k=tuple(self.write_keys(buf, gather(buf, True)) for buf in self.k),
+            v=tuple(self.write_values(buf, gather(buf, False)) for buf in self.v),
+        )
+
+    def dense(self) -> KVCache:
+        """This cache in the dense layout (itself where it is dense): each row's slots gathered
+        from its pages, for code that reads a row's slots in place (a draft's cache started from
+        the target's)."""
+        if self.pages is None:
+            return self
+        K = self.paged_heads
+        return KVCache(
+            k=tuple(rows_of_pool(buf, self.pages, K, keys=True) for buf in self.k),
+            v=tuple(rows_of_pool(buf, self.pages, K, keys=False) for buf in self.v),
+            lengths=self.lengths,
+        )
+
     def row(self, b: jax.Array) -> KVCache:
         """Row b (an int or a traced index) as a cache of one row: its entries of every buffer
         (axis -3 holds rows and kv heads, b-major) and its length. A chunk of one row's prompt
         runs over it (speculate/prefill.py, `chunked_prefill`), then `with_row` puts it back."""
         B = self.batch_size
+        if self.pages is not None:  # the pool is every row's: the row is its table and length
+            return self.replace(
+                lengths=jax.lax.dynamic_slice_in_dim(self.lengths, b, 1),
+                pages=jax.lax.dynamic_slice_in_dim(self.pages, b, 1),
+            )
 
         def take(buffer):
             per_row = buffer.shape[-3] // B
@@ -200,7 +301,11 @@ class KVCache:
         )
 
     def with_row(self, b: jax.Array, row: KVCache) -> KVCache:
-        """This cache with row b replaced by `row` (a cache of one row, as `row` returns)."""
+        """This cache with row b replaced by `row` (a cache of one row, as `row` returns). A
+        paged row's writes are in its pool already: the pool is taken from it."""
+        if self.pages is not None:
+            lengths = jax.lax.dynamic_update_slice_in_dim(self.lengths, row.lengths, b, 0)
+            return self.replace(k=row.k, v=row.v, lengths=lengths)
 
         def put(buffer, new):
             start = b * new.shape[-3]
@@ -267,6 +372,36 @@ def init_cache(
     )
 
 
+def paged_cache(
+    config: LlamaConfig,
+    pages: jax.Array,
+    page_size: int,
+    num_pages: int,
+    dtype=jnp.float32,
+    like: tuple | None = None,
+) -> KVCache:
+    """An empty paged cache (KVCache.pages): a pool of `num_pages` pages of `page_size` slots per
+    layer (laid out as `init_cache` lays out `num_pages` rows of `page_size` slots), and the rows'
+    page tables `pages` [B, W] int32, every length 0."""
+    if config.kv_lora_rank:
+        raise ValueError("a paged cache: latent attention (models/mla.py) reads a dense cache itself")
+    pool = init_cache(config, num_pages, page_size, dtype, like=like)
+    B = pages.shape[0]
+    return pool.replace(
+        lengths=jnp.zeros((B,), jnp.int32),
+        pages=jnp.asarray(pages, jnp.int32),
+        paged_heads=config.num_kv_heads,
+    )
+
+
+def identity_pages(batch_size: int, capacity: int, page_size: int) -> tuple[jax.Array, int]:
+    """Page tables [B, W] that give row b the W = capacity / page_size pages 1 + b*W .. (b+1)*W,
+    and the pool's size (those and the null page): a paged cache laid out as a dense one, for a
+    `generate` that runs on pages (LoopSpec.page_size)."""
+    W = -(-capacity // page_size)
+    return 1 + jnp.arange(batch_size * W, dtype=jnp.int32).reshape(batch_size, W), 1 + batch_size * W
+
+
 def starting_from(empty: KVCache, source: KVCache) -> KVCache:
     """`empty`'s buffers holding the keys and values of `source`'s first layers, each cast to
     `empty`'s dtype and laid out as `empty` is (single layers or stacks), with `source`'s lengths:
@@ -290,6 +425,22 @@ def starting_from(empty: KVCache, source: KVCache) -> KVCache:
         k_buffers.append(k_new.astype(k.dtype))
         v_buffers.append(v_new.astype(v.dtype))
     return KVCache(k=tuple(k_buffers), v=tuple(v_buffers), lengths=source.lengths)
+
+
+def rows_of_pool(buffer: jax.Array, pages: jax.Array, heads: int, keys: bool) -> jax.Array:
+    """The rows that page tables pages [B, W] make of a pool's buffer, in the dense layout: keys
+    [..., N*K, E, P] -> [..., B*K, E, W*P], values [..., N*K, P, E] -> [..., B*K, W*P, E] (K =
+    `heads`; a stack's leading axis kept). A gather, a copy of the rows: the XLA reads of a paged
+    cache go through it."""
+    B, W = pages.shape
+    entries = pages[:, :, None] * heads + jnp.arange(heads, dtype=pages.dtype)  # [B, W, K]
+    got = buffer[..., entries, :, :]  # [..., B, W, K, a, b]: a page's entry is its last two axes
+    lead = buffer.shape[:-3]
+    if keys:  # [..., B, W, K, E, P] -> [..., B, K, E, W, P]
+        got = jnp.moveaxis(got, -4, -2)
+        return got.reshape(*lead, B * heads, buffer.shape[-2], W * buffer.shape[-1])
+    got = jnp.moveaxis(got, -4, -3)  # [..., B, W, K, P, E] -> [..., B, K, W, P, E]
+    return got.reshape(*lead, B * heads, W * buffer.shape[-2], buffer.shape[-1])
 
 
 def layers_in(buffer: jax.Array) -> int:

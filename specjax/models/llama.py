@@ -187,7 +187,13 @@ def decoder_layers(
             attention_input = first_attention_input if first == 0 else None
             with jax.named_scope(f"layer_{first}"):
                 x, k_out, v_out = _layer(
-                    config, layer_pass(first), x, element, LayerCache(k_buf, v_buf), reduce, attention_input
+                    config,
+                    layer_pass(first),
+                    x,
+                    element,
+                    LayerCache.of(cache, k_buf, v_buf),
+                    reduce,
+                    attention_input,
                 )
         new_k.append(k_out)
         new_v.append(v_out)
@@ -232,8 +238,8 @@ def _stacked_layers(
     decoding pass that writes (a draft model's own) updates it inside the branches."""
     n = layers_in(k_buf)
     B, T, _ = x.shape
-    K, E, Ev = k_buf.shape[1] // B, k_buf.shape[2], v_buf.shape[3]
     plan, cache = kinds[0].plan, kinds[0].cache  # (one pass: every kind has the same)
+    K, E, Ev = cache.kv_heads(k_buf), k_buf.shape[2], v_buf.shape[3]
     if plan.writes:
         k_out, v_out = k_buf, v_buf
     else:  # zeros "like" the buffers: under shard_map, varying over the same mesh axes
@@ -243,7 +249,7 @@ def _stacked_layers(
 
     def layer(i, x, weights, k_in, v_in, returns_entries=False):  # layer i, as its kind sees the pass
         def of_kind(seen, x, weights, k_in, v_in):
-            buffers = LayerCache(k_in, v_in, layer=i)
+            buffers = LayerCache.of(cache, k_in, v_in, layer=i)
             return _layer(config, seen, x, weights, buffers, reduce, returns_entries=returns_entries)
 
         if len(kinds) == 1:

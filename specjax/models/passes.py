@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.kernels import backend
-from specjax.models.cache import KVCache
+from specjax.models.cache import KVCache, rows_of_pool
 
 
 class PassKind(enum.Enum):
@@ -84,19 +84,32 @@ def plan_pass(kind: PassKind, head_dim: int, dtype, kernels: bool = True) -> Pas
 class LayerCache:
     """One layer's view of the cache: its key and value buffers (keys [B*K, E, S], values
     [B*K, S, E]; see KVCache), or a stack's ([n, B*K, ...]) and the index `layer` of the layer in
-    it (an int, or a traced index inside the stack's loop)."""
+    it (an int, or a traced index inside the stack's loop). Of a paged cache, its pools and the
+    page tables `pages` [B, W] (`heads` kv heads per page): `read` gathers the rows."""
 
     keys: jax.Array
     values: jax.Array
     layer: int | jax.Array | None = None
+    pages: jax.Array | None = None
+    heads: int = 0
+
+    @classmethod
+    def of(cls, cache: KVCache, keys: jax.Array, values: jax.Array, layer=None) -> LayerCache:
+        """The view of buffers `keys`, `values` of `cache` (its page tables with them)."""
+        return cls(keys, values, layer, cache.pages, cache.paged_heads)
 
     def read(self) -> tuple[jax.Array, jax.Array]:
-        """The layer's keys and values (a stack's slices: XLA reads them in its products)."""
-        if self.layer is None:
-            return self.keys, self.values
+        """The layer's keys and values in the dense layout (a stack's slices: XLA reads them in
+        its products; a paged cache's rows gathered from its pools, `rows_of_pool`)."""
+        keys, values = self.keys, self.values
+        if self.layer is not None:
+            keys = jax.lax.dynamic_index_in_dim(keys, self.layer, keepdims=False)
+            values = jax.lax.dynamic_index_in_dim(values, self.layer, keepdims=False)
+        if self.pages is None:
+            return keys, values
         return (
-            jax.lax.dynamic_index_in_dim(self.keys, self.layer, keepdims=False),
-            jax.lax.dynamic_index_in_dim(self.values, self.layer, keepdims=False),
+            rows_of_pool(keys, self.pages, self.heads, keys=True),
+            rows_of_pool(values, self.pages, self.heads, keys=False),
         )
 
 
@@ -155,10 +168,10 @@ class LayerPass:
         """`buffers` with the fresh keys and values [B, T, K, E] written at slots `lengths + t`
         (at slot 0 on in a prefill)."""
         fresh = self.plan.kind is PassKind.PREFILL
-        return LayerCache(
-            self.cache.write_keys(buffers.keys, keys, fresh, buffers.layer),
-            self.cache.write_values(buffers.values, values, fresh, buffers.layer),
-            buffers.layer,
+        return dataclasses.replace(
+            buffers,
+            keys=self.cache.write_keys(buffers.keys, keys, fresh, buffers.layer),
+            values=self.cache.write_values(buffers.values, values, fresh, buffers.layer),
         )
 
 

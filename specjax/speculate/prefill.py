@@ -7,7 +7,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cache import KVCache, init_cache
+from specjax.models.cache import KVCache, identity_pages, init_cache, paged_cache
 from specjax.models.llama import lm_head
 from specjax.models.params import LlamaParams
 from specjax.speculate.history import TokenHistory
@@ -36,7 +36,7 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     A row with no token to generate (max_new_tokens 0: a padding row of a batch bucket) is done
     from the start: it never commits a token, never counts in the metrics, never holds the loop."""
     B = inputs.prompt_tokens.shape[0]
-    cache = init_cache(spec.config, B, spec.capacity, spec.cache_dtype, like=params.layers)
+    cache = empty_target_cache(spec, params, B)
     if spec.prompt_logprobs is not None:  # one pass that scores every prompt token too
         logits, features, cache, scored = scored_whole_prefill(spec, params, inputs, cache)
         state = first_tokens(spec, params, proposer_params, inputs, logits, features, cache)
@@ -46,6 +46,15 @@ def prefill(spec: LoopSpec, params: LlamaParams, proposer_params, inputs: Genera
     else:
         logits, features, cache = chunked_prefill(spec, params, inputs, cache)
     return first_tokens(spec, params, proposer_params, inputs, logits, features, cache)
+
+
+def empty_target_cache(spec: LoopSpec, params: LlamaParams, batch: int) -> KVCache:
+    """The target's empty cache of `spec.capacity` slots per row: dense, or in pages of
+    `spec.page_size` (each row its own, in order)."""
+    if spec.page_size is None:
+        return init_cache(spec.config, batch, spec.capacity, spec.cache_dtype, like=params.layers)
+    pages, num_pages = identity_pages(batch, spec.capacity, spec.page_size)
+    return paged_cache(spec.config, pages, spec.page_size, num_pages, spec.cache_dtype, like=params.layers)
 
 
 def first_tokens(
@@ -166,7 +175,7 @@ class PartialPrefill:
         """Nothing run yet, for `batch` rows of prompts up to `slots` tokens (cache: the empty
         target cache to fill, or None for a new one of `spec.capacity` slots)."""
         if cache is None:
-            cache = init_cache(spec.config, batch, spec.capacity, spec.cache_dtype, like=params.layers)
+            cache = empty_target_cache(spec, params, batch)
         dtype = jnp.dtype(spec.dtype)
         reads = spec.proposer_reads_features
         features = jnp.zeros((batch, slots, spec.proposer_feature_width) if reads else (0,), dtype)

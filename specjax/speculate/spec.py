@@ -40,6 +40,10 @@ class LoopSpec:
     # the prompts then come in the token buffer's width (`prompt_bucket` == `capacity`) and no pass
     # depends on their lengths. None: the prompts in one pass over [B, prompt_bucket] (`whole_prefill`).
     prefill_chunk: int | None = None
+    # The target's KV cache in pages of this many slots (models/cache.py, KVCache.pages), each row
+    # given its own pages in order (`identity_pages`); None: the dense layout. The serving engine
+    # hands pages out itself (specjax/serve/pages.py).
+    page_size: int | None = None
     # Per emitted token, its logprob and the logprobs of this many most likely tokens
     # (speculate/logprobs.py), computed in the loop into buffers of the state; None: off, none of it
     # compiled.

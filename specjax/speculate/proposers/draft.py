@@ -81,7 +81,7 @@ class DraftSpec(ProposerSpec):
             self.config, B, ctx.capacity, self.dtype, num_layers=self.num_layers, like=params.layers
         )
         if self.prompt_from_target:  # no prefill of its own: the target's keys and values
-            target_cache = ctx.target_cache
+            target_cache = ctx.target_cache.dense()  # (its own cache is dense, per row)
             if not self.tensor_parallel:  # split by row alone, where the target's is by head too
                 target_cache = mesh_entries_by_row(self.mesh, target_cache)
             return DraftState(cache=starting_from(cache, target_cache))

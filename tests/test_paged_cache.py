@@ -1,0 +1,190 @@
+"""The target's KV cache in pages (KVCache.pages, models/cache.py): writes, tree moves and rows
+through shuffled page tables against the dense layout slot for slot; the forward over a paged
+cache against the dense one; and `generate(page_size=...)` giving the dense layout's tokens and
+accepted counts for every kind of proposer state, unrolled and scanned layers, the XLA reads and
+the CPU kernels', one pass and chunks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from drafters import (
+    first_layer_eagle,
+    first_layer_eagle3,
+    first_layer_mtp,
+    layered_target,
+    noisy_copy,
+    quiet_target,
+)
+from tiny import tiny_config, tiny_model
+
+import specjax
+from specjax.kernels import backend
+from specjax.models.cache import NULL_PAGE, KVCache, init_cache, paged_cache
+from specjax.models.llama import forward_hidden, stack_layers
+from specjax.speculate.tree import TokenTree
+
+RNG = np.random.default_rng(8)
+CONFIG = tiny_config(num_layers=2)
+PAGE = 4
+
+
+def shuffled_tables(batch, width, extra=3):
+    """Page tables [B, W] over a pool with `extra` pages nobody holds, in a random order."""
+    pages = RNG.permutation(np.arange(1, 1 + batch * width + extra))[: batch * width]
+    return jnp.asarray(pages.reshape(batch, width), jnp.int32), 1 + batch * width + extra
+
+
+def both(batch=3, width=4, like=None):
+    """An empty dense cache and an empty paged one of the same rows (capacity width * PAGE)."""
+    tables, num_pages = shuffled_tables(batch, width)
+    dense = init_cache(CONFIG, batch, width * PAGE, like=like)
+    return dense, paged_cache(CONFIG, tables, PAGE, num_pages, like=like)
+
+
+def entries(batch, tokens, layers=None):
+    K, E = CONFIG.num_kv_heads, CONFIG.head_dim
+    shape = (batch, tokens, K, E) if layers is None else (layers, batch, tokens, K, E)
+    return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+def committed_equal(dense: KVCache, paged: KVCache):
+    """Every row's committed slots are the same in both (the paged rows gathered)."""
+    gathered = paged.dense()
+    np.testing.assert_array_equal(dense.lengths, gathered.lengths)
+    for a, b in zip(dense.k + dense.v, gathered.k + gathered.v, strict=True):
+        assert a.shape == b.shape
+        for row, length in enumerate(np.asarray(dense.lengths)):
+            K = CONFIG.num_kv_heads
+            a_row, b_row = (
+                np.asarray(a)[..., row * K : (row + 1) * K, :, :],
+                np.asarray(b)[..., row * K : (row + 1) * K, :, :],
+            )
+            if a.shape[-1] == CONFIG.head_dim:  # values [.., S, E]
+                np.testing.assert_array_equal(a_row[..., :length, :], b_row[..., :length, :])
+            else:  # keys [.., E, S]
+                np.testing.assert_array_equal(a_row[..., :length], b_row[..., :length])
+
+
+@pytest.mark.parametrize("stacked", [False, True])
+def test_writes_moves_and_rows_through_shuffled_tables(stacked):
+    model = tiny_model(seed=1)
+    like = stack_layers(model.params, model.config).layers if stacked else None
+    dense, paged = both(like=like)
+    assert paged.capacity == dense.capacity == 4 * PAGE and paged.num_pages == 16
+    layers = 2 if stacked else None
+
+    def write(cache, new, fresh=False):
+        if stacked:
+            return cache.replace(
+                k=(cache.write_keys(cache.k[0], new, fresh),), v=(cache.write_values(cache.v[0], new, fresh),)
+            )
+        return cache.replace(
+            k=tuple(cache.write_keys(b, new, fresh) for b in cache.k),
+            v=tuple(cache.write_values(b, new, fresh) for b in cache.v),
+        )
+
+    prompt = entries(3, 6, layers)  # a prefill of 6 slots, then rows of 6, 4 and 5 committed
+    dense, paged = (write(c, prompt, fresh=True).advance(jnp.asarray([6, 4, 5])) for c in (dense, paged))
+    committed_equal(dense, paged)
+    verify = entries(3, 5, layers)  # a verify pass, crossing page boundaries; 2, 0 and 5 kept
+    dense, paged = (write(c, verify).advance(jnp.asarray([2, 0, 5])) for c in (dense, paged))
+    committed_equal(dense, paged)
+    sources = jnp.asarray([[8, 9], [5, 7], [11, 12]])  # a tree's path moved into place
+    dense, paged = (c.replace(lengths=c.lengths - 1) for c in (dense, paged))
+    dense, paged = (
+        jax.jit(KVCache.move_slots)(c, sources).advance(jnp.asarray([2, 2, 2])) for c in (dense, paged)
+    )
+    committed_equal(dense, paged)
+    one = entries(1, 3, layers)  # one row's pass alone, put back
+    dense, paged = (
+        c.with_row(jnp.int32(1), write(c.row(jnp.int32(1)), one).advance(jnp.asarray([3])))
+        for c in (dense, paged)
+    )
+    committed_equal(dense, paged)
+
+
+def test_writes_past_a_table_land_in_the_null_page():
+    tables = jnp.asarray([[3, 1]], jnp.int32)
+    paged = paged_cache(CONFIG, tables, PAGE, 4).replace(lengths=jnp.asarray([7]))
+    new = entries(1, 4)  # slots 7 .. 10: 7 in page 1, 8 .. 10 past the table's 8 slots
+    keys = paged.write_keys(paged.k[0], new)
+    K = CONFIG.num_kv_heads
+    by_page = np.asarray(keys).reshape(4, K, CONFIG.head_dim, PAGE)
+    np.testing.assert_array_equal(by_page[1, :, :, 3], np.asarray(new[0, 0]))
+    assert not by_page[2].any() and not by_page[3].any()  # untouched: nobody's page, and row 0's page 3
+    assert by_page[NULL_PAGE].any()
+
+
+@pytest.mark.parametrize("kernels", ["xla", "auto"])
+def test_forward_over_pages_equals_dense(kernels):
+    model = tiny_model(seed=2)
+    dense, paged = both(batch=2, width=6)
+    tokens = jnp.asarray(RNG.integers(0, 97, (2, 7)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    with backend.for_devices(jax.devices()[:1], kernels).tracing():
+        outs = [
+            forward_hidden(model.params, model.config, tokens, positions, c, empty_cache=True)
+            for c in (dense, paged)
+        ]
+        dense, paged = (out[1].advance(jnp.asarray([7, 5])) for out in outs)
+        np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6, atol=1e-6)
+        drafts = jnp.asarray(RNG.integers(0, 97, (2, 4)), jnp.int32)  # a verify pass of 4 past each length
+        positions = dense.lengths[:, None] + jnp.arange(4)
+        outs = [forward_hidden(model.params, model.config, drafts, positions, c) for c in (dense, paged)]
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    committed_equal(outs[0][1].advance(jnp.asarray([4, 4])), outs[1][1].advance(jnp.asarray([4, 4])))
+
+
+LAYERED = layered_target(seed=11)
+QUIET = quiet_target(seed=11, num_layers=4)
+MTP_TARGET = first_layer_mtp(layered_target(seed=12))
+PROPOSERS = {
+    "plain": (LAYERED, lambda: None),
+    "ngram": (LAYERED, lambda: specjax.NGram(k=3)),
+    "draft-model": (LAYERED, lambda: specjax.DraftModel(noisy_copy(LAYERED, 0.02), k=3)),
+    "self-draft": (LAYERED, lambda: specjax.SelfDraft(layers=1, k=3)),
+    "eagle-tree": (LAYERED, lambda: specjax.Eagle(first_layer_eagle(LAYERED), tree=TokenTree.top_k((2, 2, 1)))),
+    "eagle3": (QUIET, lambda: specjax.Eagle3(first_layer_eagle3(QUIET, (1, 2, 4)), k=3)),
+    "mtp": (MTP_TARGET, lambda: specjax.MTP(k=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(PROPOSERS))
+def test_generate_on_pages_equals_dense(name):
+    model, make = PROPOSERS[name]
+    prompts = [list(map(int, RNG.integers(0, model.config.vocab_size, n))) for n in (5, 17, 40)]
+    proposer = make()
+    runs = [
+        specjax.generate(model, prompts, proposer=proposer, max_new_tokens=12, prefill_chunk=16, page_size=p)
+        for p in (None, 16)
+    ]
+    assert runs[1].tokens == runs[0].tokens
+    assert runs[1].metrics.accepted.tolist() == runs[0].metrics.accepted.tolist()
+    if proposer is not None and name != "ngram":  # drafts were accepted and rejected
+        assert 0 < sum(runs[1].metrics.accepted.tolist()) < sum(runs[1].metrics.drafted.tolist())
+
+
+@pytest.mark.parametrize("options", [dict(scan_layers=True), dict(kernels="xla"), dict(prefill_chunk=None)])
+def test_generate_on_pages_scanned_xla_and_one_pass(options):
+    prompts = [list(map(int, RNG.integers(0, 97, n))) for n in (9, 33)]
+    proposer = specjax.SelfDraft(layers=1, k=3)
+    runs = [
+        specjax.generate(LAYERED, prompts, proposer=proposer, max_new_tokens=10, page_size=p, **options)
+        for p in (None, 32)
+    ]
+    assert runs[1].tokens == runs[0].tokens
+
+
+@pytest.mark.parametrize("bad", [8, 24, 0, "16", 16.0])
+def test_page_size_must_be_a_power_of_two_of_16_or_more(bad):
+    with pytest.raises(
+        ValueError, match=r"page_size must be None or a power of two of at least 16 slots, got"
+    ):
+        specjax.generate(LAYERED, [[1, 2, 3]], max_new_tokens=2, page_size=bad)
+
+
+def test_page_size_refuses_latent_attention():
+    model = tiny_model(seed=3, num_kv_heads=1, head_dim=24, rotary_dim=8, v_head_dim=24, kv_lora_rank=32)
+    with pytest.raises(ValueError, match="latent attention"):
+        specjax.generate(model, [[1, 2, 3]], max_new_tokens=2, page_size=16)
