@@ -59,6 +59,8 @@ TARGETS = {
     "specjax_quant_matmul_int4_offsets": "QuantMatmulInt4Offsets",
     "specjax_cache_attention": "CacheAttention",
     "specjax_cache_attention_window": "CacheAttentionWindow",  # with starts [N, R]
+    "specjax_cache_attention_paged": "PagedCacheAttention",  # keys and values in pages
+    "specjax_cache_attention_paged_window": "PagedCacheAttentionWindow",
 }
 ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)  # what cache_attention.cc is built for
 
@@ -146,6 +148,7 @@ def cache_attention(
     starts: jax.Array | None = None,
     *,
     layer: None = None,
+    pages: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [N, R, E] (already scaled) to the first lengths[n] slots of cache
     entry n: keys [N, E, S], values [N, S, E] (the KVCache's layouts), lengths [N] int32.
@@ -163,6 +166,11 @@ def cache_attention(
     layer: None only. The backend's Pallas kernels (specjax.kernels.attention) take a stacked
     cache and a layer; a CPU program never holds a stacked cache, and this kernel refuses a layer
     rather than ignore it.
+
+    pages [B, W] int32 (a paged cache, models/cache.py KVCache.pages): keys [M, E, P] and values
+    [M, P, E] are pools of pages, entry p*K + h page p's kv head h (K = N / B), and slot s of
+    entry n (row n // K, head n % K) is slot s % P of page pages[n // K, s // P]. The kernel reads
+    each page's visible slots where they are (a block per page); nothing is gathered.
     """
     if layer is not None:
         raise ValueError(
@@ -180,11 +188,18 @@ def cache_attention(
     f32 = jnp.float32
     args = [queries.astype(f32), keys.astype(f32), values.astype(f32), lengths.astype(jnp.int32)]
     target = "specjax_cache_attention"
+    if pages is not None:
+        if jnp.ndim(pages) != 2 or N % jnp.shape(pages)[0]:
+            raise ValueError(
+                f"cache_attention: pages has shape {jnp.shape(pages)}, not [B, W] with N = {N} = B * K"
+            )
+        args.append(jnp.asarray(pages).astype(jnp.int32))
+        target = "specjax_cache_attention_paged"
     if starts is not None:
         if jnp.shape(starts) != (N, R):
             raise ValueError(f"cache_attention: starts has shape {jnp.shape(starts)}, not [N, R] = {(N, R)}")
         args.append(jnp.asarray(starts).astype(jnp.int32))
-        target = "specjax_cache_attention_window"
+        target += "_window"
     return jax.ffi.ffi_call(target, out_types, vmap_method="sequential")(*args)
 
 

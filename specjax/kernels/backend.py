@@ -341,6 +341,11 @@ class Backend:
             return None
         return functools.partial(_by_platform, self, "cache_attention", platforms)
 
+    def cache_attention_reads_pages(self, head_dim: int, dtype) -> bool:
+        """Whether `cache_attention`'s kernel takes a paged cache's pools and its page tables
+        (keyword `pages`: the CPU kernel); a Pallas kernel reads dense rows, gathered for it."""
+        return self.cpu_kernels and self.cache_attention(head_dim, dtype) is not None
+
     def prefill_attention(self, head_dim: int | None = None) -> Callable | None:
         """The blocked attention of a prefill into an empty cache for heads of `head_dim`, with
         the contract of `specjax.kernels.attention.prefill_attention`, or None where the model's

@@ -11,6 +11,11 @@
 // block that begins below some row's start masks that row's earlier slots. CacheAttention (no
 // starts) runs the same code with no mask and pays nothing for it.
 //
+// Paged caches (models/cache.py, KVCache.pages): PagedCacheAttention and its window twin take the
+// rows' page tables [B, W] too, k and v being pools of pages ([M, E, P] and [M, P, E], page p's kv
+// head h at entry p * K + h), and read each page's visible slots in place, a block per page (or
+// per kMaxBlock slots of a longer page), so nothing is gathered into rows first.
+//
 // Why: XLA:CPU computes decoding attention over every slot of the static cache, visible or not,
 // and runs its small batched products at a fraction of the machine's bandwidth (SmolLM2's 30
 // layers over 896 slots: 4-5 ms for one token, 12 ms for 8, 16 ms for 9, measured here). This
@@ -84,7 +89,9 @@ inline Vec8 exp8(Vec8 x) {
 }
 
 // Rows [0, R) of q (R <= kMaxRows, a template constant so the sums stay in registers) against
-// slots s0 .. s0 + count - 1 (count <= kMaxBlock) of one entry: the block's maximum score per row,
+// slots s0 .. s0 + count - 1 (count <= kMaxBlock) of one entry, which k and v hold from slot
+// index `at` on (keys [E, num_slots] and values [num_slots, E] from their pointers; a dense row's
+// `at` is s0, a page's the slot's offset in the page): the block's maximum score per row,
 // the sum of exp(score - maximum) and the values weighted by those exponentials, unnormalized.
 // `first` [R] (null where every row sees the whole block): row r's first visible slot; the slots
 // below it get no weight, and a row that sees none of the block gets maximum -inf, sum 0 and
@@ -98,7 +105,7 @@ inline Vec8 exp8(Vec8 x) {
 // slot's 2 value vectors and its broadcast weight (2R + 3 registers, 15 at 6 rows).
 template <int R, int64_t E>
 void attend_block(const float* q, const float* k, const float* v, const int32_t* first, int64_t num_slots,
-                  int64_t s0, int64_t count, bool ask, float* max_out, float* sum_out, float* out) {
+                  int64_t s0, int64_t at, int64_t count, bool ask, float* max_out, float* sum_out, float* out) {
   static_assert(E % (2 * kVector) == 0 && E % kKeyRows == 0 && R <= kMaxRows);
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   float scores[R][kMaxBlock];
@@ -113,7 +120,7 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
   const auto ask_rows = [&](int64_t e0) {
     for (int64_t e = e0; e < std::min<int64_t>(e0 + kKeyRows, E); ++e)
       for (int64_t s = 0; s < count + kLine - 1; s += kLine)
-        __builtin_prefetch(k + e * num_slots + s0 + std::min(s, count - 1));
+        __builtin_prefetch(k + e * num_slots + at + std::min(s, count - 1));
   };
   if (ask) ask_rows(0);
   for (int64_t e0 = 0; e0 < E; e0 += kKeyRows) {
@@ -121,13 +128,13 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
       ask_rows(e0 + kKeyRows);
       const int64_t line0 = e0 / kKeyRows * share;
       for (int64_t l = line0; l < std::min(value_lines, line0 + share); ++l)
-        __builtin_prefetch(v + s0 * E + l * kLine);
+        __builtin_prefetch(v + at * E + l * kLine);
     }
     for (int64_t j = 0; j < vectors; ++j) {
       Vec8 sums[R];
       for (int r = 0; r < R; ++r) sums[r] = load8(&scores[r][j * kVector]);
       for (int64_t e = e0; e < e0 + kKeyRows; ++e) {
-        const Vec8 keys = load8(k + e * num_slots + s0 + j * kVector);
+        const Vec8 keys = load8(k + e * num_slots + at + j * kVector);
         for (int r = 0; r < R; ++r) sums[r] += q[r * E + e] * keys;
       }
       for (int r = 0; r < R; ++r) store8(&scores[r][j * kVector], sums[r]);
@@ -136,7 +143,7 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
   for (int64_t s = vectors * kVector; s < count; ++s)  // the last slots, one at a time
     for (int r = 0; r < R; ++r) {
       float dot = 0.0f;
-      for (int64_t e = 0; e < E; ++e) dot += q[r * E + e] * k[e * num_slots + s0 + s];
+      for (int64_t e = 0; e < E; ++e) dot += q[r * E + e] * k[e * num_slots + at + s];
       scores[r][s] = dot;
     }
   if (first != nullptr)
@@ -171,7 +178,7 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
     Vec8 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = Vec8{};
     for (int64_t s = 0; s < count; ++s) {
-      const float* value = v + (s0 + s) * E + d;
+      const float* value = v + (at + s) * E + d;
       const Vec8 low = load8(value), high = load8(value + kVector);
       for (int r = 0; r < R; ++r) {
         const float p = scores[r][s];
@@ -191,7 +198,8 @@ void attend_block(const float* q, const float* k, const float* v, const int32_t*
 // s0 (every block of full attention, most of a window's) masks nothing.
 template <int64_t E>
 void attend_rows(const float* q, const float* k, const float* v, const int32_t* first, int64_t rows,
-                 int64_t num_slots, int64_t s0, int64_t count, float* max_out, float* sum_out, float* out) {
+                 int64_t num_slots, int64_t s0, int64_t at, int64_t count, float* max_out, float* sum_out,
+                 float* out) {
   const int64_t num_chunks = (rows + kMaxRows - 1) / kMaxRows;
   for (int64_t c = 0, r0 = 0; c < num_chunks; ++c) {  // chunk sizes as equal as can be
     const int64_t size = (rows - r0) / (num_chunks - c);
@@ -201,7 +209,7 @@ void attend_rows(const float* q, const float* k, const float* v, const int32_t* 
       f = first + r0;
     float *m = max_out + r0, *l = sum_out + r0, *o = out + r0 * E;
 #define SPECJAX_ROWS(n) \
-  case n: attend_block<n, E>(qr, k, v, f, num_slots, s0, count, c == 0, m, l, o); break;
+  case n: attend_block<n, E>(qr, k, v, f, num_slots, s0, at, count, c == 0, m, l, o); break;
     switch (size) {
       SPECJAX_ROWS(1)
       SPECJAX_ROWS(2)
@@ -215,43 +223,73 @@ void attend_rows(const float* q, const float* k, const float* v, const int32_t* 
   }
 }
 
-// Both handlers: `starts` [N, R] as in the header, or null (every row from slot 0).
+// Where entry n's slots are: a dense cache's in its own keys [E, S] and values [S, E]; a paged
+// cache's (pages: the rows' tables [B, W], k and v pools of M entries, page p's kv head h at entry
+// p * heads + h, each [E, P] and [P, E]) slot s of row b = n / heads in page table[b][s / P].
+struct Layout {
+  int64_t num_slots;  // slots of an entry's keys and values: S dense, P paged
+  const int32_t* pages = nullptr;
+  int64_t width = 0, heads = 0, pool_pages = 0;  // paged: W, kv heads per row, M / heads
+};
+
+// All handlers: `starts` [N, R] as in the header, or null (every row from slot 0).
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
-                  ffi::Buffer<ffi::S32> lengths, const int32_t* starts, ffi::ResultBuffer<ffi::F32> out,
-                  ffi::ResultBuffer<ffi::F32> lse) {
+                  ffi::Buffer<ffi::S32> lengths, const int32_t* starts, const Layout& layout,
+                  ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
   const auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || kd[0] != qd[0] || vd[0] != qd[0] ||
-      kd[1] != qd[2] || vd[2] != qd[2] || vd[1] != kd[2] || static_cast<int64_t>(lengths.element_count()) != qd[0])
+  const bool paged = layout.pages != nullptr;
+  if (qd.size() != 3 || kd.size() != 3 || vd.size() != 3 || (!paged && (kd[0] != qd[0] || vd[0] != qd[0])) ||
+      vd[0] != kd[0] || kd[1] != qd[2] || vd[2] != qd[2] || vd[1] != kd[2] ||
+      static_cast<int64_t>(lengths.element_count()) != qd[0])
     return ffi::Error::InvalidArgument(
-        "cache_attention: expected q [N, R, E], k [N, E, S], v [N, S, E], lengths [N]");
+        "cache_attention: expected q [N, R, E], k [N, E, S], v [N, S, E], lengths [N] (paged: k [M, E, P], "
+        "v [M, P, E])");
   const int64_t E = qd[2];
   if (E != 16 && E != 32 && E != 64 && E != 128 && E != 256)
     return ffi::Error::InvalidArgument("cache_attention: head_dim must be 16, 32, 64, 128 or 256");
   const int64_t entries = qd[0], rows = qd[1], num_slots = kd[2];
+  const int64_t capacity = paged ? layout.width * num_slots : num_slots;  // slots per entry's row
 
   // Block b of entry n is part first_part[n] + b; its partial results go to the block arrays. The
   // slots some row of an entry sees, from its rows' lowest start to its length, split into blocks of
   // equal size (a multiple of 16 slots, at most kMaxBlock), so that no thread is left with a short
-  // last block while another reads a long one.
+  // last block while another reads a long one; paged, each page's slots in blocks of their own.
+  // A part's keys and values start at k_at and v_at floats into k and v, its slot s0 at index at.
   const int32_t* length_of = lengths.typed_data();
-  std::vector<int64_t> first_part(entries + 1, 0), part_entry, part_start, part_count;
+  std::vector<int64_t> first_part(entries + 1, 0), part_entry, part_start, part_count, part_k, part_at;
   for (int64_t n = 0; n < entries; ++n) {
     first_part[n] = part_entry.size();
-    const int64_t length = std::clamp<int64_t>(length_of[n], 0, num_slots);
+    const int64_t length = std::clamp<int64_t>(length_of[n], 0, capacity);
     int64_t lowest = 0;
     if (starts != nullptr) {
       lowest = length;
       for (int64_t r = 0; r < rows; ++r) lowest = std::min<int64_t>(lowest, starts[n * rows + r]);
       lowest = std::max<int64_t>(lowest, 0);
     }
-    const int64_t seen = length - lowest;
-    const int64_t num_blocks = (seen + kMaxBlock - 1) / kMaxBlock;
-    if (num_blocks == 0) continue;
-    const int64_t block = ((seen + num_blocks - 1) / num_blocks + kLanes - 1) / kLanes * kLanes;
-    for (int64_t s0 = lowest; s0 < length; s0 += block) {
+    const auto add = [&](int64_t s0, int64_t count, int64_t entry_at, int64_t at) {
       part_entry.push_back(n);
       part_start.push_back(s0);
-      part_count.push_back(std::min(block, length - s0));
+      part_count.push_back(count);
+      part_k.push_back(entry_at);
+      part_at.push_back(at);
+    };
+    if (!paged) {
+      const int64_t seen = length - lowest;
+      const int64_t num_blocks = (seen + kMaxBlock - 1) / kMaxBlock;
+      if (num_blocks == 0) continue;
+      const int64_t block = ((seen + num_blocks - 1) / num_blocks + kLanes - 1) / kLanes * kLanes;
+      for (int64_t s0 = lowest; s0 < length; s0 += block) add(s0, std::min(block, length - s0), n, s0);
+      continue;
+    }
+    const int32_t* table = layout.pages + (n / layout.heads) * layout.width;
+    for (int64_t s0 = lowest; s0 < length;) {
+      const int64_t w = s0 / num_slots, end = std::min(length, (w + 1) * num_slots);
+      const int64_t page = table[w];
+      if (page < 0 || page >= layout.pool_pages)
+        return ffi::Error::InvalidArgument("cache_attention: a page table entry is outside the pool");
+      const int64_t count = std::min(end - s0, kMaxBlock);
+      add(s0, count, page * layout.heads + n % layout.heads, s0 - w * num_slots);
+      s0 += count;
     }
   }
   const int64_t num_parts = part_entry.size();
@@ -260,20 +298,21 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 
   const float *qs = q.typed_data(), *ks = k.typed_data(), *vs = v.typed_data();
   const int64_t *entry_of = part_entry.data(), *start_of = part_start.data(), *count_of = part_count.data();
+  const int64_t *k_entry_of = part_k.data(), *at_of = part_at.data();
   float *maxima = block_max.data(), *sums = block_sum.data(), *outs = block_out.data();
   specjax::run_parts(pool, num_parts, [=](int64_t part) {
-    const int64_t n = entry_of[part], s0 = start_of[part], count = count_of[part];
+    const int64_t n = entry_of[part], s0 = start_of[part], count = count_of[part], at = at_of[part];
     const float* qn = qs + n * rows * E;
-    const float* kn = ks + n * E * num_slots;
-    const float* vn = vs + n * num_slots * E;
+    const float* kn = ks + k_entry_of[part] * E * num_slots;
+    const float* vn = vs + k_entry_of[part] * num_slots * E;
     const int32_t* first = starts == nullptr ? nullptr : starts + n * rows;
     float *m = maxima + part * rows, *l = sums + part * rows, *o = outs + part * rows * E;
     switch (E) {
-      case 16: attend_rows<16>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      case 32: attend_rows<32>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      case 64: attend_rows<64>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      case 128: attend_rows<128>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
-      default: attend_rows<256>(qn, kn, vn, first, rows, num_slots, s0, count, m, l, o); break;
+      case 16: attend_rows<16>(qn, kn, vn, first, rows, num_slots, s0, at, count, m, l, o); break;
+      case 32: attend_rows<32>(qn, kn, vn, first, rows, num_slots, s0, at, count, m, l, o); break;
+      case 64: attend_rows<64>(qn, kn, vn, first, rows, num_slots, s0, at, count, m, l, o); break;
+      case 128: attend_rows<128>(qn, kn, vn, first, rows, num_slots, s0, at, count, m, l, o); break;
+      default: attend_rows<256>(qn, kn, vn, first, rows, num_slots, s0, at, count, m, l, o); break;
     }
   });
 
@@ -308,17 +347,56 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
                               ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
-  return Attend(pool, q, k, v, lengths, nullptr, out, lse);
+  return Attend(pool, q, k, v, lengths, nullptr, Layout{k.dimensions().back()}, out, lse);
+}
+
+ffi::Error CheckStarts(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S32> starts) {
+  const auto qd = q.dimensions(), sd = starts.dimensions();
+  if (qd.size() != 3 || sd.size() != 2 || sd[0] != qd[0] || sd[1] != qd[1])
+    return ffi::Error::InvalidArgument("cache_attention: expected q [N, R, E] and starts [N, R]");
+  return ffi::Error::Success();
 }
 
 ffi::Error CacheAttentionWindowImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                                     ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
                                     ffi::Buffer<ffi::S32> starts, ffi::ResultBuffer<ffi::F32> out,
                                     ffi::ResultBuffer<ffi::F32> lse) {
-  const auto qd = q.dimensions(), sd = starts.dimensions();
-  if (qd.size() != 3 || sd.size() != 2 || sd[0] != qd[0] || sd[1] != qd[1])
-    return ffi::Error::InvalidArgument("cache_attention: expected q [N, R, E] and starts [N, R]");
-  return Attend(pool, q, k, v, lengths, starts.typed_data(), out, lse);
+  if (auto error = CheckStarts(q, starts); error.failure()) return error;
+  return Attend(pool, q, k, v, lengths, starts.typed_data(), Layout{k.dimensions().back()}, out, lse);
+}
+
+// A paged cache: pages [B, W], the entries N = B * heads of q and lengths row-major by row.
+bool PagedLayout(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::S32> pages, Layout* layout) {
+  const auto qd = q.dimensions(), kd = k.dimensions(), pd = pages.dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || pd.size() != 2 || pd[0] == 0 || qd[0] % pd[0] != 0) return false;
+  layout->num_slots = kd[2];
+  layout->pages = pages.typed_data();
+  layout->width = pd[1];
+  layout->heads = qd[0] / pd[0];
+  if (kd[0] % layout->heads != 0) return false;
+  layout->pool_pages = kd[0] / layout->heads;
+  return true;
+}
+
+ffi::Error PagedCacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                   ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
+                                   ffi::Buffer<ffi::S32> pages, ffi::ResultBuffer<ffi::F32> out,
+                                   ffi::ResultBuffer<ffi::F32> lse) {
+  Layout layout;
+  if (!PagedLayout(q, k, pages, &layout))
+    return ffi::Error::InvalidArgument("cache_attention: expected pages [B, W] with q [B * K, R, E], k [M * K, E, P]");
+  return Attend(pool, q, k, v, lengths, nullptr, layout, out, lse);
+}
+
+ffi::Error PagedCacheAttentionWindowImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                                         ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> lengths,
+                                         ffi::Buffer<ffi::S32> pages, ffi::Buffer<ffi::S32> starts,
+                                         ffi::ResultBuffer<ffi::F32> out, ffi::ResultBuffer<ffi::F32> lse) {
+  Layout layout;
+  if (!PagedLayout(q, k, pages, &layout))
+    return ffi::Error::InvalidArgument("cache_attention: expected pages [B, W] with q [B * K, R, E], k [M * K, E, P]");
+  if (auto error = CheckStarts(q, starts); error.failure()) return error;
+  return Attend(pool, q, k, v, lengths, starts.typed_data(), layout, out, lse);
 }
 
 }  // namespace
@@ -339,6 +417,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(CacheAttentionWindow, CacheAttentionWindowImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedCacheAttention, PagedCacheAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedCacheAttentionWindow, PagedCacheAttentionWindowImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

@@ -70,7 +70,17 @@ def attention(
     sinks = None if sinks is None else sinks.reshape(K, H // K)  # [K, G]: as the queries' heads
     if plan.reads_committed_by_kernel:
         out = _kernel_attention(
-            plan.kernel, q, k_new, v_new, buffers, masks.committed, fresh, masks.starts, sinks, plan.writes
+            plan.kernel,
+            q,
+            k_new,
+            v_new,
+            buffers,
+            masks.committed,
+            fresh,
+            masks.starts,
+            sinks,
+            plan.writes,
+            plan.kernel_reads_pages,
         )
     elif plan.kind is PassKind.PREFILL:
         out = _fresh_attention(q, k_new, v_new, fresh_mask, masks, plan.kernel, sinks)
@@ -187,13 +197,16 @@ def _committed_and_fresh_attention(q, k_new, v_new, k_cache, v_cache, committed,
 
 
 def _kernel_attention(
-    kernel, q, k_new, v_new, buffers: LayerCache, committed, fresh_mask, starts, sinks, written
+    kernel, q, k_new, v_new, buffers: LayerCache, committed, fresh_mask, starts, sinks, written, reads_pages
 ):
     """T queries [B, T, K, G, E] attend, in one softmax, to each row's committed cache slots
     (0 .. committed[b] - 1, or from starts[b, t] on under a sliding window; read by the backend's
     `kernel`, `Backend.cache_attention`: the CPU's specjax.kernels.cache_attention or a Pallas
     kernel) and to the T fresh keys and values [B, T, K, E] under fresh_mask [T, T] (or
     [B, T, T]): what `_committed_and_fresh_attention` and `_cache_attention` compute.
+
+    A paged cache's pools go to the kernel with the page tables where it reads them
+    (`reads_pages`), and its rows gathered otherwise.
 
     `written`: the fresh keys and values are already in the cache, at slots committed[b] on. A
     pass of one token then needs no merge: the kernel reads one slot more, the token's own (a
@@ -206,7 +219,9 @@ def _kernel_attention(
         starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
     k_cache, v_cache = buffers.keys, buffers.values
     stacked = {} if buffers.layer is None else {"layer": buffers.layer}
-    if buffers.pages is not None:  # a paged cache's rows, gathered (the kernels read dense rows)
+    if buffers.pages is not None and (reads_pages and buffers.layer is None):
+        stacked = {"pages": buffers.pages}  # the kernel reads the pools through the tables
+    elif buffers.pages is not None:  # the rows gathered from the pools, for a kernel of dense rows
         (k_cache, v_cache), stacked = buffers.read(), {}
     # (A one-token pass's mask is [[True]]: it sees itself. A cache of another dtype holds the
     # token's key rounded, which the merge below does not read.)

@@ -55,6 +55,9 @@ class PassPlan:
 
     kind: PassKind
     kernel: Callable | None = None
+    # Whether `kernel` (a decoding pass's) reads a paged cache through its tables (keyword
+    # `pages`, as the CPU's does); where it does not, a paged cache's rows are gathered for it.
+    kernel_reads_pages: bool = False
 
     @property
     def writes(self) -> bool:
@@ -77,7 +80,9 @@ def plan_pass(kind: PassKind, head_dim: int, dtype, kernels: bool = True) -> Pas
     on = backend.active()
     if kind is PassKind.PREFILL:
         return PassPlan(kind, on.prefill_attention(head_dim))
-    return PassPlan(kind, on.cache_attention(head_dim, dtype))
+    return PassPlan(
+        kind, on.cache_attention(head_dim, dtype), on.cache_attention_reads_pages(head_dim, dtype)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
