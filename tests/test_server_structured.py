@@ -131,6 +131,10 @@ def test_json_object_gives_a_json_object(server):
         ({"guided_json": json.dumps(SCHEMA)}, specjax.Sampling(json_schema=SCHEMA)),
         ({"structured_outputs": {"regex": REGEX}}, specjax.Sampling(regex=REGEX)),
         ({"structured_outputs": {"choice": ["maybe", "no"]}}, specjax.Sampling(choice=["maybe", "no"])),
+        (
+            {"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+            specjax.Sampling(json_schema=SCHEMA, compact_json=True),
+        ),
     ],
 )
 def test_vllm_fields_equal_generate(server, fields, sampling):
@@ -164,6 +168,16 @@ def test_vllm_fields_equal_generate(server, fields, sampling):
         ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "guided_grammar is not supported"),
         ({"structured_outputs": {"grammar": "root ::= 'a'"}}, "structured_outputs.grammar", "not supported"),
         ({"structured_outputs": {"jsn": {}}}, "structured_outputs.jsn", "unknown key 'jsn'"),
+        (
+            {"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}},
+            "structured_outputs.disable_any_whitespace",
+            "give it with json or json_object",
+        ),
+        (
+            {"structured_outputs": {"json": {"type": "object"}, "disable_any_whitespace": "yes"}},
+            "structured_outputs.disable_any_whitespace",
+            "must be true or false",
+        ),
         ({"guided_choice": []}, "guided_choice", "choice must be a non-empty list"),
         ({"guided_json": {"type": "strnig"}}, "guided_json", "not a schema specjax can compile"),
         ({"guided_regex": "[0-9]{9000}"}, "guided_regex", r"tables hold 2048 states"),

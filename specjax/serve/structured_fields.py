@@ -6,7 +6,9 @@
                           "strict"}} (what `client.chat.completions.parse` sends for a pydantic
                           model)
     structured_outputs    vLLM's {"json": schema, "regex": ..., "choice": [...], "json_object":
-                          true}; "grammar" (EBNF) and "structural_tag" are refused
+                          true}, with "disable_any_whitespace": true for compact JSON
+                          (Sampling.compact_json); "grammar" (EBNF) and "structural_tag" are
+                          refused
     guided_json, guided_regex, guided_choice
                           vLLM's older fields; guided_grammar is refused
 
@@ -102,6 +104,19 @@ def _structured_outputs(value, name: str) -> dict:
         options["json_schema"] = JSON_OBJECT if "json_schema" not in options else None
     if len(options) > 1 or None in options.values():
         raise ConstraintFieldError(f"{name}: give one of json, regex, choice and json_object", param=name)
+    compact = value.get("disable_any_whitespace", False)
+    if not isinstance(compact, bool):
+        raise ConstraintFieldError(
+            f"{name}.disable_any_whitespace must be true or false, got {compact!r}",
+            param=f"{name}.disable_any_whitespace",
+        )
+    if compact and "json_schema" not in options:
+        raise ConstraintFieldError(
+            f"{name}.disable_any_whitespace shapes JSON's whitespace: give it with json or json_object",
+            param=f"{name}.disable_any_whitespace",
+        )
+    if compact:
+        options["compact_json"] = True
     return options
 
 

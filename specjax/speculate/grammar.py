@@ -43,8 +43,16 @@ MAX_EDGES = 1 << 21  # transitions of one call's automata together (16 MiB of in
 CONSTRAINTS = ("regex", "json_schema", "choice")
 
 
-def check_constraint(regex, json_schema, choice) -> None:
-    """Validate a Sampling's constraint fields (at most one set); ValueError naming the field."""
+def check_constraint(regex, json_schema, choice, compact_json: bool = False) -> None:
+    """Validate a Sampling's constraint fields (at most one set; compact_json a bool, True only
+    with json_schema); ValueError naming the field."""
+    if not isinstance(compact_json, bool):
+        raise ValueError(f"Sampling compact_json must be True or False, got {compact_json!r}")
+    if compact_json and json_schema is None:
+        raise ValueError(
+            "Sampling compact_json=True shapes a json_schema's whitespace; give a json_schema with it "
+            "(regex and choice spell their own), got json_schema=None"
+        )
     given = [
         name
         for name, value in zip(CONSTRAINTS, (regex, json_schema, choice), strict=True)
@@ -57,7 +65,7 @@ def check_constraint(regex, json_schema, choice) -> None:
     if regex is not None and (not isinstance(regex, str) or not regex):
         raise ValueError(f"Sampling regex must be a non-empty string, got {regex!r}")
     if json_schema is not None:
-        schema_regex(json_schema)  # raises on a schema outlines-core cannot compile
+        schema_regex(json_schema, compact_json)  # raises on a schema outlines-core cannot compile
     if choice is not None and (
         isinstance(choice, str)
         or not isinstance(choice, Sequence)
@@ -67,8 +75,11 @@ def check_constraint(regex, json_schema, choice) -> None:
         raise ValueError(f"Sampling choice must be a non-empty list of non-empty strings, got {choice!r}")
 
 
-def schema_regex(json_schema) -> str:
-    """The regular expression of a JSON schema (a dict or its JSON text)."""
+def schema_regex(json_schema, compact: bool = False) -> str:
+    """The regular expression of a JSON schema (a dict or its JSON text). Between its tokens the
+    JSON may hold a space (outlines-core's default, `[ ]?`), or with `compact` none at all (vLLM's
+    disable_any_whitespace): then every key's quoted name and its colon, and the punctuation
+    between values, are forced text, which GrammarDraft drafts whole."""
     if isinstance(json_schema, Mapping):
         try:
             text = json.dumps(json_schema)
@@ -80,11 +91,11 @@ def schema_regex(json_schema) -> str:
         raise ValueError(
             f"Sampling json_schema must be a dict or a JSON string, got {type(json_schema).__name__}"
         )
-    return _regex_of_schema(text)
+    return _regex_of_schema(text, compact)
 
 
 @functools.lru_cache(maxsize=256)
-def _regex_of_schema(text: str) -> str:
+def _regex_of_schema(text: str, compact: bool) -> str:
     """(Cached: a served schema's regex is asked for at each admission check of its request.)"""
     from outlines_core.json_schema import build_regex_from_schema
 
@@ -101,7 +112,7 @@ def _regex_of_schema(text: str) -> str:
             "an enum)"
         )
     try:
-        return build_regex_from_schema(text)
+        return build_regex_from_schema(text, "") if compact else build_regex_from_schema(text)
     except (TypeError, ValueError) as error:
         raise ValueError(f"Sampling json_schema is not a schema specjax can compile: {error}") from None
 
@@ -158,12 +169,12 @@ def unenforced_keyword(schema, where: str = "") -> tuple[str, str] | None:
     return None
 
 
-def constraint_regex(regex, json_schema, choice) -> str | None:
+def constraint_regex(regex, json_schema, choice, compact_json: bool = False) -> str | None:
     """The regular expression a row's output must match in full, or None when it has none."""
     if regex is not None:
         return regex
     if json_schema is not None:
-        return schema_regex(json_schema)
+        return schema_regex(json_schema, compact_json)
     if choice is not None:
         return "(" + "|".join(re.escape(c) for c in choice) + ")"
     return None

@@ -62,6 +62,9 @@ class Sampling:
     regex, json_schema (a dict or its JSON text), choice (a list of strings): at most one; the row's
       output (before EOS) matches it in full, drawn from the target's law restricted to the
       tokens the constraint allows at each step (specjax/speculate/grammar.py).
+    compact_json: with json_schema, JSON without whitespace between its tokens (vLLM's
+      disable_any_whitespace; default False: a space may follow each colon and comma): the
+      quoted keys, colons and commas are then forced text, which GrammarDraft drafts whole.
     """
 
     temperature: float = 0.0
@@ -78,6 +81,7 @@ class Sampling:
     regex: str | None = None
     json_schema: Mapping | str | None = None
     choice: Sequence[str] | None = None
+    compact_json: bool = False
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -121,7 +125,7 @@ class Sampling:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             fail("seed", f"None or an integer in [0, 2**32), not {type(self.seed).__name__}")
-        check_constraint(self.regex, self.json_schema, self.choice)
+        check_constraint(self.regex, self.json_schema, self.choice, self.compact_json)
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
 
@@ -129,7 +133,7 @@ class Sampling:
     def constraint(self) -> str | None:
         """The regular expression the row's output must match in full (regex, json_schema or
         choice; specjax/speculate/grammar.py), None when it has none."""
-        return constraint_regex(self.regex, self.json_schema, self.choice)
+        return constraint_regex(self.regex, self.json_schema, self.choice, self.compact_json)
 
     @property
     def greedy(self) -> bool:
