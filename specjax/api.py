@@ -175,8 +175,11 @@ def generate(
     `page_size`: None (the target's KV cache dense: each row's slots in one buffer), or the slots
     per page of a paged cache (a power of two, at least 16): the cache is a pool of pages read and
     written through each row's page table, as the serving engine's (docs/serving.md); here each
-    row holds its own pages in order, so the tokens are the dense layout's. One device only, not
-    under latent attention (MLA).
+    row holds its own pages in order, so the tokens are the dense layout's. Where the attention
+    kernel reads pages in place (the CPU's), a chunked prefill packs the rows' prompts end to end,
+    `prefill_chunk` tokens a pass whatever rows they belong to, so the batch's prompts are padded
+    once in all rather than each row to whole chunks. One device only, not under latent attention
+    (MLA).
 
     On a mesh that spans processes (after `jax.distributed.initialize`), every process makes the
     same call and receives the whole result; a process whose prompts, options or mesh differ from

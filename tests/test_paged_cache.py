@@ -19,6 +19,7 @@ from drafters import (
 from tiny import tiny_config, tiny_model
 
 import specjax
+from specjax import planner
 from specjax.kernels import backend
 from specjax.models.cache import NULL_PAGE, KVCache, init_cache, paged_cache
 from specjax.models.llama import forward_hidden, stack_layers
@@ -229,3 +230,34 @@ def test_the_cpu_kernel_reads_pages_in_place(page, window):
     paged = cpu_kernels.cache_attention(queries, keys, values, lengths, starts, pages=pages)
     for a, b in zip(dense, paged, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5)
+
+
+def test_the_prefill_packs_rows_on_pages_where_the_kernel_reads_them():
+    """On the CPU kernels a paged program packs the rows' prompts end to end (passes straddling
+    rows: chunks of 16 over prompts of 5, 16, 17, 61 and 40 tokens); under XLA's attention it runs
+    one row a chunk. Both give the dense one-pass prefill's tokens."""
+    prompts = [list(map(int, RNG.integers(0, 97, n))) for n in (5, 16, 17, 61, 40)]
+    assert planner.plan(LAYERED, prompts, max_new_tokens=4, prefill_chunk=16, page_size=16).spec.packs_prefill
+    xla = planner.plan(LAYERED, prompts, max_new_tokens=4, prefill_chunk=16, page_size=16, kernels="xla")
+    assert not xla.spec.packs_prefill
+    one_pass = specjax.generate(LAYERED, prompts, max_new_tokens=8, prefill_chunk=None)
+    packed = specjax.generate(LAYERED, prompts, max_new_tokens=8, prefill_chunk=16, page_size=16)
+    assert packed.tokens == one_pass.tokens
+
+
+def test_packed_rows_keep_their_windows_and_sinks():
+    """A sliding window shorter than a pass and one longer, with attention sinks: each packed
+    token attends inside its own row's window only."""
+    for window in (8, 40):
+        model = tiny_model(
+            seed=3,
+            sliding_window=window,
+            layer_types=("sliding_attention", "full_attention"),
+            attention_sinks=True,
+        )
+        prompts = [list(map(int, RNG.integers(0, 97, n))) for n in (70, 33, 9)]
+        runs = [
+            specjax.generate(model, prompts, max_new_tokens=10, prefill_chunk=c, page_size=p)
+            for c, p in ((None, None), (16, 16))
+        ]
+        assert runs[1].tokens == runs[0].tokens

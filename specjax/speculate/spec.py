@@ -53,6 +53,16 @@ class LoopSpec:
     prompt_logprobs: int | None = None
 
     @property
+    def packs_prefill(self) -> bool:
+        """Whether the chunked prefill packs the rows' prompts end to end (`packed_prefill`): on a
+        paged cache whose backend's attention kernel reads the pages in place (elsewhere a pass of
+        one-token rows would gather every token's row from the pools)."""
+        if self.prefill_chunk is None or self.page_size is None:
+            return False
+        on = self.backend or backend.active()
+        return on.cache_attention_reads_pages(self.config.head_dim, self.dtype)
+
+    @property
     def k(self) -> int:
         """Draft positions: the most drafts one step can accept (a tree's depth)."""
         return 0 if self.proposer is None else self.proposer.k
