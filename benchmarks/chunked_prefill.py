@@ -11,7 +11,8 @@ The built-in model, float32, greedy, chat template on, the first `--per-category
 each Spec-Bench category as one batch (2 each: 12 prompts, a batch bucket of 16). Each method's
 first call compiles (reported apart; vLLM's first call warms it up likewise); then each round
 calls every method in turn. Tokens/s counts the new tokens over the wall time of the whole call,
-prefill included. specjax's methods must agree token for token; vLLM's tokens are compared and
+prefill included (and the prompt tokens over the same time: with --max-new-tokens 1, the
+prefill's rate). specjax's methods must agree token for token; vLLM's tokens are compared and
 reported (same weights and ids, but its float32 sums run in another order).
 """
 
@@ -87,7 +88,11 @@ def measure(methods: dict, calls: list, rounds: int) -> None:
                 made += sum(map(len, got))
                 seconds += spent
             rates[name].append(made / seconds)
-            print(f"  round {round_}: {name} {seconds:.1f} s, {rates[name][-1]:.1f} tokens/s")
+            prompt = sum(len(row) for batch in calls for row in batch) / seconds
+            print(
+                f"  round {round_}: {name} {seconds:.1f} s, {rates[name][-1]:.1f} new tokens/s "
+                f"({prompt:.0f} prompt tokens/s of wall time)"
+            )
     ours = [name for name in methods if not name.startswith("vLLM")]
     for name in ours[1:]:
         assert tokens[name] == tokens[ours[0]], f"{name}'s tokens differ from {ours[0]}'s"
