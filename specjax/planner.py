@@ -140,15 +140,21 @@ def check_page_size(page_size, config, mesh) -> int | None:
     return int(page_size)
 
 
-def prefill_chunk_of(prefill_chunk, mesh, backend, longest: int, batch: int) -> int | None:
+def prefill_chunk_of(
+    prefill_chunk, mesh, backend, longest: int, batch: int, packs: bool = False
+) -> int | None:
     """`generate`'s prefill_chunk as LoopSpec.prefill_chunk, for `batch` rows (the batch bucket)
     whose longest prompt has `longest` tokens. "auto": PREFILL_CHUNK on one CPU device, where
     chunks were measured, unless one pass does less work (below); on a mesh (rows split over
     devices) and for accelerators, None (the prompts in one pass over the batch padded to a prompt
-    bucket). An int: chunks of that many tokens (a multiple of 16), on one device."""
+    bucket). An int: chunks of that many tokens (a multiple of 16), on one device. `packs`: the
+    chunks would pack the rows' prompts end to end (LoopSpec.packs_prefill), which never computes
+    more than one pass over the padded batch does (at most one chunk's padding in all)."""
     if prefill_chunk == "auto":
         if mesh is not None or not backend.cpu_only or backend.portable:
             return None
+        if packs:
+            return PREFILL_CHUNK
         # Chunks save work where rows are ragged: each row computes its prompt rounded up to whole
         # chunks, not the longest prompt's bucket. Where every prompt's bucket is shorter than a
         # chunk they save none: the B rows (padding rows included) run a chunk each, B x C token
@@ -479,7 +485,9 @@ def plan(
     # generate: the loop counts them done from the start (see `prefill`); they are dropped below.
     num_rows = len(rows)
     B = batch_bucket(num_rows, batch_buckets, 1 if mesh is None else sharding.data_degree(mesh))
-    chunk = prefill_chunk_of(prefill_chunk, mesh, backend, longest, B)
+    page_size = check_page_size(page_size, model.config, mesh)
+    packs = page_size is not None and backend.cache_attention_reads_pages(model.config.head_dim, dtype)
+    chunk = prefill_chunk_of(prefill_chunk, mesh, backend, longest, B, packs)
     if prompt_logprobs is not None:  # scored in the one-pass prefill (speculate/prompt_logprobs.py)
         if chunk is not None and prefill_chunk != "auto":
             raise ValueError(
@@ -492,7 +500,6 @@ def plan(
         slots = capacity(bucket + max_new_tokens, proposer_spec)
     else:  # the prompts in the token buffer's width: the program depends on its capacity alone
         bucket = slots = chunked_capacity(longest, max_new_tokens, proposer_spec, chunk)
-    page_size = check_page_size(page_size, model.config, mesh)
     if page_size is not None:  # whole pages per row (capacities are multiples of 16)
         slots = -(-slots // page_size) * page_size
         bucket = slots if chunk is not None else bucket

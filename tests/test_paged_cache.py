@@ -240,6 +240,10 @@ def test_the_prefill_packs_rows_on_pages_where_the_kernel_reads_them():
     assert planner.plan(LAYERED, prompts, max_new_tokens=4, prefill_chunk=16, page_size=16).spec.packs_prefill
     xla = planner.plan(LAYERED, prompts, max_new_tokens=4, prefill_chunk=16, page_size=16, kernels="xla")
     assert not xla.spec.packs_prefill
+    short = [[1] * 6] * 20  # "auto": one pass over a dense cache (each row's chunk mostly padding),
+    assert planner.plan(LAYERED, short, max_new_tokens=4).spec.prefill_chunk is None
+    packed_short = planner.plan(LAYERED, short, max_new_tokens=4, page_size=16).spec  # packed on pages
+    assert packed_short.prefill_chunk == planner.PREFILL_CHUNK and packed_short.packs_prefill
     one_pass = specjax.generate(LAYERED, prompts, max_new_tokens=8, prefill_chunk=None)
     packed = specjax.generate(LAYERED, prompts, max_new_tokens=8, prefill_chunk=16, page_size=16)
     assert packed.tokens == one_pass.tokens
