@@ -141,8 +141,9 @@ class KVCache:
         """Write new [B, T, K, E] at slots `lengths ..` of each row (0 .. with `fresh`) into a
         pool (keys [N*K, E, P], values [N*K, P, E]) through the page tables, one scatter; a
         stack's pool [n, N*K, ...] takes them for its layer `layer`, or new [n, B, T, K, E] for
-        all n with `layer` None. Rows write disjoint pages (the host gives a row a copy of any
-        page it shares before it writes there), so the scatter's only repeated targets are the
+        all n with `layer` None. Rows write disjoint slots (the host gives a row a copy of any
+        page it shares before it writes there; a packed prefill's one-token rows of one prompt
+        share its pages at distinct positions), so the scatter's only repeated targets are the
         null page's."""
         stacked = buffer.ndim == 4
         if not stacked or layer is not None:
