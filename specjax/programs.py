@@ -16,6 +16,7 @@ import gc
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,9 +38,13 @@ from specjax.speculate.loop import GenerationInputs, LoopSpec, generate_program
 #   in jax's caches whatever this cache dropped);
 # - glibc keeps freed heap for reuse: after a drop, `malloc_trim` gives it back to the system.
 # The map guard stays: each XLA:CPU executable holds memory maps of its code (300 to 1,400 per
-# program), and the kernel allows 65,530 per process (XLA answers more with an abort or "LLVM
-# compilation error: Cannot allocate memory"). When the process holds more than MAX_MAP_FRACTION of
-# them, every program is dropped and jax.clear_caches() called (jax's other compiled functions).
+# program), and the kernel allows 65,530 per process by default (vm.max_map_count; XLA answers more
+# with an abort or "LLVM compilation error: Cannot allocate memory"). When the process holds more
+# than MAX_MAP_FRACTION of them, the least recently used programs are dropped until the maps they
+# were measured to add bring it back under (a warning says so, and that raising vm.max_map_count
+# keeps more); only where that is not enough, every program, and jax.clear_caches() (jax's other
+# compiled functions). Dropping them all at once made a sweep of 20 schemas x 6 methods recompile
+# its 61 programs in every round (docs/benchmarks.md, "All 20 tasks again").
 DEFAULT_MAX_PROGRAM_BYTES = 2 << 30
 DEFAULT_MAX_PROGRAMS = 32
 MAX_MAP_FRACTION = 0.6
@@ -52,6 +57,7 @@ HOST_BYTES_PER_INSTRUCTION = 3000
 class _Program:
     executable: Any  # jax.stages.Compiled
     nbytes: int  # memory it holds (`_measured_bytes`)
+    maps: int = 0  # memory maps its compilation added to the process (0 where they cannot be read)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,13 +219,32 @@ def _memory_maps() -> tuple[int, int] | None:
 
 
 def _free_programs_near_the_map_limit() -> bool:
-    """Drop every compiled program (ours and jax's caches) when the process nears its limit of
-    memory maps; returns whether it did."""
+    """When the process nears its limit of memory maps: drop the least recently used programs
+    until the maps they added bring it under MAX_MAP_FRACTION, or, where that cannot, every
+    compiled program (ours and jax's caches). Returns whether it dropped any."""
     maps = _memory_maps()
     if maps is None or maps[0] <= MAX_MAP_FRACTION * maps[1]:
         return False
-    clear_compiled_programs()
-    jax.clear_caches()
+    held, limit = maps
+    allowed = MAX_MAP_FRACTION * limit
+    dropped = 0
+    for key in list(_COMPILED):
+        if held <= allowed:
+            break
+        held -= _COMPILED.pop(key).maps
+        dropped += 1
+    warnings.warn(
+        f"specjax: the process holds {maps[0]} of its {limit} memory maps (vm.max_map_count); "
+        f"dropped {dropped} compiled programs, least recently used first, which later calls compile "
+        "again. Raising vm.max_map_count (sysctl, as root) keeps more.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    if held > allowed:  # maps the programs did not add (or could not be counted): drop everything
+        clear_compiled_programs()
+        jax.clear_caches()
+    else:
+        _give_back_memory()
     return True
 
 
@@ -250,13 +275,14 @@ def compiled(spec: LoopSpec, params, proposer_params, inputs: GenerationInputs) 
         _COMPILED.move_to_end(key)
         return _COMPILED[key].executable, 0.0
     _free_programs_near_the_map_limit()
-    before = _resident_bytes()
+    before, maps_before = _resident_bytes(), _memory_maps()
     start = time.perf_counter()
     executable = compile_program(spec, params, proposer_params, inputs)
     compile_time = time.perf_counter() - start
-    after = _resident_bytes()
+    after, maps_after = _resident_bytes(), _memory_maps()
     growth = None if before is None or after is None else after - before
-    _COMPILED[key] = _Program(executable, _measured_bytes(executable, growth))
+    maps = 0 if maps_before is None or maps_after is None else max(0, maps_after[0] - maps_before[0])
+    _COMPILED[key] = _Program(executable, _measured_bytes(executable, growth), maps)
     _NUM_COMPILED += 1
     _drop_over_budget(keep=key)
     return executable, compile_time

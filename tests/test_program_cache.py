@@ -1,5 +1,5 @@
-"""Compiled programs are kept for reuse, and all dropped when the process nears the kernel's limit
-of memory maps (a long sweep hit it: XLA then fails to compile)."""
+"""Compiled programs are kept for reuse, and dropped, least recently used first, when the process
+nears the kernel's limit of memory maps (a long sweep hit it: XLA then fails to compile)."""
 
 import gc
 import weakref
@@ -21,12 +21,33 @@ def test_programs_are_reused_and_freed_near_the_map_limit(monkeypatch):
     held, limit = programs._memory_maps()
     assert 0 < held < limit
     monkeypatch.setattr(programs, "MAX_MAP_FRACTION", held / limit / 2)  # as if near the limit
-    assert programs._free_programs_near_the_map_limit()
+    with pytest.warns(RuntimeWarning, match="Raising vm.max_map_count"):  # (more than its programs')
+        assert programs._free_programs_near_the_map_limit()
     gc.collect()
     assert not programs._COMPILED
     assert programs._memory_maps()[0] < held  # the executables' maps are gone
+    monkeypatch.undo()  # (the limit where it was)
     specjax.generate(TARGET, [[1, 2, 3]], max_new_tokens=8)  # compiles again, and works
     assert programs.compiled_program_count() == count + 1
+
+
+def test_near_the_map_limit_the_least_recently_used_programs_go_first(monkeypatch):
+    """Two programs kept, the process just past the guard's fraction by fewer maps than the older
+    one added: that one is dropped, the other kept (and used again without compiling)."""
+    specjax.clear_compiled_programs()
+    _call(1)
+    _call(2)
+    oldest, newest = list(programs._COMPILED)
+    added = programs._COMPILED[oldest].maps
+    assert added > 0  # an XLA:CPU program maps its code
+    held, limit = programs._memory_maps()
+    monkeypatch.setattr(programs, "MAX_MAP_FRACTION", (held - added // 2) / limit)
+    with pytest.warns(RuntimeWarning, match="dropped 1 compiled programs, least recently used first"):
+        assert programs._free_programs_near_the_map_limit()
+    assert list(programs._COMPILED) == [newest]
+    count = programs.compiled_program_count()
+    _call(2)
+    assert programs.compiled_program_count() == count
 
 
 @pytest.fixture
