@@ -34,7 +34,7 @@ from specjax.speculate.grammar import build_grammar
 from specjax.speculate.loop import GenerationInputs
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
-from specjax.speculate.spec import LoopSpec, memory_bytes, num_drafted
+from specjax.speculate.spec import LoopSpec, memory_bytes, num_drafted, pages_pack
 from specjax.speculate.stops import build_stop_strings, token_texts
 from specjax.text import chat_prompt_ids, has_chat_template, is_conversation
 
@@ -486,8 +486,9 @@ def plan(
     num_rows = len(rows)
     B = batch_bucket(num_rows, batch_buckets, 1 if mesh is None else sharding.data_degree(mesh))
     page_size = check_page_size(page_size, model.config, mesh)
-    packs = page_size is not None and backend.cache_attention_reads_pages(model.config.head_dim, dtype)
-    chunk = prefill_chunk_of(prefill_chunk, mesh, backend, longest, B, packs)
+    chunk = prefill_chunk_of(
+        prefill_chunk, mesh, backend, longest, B, pages_pack(page_size, backend, model.config, dtype)
+    )
     if prompt_logprobs is not None:  # scored in the one-pass prefill (speculate/prompt_logprobs.py)
         if chunk is not None and prefill_chunk != "auto":
             raise ValueError(

@@ -57,10 +57,9 @@ class LoopSpec:
         """Whether the chunked prefill packs the rows' prompts end to end (`packed_prefill`): on a
         paged cache whose backend's attention kernel reads the pages in place (elsewhere a pass of
         one-token rows would gather every token's row from the pools)."""
-        if self.prefill_chunk is None or self.page_size is None:
+        if self.prefill_chunk is None:
             return False
-        on = self.backend or backend.active()
-        return on.cache_attention_reads_pages(self.config.head_dim, self.dtype)
+        return pages_pack(self.page_size, self.backend or backend.active(), self.config, self.dtype)
 
     @property
     def k(self) -> int:
@@ -88,6 +87,13 @@ class LoopSpec:
         if not self.proposer_reads_features:
             return 0
         return self.config.hidden_size * len(self.proposer.capabilities.feature_layers or (None,))
+
+
+def pages_pack(page_size: int | None, on: Backend, config: LlamaConfig, dtype: str) -> bool:
+    """Whether a chunked prefill over a cache in pages of `page_size` (None: dense) packs the rows'
+    prompts end to end on backend `on`: where its attention kernel reads the pages in place (else
+    a pass of one-token rows would gather every token's row from the pools)."""
+    return page_size is not None and on.cache_attention_reads_pages(config.head_dim, dtype)
 
 
 def num_drafted(proposer) -> int:
