@@ -189,7 +189,7 @@ def test_serve_compiles_its_programs_before_it_listens(precompile, tiny_folder, 
     served = {}
 
     def run(app, **options):  # uvicorn.run: take the app instead of listening
-        served["programs"] = set(app.state.engine._programs)
+        served["programs"] = set(app.state.engine.compiled)
         served["widths"] = set(app.state.engine._widths)
 
     monkeypatch.setattr(specjax.serve.app.uvicorn, "run", run)

@@ -118,10 +118,10 @@ def test_greedy_requests_joining_at_random_steps_equal_generate_alone(name):
     # slots needed; new prompts and arrivals never compile again (and a call whose shapes differ
     # would fail: programs are compiled ahead of time).
     buckets = {admission_bucket(len(r.prompt)) for r in requests}
-    prefills = {bucket for kind, bucket in engine._programs if kind == "prefill"}
+    prefills = {bucket for kind, bucket in engine.compiled if kind == "prefill"}
     assert len(buckets) >= 2 and prefills == buckets | {specjax.planner.MIN_BUCKET}
-    assert {width for kind, width in engine._programs if kind == "write"} == set(engine._widths)
-    widths = {width for kind, width in engine._programs if kind == "lean"}
+    assert {width for kind, width in engine.compiled if kind == "write"} == set(engine._widths)
+    widths = {width for kind, width in engine.compiled if kind == "lean"}
     assert widths <= set(engine._widths) and len(widths) >= 2  # chunks ran at the occupied width
     compiled = engine.num_compiles
     again = [dataclasses.replace(r, prompt=r.prompt[::-1]) for r in requests]  # same buckets
@@ -149,14 +149,14 @@ def test_a_precompiled_engine_compiles_nothing_while_it_serves(name):
     widths = set(engine._widths)
     loops = {"lean", "resume"} | (set() if proposer is None else {"lean-quiet", "resume-quiet"})
     loops |= set() if logprobs is None else {"resume+logprobs"}
-    assert set(engine._loops) == loops
+    assert set(engine._batch.loops) == loops
     for loop in loops:
-        assert {w for kind, w in engine._programs if kind == loop} == widths
+        assert {w for kind, w in engine.compiled if kind == loop} == widths
     buckets = {admission_bucket(len(p)) for p in prompts}
-    assert {b for kind, b in engine._programs if kind == "prefill"} == buckets | {specjax.planner.MIN_BUCKET}
-    scored = {b for kind, b in engine._programs if kind == "scored_prefill"}
+    assert {b for kind, b in engine.compiled if kind == "prefill"} == buckets | {specjax.planner.MIN_BUCKET}
+    scored = {b for kind, b in engine.compiled if kind == "scored_prefill"}
     assert scored == (set() if logprobs is None else buckets)
-    checks = {w for kind, w in engine._programs if kind == "may_draft"}  # which of the two runs
+    checks = {w for kind, w in engine.compiled if kind == "may_draft"}  # which of the two runs
     assert checks == (set() if proposer is None else widths)
     programs = len(loops) + (proposer is not None)
     prefills = len(buckets - {specjax.planner.MIN_BUCKET}) + len(scored)
@@ -209,7 +209,7 @@ def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it(name):
     assert first[0] == by_itself[0] == late[3]
     assert len(set(map(tuple, (first[1], first[2], first[3])))) == 3  # unseeded rows differ
     assert first[6] == late[6] == alone(TARGET, greedy, proposer)
-    assert {"resume", "lean"} <= {kind for kind, _ in engine._programs}  # both programs ran
+    assert {"resume", "lean"} <= {kind for kind, _ in engine.compiled}  # both programs ran
 
     # With the request's own options compiled in (as `specjax.stream` does), it is generate's.
     own = Engine(TARGET, proposer, max_batch=2, max_model_len=96, chunk_steps=4, warp=WarpSpec.of(sampling))
@@ -222,16 +222,16 @@ def test_seeded_sampled_request_is_the_same_whatever_runs_beside_it(name):
 def _recording_programs(engine: Engine) -> list:
     """The kinds of every program the engine runs ("write", ("resize", 2), ...), as they run."""
     kinds: list = []
-    run = engine._run
-    engine._run = lambda kind, *args: kinds.append(kind) or run(kind, *args)
+    run = engine._batch.run
+    engine._batch.run = lambda kind, *args: kinds.append(kind) or run(kind, *args)
     return kinds
 
 
 def _recording_chunks(engine: Engine) -> list[str]:
     """The kinds of program ("lean", "lean-quiet", ...) of the engine's loop chunks, as they run."""
     kinds: list[str] = []
-    run = engine._run
-    engine._run = lambda kind, *args: (kind in engine._loops and kinds.append(kind)) or run(kind, *args)
+    run = engine._batch.run
+    engine._batch.run = lambda kind, *args: (kind in engine._batch.loops and kinds.append(kind)) or run(kind, *args)
     return kinds
 
 
@@ -252,11 +252,11 @@ def test_quiet_chunks_step_as_the_full_program_would():
     runs, runs_stats = [], []
     for quiet in (True, False):
         engine = Engine(TARGET, proposer, max_batch=3, max_model_len=96, chunk_steps=6)
-        assert {"lean-quiet", "resume-quiet"} <= set(engine._loops)
+        assert {"lean-quiet", "resume-quiet"} <= set(engine._batch.loops)
         if not quiet:  # every chunk generate's whole loop, as before quiet programs
-            engine._loops = {
+            engine._batch.loops = {
                 kind: dataclasses.replace(loop, proposer=dataclasses.replace(loop.proposer, program="whole"))
-                for kind, loop in engine._loops.items()
+                for kind, loop in engine._batch.loops.items()
                 if not kind.endswith("-quiet")
             }
         chunks = _recording_chunks(engine)
@@ -442,7 +442,7 @@ def test_requests_left_past_a_narrower_width_move_down_into_free_slots():
     lone = Engine(TARGET, max_batch=1, max_model_len=96, chunk_steps=4)
     by_itself, _ = drive(lone, [sampled], seed=0)
     engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4)
-    at_start = set(engine._programs)
+    at_start = set(engine.compiled)
     short = [Request(p, max_new_tokens=3) for p in _prompts(14, 2)]
     ids = [engine.add(r) for r in (*short, sampled, greedy)]
     tokens = {i: [] for i in ids}
@@ -450,12 +450,12 @@ def test_requests_left_past_a_narrower_width_move_down_into_free_slots():
     while engine.has_work:
         for update in engine.step():
             tokens[update.request_id] += update.tokens
-        widths.append(engine._width)
+        widths.append(engine.width)
     assert widths[0] == 4 and 2 in widths  # 4 wide, then 2 once the short ones finished
     assert tokens[ids[2]] == by_itself[0]
     assert tokens[ids[3]] == alone(TARGET, greedy)
     assert {w for kind, w in at_start if kind == "move"} == {2, 4}  # compiled at start
-    assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
+    assert {kind for kind, _ in set(engine.compiled) - at_start} <= {"prefill", "resume", "lean"}
 
 
 def test_the_batch_narrows_only_after_narrow_after_chunks_and_arrivals_meanwhile_take_the_free_slots():
@@ -466,8 +466,8 @@ def test_the_batch_narrows_only_after_narrow_after_chunks_and_arrivals_meanwhile
     long = Request(_prompts(31, 1)[0], max_new_tokens=40)
     engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4, narrow_after=2)
     runs = []
-    run = engine._run
-    engine._run = lambda kind, *args: runs.append(kind) or run(kind, *args)
+    run = engine._batch.run
+    engine._batch.run = lambda kind, *args: runs.append(kind) or run(kind, *args)
     short = [Request(p, max_new_tokens=2) for p in _prompts(32, 3)]
     ids = [engine.add(r) for r in (long, *short)]  # the long one in slot 0
     tokens = {i: [] for i in ids}
@@ -475,7 +475,7 @@ def test_the_batch_narrows_only_after_narrow_after_chunks_and_arrivals_meanwhile
     def step():
         for update in engine.step():
             tokens[update.request_id] += update.tokens
-        return engine._width
+        return engine.width
 
     assert step() == 4  # all four admitted
     while engine.num_running > 1:  # the short ones finish
@@ -527,7 +527,7 @@ def test_each_narrowing_waits_narrow_after_chunks_not_only_the_first():
         running.append(engine.num_running)
         for update in engine.step():
             tokens[update.request_id] += update.tokens
-        widths.append(engine._width)
+        widths.append(engine.width)
     assert 2 in widths and 1 in widths, widths
     first_2, first_1 = widths.index(2), widths.index(1)
     # each narrowing came after a chunk at the wider width whose rows already fit the narrower one
@@ -548,22 +548,22 @@ def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
     lone = Engine(TARGET, max_batch=1, max_model_len=96, chunk_steps=4)
     by_itself, _ = drive(lone, [later[1]], seed=0)
     engine = Engine(TARGET, max_batch=4, max_model_len=96, chunk_steps=4)
-    at_start = set(engine._programs)
+    at_start = set(engine.compiled)
     runs = []
-    run = engine._run
-    engine._run = lambda kind, *args: runs.append(kind) or run(kind, *args)
+    run = engine._batch.run
+    engine._batch.run = lambda kind, *args: runs.append(kind) or run(kind, *args)
     short = [Request(p, max_new_tokens=2) for p in _prompts(24, 3)]
     ids = [engine.add(r) for r in (*short, long)]  # the long one in slot 3
     tokens = {i: [] for i in ids}
-    while engine._width > 1 or engine.num_running < 1:  # until it moved down and the batch narrowed
+    while engine.width > 1 or engine.num_running < 1:  # until it moved down and the batch narrowed
         assert engine.has_work, "the batch never narrowed to the long request alone"
         for update in engine.step():
             tokens[update.request_id] += update.tokens
     ids += [engine.add(r) for r in later]
     tokens.update({i: [] for i in ids[4:]})
     updates = engine.step()  # admits both: the state back to 4 slots (2 would not hold 3 rows)
-    assert ("fill", 1) in runs and engine._width == 4
-    done = np.asarray(engine._state.done)
+    assert ("fill", 1) in runs and engine.width == 4
+    done = np.asarray(engine._batch.state.done)
     assert all(done[b] for b, slot in enumerate(engine._slots) if slot is None)
     while True:
         for update in updates:
@@ -574,7 +574,7 @@ def test_a_burst_back_to_max_batch_writes_into_the_widest_state_kept():
     assert tokens[ids[3]] == alone(TARGET, long)
     assert tokens[ids[4]] == alone(TARGET, later[0])
     assert tokens[ids[5]] == by_itself[0]
-    assert {kind for kind, _ in set(engine._programs) - at_start} <= {"prefill", "resume", "lean"}
+    assert {kind for kind, _ in set(engine.compiled) - at_start} <= {"prefill", "resume", "lean"}
 
 
 def test_growth_back_to_a_width_below_max_batch_writes_into_the_state_it_narrowed_from():
@@ -585,15 +585,15 @@ def test_growth_back_to_a_width_below_max_batch_writes_into_the_state_it_narrowe
     later = [Request(p, max_new_tokens=8) for p in _prompts(42, 3)]
     engine = Engine(TARGET, max_batch=8, max_model_len=96, chunk_steps=4, narrow_after=0)
     runs = []
-    run = engine._run
-    engine._run = lambda kind, *args: runs.append((kind, args[0])) or run(kind, *args)
+    run = engine._batch.run
+    engine._batch.run = lambda kind, *args: runs.append((kind, args[0])) or run(kind, *args)
     ids = [engine.add(r) for r in (long, *[Request(p, max_new_tokens=2) for p in _prompts(43, 3)])]
     tokens = {i: [] for i in ids}
-    while engine._width > 1 or engine.num_running < 1:
+    while engine.width > 1 or engine.num_running < 1:
         assert engine.has_work, "the batch never narrowed to the long request alone"
         for update in engine.step():
             tokens[update.request_id] += update.tokens
-    assert engine._spare is not None and engine._spare.done.shape[0] == 4
+    assert engine._batch.spare is not None and engine._batch.spare.done.shape[0] == 4
     runs.clear()
     ids += [engine.add(r) for r in later]
     tokens.update({i: [] for i in ids[4:]})
@@ -647,4 +647,4 @@ def test_engine_keeps_jax_arrays_on_device_between_steps():
     engine = Engine(TARGET, max_batch=2, max_model_len=64, chunk_steps=2)
     engine.add(Request([3, 1, 4, 1, 5], max_new_tokens=10))
     engine.step()
-    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(engine._state))
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(engine._batch.state))

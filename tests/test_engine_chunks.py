@@ -64,9 +64,9 @@ def test_long_prompts_in_chunks_beside_short_ones_equal_generate_alone(name):
         accepted, drafted = accepted_and_drafted(finals)
         assert 0.1 * drafted < accepted < 0.95 * drafted, (accepted, drafted)
     # One chunk program whatever the lengths; the finish of a long prompt per power-of-two bucket.
-    kinds = [kind for kind, _ in engine._programs]
+    kinds = [kind for kind, _ in engine.compiled]
     assert kinds.count("prompt_chunk") == kinds.count("start_prompt") == 1
-    finishes = {size for kind, size in engine._programs if kind == "finish_prompt"}
+    finishes = {size for kind, size in engine.compiled if kind == "finish_prompt"}
     assert finishes == {64, 128}
     compiled = engine.num_compiles
     again = [Request(_prompt(10 + i, n), max_new_tokens=4) for i, n in enumerate((90, 120, 40, 77))]
@@ -128,7 +128,7 @@ def test_a_seeded_long_prompt_draws_as_generate_alone():
 def test_abort_of_a_prompt_in_chunks_and_precompile():
     engine = Engine(TARGET, None, max_batch=2, max_model_len=256, chunk_steps=2, prefill_chunk=CHUNK)
     assert engine.precompile([10, 100, 200]) >= 3  # the chunk, its start, two finishes (and more)
-    kinds = {kind for kind, _ in engine._programs}
+    kinds = {kind for kind, _ in engine.compiled}
     assert {"start_prompt", "prompt_chunk", "finish_prompt"} <= kinds
     compiled = engine.num_compiles
     runner = engine.add(Request(_prompt(0, 10), max_new_tokens=30))
@@ -158,4 +158,4 @@ def test_engine_state_stays_on_device():
     engine = Engine(TARGET, None, max_batch=1, max_model_len=128, prefill_chunk=CHUNK)
     engine.add(Request(_prompt(0, 70), max_new_tokens=2))
     engine.step()
-    assert isinstance(engine._state.tokens, jax.Array)
+    assert isinstance(engine._batch.state.tokens, jax.Array)

@@ -44,12 +44,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import time
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -58,8 +55,9 @@ import numpy as np
 from specjax import planner
 from specjax.checks import is_int
 from specjax.models.model import Model
-from specjax.serve import engine_loops, engine_programs
+from specjax.serve import engine_loops
 from specjax.serve.engine_automata import ConstraintPool, StopStringTables
+from specjax.serve.engine_batch import EngineBatch
 from specjax.serve.engine_config import (
     MAX_STOP_TOKEN_IDS,
     EngineConfig,
@@ -72,7 +70,7 @@ from specjax.serve.engine_config import (
 from specjax.serve.engine_inputs import check_memory, check_warp, engine_capacity, loop_inputs
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Running, row_counters
 from specjax.speculate.logprobs import Logprobs
-from specjax.speculate.loop import DecodeState, GenerationInputs, LoopSpec, program_params
+from specjax.speculate.loop import GenerationInputs, LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling
@@ -138,16 +136,13 @@ class Engine:
                     self.spec, params, proposer_params
                 )
         self._params, self._proposer_params = params, proposer_params
-        self._loops = engine_loops.loop_specs(self.spec, proposer, model, resolved_params)
+        loops = engine_loops.loop_specs(self.spec, proposer, model, resolved_params)
         self._widths = config.widths
         self.k = self.spec.k
-        self._window = config.chunk_steps * (self.k + 1) + 1
+        window = config.chunk_steps * (self.k + 1) + 1
         self._key = jax.random.key(0) if config.key is None else planner.as_key(config.key)
         self._eos = frozenset(planner.eos_ids(model))
         self._chunk = config.prefill_chunk
-        self._programs: dict[Any, Any] = {}
-        self._axes = None  # per leaf of a DecodeState, its rows' axis (`_batch_axes`), found once
-        self.num_compiles = 0
         self.stats = EngineStats()
 
         self._ids = itertools.count()
@@ -170,22 +165,24 @@ class Engine:
                 config.constraint_edges,
             )
         self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
-        # The running part of the batch: the state of the first `width` slots, the smallest
-        # program width holding the running requests (slots past it are free). It is kept at that
-        # width between chunks and resized only when the width changes: a chunk that sliced its
-        # slots out of a max_batch-wide state and wrote them back copied their KV cache twice
-        # (max_model_len slots a row, whatever the requests hold; docs/serving.md).
-        self._free_row = self._free_row_state()
-        # One free slot (self._widths[0] is 1), a copy: the programs take the state donated, and
-        # the free row must outlive it.
-        self._state = jax.tree.map(jnp.copy, self._free_row)
-        # The buffers of the widest state the engine narrowed from, while it runs narrower: a
-        # later growth back to that width writes into them (`_resize`). Allocating a wide state
-        # anew at every burst of arrivals cost its memory's first touch each time, 0.5-2.6 s for
-        # 16 rows of the built-in model here (docs/serving.md), against 0.1 s writing in place.
-        self._spare: DecodeState | None = None
-        self._step_count = int(self._state.step)  # the loop's step counter, as the host last saw it
-        self._compile_width_programs()
+        # The running part of the batch on the device (engine_batch.py): the state of the first
+        # `width` slots, the smallest program width holding the running requests (slots past it
+        # are free). It is kept at that width between chunks and resized only when the width
+        # changes: a chunk that sliced its slots out of a max_batch-wide state and wrote them
+        # back copied their KV cache twice (docs/serving.md).
+        self._batch = EngineBatch(
+            self.spec,
+            loops,
+            self._widths,
+            window,
+            self._chunk,
+            config.logprobs,
+            params,
+            proposer_params,
+            self._row_inputs_free,
+            paged=None,
+        )
+        self._step_count = int(self._batch.state.step)  # the loop's step counter, as the host last saw it
 
     # ----- the public face -------------------------------------------------------------------
 
@@ -208,6 +205,21 @@ class Engine:
     @property
     def narrow_after(self) -> int:
         return self.config.narrow_after
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled so far (the class docstring says which)."""
+        return self._batch.num_compiles
+
+    @property
+    def compiled(self) -> set:
+        """The compiled programs' names: (kind, width or prompt bucket) pairs, as ("lean", 4)."""
+        return set(self._batch.programs)
+
+    @property
+    def width(self) -> int:
+        """The running state's width in slots (1, 2, 4, ... max_batch)."""
+        return self._batch.width
 
     @property
     def num_waiting(self) -> int:
@@ -266,7 +278,7 @@ class Engine:
             return [self._final(request_id, [], "abort", None)]
         for b, slot in enumerate(self._slots):
             if slot is not None and slot.request_id == request_id:
-                self._state = self._state.replace(done=self._state.done.at[b].set(True))
+                self._batch.finish_row(b)
                 self._free(b)
                 return [self._final(request_id, [], "abort", None)]
         return []
@@ -278,11 +290,11 @@ class Engine:
         # the lowest free slots): growing one width at a time copied most rows several times.
         free = [b for b, slot in enumerate(self._slots) if slot is None][: len(self._waiting)]
         if free:
-            self._resize(max(self._width, min(w for w in self._widths if w > free[-1])))
+            self._batch.resize(max(self._batch.width, min(w for w in self._widths if w > free[-1])))
         chunks = self.stats.prompt_chunks
         self._admit_waiting()
         if self.stats.admissions > admitted or self.stats.prompt_chunks > chunks:
-            jax.block_until_ready(self._state)  # (the prefills' time, not the next chunk's)
+            jax.block_until_ready(self._batch.state)  # (the prefills' time, not the next chunk's)
             self.stats.admission_s += time.perf_counter() - start
         if self.num_running == 0:
             return []
@@ -293,28 +305,28 @@ class Engine:
         # loaded engine steps at the cost of its few rows, not of max_batch or of where its last
         # requests happened to sit.
         width = min(w for w in self._widths if w >= self.num_running)
-        if width < self._width:  # narrow only once it has held for narrow_after chunks
+        if width < self._batch.width:  # narrow only once it has held for narrow_after chunks
             self._fitting_narrower += 1
             # ... and not when every running request ends within this chunk (the tail of a burst
             # whose rows finish a few steps apart): the moves and the copy into a narrower state
             # cost more than its cheaper steps would save over one chunk (docs/serving.md).
             if self._fitting_narrower <= self.narrow_after or self._steps_left() <= self.chunk_steps:
-                width = self._width
+                width = self._batch.width
             else:  # narrowing: the count starts again, so that a later narrowing waits too
                 self._fitting_narrower = 0
         else:
             self._fitting_narrower = 0
         self._move_below(width)
-        self._resize(width)
+        self._batch.resize(width)
         reported = np.asarray([0 if s is None else s.reported for s in self._slots[:width]], np.int32)
         # A chunk whose requests are all greedy without penalties or bias runs the lean program;
         # one in which a request asked for logprobs, a variant computing them; one in which no
         # row may draft, its quiet variant (engine_loops.py).
         running = [s for s in self._slots if s is not None]
         asked = any(s.request.logprobs is not None for s in running)
-        kind = engine_loops.chunk_kind(self._loops, [s.request.sampling for s in running], asked)
+        kind = engine_loops.chunk_kind(self._batch.loops, [s.request.sampling for s in running], asked)
         quiet = engine_loops.quiet_kind(kind)
-        if quiet in self._loops and not self._run("may_draft", width, self._state):
+        if quiet in self._batch.loops and not self._batch.run("may_draft", width, self._batch.state):
             kind = quiet
         # While a slot is free, an arrival could take it: the chunk is short, so that a request
         # that comes while it runs waits little for its prefill. A chunk always ends when a row
@@ -323,17 +335,17 @@ class Engine:
         pending = None in self._slots or self._in_chunks is not None
         max_steps = self.admission_steps if pending else self.chunk_steps
         start = time.perf_counter()
-        self._state, window, logprobs = self._run(
+        self._batch.state, window, logprobs = self._batch.run(
             kind,
             width,
             self._params,
             self._proposer_params,
-            self._state,
+            self._batch.state,
             self._inputs_at(width),
             jnp.int32(max_steps),
             jnp.asarray(reported),
         )
-        state = self._state
+        state = self._batch.state
         window, logprobs, lengths, done, nonfinite, counters, step = jax.device_get(
             (window, logprobs, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
@@ -375,30 +387,30 @@ class Engine:
             {self._bucket(int(n)) for n in lengths if self._chunk is None or n <= self._chunk}
         ):
             inputs = self._row_inputs_free(1, bucket)
-            self._program("prefill", bucket, self._params, self._proposer_params, inputs)
+            self._batch.program("prefill", bucket, self._params, self._proposer_params, inputs)
             if self.config.logprobs is not None:  # a request's prompt_logprobs (or echo's)
-                self._program("scored_prefill", bucket, self._params, self._proposer_params, inputs)
+                self._batch.program("scored_prefill", bucket, self._params, self._proposer_params, inputs)
         long = [int(n) for n in lengths if self._chunk is not None and n > self._chunk]
         if long:
-            partial = self._program("start_prompt", self._chunk, self._params)(self._params)
+            partial = self._batch.program("start_prompt", self._chunk, self._params)(self._params)
             tokens, start = jnp.zeros((1, self._chunk), jnp.int32), jnp.int32(0)
-            self._program("prompt_chunk", self._chunk, self._params, partial, tokens, start, start)
+            self._batch.program("prompt_chunk", self._chunk, self._params, partial, tokens, start, start)
         for bucket in sorted({min(1 << (n - 1).bit_length(), self.spec.capacity) for n in long}):
             inputs = self._row_inputs_free(1, bucket)
-            self._program("finish_prompt", bucket, self._params, self._proposer_params, partial, inputs)
+            self._batch.program("finish_prompt", bucket, self._params, self._proposer_params, partial, inputs)
         for width in self._widths:
             args = (
                 self._params,
                 self._proposer_params,
-                self._state_shape(width),
+                self._batch.state_shape(width),
                 self._inputs_at(width),
                 jnp.int32(self.chunk_steps),
                 jnp.zeros((width,), jnp.int32),
             )
-            for kind in self._loops:
-                self._program(kind, width, *args)
-            if "resume-quiet" in self._loops:
-                self._program("may_draft", width, self._state_shape(width))
+            for kind in self._batch.loops:
+                self._batch.program(kind, width, *args)
+            if "resume-quiet" in self._batch.loops:
+                self._batch.program("may_draft", width, self._batch.state_shape(width))
         return self.num_compiles - before
 
     def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
@@ -426,7 +438,7 @@ class Engine:
                 self._in_chunks = self._start_long_prompt()
             prompt = self._in_chunks
             while prompt is not None and not prompt.complete and not (ran_chunk and self.num_running):
-                prompt.partial = self._run(
+                prompt.partial = self._batch.run(
                     "prompt_chunk", self._chunk, self._params, prompt.partial, *prompt.next_chunk()
                 )
                 self.stats.prompt_chunks += 1
@@ -462,7 +474,7 @@ class Engine:
             return None
         request_id, request = self._waiting[at]
         del self._waiting[at]
-        partial = self._run("start_prompt", self._chunk, self._params)
+        partial = self._batch.run("start_prompt", self._chunk, self._params)
         return PromptInChunks(request_id, request, partial, self._chunk)
 
     def _admit(self, b: int, request_id: int, request: Request, partial=None) -> None:
@@ -471,9 +483,9 @@ class Engine:
         sampling = request.sampling
         if self._stops is not None and not self._stops.has(sampling.stop):  # (before the slot
             # changes: it may refuse)
-            states = np.asarray(jax.device_get(self._state.stop_states))
+            states = np.asarray(jax.device_get(self._batch.state.stop_states))
             moved = self._stops.grow(self._running_stop_strings(b), sampling.stop, states)
-            self._state = self._state.replace(stop_states=jnp.asarray(moved))
+            self._batch.state = self._batch.state.replace(stop_states=jnp.asarray(moved))
         start = -1 if sampling.constraint is None else self._constraints.acquire(sampling.constraint)
         self._samplings[b] = sampling
         self._slots[b] = Running(
@@ -493,19 +505,19 @@ class Engine:
         padded[0, :n] = request.prompt
         row = self._row_inputs(b, padded, n, request.max_new_tokens, request_id, request.key)
         if partial is None and request.prompt_logprobs is not None:  # scored in its one pass
-            row = self._run("scored_prefill", bucket, self._params, self._proposer_params, row)
+            row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
             scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
             self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
                 request.prompt_logprobs
             )
             row = row.replace(prompt_logprobs=None)
         elif partial is None:
-            row = self._run("prefill", bucket, self._params, self._proposer_params, row)
+            row = self._batch.run("prefill", bucket, self._params, self._proposer_params, row)
         else:
-            row = self._run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
+            row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
         width = min(w for w in self._widths if w > b)
-        self._resize(max(width, self._width))
-        self._state = self._run("write", self._width, self._state, row, jnp.int32(b))
+        self._batch.resize(max(width, self._batch.width))
+        self._batch.write(row, b)
 
     def _bucket(self, length: int) -> int:
         """The prefill bucket of a prompt of `length` tokens (at most the cache's capacity)."""
@@ -644,43 +656,6 @@ class Engine:
             **prompts,
         )
 
-    def _free_row_state(self) -> DecodeState:
-        """A free slot's row: a one-token request with nothing to generate, prefilled once (so
-        every free slot holds a valid, finished row)."""
-        row = self._row_inputs_free()
-        return self._run("prefill", MIN_BUCKET, self._params, self._proposer_params, row)
-
-    @property
-    def _width(self) -> int:
-        """The width of the running state (`self._state`)."""
-        return int(self._state.done.shape[0])
-
-    def _resize(self, width: int) -> None:
-        """Bring the running state to `width` slots: its first slots kept, free rows added past
-        them (in one program from any width: `_compile_width_programs`) or free slots dropped (one
-        program width at a time: a narrower copy is cheap).
-
-        Narrowing keeps the widest state it narrowed from (`_spare`), and growth back to exactly
-        that width writes into its buffers (`fill`, in place); growth past it drops it first. So
-        beside the running state the engine may hold the spare, and while a step up into fresh
-        memory runs, the new state too: at most 1.75 times a max_batch-wide state where max_batch
-        is a power of two (a spare of max_batch, the running state of a quarter of it growing to
-        half), which `_check_memory` does not count."""
-        spare_width = None if self._spare is None else int(self._spare.done.shape[0])
-        if width > self._width and width == spare_width:
-            spare, self._spare = self._spare, None
-            self._state = self._run(("fill", self._width), width, spare, self._state, self._free_row)
-        elif width > self._width:
-            if spare_width is not None and spare_width < width:
-                self._spare = None  # past the width it could serve: its memory goes first
-            self._state = self._run(("resize", width), self._width, self._state, self._free_row)
-        while self._width > width:
-            narrower = self._widths[self._widths.index(self._width) - 1]
-            wider = self._state
-            self._state = self._run(("resize", narrower), self._width, self._state, self._free_row)
-            if self._spare is None or self._spare.done.shape[0] < wider.done.shape[0]:
-                self._spare = wider
-
     def _move_below(self, width: int) -> None:
         """Move the requests running in slots past `width` into free slots below it (their rows
         copied; the state they leave behind is dropped when the state narrows to `width`)."""
@@ -688,106 +663,14 @@ class Engine:
         for b in range(width, self.max_batch):
             if self._slots[b] is not None:
                 to = free.pop(0)
-                self._state = self._run("move", self._width, self._state, jnp.int32(b), jnp.int32(to))
+                self._batch.move(b, to)
                 self._slots[to], self._samplings[to] = self._slots[b], self._samplings[b]
                 self._slots[b], self._samplings[b] = None, Sampling()  # (its constraint moved along)
                 self._inputs = {}  # the slots' options moved
-
-    def _compile_width_programs(self) -> None:
-        """Compile, at start, the small programs that write a prefilled row into the running state
-        at each width, move a row between its slots, move the state to any wider width or to the
-        next narrower one, and fill the kept buffers of a wider state from any narrower one: a
-        request's arrival or a freed slot never compiles while the engine serves."""
-        row = self._free_row
-        for w in self._widths:
-            self._program("write", w, self._state_shape(w), row, jnp.int32(0))
-            if w > 1:
-                self._program("move", w, self._state_shape(w), jnp.int32(0), jnp.int32(0))
-        for small, big in itertools.combinations(self._widths, 2):
-            self._program(("resize", big), small, self._state_shape(small), row)
-        for small, big in itertools.pairwise(self._widths):
-            self._program(("resize", small), big, self._state_shape(big), row)
-        for small, big in itertools.combinations(self._widths, 2):
-            self._program(("fill", small), big, self._state_shape(big), self._state_shape(small), row)
-
-    def _state_shape(self, width: int):
-        """The shapes of a running state `width` slots wide (what its programs compile for)."""
-        return jax.eval_shape(
-            functools.partial(engine_programs.repeat_rows, self._batch_axes(), width), self._free_row
-        )
 
     def _row_inputs_free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
         """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
         prompt = np.zeros((batch, bucket), np.int32)
         return self._loop_inputs(
             [Sampling()] * batch, [frozenset()] * batch, [True] * batch, prompt_tokens=prompt
-        )
-
-    # ----- programs ----------------------------------------------------------------------------
-
-    def _batch_axes(self):
-        """Per leaf of a DecodeState, the axis that holds its rows (SHARED by all rows: the step
-        counter), found by comparing the state's shapes at batch sizes 1 and 2."""
-        if self._axes is None:
-            self._axes = engine_programs.batch_axes(*(self._state_shapes(n) for n in (1, 2)))
-        return self._axes
-
-    def _state_shapes(self, batch: int):
-        spec = dataclasses.replace(self.spec, batch_size=batch)
-        inputs = self._row_inputs_free(batch)
-
-        traced = functools.partial(engine_programs.prefill_row, spec)
-        return jax.eval_shape(traced, self._params, self._proposer_params, inputs)
-
-    def _run(self, kind, size: int, *args):
-        """Call a program, compiled ahead of time on its first call: a later call whose shapes
-        differ is an error, never a silent recompilation (`num_compiles` counts them all)."""
-        return self._program(kind, size, *args)(*args)
-
-    def _program(self, kind, size: int, *args):
-        """The compiled program (kind, size), compiled for `args` (arrays or their shapes) if it is
-        not yet. `size` is the width in slots of the state it takes (a prompt bucket for
-        "prefill"); ("resize", to) and ("fill", from) also name the other width."""
-        key = (kind, size)
-        if key not in self._programs:
-            program, statics = self._statics(kind, size)
-            with warnings.catch_warnings():
-                # finish_prompt donates a long prompt's partial row for its cache, and its other
-                # buffers (the features, the last hidden state) have no output to go to.
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                self._programs[key] = engine_programs.jitted(program, *statics).lower(*args).compile()
-            self.num_compiles += 1
-        return self._programs[key]
-
-    def _statics(self, kind, size: int) -> tuple[str, tuple]:
-        """(the engine_programs kind, its static arguments) of the engine's program (kind, size):
-        a loop by its name in `_loops` (engine_loops.py), "scored_prefill", or one of
-        engine_programs.PROGRAMS; anything else is an error."""
-        if kind in self._loops:  # the loop over the running state, `size` slots wide
-            return "resume", (dataclasses.replace(self._loops[kind], batch_size=size), self._window)
-        if kind == "prefill":  # one request's row, its prompt padded to `size`
-            return kind, (dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size),)
-        if kind == "scored_prefill":  # the same, scoring the prompt's tokens (Request.prompt_logprobs)
-            spec = dataclasses.replace(
-                self.spec, batch_size=1, prompt_bucket=size, prompt_logprobs=self.config.logprobs
-            )
-            return "prefill", (spec,)
-        if kind in ("start_prompt", "prompt_chunk", "finish_prompt"):  # a long prompt's (`size`:
-            # the chunk, or the bucket the finish pads the prompt to)
-            spec = dataclasses.replace(self.spec, batch_size=1, prompt_bucket=size, prefill_chunk=self._chunk)
-            return kind, (spec,)
-        if kind == "may_draft":
-            return kind, (self.spec,)
-        axes = self._batch_axes()  # the programs over the running state read its rows' axes
-        if kind == "write":
-            return kind, (self.spec, axes)
-        if kind == "move":
-            return kind, (axes, size)
-        if isinstance(kind, tuple) and kind[0] == "resize":  # `size` slots wide -> kind[1] wide
-            return "resize", (axes, size, kind[1])
-        if isinstance(kind, tuple) and kind[0] == "fill":  # kind[1] slots wide -> `size` wide, in place
-            return "fill", (axes, kind[1], size)
-        raise ValueError(
-            f"unknown engine program {kind!r}: a loop ({', '.join(self._loops)}) or one of "
-            f"{', '.join(engine_programs.PROGRAMS)}"
         )

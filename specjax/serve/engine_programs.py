@@ -4,7 +4,8 @@
 - `prefill_row`: one request's row (the target's cache, its proposer's state, its first token);
 - `start_prompt`, `prompt_chunk`, `finish_prompt`: the same for a long prompt in chunks of a fixed
   size, run one at a time between the running rows' chunks (a `PartialPrefill` in between);
-- `write_row`: a prefilled row into a free slot of the running state, the other slots untouched;
+- `write_row`: a prefilled row into a free slot of the running state, the other slots untouched
+  (`write_paged_row`: into a paged state's pool, through the row's page table);
 - `move_row`: a running row copied into a free slot below it;
 - `resize`: the running state grown to a wider width (free rows added) or cut to a narrower one;
 - `fill`: the growth back to a width the state narrowed from, into the kept buffers of that state;
@@ -13,7 +14,7 @@
 
 A state's per-row leaves hold their rows along one axis each (`batch_axes`: the batch axis, or a
 flattened rows-and-heads one in the KV cache); SHARED marks a leaf all rows share (the step
-counter), which these programs carry over as it is.
+counter, a paged cache's pool), which these programs carry over as it is.
 """
 
 from __future__ import annotations
@@ -121,6 +122,32 @@ def write_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot) 
     return put_row(axes, state, row, slot)
 
 
+def write_paged_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot, table) -> DecodeState:
+    """`write_row` into a paged state: the dense row's keys and values copied into the pool's
+    pages `table` ([W] page ids, the row's pages then null ones: the slots past what the row holds
+    land in the null page), and the row's table and length into slot `slot`."""
+    cache = state.cache
+    K, P, W = cache.paged_heads, cache.page_size, table.shape[0]
+    entries = table[:, None] * K + jnp.arange(K, dtype=table.dtype)  # [W, K]
+
+    def into_pages(pool, dense, keys: bool):
+        # dense keys [..., K, E, S] / values [..., K, S, E] -> [..., W, K, E, P] / [..., W, K, P, E]
+        slot_axis = dense.ndim - 1 if keys else dense.ndim - 2
+        pad = [(0, 0)] * dense.ndim
+        pad[slot_axis] = (0, W * P - dense.shape[slot_axis])
+        dense = jnp.pad(dense, pad)
+        split = (*dense.shape[:slot_axis], W, P, *dense.shape[slot_axis + 1 :])
+        pages = jnp.moveaxis(dense.reshape(split), slot_axis, dense.ndim - 3)
+        lead = (slice(None),) * (pool.ndim - 3)
+        return pool.at[(*lead, entries)].set(pages.astype(pool.dtype))
+
+    k = tuple(into_pages(pool, dense, True) for pool, dense in zip(cache.k, row.cache.k, strict=True))
+    v = tuple(into_pages(pool, dense, False) for pool, dense in zip(cache.v, row.cache.v, strict=True))
+    state = state.replace(cache=cache.replace(k=k, v=v))
+    row = row.replace(cache=state.cache.replace(lengths=row.cache.lengths, pages=table[None]))
+    return write_row(spec, axes, state, row, slot)
+
+
 def move_row(axes, width: int, state: DecodeState, source, slot) -> DecodeState:
     """The row in slot `source` of a `width`-slot state copied into slot `slot`."""
     return put_row(axes, state, take_row(axes, state, source, width), slot)
@@ -190,6 +217,7 @@ PROGRAMS = {
     "prompt_chunk": Program(prompt_chunk, donate=(1,)),
     "finish_prompt": Program(finish_prompt, donate=(2,)),
     "write": Program(write_row, donate=(0,)),
+    "write_paged": Program(write_paged_row, donate=(0,)),
     "move": Program(move_row, donate=(0,)),
     "resize": Program(resize),  # (its output has another shape: nothing to donate to)
     "fill": Program(fill, donate=(0,)),

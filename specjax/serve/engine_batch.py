@@ -1,0 +1,290 @@
+"""The engine's running batch on the device: its `DecodeState`, the compiled programs that make
+and move it, and how its width changes (specjax/serve/engine.py decides what runs; this module
+runs it).
+
+The state holds the first `width` slots (1, 2, 4, ..., max_batch: the smallest holding the
+running requests). Its target cache is dense (a row of `capacity` slots per slot) or paged
+(`PagedLayout`: one pool of pages that every row reads through its page table, the table a
+per-row leaf and the pool a leaf all rows share, so that the width's programs move tables and
+never the pool's memory).
+
+Every program is compiled ahead of time on its first call (`program`), and a later call whose
+shapes differ is an error, never a silent recompilation; `num_compiles` counts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.cache import NULL_PAGE, paged_cache
+from specjax.serve import engine_programs
+from specjax.serve.engine_programs import SHARED
+from specjax.speculate.loop import DecodeState, LoopSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """A paged target cache: `num_pages` pages of `page_size` slots (page 0 the null page) and
+    tables of `table_width` pages per row (a row's `capacity` slots)."""
+
+    page_size: int
+    num_pages: int
+    table_width: int
+
+    def free_tables(self, width: int) -> np.ndarray:
+        return np.full((width, self.table_width), NULL_PAGE, np.int32)
+
+
+class EngineBatch:
+    """The running state and its programs (module docstring).
+
+    spec: the engine's loop spec (batch_size max_batch; page_size set where `paged`); loops: its
+    loop variants by kind (engine_loops.py); window: the tokens a chunk reports per row at most;
+    prefill_chunk: a long prompt's chunk (None: none); free_inputs(batch, bucket): the inputs of
+    `batch` one-token prompts with nothing to generate (a free slot's)."""
+
+    def __init__(
+        self,
+        spec: LoopSpec,
+        loops: dict[str, LoopSpec],
+        widths: list[int],
+        window: int,
+        prefill_chunk: int | None,
+        logprobs: int | None,
+        params,
+        proposer_params,
+        free_inputs: Callable[..., Any],
+        paged: PagedLayout | None,
+    ):
+        self.spec, self.loops, self.widths, self.window = spec, loops, widths, window
+        self.chunk, self.logprobs, self.paged = prefill_chunk, logprobs, paged
+        self.params, self.proposer_params = params, proposer_params
+        self.free_inputs = free_inputs
+        self.programs: dict[Any, Any] = {}
+        self.num_compiles = 0
+        self._axes = None  # per leaf of a DecodeState, its rows' axis (`batch_axes`), found once
+        # A free slot's row: a one-token request with nothing to generate, prefilled once (so
+        # every free slot holds a valid, finished row). Paged, its cache a table of null pages and
+        # no pool (`_bare`: the programs that change the width never touch the pool).
+        dense_row = self.run("prefill", spec.prompt_bucket, params, proposer_params, free_inputs())
+        self.free_row = dense_row if paged is None else _bare(self._paged(dense_row))
+        # One free slot (widths[0] is 1), a copy: the programs take the state donated, and the
+        # free row must outlive it. Paged, with the pool of every page, allocated here once.
+        state = jax.tree.map(jnp.copy, self.free_row)
+        if paged is not None:
+            state = _with_pool(state, self._paged(dense_row).cache)
+        self.state: DecodeState = state
+        # The buffers of the widest state the batch narrowed from, while it runs narrower (paged:
+        # without the pool): a later growth back to that width writes into them (`resize`).
+        # Allocating a wide state anew at every burst of arrivals cost its memory's first touch
+        # each time, 0.5-2.6 s for 16 rows of the built-in model here (docs/serving.md), against
+        # 0.1 s writing in place.
+        self.spare: DecodeState | None = None
+        self._compile_width_programs(dense_row)
+
+    @property
+    def width(self) -> int:
+        """The width of the running state."""
+        return int(self.state.done.shape[0])
+
+    # ----- the state ---------------------------------------------------------------------------
+
+    def write(self, row: DecodeState, slot: int, table: np.ndarray | None = None) -> None:
+        """A prefilled row (a dense batch of one) into free slot `slot`; paged, its keys and
+        values into the pages of `table` ([table_width] page ids: the row's pages, then null)."""
+        if self.paged is None:
+            self.state = self.run("write", self.width, self.state, row, jnp.int32(slot))
+        else:
+            args = (self.state, row, jnp.int32(slot), jnp.asarray(table, jnp.int32))
+            self.state = self.run("write_paged", self.width, *args)
+
+    def move(self, source: int, slot: int) -> None:
+        """The row in slot `source` copied into slot `slot` (a paged row: its table)."""
+        self.state = self.run("move", self.width, self.state, jnp.int32(source), jnp.int32(slot))
+
+    def set_tables(self, tables: np.ndarray) -> None:
+        """The running rows' page tables [width, table_width] (a host write: no program)."""
+        self.state = self.state.replace(cache=self.state.cache.replace(pages=jnp.asarray(tables, jnp.int32)))
+
+    def finish_row(self, slot: int) -> None:
+        """Mark slot `slot`'s row done (its request aborted or preempted)."""
+        self.state = self.state.replace(done=self.state.done.at[slot].set(True))
+
+    def resize(self, width: int) -> None:
+        """Bring the running state to `width` slots: its first slots kept, free rows added past
+        them (in one program from any width: `_compile_width_programs`) or free slots dropped (one
+        program width at a time: a narrower copy is cheap).
+
+        Narrowing keeps the widest state it narrowed from (`spare`), and growth back to exactly
+        that width writes into its buffers (`fill`, in place); growth past it drops it first. So
+        beside the running state the batch may hold the spare, and while a step up into fresh
+        memory runs, the new state too: at most 1.75 times a max_batch-wide state where max_batch
+        is a power of two (a spare of max_batch, the running state of a quarter of it growing to
+        half), which the engine's memory check does not count. A paged pool is no part of it: these
+        programs run on the state without it (`_bare`), and it is put back as it was."""
+        pool = None if self.paged is None else self.state.cache
+        state = self.state if pool is None else _bare(self.state)
+        spare_width = None if self.spare is None else int(self.spare.done.shape[0])
+        if width > self.width and width == spare_width:
+            spare, self.spare = self.spare, None
+            state = self.run(("fill", self.width), width, spare, state, self.free_row)
+        elif width > self.width:
+            if spare_width is not None and spare_width < width:
+                self.spare = None  # past the width it could serve: its memory goes first
+            state = self.run(("resize", width), self.width, state, self.free_row)
+        while state.done.shape[0] > width:
+            now = int(state.done.shape[0])
+            narrower = self.widths[self.widths.index(now) - 1]
+            wider = state
+            state = self.run(("resize", narrower), now, state, self.free_row)
+            if self.spare is None or self.spare.done.shape[0] < wider.done.shape[0]:
+                self.spare = wider
+        self.state = state if pool is None else _with_pool(state, pool)
+
+    def state_shape(self, width: int):
+        """The shapes of a running state `width` slots wide (what the loop compiles for)."""
+        shape = self.bare_shape(width)
+        if self.paged is None:
+            return shape
+        return _with_pool(shape, jax.eval_shape(lambda: self.state.cache))
+
+    def bare_shape(self, width: int):
+        """The same without a paged pool (what the programs that change the width compile for)."""
+        return jax.eval_shape(
+            functools.partial(engine_programs.repeat_rows, self.batch_axes(), width), self.free_row
+        )
+
+    def _paged(self, dense_row: DecodeState) -> DecodeState:
+        """A dense batch-of-one row with its cache replaced by an empty pool of every page and a
+        table of null pages."""
+        paged = self.paged
+        cache = paged_cache(
+            self.spec.config,
+            paged.free_tables(1),
+            paged.page_size,
+            paged.num_pages,
+            self.spec.cache_dtype,
+            like=self.params.layers,
+        )
+        return dense_row.replace(cache=cache.replace(lengths=dense_row.cache.lengths))
+
+    # ----- programs ----------------------------------------------------------------------------
+
+    def batch_axes(self):
+        """Per leaf of a DecodeState, the axis that holds its rows (SHARED by all rows: the step
+        counter, a paged pool), found by comparing the prefill's shapes at batch sizes 1 and 2."""
+        if self._axes is None:
+            axes = engine_programs.batch_axes(*(self._prefill_shapes(n) for n in (1, 2)))
+            if self.paged is not None:  # the tables' rows on axis 0; the pool is every row's
+                cache = self.state.cache
+                axes = axes.replace(
+                    cache=cache.replace(
+                        k=(SHARED,) * len(cache.k), v=(SHARED,) * len(cache.v), lengths=0, pages=0
+                    )
+                )
+            self._axes = axes
+        return self._axes
+
+    def _prefill_shapes(self, batch: int):
+        spec = dataclasses.replace(self.prefill_spec, batch_size=batch)
+        traced = functools.partial(engine_programs.prefill_row, spec)
+        return jax.eval_shape(traced, self.params, self.proposer_params, self.free_inputs(batch))
+
+    @property
+    def prefill_spec(self) -> LoopSpec:
+        """The spec of a request's own prefill: a dense batch of one (its row is written into the
+        running state's cache, dense or paged, by `write`)."""
+        return dataclasses.replace(self.spec, batch_size=1, page_size=None)
+
+    def run(self, kind, size: int, *args):
+        """Call a program, compiled ahead of time on its first call (`program`)."""
+        return self.program(kind, size, *args)(*args)
+
+    def program(self, kind, size: int, *args):
+        """The compiled program (kind, size), compiled for `args` (arrays or their shapes) if it is
+        not yet. `size` is the width in slots of the state it takes (a prompt bucket for
+        "prefill"); ("resize", to) and ("fill", from) also name the other width."""
+        key = (kind, size)
+        if key not in self.programs:
+            program, statics = self._statics(kind, size)
+            with warnings.catch_warnings():
+                # finish_prompt donates a long prompt's partial row for its cache, and its other
+                # buffers (the features, the last hidden state) have no output to go to.
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                self.programs[key] = engine_programs.jitted(program, *statics).lower(*args).compile()
+            self.num_compiles += 1
+        return self.programs[key]
+
+    def _statics(self, kind, size: int) -> tuple[str, tuple]:
+        """(the engine_programs kind, its static arguments) of the program (kind, size): a loop by
+        its name in `loops` (engine_loops.py), "scored_prefill", or one of
+        engine_programs.PROGRAMS; anything else is an error."""
+        if kind in self.loops:  # the loop over the running state, `size` slots wide
+            return "resume", (dataclasses.replace(self.loops[kind], batch_size=size), self.window)
+        one = self.prefill_spec
+        if kind == "prefill":  # one request's row, its prompt padded to `size`
+            return kind, (dataclasses.replace(one, prompt_bucket=size),)
+        if kind == "scored_prefill":  # the same, scoring the prompt's tokens (Request.prompt_logprobs)
+            return "prefill", (dataclasses.replace(one, prompt_bucket=size, prompt_logprobs=self.logprobs),)
+        if kind in ("start_prompt", "prompt_chunk", "finish_prompt"):  # a long prompt's (`size`:
+            # the chunk, or the bucket the finish pads the prompt to)
+            return kind, (dataclasses.replace(one, prompt_bucket=size, prefill_chunk=self.chunk),)
+        if kind == "may_draft":
+            return kind, (self.spec,)
+        axes = self.batch_axes()  # the programs over the running state read its rows' axes
+        if kind in ("write", "write_paged"):
+            return kind, (self.spec, axes)
+        if kind == "move":
+            return kind, (axes, size)
+        if isinstance(kind, tuple) and kind[0] == "resize":  # `size` slots wide -> kind[1] wide
+            return "resize", (axes, size, kind[1])
+        if isinstance(kind, tuple) and kind[0] == "fill":  # kind[1] slots wide -> `size` wide, in place
+            return "fill", (axes, kind[1], size)
+        raise ValueError(
+            f"unknown engine program {kind!r}: a loop ({', '.join(self.loops)}) or one of "
+            f"{', '.join(engine_programs.PROGRAMS)}"
+        )
+
+    def _compile_width_programs(self, dense_row: DecodeState) -> None:
+        """Compile, at start, the small programs that write a prefilled row (`dense_row`'s shapes)
+        into the running state at each width, move a row between its slots, move the state to any
+        wider width or to the next narrower one, and fill the kept buffers of a wider state from
+        any narrower one: a request's arrival or a freed slot never compiles while the engine
+        serves."""
+        row, slot = self.free_row, jnp.int32(0)
+        for w in self.widths:
+            if self.paged is None:
+                self.program("write", w, self.state_shape(w), row, slot)
+            else:
+                table = jnp.asarray(self.paged.free_tables(1)[0])
+                self.program("write_paged", w, self.state_shape(w), dense_row, slot, table)
+            if w > 1:
+                self.program("move", w, self.state_shape(w), slot, slot)
+        for small, big in itertools.combinations(self.widths, 2):
+            self.program(("resize", big), small, self.bare_shape(small), row)
+        for small, big in itertools.pairwise(self.widths):
+            self.program(("resize", small), big, self.bare_shape(big), row)
+        for small, big in itertools.combinations(self.widths, 2):
+            self.program(("fill", small), big, self.bare_shape(big), self.bare_shape(small), row)
+
+
+def _bare(state: DecodeState) -> DecodeState:
+    """A paged state without its pool (empty arrays in its place): what the programs that change
+    the width take, so that the pool, every row's, is neither copied nor donated by them."""
+    cache = state.cache
+    empty = [tuple(jnp.zeros((0,), buffer.dtype) for buffer in buffers) for buffers in (cache.k, cache.v)]
+    return state.replace(cache=cache.replace(k=empty[0], v=empty[1]))
+
+
+def _with_pool(state, pool):
+    """`state` (a bare one, or its shapes) with the pool buffers of cache `pool` put back."""
+    return state.replace(cache=state.cache.replace(k=pool.k, v=pool.v))
