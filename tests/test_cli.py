@@ -205,6 +205,31 @@ def test_serve_compiles_its_programs_before_it_listens(precompile, tiny_folder, 
         assert "programs compiled" in capsys.readouterr().out
 
 
+def test_serve_on_pages_says_what_its_pool_holds(tiny_folder, monkeypatch, capsys):
+    """--page-size with --num-pages or --kv-cache-memory: the engine's pool, reported at start;
+    bad amounts are refused naming the option."""
+    engines = []
+    monkeypatch.setattr(specjax.serve.app.uvicorn, "run", lambda app, **_: engines.append(app.state.engine))
+    argv = ["serve", str(tiny_folder), "--max-batch", "2", "--max-model-len", "64", "--precompile", "-1"]
+    assert cli.main([*argv, "--page-size", "16", "--num-pages", "12"]) == 0
+    assert "KV cache: 12 pages of 16 slots, 192 tokens" in capsys.readouterr().out
+    assert engines[-1].capacity_tokens == 192
+    page = specjax.models.cache.cache_bytes(engines[-1].model.config, 1, 16, 4)
+    assert cli.main([*argv, "--page-size", "16", "--kv-cache-memory", str(11 * page)]) == 0
+    assert engines[-1].capacity_tokens == 10 * 16  # (the null page comes out of the bytes)
+    assert cli.main([*argv]) == 0
+    assert "KV cache: dense, 2 slots of at most 64 tokens" in capsys.readouterr().out
+    for bad in (
+        ["--kv-cache-memory", "1.5"],
+        ["--kv-cache-memory", "0"],
+        ["--num-pages", "3", "--kv-cache-memory", "9"],
+    ):
+        assert cli.main([*argv, "--page-size", "16", *bad]) == 2
+        assert "--kv-cache-memory" in capsys.readouterr().err
+    assert cli.main([*argv, "--num-pages", "12"]) == 2  # without --page-size
+    assert "num_pages=12 sizes a paged cache: give a page_size too" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # specjax generate
 

@@ -231,7 +231,9 @@ def _recording_chunks(engine: Engine) -> list[str]:
     """The kinds of program ("lean", "lean-quiet", ...) of the engine's loop chunks, as they run."""
     kinds: list[str] = []
     run = engine._batch.run
-    engine._batch.run = lambda kind, *args: (kind in engine._batch.loops and kinds.append(kind)) or run(kind, *args)
+    engine._batch.run = lambda kind, *args: (
+        (kind in engine._batch.loops and kinds.append(kind)) or run(kind, *args)
+    )
     return kinds
 
 

@@ -403,6 +403,30 @@ def test_sixteen_threads_on_four_slots_each_equal_generate_alone(load_server):
     check_load(load_server, answers, before)
 
 
+def test_sixteen_threads_on_a_pool_of_pages_too_small_for_them_each_equal_generate_alone():
+    """The same 16 requests on a paged engine whose pool holds one request of max_model_len but
+    not four at once: rows are preempted and start again (Engine's page_size), and each answer is
+    still generate's alone; /metrics counts the preemptions and the cache in use, and every page
+    is back at the end."""
+    proposer = specjax.SelfDraft(layers=1, k=3)
+    engine = Engine(
+        LOAD_MODEL, proposer, max_batch=4, max_model_len=96, chunk_steps=3, page_size=16, num_pages=7
+    )
+    server = Running(make_app(engine))
+    try:
+        before = server.metrics()
+        assert before[("specjax:kv_cache_usage_perc", ())] == 0
+        with concurrent.futures.ThreadPoolExecutor(len(LOAD_JOBS)) as pool:
+            answers = list(pool.map(lambda job: completion(server, *job)[:3], LOAD_JOBS))
+        check_load(server, answers, before)
+        after = server.metrics()
+        assert after[("specjax:num_preemptions_total", ())] == engine.stats.preemptions > 0
+        assert after[("specjax:kv_cache_usage_perc", ())] == 0
+        assert engine.cache_usage == 0
+    finally:
+        server.close()
+
+
 async def async_completion(client, prompt: str, max_tokens: int, stream: bool):
     """(text, finish reason, usage) of a completions request with the async client."""
     options = dict(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)

@@ -57,6 +57,9 @@ def serve_command(args: argparse.Namespace) -> None:
             if args.prefill_chunk is None
             else {"prefill_chunk": None if args.prefill_chunk == -1 else args.prefill_chunk}
         ),
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         constraint_states=None if args.constraint_states == -1 else args.constraint_states,
         max_waiting=args.max_waiting,
@@ -68,6 +71,22 @@ def serve_command(args: argparse.Namespace) -> None:
         allowed_origins=args.allowed_origins or (),
         max_request_bytes=args.max_request_bytes,
     )
+
+
+def memory_amount(text: str) -> int | float:
+    """--kv-cache-memory: bytes (an integer >= 1) or a fraction in (0, 1]."""
+    try:
+        value = int(text)
+    except ValueError:
+        try:
+            value = float(text)
+        except ValueError:
+            value = 0
+    if (isinstance(value, int) and value < 1) or (isinstance(value, float) and not 0 < value <= 1):
+        raise argparse.ArgumentTypeError(
+            f"must be bytes (an integer >= 1) or a fraction of the free memory in (0, 1], got {text!r}"
+        )
+    return value
 
 
 def chunk_option(value: int | None) -> dict:
@@ -117,6 +136,26 @@ def add_serve_command(commands) -> None:
         help="prompts longer than this are prefilled in chunks of it (a multiple of 16), one chunk per "
         "step between the running requests' steps (default: EngineConfig.prefill_chunk, 128 tokens; "
         "-1: each prompt in one pass while the others wait)",
+    )
+    command.add_argument(
+        "--page-size",
+        type=positive_int,
+        help="the KV cache in pages of this many token slots (a power of two, at least 16), one pool "
+        "the requests share as their lengths need, the newest preempted when it runs out (default: "
+        "a dense row of --max-model-len tokens per slot)",
+    )
+    pool = command.add_mutually_exclusive_group()
+    pool.add_argument(
+        "--num-pages",
+        type=positive_int,
+        help="with --page-size: the pool's pages (default: enough for every slot's --max-model-len)",
+    )
+    pool.add_argument(
+        "--kv-cache-memory",
+        type=memory_amount,
+        metavar="BYTES|FRACTION",
+        help="with --page-size: the pool's bytes (an integer), or a fraction in (0, 1] of the free "
+        "memory at start (e.g. 0.5)",
     )
     command.add_argument(
         "--max-logprobs",

@@ -528,6 +528,9 @@ def serve(
     chunk_steps: int = 16,
     admission_steps: int | None = None,
     prefill_chunk: int | None = PREFILL_CHUNK,
+    page_size: int | None = None,
+    num_pages: int | None = None,
+    kv_cache_memory: int | float | None = None,
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
     constraint_states: int | None = DEFAULT_CONSTRAINT_STATES,
     max_waiting: int | None = None,
@@ -549,6 +552,9 @@ def serve(
     max_batch, max_model_len, chunk_steps, admission_steps, prefill_chunk: the engine's slots, the
         longest prompt + answer, the most loop steps between two looks at the queue (while a slot
         is free: admission_steps), and the chunks a long prompt is prefilled in (EngineConfig).
+    page_size, num_pages, kv_cache_memory: the KV cache in pages of page_size slots, in a pool of
+        num_pages pages or of kv_cache_memory (bytes, or a fraction of the free memory) shared by
+        the requests as their lengths need (EngineConfig); None: a dense row per slot.
     max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
         prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
     constraint_states: the constraint automata's tables (EngineConfig.constraint_states), for
@@ -585,10 +591,14 @@ def serve(
         chunk_steps=chunk_steps,
         admission_steps=admission_steps,
         prefill_chunk=prefill_chunk,
+        page_size=page_size,
+        num_pages=num_pages,
+        kv_cache_memory=kv_cache_memory,
         logprobs=max_logprobs,
         constraint_states=constraint_states,
     )
     engine = Engine(model, proposer, config)
+    print(f"specjax serve: {engine.cache_summary()}")
     if precompile is not None:
         longest = min(precompile, engine.max_model_len - 1)
         start = time.perf_counter()

@@ -46,6 +46,7 @@ import collections
 import dataclasses
 import itertools
 import time
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -67,10 +68,11 @@ from specjax.serve.engine_config import (
     admission_bucket,
     check_request,
 )
-from specjax.serve.engine_inputs import check_memory, check_warp, engine_capacity, loop_inputs
-from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Running, row_counters
+from specjax.serve.engine_inputs import SlotInputs, check_memory, check_warp, engine_capacity
+from specjax.serve.engine_pages import SlotPages, paged_layout
+from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
 from specjax.speculate.logprobs import Logprobs
-from specjax.speculate.loop import GenerationInputs, LoopSpec, program_params
+from specjax.speculate.loop import LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
 from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling
@@ -116,11 +118,16 @@ class Engine:
         backend = planner.backend_for(model, config.kernels, config.matmul_precision, config.scan_layers)
         proposer_spec, proposer_params = resolve(proposer, model, warp, None)
         resolved_params = proposer_params
+        page_size = planner.check_page_size(config.page_size, model.config, None)
+        capacity = engine_capacity(config, proposer_spec)
+        if page_size is not None:  # whole pages: a row's table covers its capacity exactly
+            capacity = -(-capacity // page_size) * page_size
         self.spec = LoopSpec(
             config=model.config,
             batch_size=config.max_batch,
             prompt_bucket=MIN_BUCKET,
-            capacity=engine_capacity(config, proposer_spec),
+            capacity=capacity,
+            page_size=page_size,
             warp=warp,
             proposer=proposer_spec,
             dtype=model.params.dtype.name,
@@ -128,7 +135,9 @@ class Engine:
             backend=backend,
             logprobs=planner.check_logprobs(config.logprobs, model.config.vocab_size),
         )
-        check_memory(self.config, self.spec, model.params)
+        layout = paged_layout(config, self.spec)
+        self._pages = None if layout is None else SlotPages(layout, config.max_batch, self.spec)
+        check_memory(self.config, self.spec, model.params, None if layout is None else self._pages.bytes)
         params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
             with backend.tracing():
@@ -147,6 +156,10 @@ class Engine:
 
         self._ids = itertools.count()
         self._in_chunks: PromptInChunks | None = None  # the long prompt being prefilled, if any
+        # Requests preempted (paged: the pool ran out), waiting to start again: the tokens each had
+        # reported, which its new start regenerates without sending them twice
+        self._restarts: dict[int, Restart] = {}
+        self._admitted = itertools.count()  # admission order: the newest is preempted first
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
         self._slots: list[Running | None] = [None] * config.max_batch
         self._samplings: list[Sampling] = [Sampling()] * config.max_batch
@@ -164,7 +177,15 @@ class Engine:
                 config.constraint_states,
                 config.constraint_edges,
             )
-        self._inputs: dict[int, GenerationInputs] = {}  # by program width (`_inputs_at`)
+        self._inputs = SlotInputs(
+            self._slots,
+            self._samplings,
+            self._stops,
+            self._constraints,
+            self._key,
+            model.config.vocab_size,
+            warp,
+        )
         # The running part of the batch on the device (engine_batch.py): the state of the first
         # `width` slots, the smallest program width holding the running requests (slots past it
         # are free). It is kept at that width between chunks and resized only when the width
@@ -179,8 +200,8 @@ class Engine:
             config.logprobs,
             params,
             proposer_params,
-            self._row_inputs_free,
-            paged=None,
+            self._inputs.free,
+            paged=layout,
         )
         self._step_count = int(self._batch.state.step)  # the loop's step counter, as the host last saw it
 
@@ -220,6 +241,35 @@ class Engine:
     def width(self) -> int:
         """The running state's width in slots (1, 2, 4, ... max_batch)."""
         return self._batch.width
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens the running requests may hold together: the paged pool's, or every
+        slot's row of max_model_len."""
+        if self._pages is None:
+            return self.max_batch * self.max_model_len
+        return self._pages.capacity_tokens
+
+    def cache_summary(self) -> str:
+        """What the KV cache holds, for a server's start: "KV cache: 512 pages of 16 slots, 8,176
+        tokens (0.10 GiB); 8 slots of at most 2,048 tokens"."""
+        rows = f"{self.max_batch} slots of at most {self.max_model_len:,} tokens"
+        if self._pages is None:
+            return f"KV cache: dense, {rows} each ({self.capacity_tokens:,} tokens)"
+        pool, gib = self._pages.pool, self._pages.bytes / (1 << 30)
+        return (
+            f"KV cache: {pool.usable_pages:,} pages of {pool.page_size} slots, {self.capacity_tokens:,} "
+            f"tokens ({gib:.2f} GiB); {rows}"
+        )
+
+    @property
+    def cache_usage(self) -> float:
+        """The KV cache in use, 0 to 1: a paged engine's pages held by requests, a dense one's
+        slots taken."""
+        if self._pages is None:
+            return self.num_running / self.max_batch
+        pool = self._pages.pool
+        return (pool.usable_pages - pool.available_pages) / pool.usable_pages
 
     @property
     def num_waiting(self) -> int:
@@ -272,6 +322,7 @@ class Engine:
         for i, (waiting_id, _) in enumerate(self._waiting):
             if waiting_id == request_id:
                 del self._waiting[i]
+                self._restarts.pop(request_id, None)
                 return [self._final(request_id, [], "abort", None)]
         if self._in_chunks is not None and self._in_chunks.request_id == request_id:
             self._in_chunks = None  # (its partial row's memory goes with it)
@@ -334,6 +385,11 @@ class Engine:
         # (So is it while a long prompt runs its chunks: one per chunk of the running rows.)
         pending = None in self._slots or self._in_chunks is not None
         max_steps = self.admission_steps if pending else self.chunk_steps
+        if self._pages is not None:
+            self._grow_rows(max_steps)
+            tables = self._pages.take_changed(width)
+            if tables is not None:
+                self._batch.set_tables(tables)
         start = time.perf_counter()
         self._batch.state, window, logprobs = self._batch.run(
             kind,
@@ -341,7 +397,7 @@ class Engine:
             self._params,
             self._proposer_params,
             self._batch.state,
-            self._inputs_at(width),
+            self._inputs.at(width),
             jnp.int32(max_steps),
             jnp.asarray(reported),
         )
@@ -356,11 +412,9 @@ class Engine:
         updates = []
         for b, slot in enumerate(self._slots):
             if slot is not None:
-                asked = slot.request.logprobs
-                update = self._report(b, slot, window[b], lengths[b], done[b], nonfinite[b], counters)
-                if asked is not None:
-                    update.logprobs = Logprobs.of_row(logprobs, update.tokens, b, 0).first(asked)
-                updates.append(update)
+                updates.append(
+                    self._report(b, slot, window, lengths[b], done[b], nonfinite[b], counters, logprobs)
+                )
         return updates
 
     def _steps_left(self) -> int:
@@ -386,7 +440,7 @@ class Engine:
         for bucket in sorted(
             {self._bucket(int(n)) for n in lengths if self._chunk is None or n <= self._chunk}
         ):
-            inputs = self._row_inputs_free(1, bucket)
+            inputs = self._inputs.free(1, bucket)
             self._batch.program("prefill", bucket, self._params, self._proposer_params, inputs)
             if self.config.logprobs is not None:  # a request's prompt_logprobs (or echo's)
                 self._batch.program("scored_prefill", bucket, self._params, self._proposer_params, inputs)
@@ -396,14 +450,14 @@ class Engine:
             tokens, start = jnp.zeros((1, self._chunk), jnp.int32), jnp.int32(0)
             self._batch.program("prompt_chunk", self._chunk, self._params, partial, tokens, start, start)
         for bucket in sorted({min(1 << (n - 1).bit_length(), self.spec.capacity) for n in long}):
-            inputs = self._row_inputs_free(1, bucket)
+            inputs = self._inputs.free(1, bucket)
             self._batch.program("finish_prompt", bucket, self._params, self._proposer_params, partial, inputs)
         for width in self._widths:
             args = (
                 self._params,
                 self._proposer_params,
                 self._batch.state_shape(width),
-                self._inputs_at(width),
+                self._inputs.at(width),
                 jnp.int32(self.chunk_steps),
                 jnp.zeros((width,), jnp.int32),
             )
@@ -444,7 +498,9 @@ class Engine:
                 self.stats.prompt_chunks += 1
                 ran_chunk = True
             if prompt is not None and prompt.complete and free is not None:
-                if self._fits(free, prompt.request):
+                if self._fits(free, prompt.request) and self._take_pages(
+                    free, prompt.request_id, prompt.request
+                ):
                     self._in_chunks = None
                     self._admit(free, prompt.request_id, prompt.request, prompt.partial)
                     self.stats.admissions += 1
@@ -453,8 +509,9 @@ class Engine:
             if free is None or short is None:
                 return
             request_id, request = self._waiting[short]
-            if not self._fits(free, request):
-                return  # it waits (first in line) until running requests with other automata finish
+            if not self._fits(free, request) or not self._take_pages(free, request_id, request):
+                return  # it waits (first in line) until running requests with other automata
+                # finish, or until the pool has its pages
             del self._waiting[short]
             self._admit(free, request_id, request)
             self.stats.admissions += 1
@@ -497,19 +554,24 @@ class Engine:
             seen={name: 0 for name in COUNTERS},
             started=time.perf_counter(),
             constraint_start=start,
+            admitted=next(self._admitted),
         )
-        self._inputs = {}  # the slots' options changed
+        restart = self._restarts.pop(request_id, None)
+        if restart is not None:
+            self._slots[b].resend, self._slots[b].updated = restart.tokens, restart.reported
+        self._inputs.changed()
         n = len(request.prompt)
         bucket = self._bucket(n) if partial is None else min(1 << (n - 1).bit_length(), self.spec.capacity)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = request.prompt
-        row = self._row_inputs(b, padded, n, request.max_new_tokens, request_id, request.key)
+        row = self._inputs.row(b, padded, n, request.max_new_tokens, request_id, request.key)
         if partial is None and request.prompt_logprobs is not None:  # scored in its one pass
             row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
             scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
-            self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
-                request.prompt_logprobs
-            )
+            if not self._slots[b].updated:  # (a restarted request sent them already)
+                self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
+                    request.prompt_logprobs
+                )
             row = row.replace(prompt_logprobs=None)
         elif partial is None:
             row = self._batch.run("prefill", bucket, self._params, self._proposer_params, row)
@@ -517,7 +579,57 @@ class Engine:
             row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
         width = min(w for w in self._widths if w > b)
         self._batch.resize(max(width, self._batch.width))
-        self._batch.write(row, b)
+        self._batch.write(row, b, None if self._pages is None else self._pages.table(b))
+
+    # ----- pages (EngineConfig.page_size) -----------------------------------------------------
+
+    def _row_slots(self, slot: Running | None, steps: int, request: Request | None = None) -> int:
+        """The slots a running row (or a request about to be admitted) holds for a chunk of
+        `steps` steps: what they may commit (a verify pass's drafts and the target's token each,
+        up to the request's last token) and the slots one more verify pass writes past them."""
+        width, request = self.spec.num_drafted + 1, request or slot.request
+        length = len(request.prompt) + 1 if slot is None else slot.reported
+        return min(length + steps * width, len(request.prompt) + request.max_new_tokens) + width
+
+    def _take_pages(self, b: int, request_id: int, request: Request) -> bool:
+        """Pages for a request about to take slot b, for its prompt and its first chunk, leaving
+        the running rows what they grow by in the next chunk; False (it waits) where the pool has
+        too few. Always True for a dense cache."""
+        if self._pages is None:
+            return True
+        steps = self.chunk_steps
+        running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
+        reserve = sum(self._pages.growth(i, self._row_slots(slot, steps)) for i, slot in running)
+        slots = self._row_slots(None, steps, request)
+        return self._pages.admit(b, request_id, request.prompt, slots, reserve)
+
+    def _grow_rows(self, steps: int) -> None:
+        """Pages for every running row's next chunk of `steps` steps, oldest request first; where
+        the pool has too few, the newest running request is preempted (`_preempt`) until they fit.
+        The oldest always fits (the pool holds one request of max_model_len: engine_pages.py)."""
+        for b in sorted((i for i, s in enumerate(self._slots) if s is not None), key=self._age):
+            slot = self._slots[b]  # (None: preempted for an older row's pages)
+            while (
+                slot is not None
+                and slot is self._slots[b]
+                and not self._pages.grow(b, self._row_slots(slot, steps))
+            ):
+                newest = max((i for i, s in enumerate(self._slots) if s is not None), key=self._age)
+                self._preempt(newest)
+
+    def _age(self, b: int) -> int:
+        return self._slots[b].admitted
+
+    def _preempt(self, b: int) -> None:
+        """Take slot b's request out of the batch, its pages freed, and queue it first to start
+        again from its prompt (`Restart`: what it reported is regenerated, not sent twice)."""
+        slot = self._slots[b]
+        sent = slot.tokens if len(slot.tokens) > len(slot.resend) else slot.resend
+        self._restarts[slot.request_id] = Restart(list(sent), slot.updated)
+        self._waiting.appendleft((slot.request_id, slot.request))
+        self._batch.finish_row(b)
+        self._free(b)
+        self.stats.preemptions += 1
 
     def _bucket(self, length: int) -> int:
         """The prefill bucket of a prompt of `length` tokens (at most the cache's capacity)."""
@@ -526,13 +638,27 @@ class Engine:
     def _free(self, b: int) -> None:
         if self._slots[b] is not None and self._samplings[b].constraint is not None:
             self._constraints.release(self._samplings[b].constraint)
+        if self._pages is not None:
+            self._pages.release(b)
         self._slots[b] = None
         self._samplings[b] = Sampling()
 
-    def _report(self, b, slot: Running, window, length, done, nonfinite, counters) -> Update:
-        new = window[: length - slot.reported].tolist()
+    def _report(self, b, slot: Running, window, length, done, nonfinite, counters, logprobs) -> Update:
+        """Row b's Update after a chunk (window [B, ...] the chunk's new tokens by row)."""
+        new = window[b, : length - slot.reported].tolist()
         slot.reported = int(length)
-        slot.tokens += new
+        before, slot.tokens = len(slot.tokens), slot.tokens + new
+        # A restarted request's row regenerates what it had reported: sent once, and checked
+        again = max(0, min(len(slot.resend) - before, len(new)))
+        if new[:again] != slot.resend[before : before + again]:
+            done, nonfinite = True, self._step_count  # (reported as an error below)
+            warnings.warn(
+                f"request {slot.request_id}: started again after a preemption, it did not regenerate "
+                "the tokens it had reported (a near-tie decided otherwise); it ends with an error",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        new = new[again:]
         now = row_counters(counters, b)
         delta = {name: now[name] - slot.seen[name] for name in COUNTERS}
         slot.seen = now
@@ -551,6 +677,9 @@ class Engine:
             prompt_logprobs=slot.prompt_logprobs,
         )
         slot.prompt_logprobs = None  # (sent with the first Update)
+        slot.updated = True
+        if slot.request.logprobs is not None:
+            update.logprobs = Logprobs.of_row(logprobs, new, b, again).first(slot.request.logprobs)
         if done:
             row = jax.tree.map(lambda x: np.asarray(x)[b : b + 1], counters)
             elapsed = time.perf_counter() - slot.started
@@ -600,62 +729,6 @@ class Engine:
         others = [i for i, slot in enumerate(self._slots) if slot is not None and i != b]
         return {s for i in others for s in self._samplings[i].stop}
 
-    # ----- inputs and state --------------------------------------------------------------------
-
-    def _inputs_at(self, width: int) -> GenerationInputs:
-        """The loop's inputs at a program width: the first `width` slots' options (neutral for a
-        free slot), made once per admission."""
-        if width not in self._inputs:
-            self._inputs[width] = self._slot_inputs(width)
-        return self._inputs[width]
-
-    def _slot_inputs(self, width: int) -> GenerationInputs:
-        samplings, slots = self._samplings[:width], self._slots[:width]
-        return self._loop_inputs(
-            samplings,
-            [frozenset() if s is None else s.stop_ids for s in slots],
-            [s is None or s.request.speculate for s in slots],
-        )
-
-    def _row_inputs(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int, key):
-        """One request's inputs for its prefill (batch 1)."""
-        slot = self._slots[b]
-        return self._loop_inputs(
-            [self._samplings[b]],
-            [slot.stop_ids],
-            [slot.request.speculate],
-            prompt_tokens=prompt,
-            prompt_lengths=[prompt_length],
-            max_new_tokens=[max_new_tokens],
-            key=jax.random.fold_in(self._key, request_id) if key is None else key,
-            starts=[slot.constraint_start],
-            seeded=True,
-        )
-
-    def _loop_inputs(
-        self, samplings, stop_ids, speculate, key=None, starts=None, **prompts
-    ) -> GenerationInputs:
-        """`engine_inputs.loop_inputs` for these rows, with the engine's vocabulary, warp, key and
-        stop-string tables."""
-        masks = [0] * len(samplings)
-        if self._stops is not None:
-            masks = [self._stops.mask(s.stop) for s in samplings]
-        grammar = None  # the constraint tables: a prefill's row starts in its automaton's state
-        if self._constraints is not None:
-            grammar = self._constraints.grammar(starts or [-1] * len(samplings))
-        return loop_inputs(
-            samplings,
-            stop_ids,
-            speculate,
-            vocab_size=self.model.config.vocab_size,
-            warp=self.spec.warp,
-            key=self._key if key is None else key,
-            stop_tables=None if self._stops is None else self._stops.tables,
-            grammar=grammar,
-            stop_masks=masks,
-            **prompts,
-        )
-
     def _move_below(self, width: int) -> None:
         """Move the requests running in slots past `width` into free slots below it (their rows
         copied; the state they leave behind is dropped when the state narrows to `width`)."""
@@ -664,13 +737,8 @@ class Engine:
             if self._slots[b] is not None:
                 to = free.pop(0)
                 self._batch.move(b, to)
+                if self._pages is not None:
+                    self._pages.move(b, to)
                 self._slots[to], self._samplings[to] = self._slots[b], self._samplings[b]
                 self._slots[b], self._samplings[b] = None, Sampling()  # (its constraint moved along)
-                self._inputs = {}  # the slots' options moved
-
-    def _row_inputs_free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
-        """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
-        prompt = np.zeros((batch, bucket), np.int32)
-        return self._loop_inputs(
-            [Sampling()] * batch, [frozenset()] * batch, [True] * batch, prompt_tokens=prompt
-        )
+                self._inputs.changed()

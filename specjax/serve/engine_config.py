@@ -126,8 +126,26 @@ class EngineConfig:
     """The transitions the constraint tables hold (with `constraint_states`): a JSON string's
     state allows nearly the whole vocabulary, so each costs about V transitions."""
 
+    page_size: int | None = None
+    """The target's KV cache in pages of this many slots (a power of two, at least 16): one pool
+    of pages that every slot's row reads through its page table, a row holding pages for what it
+    has committed and its next chunk may write (engine_pages.py), so that how many requests fit is
+    what their lengths need. When the pool runs out, the newest running request is preempted: its
+    pages freed, and it starts again from its prompt once pages are free (what it had reported is
+    not sent twice). None: a dense row of max_model_len slots per slot."""
+
+    num_pages: int | None = None
+    """With page_size: the pool's pages (beside one null page nobody holds). None: from
+    kv_cache_memory, else enough for every slot to hold max_model_len tokens."""
+
+    kv_cache_memory: int | float | None = None
+    """With page_size, instead of num_pages: the pool's bytes (an integer), or a fraction in (0, 1]
+    of the device's free memory when the engine starts (vLLM's gpu_memory_utilization, of what is
+    free rather than of the whole device)."""
+
     def __post_init__(self):
         check_int("max_batch", self.max_batch, 1)
+        self._check_pages()
         if self.constraint_states is not None:
             check_int("constraint_states", self.constraint_states, 1)
         check_int("constraint_edges", self.constraint_edges, 1)
@@ -157,6 +175,31 @@ class EngineConfig:
             check_int("max_model_len", self.max_model_len, 2)
         if self.warp is not None and not isinstance(self.warp, WarpSpec):
             raise ValueError(f"warp must be None (every option) or a WarpSpec, got {self.warp!r}")
+
+    def _check_pages(self) -> None:
+        if self.page_size is None:
+            for name in ("num_pages", "kv_cache_memory"):
+                if getattr(self, name) is not None:
+                    raise ValueError(
+                        f"{name}={getattr(self, name)!r} sizes a paged cache: give a page_size too"
+                    )
+            return
+        if not is_int(self.page_size) or self.page_size < MIN_BUCKET or self.page_size & (self.page_size - 1):
+            raise ValueError(
+                f"page_size must be None or a power of two of at least 16 slots, got {self.page_size!r}"
+            )
+        if self.num_pages is not None and self.kv_cache_memory is not None:
+            raise ValueError("give num_pages or kv_cache_memory, not both")
+        if self.num_pages is not None:
+            check_int("num_pages", self.num_pages, 1)
+        memory = self.kv_cache_memory
+        if memory is not None and not (
+            (is_int(memory) and memory >= 1) or (isinstance(memory, float) and 0 < memory <= 1)
+        ):
+            raise ValueError(
+                f"kv_cache_memory must be bytes (an integer >= 1) or a fraction of the free memory "
+                f"(a float in (0, 1]), got {memory!r}"
+            )
 
     @property
     def widths(self) -> list[int]:
@@ -241,6 +284,7 @@ class EngineStats:
     admissions: int = 0
     admission_s: float = 0.0  # prefills and writes into slots, while the running rows wait
     prompt_chunks: int = 0  # long prompts' prefill chunks (EngineConfig.prefill_chunk)
+    preemptions: int = 0  # requests taken out of the batch for their pages (EngineConfig.page_size)
     steps: dict[int, int] = dataclasses.field(default_factory=dict)  # loop steps, by chunk width
     chunk_s: dict[int, float] = dataclasses.field(default_factory=dict)  # chunks' seconds, by width
     # Of those, the quiet chunks' (Dynamic's chunks in which no row may draft), by width
@@ -249,7 +293,7 @@ class EngineStats:
 
     def reset(self) -> None:
         self.admissions, self.admission_s, self.steps, self.chunk_s = 0, 0.0, {}, {}
-        self.prompt_chunks = 0
+        self.prompt_chunks, self.preemptions = 0, 0
         self.quiet_steps, self.quiet_s = {}, {}
 
     def ms_per_step(self, width: int) -> float:

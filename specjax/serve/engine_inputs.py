@@ -1,6 +1,6 @@
 """What the engine builds before its programs run (specjax/serve/engine.py): its rows' capacity and
-the memory check, and the loop's inputs from its slots' requests (per row its sampling options,
-stop token ids, stop-string mask and whether it speculates)."""
+the memory check, and the loop's inputs from its slots' requests (`SlotInputs`: per row its
+sampling options, stop token ids, stop-string mask and whether it speculates)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import planner
+from specjax.models.cache import cache_bytes
+from specjax.planner import MIN_BUCKET
 from specjax.serve.engine_config import MAX_STOP_TOKEN_IDS, EngineConfig, admission_bucket
 from specjax.speculate.grammar import Grammar
 from specjax.speculate.loop import GenerationInputs, LoopSpec
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
+from specjax.speculate.spec import memory_bytes
 from specjax.speculate.stops import StopStrings
 
 
@@ -27,23 +30,30 @@ def engine_capacity(config: EngineConfig, proposer_spec) -> int:
     return capacity if chunk is None else max(capacity, -(-config.max_model_len // chunk) * chunk)
 
 
-def check_memory(config: EngineConfig, spec: LoopSpec, params) -> None:
+def check_memory(config: EngineConfig, spec: LoopSpec, params, pool_bytes: int | None = None) -> None:
     """Refuse a batch whose caches and working memory do not fit (before allocating them): with
     long prompts in chunks, the widest one-pass prefill is a chunk's, beside one more row (the
-    prompt in chunks)."""
+    prompt in chunks). `pool_bytes`: a paged cache's pool, counted instead of the slots' rows (a
+    request's own prefill is still a dense row, beside it)."""
     chunk, length = config.prefill_chunk, config.max_model_len
     longest = length if chunk is None else min(length, chunk)
     rows = config.max_batch + (chunk is not None and length > chunk)
     bucket = min(admission_bucket(longest), spec.capacity)
     spec = dataclasses.replace(spec, prompt_bucket=bucket, batch_size=rows)
-    shortfall = planner.memory_shortfall(spec, params)
-    if shortfall is not None:
-        (needed, available), gib = shortfall, 1 << 30
+    needed, available = memory_bytes(spec, params), planner.available_memory_bytes()
+    what = f"max_batch={config.max_batch} and max_model_len={length}: the slots' caches"
+    if pool_bytes is not None:
+        itemsize = np.dtype(jnp.dtype(spec.cache_dtype)).itemsize
+        needed += pool_bytes - cache_bytes(spec.config, config.max_batch - 1, spec.capacity, itemsize)
+        what = f"the pool of {pool_bytes / (1 << 30):.2f} GiB and max_batch={config.max_batch}: the rows"
+    if available is not None and needed > available:
+        gib = 1 << 30
+        fix = "max_batch or max_model_len"
+        if pool_bytes is not None:
+            fix = "pool (num_pages, kv_cache_memory) or max_batch"
         raise ValueError(
-            f"max_batch={config.max_batch} and max_model_len={length}: the slots' caches "
-            f"({spec.capacity} slots per row) and working memory need about {needed / gib:.2f} GiB, "
-            f"but the device has {available / gib:.2f} GiB free; use a smaller max_batch or "
-            "max_model_len"
+            f"{what} ({spec.capacity} slots per row) and working memory need about {needed / gib:.2f} GiB, "
+            f"but the device has {available / gib:.2f} GiB free; use a smaller {fix}"
         )
 
 
@@ -89,6 +99,75 @@ def loop_inputs(
         stop_strings=stop_strings,
         speculate=jnp.asarray(list(speculate), bool),
     )
+
+
+class SlotInputs:
+    """The loop's inputs made from the engine's slots (`slots`, `samplings`: the engine's own
+    lists, read as they are when asked), with its vocabulary, warp, key, stop-string tables
+    (`stops`, engine_automata.StopStringTables, or None) and constraint tables (`constraints`,
+    engine_automata.ConstraintPool, or None)."""
+
+    def __init__(self, slots, samplings, stops, constraints, key, vocab_size: int, warp: WarpSpec):
+        self.slots, self.samplings, self.stops, self.constraints = slots, samplings, stops, constraints
+        self.key, self.vocab_size, self.warp = key, vocab_size, warp
+        self._by_width: dict[int, GenerationInputs] = {}
+
+    def changed(self) -> None:
+        """The slots' requests changed (an admission, a move): the inputs are made again."""
+        self._by_width = {}
+
+    def at(self, width: int) -> GenerationInputs:
+        """The inputs at a program width: the first `width` slots' options (neutral for a free
+        slot), made once per change."""
+        if width not in self._by_width:
+            slots = self.slots[:width]
+            self._by_width[width] = self._rows(
+                self.samplings[:width],
+                [frozenset() if s is None else s.stop_ids for s in slots],
+                [s is None or s.request.speculate for s in slots],
+            )
+        return self._by_width[width]
+
+    def row(self, b: int, prompt, prompt_length: int, max_new_tokens: int, request_id: int, key):
+        """Slot b's request's inputs for its prefill (batch 1; its key, or the engine's folded
+        with its id)."""
+        slot = self.slots[b]
+        return self._rows(
+            [self.samplings[b]],
+            [slot.stop_ids],
+            [slot.request.speculate],
+            prompt_tokens=prompt,
+            prompt_lengths=[prompt_length],
+            max_new_tokens=[max_new_tokens],
+            key=jax.random.fold_in(self.key, request_id) if key is None else key,
+            starts=[slot.constraint_start],
+            seeded=True,
+        )
+
+    def free(self, batch: int = 1, bucket: int = MIN_BUCKET) -> GenerationInputs:
+        """Inputs of `batch` one-token prompts (padded to `bucket`) with nothing to generate."""
+        prompt = np.zeros((batch, bucket), np.int32)
+        return self._rows([Sampling()] * batch, [frozenset()] * batch, [True] * batch, prompt_tokens=prompt)
+
+    def _rows(self, samplings, stop_ids, speculate, key=None, starts=None, **prompts) -> GenerationInputs:
+        masks = [0] * len(samplings)
+        if self.stops is not None:
+            masks = [self.stops.mask(s.stop) for s in samplings]
+        grammar = None  # the constraint tables: a prefill's row starts in its automaton's state
+        if self.constraints is not None:
+            grammar = self.constraints.grammar(starts or [-1] * len(samplings))
+        return loop_inputs(
+            samplings,
+            stop_ids,
+            speculate,
+            vocab_size=self.vocab_size,
+            warp=self.warp,
+            key=self.key if key is None else key,
+            stop_tables=None if self.stops is None else self.stops.tables,
+            grammar=grammar,
+            stop_masks=masks,
+            **prompts,
+        )
 
 
 def check_warp(sampling: Sampling, have: WarpSpec) -> None:

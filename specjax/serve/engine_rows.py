@@ -39,6 +39,22 @@ class Running:
     started: float
     prompt_logprobs: Any = None  # its prompt's Logprobs (Request.prompt_logprobs), until reported
     constraint_start: int = -1  # its constraint automaton's start state in the engine's tables
+    updated: bool = False  # an Update went out (a restarted request's first start's counts)
+    admitted: int = 0  # the engine's admission count when it took the slot (the newest is preempted)
+    # Tokens an earlier start of the request reported before it was preempted: its row
+    # regenerates them (the same tokens: `Restart`), and they are not sent again
+    resend: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Restart:
+    """A request preempted (a paged engine's pool ran out) and waiting to start again from its
+    prompt: what it had reported. Its row regenerates those tokens (greedy, and a seeded or keyed
+    request's draws, are those of its first start: its steps are numbered from its own prefill),
+    and they are checked against what was sent rather than sent twice."""
+
+    tokens: list[int]
+    reported: bool  # an Update went out (its prompt_logprobs with it)
 
 
 @dataclasses.dataclass

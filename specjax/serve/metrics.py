@@ -11,6 +11,9 @@ Each app has a registry of its own (not prometheus_client's global one), so seve
 process, as in the tests, do not clash.
 
     num_requests_running, num_requests_waiting     gauges: the engine's slots in use, its queue
+    kv_cache_usage_perc                            gauge: the KV cache in use, 0 to 1 (a paged
+                                                   engine's pages held; a dense one's slots)
+    num_preemptions                                counter: requests preempted for their pages
     request_success{finished_reason}               counter: finished requests (stop, length, abort)
     request_overloaded                             counter: requests refused with 503, max_waiting
                                                    waiting already (specjax's own; vLLM has none)
@@ -50,6 +53,9 @@ class ServerMetrics:
 
         self.running = metric(Gauge, "num_requests_running", "Requests in the engine's slots.")
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting for a slot.")
+        self.cache_usage = metric(Gauge, "kv_cache_usage_perc", "KV cache in use (1: all of it).")
+        self.preemptions = metric(Counter, "num_preemptions", "Requests preempted as the KV cache ran out.")
+        self._preempted = 0  # the engine's count at the last `set_cache`
         self.success = metric(
             Counter, "request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
@@ -76,9 +82,15 @@ class ServerMetrics:
             "Drafts accepted at each draft position.",
             ["position"],
         )
-        for gauge in (self.running, self.waiting):
+        for gauge in (self.running, self.waiting, self.cache_usage):
             gauge.labels(model_name).set(0)
-        for counter in (self.overloaded, self.prompt_tokens, self.generation_tokens, self.num_drafts):
+        for counter in (
+            self.overloaded,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.num_drafts,
+        ):
             counter.labels(model_name)  # listed from the start, at 0
         self.num_draft_tokens.labels(model_name)
         self.num_accepted_tokens.labels(model_name)
@@ -86,6 +98,13 @@ class ServerMetrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
+
+    def set_cache(self, usage: float, preemptions: int) -> None:
+        """The engine's KV cache in use (0 to 1) and its preemptions since it started."""
+        self.cache_usage.labels(self.model_name).set(usage)
+        if preemptions > self._preempted:
+            self.preemptions.labels(self.model_name).inc(preemptions - self._preempted)
+            self._preempted = preemptions
 
     def rejected(self) -> None:
         """A request refused because the waiting queue was full."""

@@ -1,0 +1,154 @@
+"""The engine's paged KV cache on the host (EngineConfig.page_size): how many pages the pool has,
+which pages each slot's row holds and the page tables the device reads (`SlotPages`).
+
+A row holds pages for what it has committed and what the next chunk may write: its length, a
+chunk's steps of at most `step_tokens` committed tokens each, and one verify pass past them
+(`slots_for`); the engine grows each row to that before every chunk, and a row that cannot grow
+preempts the newest running request (engine.py). Slots past what a row holds map to the null
+page (models/cache.py), where a pass's stale writes land unread.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specjax.checks import is_int
+from specjax.models.cache import NULL_PAGE, cache_bytes
+from specjax.models.config import LlamaConfig
+from specjax.planner import available_memory_bytes
+from specjax.serve.engine_batch import PagedLayout
+from specjax.serve.engine_config import EngineConfig
+from specjax.serve.pages import PagePool
+from specjax.speculate.spec import LoopSpec
+
+
+def paged_layout(config: EngineConfig, spec: LoopSpec) -> PagedLayout | None:
+    """The engine's pool and tables (None for a dense cache): `spec.capacity` slots a row (a
+    multiple of the page size), and the pool EngineConfig sizes, which must hold one request of
+    max_model_len alone (so that the oldest running request can always go on)."""
+    P = spec.page_size
+    if P is None:
+        return None
+    width = spec.capacity // P
+    itemsize = np.dtype(spec.cache_dtype).itemsize
+    pages = pool_pages(
+        spec.config, P, itemsize, config.num_pages, config.kv_cache_memory, default=config.max_batch * width
+    )
+    needed = -(-(config.max_model_len + spec.num_drafted + 1) // P)  # a row's most: _row_slots
+    if pages < needed:
+        asked = (
+            f"num_pages={config.num_pages}"
+            if config.num_pages is not None
+            else f"kv_cache_memory={config.kv_cache_memory!r}"
+        )
+        raise ValueError(
+            f"{asked}: a pool of {max(pages, 0)} pages of {P} slots ({max(pages, 0) * P} tokens) cannot "
+            f"hold one request of max_model_len={config.max_model_len} ({needed} pages with its verify "
+            "pass); give the pool more, or a smaller max_model_len"
+        )
+    return PagedLayout(page_size=P, num_pages=pages + 1, table_width=width)
+
+
+def pool_pages(
+    config: LlamaConfig,
+    page_size: int,
+    itemsize: int,
+    num_pages: int | None,
+    kv_cache_memory: int | float | None,
+    default: int,
+) -> int:
+    """Pages in the pool besides the null page: `num_pages`, or as many as `kv_cache_memory` holds
+    (bytes, or a fraction in (0, 1] of the device's free memory), else `default`."""
+    if num_pages is not None:
+        return num_pages
+    if kv_cache_memory is None:
+        return default
+    page_bytes = cache_bytes(config, 1, page_size, itemsize)
+    budget = kv_cache_memory
+    if not is_int(kv_cache_memory):  # a fraction of the free memory
+        free = available_memory_bytes()
+        if free is None:
+            raise ValueError(
+                f"kv_cache_memory={kv_cache_memory!r}: this device does not report its free memory; "
+                "give the bytes (an integer) or num_pages"
+            )
+        budget = int(kv_cache_memory * free)
+    return int(budget // page_bytes) - 1  # (the null page comes out of the budget too)
+
+
+class SlotPages:
+    """The pages of `max_batch` slots' rows in the pool of `layout` (its null page among them),
+    each row's table `layout.table_width` pages wide."""
+
+    def __init__(self, layout: PagedLayout, max_batch: int, spec: LoopSpec):
+        page_size, table_width = layout.page_size, layout.table_width
+        itemsize = np.dtype(spec.cache_dtype).itemsize
+        self.bytes = cache_bytes(spec.config, layout.num_pages, page_size, itemsize)  # the pool's
+        self.pool = PagePool(layout.num_pages, page_size, prefix_caching=False)
+        self.page_size, self.table_width = page_size, table_width
+        self.tables = np.full((max_batch, table_width), NULL_PAGE, np.int32)
+        self.request_of: list[int | None] = [None] * max_batch
+        self.changed = False  # tables differ from the device's since the last `take_changed`
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.pool.capacity_tokens
+
+    def admit(self, slot: int, request_id: int, prompt, slots: int, reserve: int = 0) -> bool:
+        """Pages holding `slots` slots for a request about to take `slot`, leaving `reserve` pages
+        available (what the running rows grow by in the next chunk: a request admitted into the
+        pages they need would be preempted at once). False, nothing taken, where the pool has too
+        few."""
+        slots = min(slots, self.table_width * self.page_size)
+        if self.pool.pages_for(slots) + reserve > self.pool.available_pages:
+            return False
+        admission = self.pool.admit(request_id, prompt, slots)
+        if admission is None:
+            return False
+        self.request_of[slot] = request_id
+        self._set(slot)
+        return True
+
+    def grow(self, slot: int, slots: int) -> bool:
+        """Slot `slot`'s row grown to hold `slots` slots (at most its table's); False where the
+        pool has too few pages."""
+        added = self.pool.grow(self.request_of[slot], min(slots, self.table_width * self.page_size))
+        if added is None:
+            return False
+        if added:
+            self._set(slot)
+        return True
+
+    def release(self, slot: int) -> None:
+        """The row's pages given back (its request finished, was aborted or preempted); its table
+        null, so that the finished row's writes land in the null page."""
+        request_id, self.request_of[slot] = self.request_of[slot], None
+        if request_id is not None:
+            self.pool.release(request_id)
+        self.tables[slot] = NULL_PAGE
+        self.changed = True
+
+    def move(self, source: int, slot: int) -> None:
+        """The row of slot `source` now in slot `slot` (the device moved its table with it)."""
+        self.request_of[slot], self.request_of[source] = self.request_of[source], None
+        self.tables[slot], self.tables[source] = self.tables[source], NULL_PAGE
+        self.changed = True
+
+    def growth(self, slot: int, slots: int) -> int:
+        """The pages slot `slot`'s row lacks to hold `slots` slots."""
+        slots = min(slots, self.table_width * self.page_size)
+        return max(0, self.pool.pages_for(slots) - len(self.pool.pages(self.request_of[slot])))
+
+    def table(self, slot: int) -> np.ndarray:
+        return self.tables[slot].copy()
+
+    def take_changed(self, width: int) -> np.ndarray | None:
+        """The first `width` tables where they changed since the last call, else None."""
+        if not self.changed:
+            return None
+        self.changed = False
+        return self.tables[:width].copy()
+
+    def _set(self, slot: int) -> None:
+        self.tables[slot] = self.pool.table(self.request_of[slot], self.table_width)
+        self.changed = True
