@@ -8,7 +8,16 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from drafters import first_layer_eagle
+from drafters import (
+    first_layer_dflash,
+    first_layer_eagle,
+    first_layer_eagle3,
+    first_layer_mtp,
+    layered_target,
+    noisy_copy,
+    quiet_target,
+    trained_medusa,
+)
 from test_engine import NOISY_DRAFT, TARGET, _prompts, alone, drive
 
 import specjax
@@ -155,8 +164,8 @@ def test_pages_move_no_pool_and_compile_nothing_new():
         widths.append(engine.width)
     assert widths[0] == 4 and 1 in widths, widths
     assert engine._batch.state.cache.k[0].unsafe_buffer_pointer() == pool
-    assert {kind for kind, _ in engine.compiled - at_start} <= {"prefill", "resume", "lean"}
-    assert {kind for kind, _ in at_start} >= {"write_paged", "move"}
+    assert {kind for kind, _ in engine.compiled - at_start} <= {"pool_row", "resume", "lean"}
+    assert {kind for kind, _ in at_start} >= {"pool_chunks", "write", "write_paged", "move"}
 
 
 def test_bad_page_options_are_refused_naming_them():
@@ -191,3 +200,89 @@ def test_free_slots_write_into_the_null_page():
     engine.step()
     tables = np.asarray(jax.device_get(engine._batch.state.cache.pages))
     assert (tables[1:] == 0).all() and (tables[0] > 0).any()
+
+
+# ----- the prefix cache -------------------------------------------------------------------------
+
+QUIET = quiet_target(seed=11, num_layers=4)
+MTP_TARGET = first_layer_mtp(layered_target(seed=12))
+CONSTANT_QUERIES = quiet_target(seed=21, num_layers=3, embed_scale=0.01, constant_queries=True)
+PREFIX_CASES = {  # name: (target, proposer), every kind of proposer state
+    "plain": lambda: (TARGET, None),
+    "ngram": lambda: (TARGET, specjax.NGram(k=3)),
+    "eagle-tree": lambda: (
+        TARGET,
+        specjax.Eagle(first_layer_eagle(TARGET), k=3, tree=specjax.TokenTree.top_k((2, 2, 1))),
+    ),
+    "draft-model": lambda: (TARGET, specjax.DraftModel(NOISY_DRAFT, k=3)),
+    "draft-from-target": lambda: (
+        TARGET,
+        specjax.DraftModel(noisy_copy(TARGET, noise=0.05, extra_layers=0), k=3, prompt_from_target=True),
+    ),
+    "self-draft": lambda: (TARGET, specjax.SelfDraft(layers=1, k=3)),
+    "eagle3": lambda: (QUIET, specjax.Eagle3(first_layer_eagle3(QUIET, (1, 2, 4)), k=3)),
+    "mtp": lambda: (MTP_TARGET, specjax.MTP(k=1)),
+    "dflash": lambda: (
+        CONSTANT_QUERIES,
+        specjax.DFlash(first_layer_dflash(CONSTANT_QUERIES, block_size=4, aux_layer_ids=(0, 2))),
+    ),
+    "medusa": lambda: (TARGET, specjax.Medusa(trained_medusa(TARGET, num_heads=2))),
+}
+FAST_PREFIX = ("plain", "ngram", "eagle-tree")  # the others in make test-all
+
+
+@pytest.mark.parametrize(
+    "name", [n if n in FAST_PREFIX else pytest.param(n, marks=pytest.mark.slow) for n in PREFIX_CASES]
+)
+def test_a_prefix_hit_drafts_as_a_miss(name):
+    """Three requests one after the other, whose prompts share three pages (48 tokens) and one of
+    which is the first again: on a hit the prefill runs only past the cached pages, and each
+    request gets the tokens and the accepted drafts (position by position) it gets with the
+    prefix cache off, which are generate's alone. The features a head reads are kept with the
+    pages; a draft model's own cache is made again; the n-gram history is the row's tokens."""
+    target, proposer = PREFIX_CASES[name]()
+    rng = np.random.default_rng(4)
+    vocab = target.config.vocab_size
+    shared = rng.integers(0, vocab, 48).tolist()
+    prompts = [shared + rng.integers(0, vocab, 5).tolist(), shared + rng.integers(0, vocab, 9).tolist()]
+    requests = [Request(p, max_new_tokens=16) for p in (*prompts, prompts[0])]
+
+    def one_by_one(engine):
+        runs = []
+        for request in requests:
+            ids, finals = [engine.add(request)], {}
+            tokens = []
+            while engine.has_work:
+                for update in engine.step():
+                    tokens += update.tokens
+                    if update.finished:
+                        finals[update.request_id] = update.metrics
+            runs.append((tokens, np.asarray(finals[ids[0]].accepted_at).tolist()))
+        return runs
+
+    options = dict(OPTIONS, page_size=16)
+    cached = Engine(target, proposer, **options)
+    with_cache = one_by_one(cached)
+    without = one_by_one(Engine(target, proposer, **options, prefix_caching=False))
+    assert with_cache == without
+    assert with_cache[0][0] == alone(target, requests[0], proposer)
+    pool = cached._pages.pool
+    assert pool.hits == 3 * 16 + 3 * 16  # the second and third requests found the shared pages
+    assert pool.queries == sum(len(r.prompt) for r in requests)
+    if proposer is not None:
+        assert sum(np.sum(accepted) for _, accepted in with_cache) > 0
+    _all_pages_back(cached)
+
+
+def test_pages_of_generated_tokens_are_shared_by_a_follow_up_turn():
+    """A conversation's next turn repeats the previous prompt and answer: where the proposer reads
+    no features, the answer's full pages are cached too, and the next turn prefills only what
+    follows them (same tokens as without the cache)."""
+    first = Request(_prompts(21, 1)[0] * 3, max_new_tokens=40)
+    engine = Engine(TARGET, specjax.NGram(k=3), **OPTIONS, page_size=16)
+    answer = engine.run([first])[0]
+    turn = Request([*first.prompt, *answer, 5, 6, 7], max_new_tokens=10)
+    hits = engine._pages.pool.hits
+    followed = engine.run([turn])[1]
+    assert engine._pages.pool.hits - hits == (len(turn.prompt) - 3) // 16 * 16
+    assert followed == alone(TARGET, turn, specjax.NGram(k=3))

@@ -136,7 +136,9 @@ class Engine:
             logprobs=planner.check_logprobs(config.logprobs, model.config.vocab_size),
         )
         layout = paged_layout(config, self.spec)
-        self._pages = None if layout is None else SlotPages(layout, config.max_batch, self.spec)
+        self._pages = (
+            None if layout is None else SlotPages(layout, config.max_batch, self.spec, config.prefix_caching)
+        )
         check_memory(self.config, self.spec, model.params, None if layout is None else self._pages.bytes)
         params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
@@ -325,7 +327,9 @@ class Engine:
                 self._restarts.pop(request_id, None)
                 return [self._final(request_id, [], "abort", None)]
         if self._in_chunks is not None and self._in_chunks.request_id == request_id:
-            self._in_chunks = None  # (its partial row's memory goes with it)
+            self._in_chunks = None  # (its partial row's memory goes with it; its pages now)
+            if self._pages is not None:
+                self._pages.drop(request_id)
             return [self._final(request_id, [], "abort", None)]
         for b, slot in enumerate(self._slots):
             if slot is not None and slot.request_id == request_id:
@@ -437,21 +441,7 @@ class Engine:
                     f"prompt_lengths holds {length!r}: lengths must be integers in [1, {self.max_model_len}]"
                 )
         before = self.num_compiles
-        for bucket in sorted(
-            {self._bucket(int(n)) for n in lengths if self._chunk is None or n <= self._chunk}
-        ):
-            inputs = self._inputs.free(1, bucket)
-            self._batch.program("prefill", bucket, self._params, self._proposer_params, inputs)
-            if self.config.logprobs is not None:  # a request's prompt_logprobs (or echo's)
-                self._batch.program("scored_prefill", bucket, self._params, self._proposer_params, inputs)
-        long = [int(n) for n in lengths if self._chunk is not None and n > self._chunk]
-        if long:
-            partial = self._batch.program("start_prompt", self._chunk, self._params)(self._params)
-            tokens, start = jnp.zeros((1, self._chunk), jnp.int32), jnp.int32(0)
-            self._batch.program("prompt_chunk", self._chunk, self._params, partial, tokens, start, start)
-        for bucket in sorted({min(1 << (n - 1).bit_length(), self.spec.capacity) for n in long}):
-            inputs = self._inputs.free(1, bucket)
-            self._batch.program("finish_prompt", bucket, self._params, self._proposer_params, partial, inputs)
+        self._batch.precompile_prefills([int(n) for n in lengths], self._bucket)
         for width in self._widths:
             args = (
                 self._params,
@@ -492,15 +482,11 @@ class Engine:
                 self._in_chunks = self._start_long_prompt()
             prompt = self._in_chunks
             while prompt is not None and not prompt.complete and not (ran_chunk and self.num_running):
-                prompt.partial = self._batch.run(
-                    "prompt_chunk", self._chunk, self._params, prompt.partial, *prompt.next_chunk()
-                )
+                self._run_chunk(prompt)
                 self.stats.prompt_chunks += 1
                 ran_chunk = True
             if prompt is not None and prompt.complete and free is not None:
-                if self._fits(free, prompt.request) and self._take_pages(
-                    free, prompt.request_id, prompt.request
-                ):
+                if self._fits(free, prompt.request):  # (its pages it holds since its first chunk)
                     self._in_chunks = None
                     self._admit(free, prompt.request_id, prompt.request, prompt.partial)
                     self.stats.admissions += 1
@@ -509,19 +495,22 @@ class Engine:
             if free is None or short is None:
                 return
             request_id, request = self._waiting[short]
-            if not self._fits(free, request) or not self._take_pages(free, request_id, request):
+            cached = self._take_pages(request_id, request) if self._fits(free, request) else None
+            if cached is None:
                 return  # it waits (first in line) until running requests with other automata
                 # finish, or until the pool has its pages
             del self._waiting[short]
-            self._admit(free, request_id, request)
+            self._admit(free, request_id, request, cached=cached)
             self.stats.admissions += 1
 
     def _long(self, request: Request) -> bool:
-        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk); not
-        one whose prompt is scored (prompt_logprobs: the scoring runs in the one-pass prefill)."""
-        return (
-            self._chunk is not None and len(request.prompt) > self._chunk and request.prompt_logprobs is None
-        )
+        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk; paged,
+        what the prefix cache does not hold of it); not one whose prompt is scored
+        (prompt_logprobs: the scoring runs in the one-pass prefill)."""
+        if self._chunk is None or request.prompt_logprobs is not None:
+            return False
+        cached = 0 if self._pages is None else self._pages.cached_tokens(request.prompt)
+        return len(request.prompt) - cached > self._chunk
 
     def _start_long_prompt(self) -> PromptInChunks | None:
         """The first waiting long prompt, taken out of the queue before its first chunk (None if
@@ -530,13 +519,32 @@ class Engine:
         if at is None:
             return None
         request_id, request = self._waiting[at]
+        if self._pages is not None:  # its pages from its first chunk on (the chunks write there)
+            cached = self._take_pages(request_id, request)
+            if cached is None:
+                return None
+            del self._waiting[at]
+            return PromptInChunks(request_id, request, None, self._chunk, done=cached)
         del self._waiting[at]
         partial = self._batch.run("start_prompt", self._chunk, self._params)
         return PromptInChunks(request_id, request, partial, self._chunk)
 
-    def _admit(self, b: int, request_id: int, request: Request, partial=None) -> None:
+    def _run_chunk(self, prompt: PromptInChunks) -> None:
+        """The next chunk of the long prompt in chunks: into its dense partial row, or its pages."""
+        if self._pages is None:
+            args = (self._params, prompt.partial, *prompt.next_chunk())
+            prompt.partial = self._batch.run("prompt_chunk", self._chunk, *args)
+            return
+        table = self._pages.table_of(prompt.request_id)
+        prompt.partial = self._batch.prefill_pages(
+            table, prompt.request.prompt, prompt.done, 1, prompt.partial
+        )
+        prompt.done += self._chunk
+
+    def _admit(self, b: int, request_id: int, request: Request, partial=None, cached: int = 0) -> None:
         """Prefill the request into slot b (one compiled program per prompt bucket), or, for a
-        long prompt whose chunks have run (`partial`), make its row from them."""
+        long prompt whose chunks have run (`partial`), make its row from them. Paged, into the
+        pages it holds from `cached` on (the end of its cached prefix)."""
         sampling = request.sampling
         if self._stops is not None and not self._stops.has(sampling.stop):  # (before the slot
             # changes: it may refuse)
@@ -562,10 +570,19 @@ class Engine:
         self._inputs.changed()
         n = len(request.prompt)
         bucket = self._bucket(n) if partial is None else min(1 << (n - 1).bit_length(), self.spec.capacity)
+        paged = self._pages is not None and request.prompt_logprobs is None  # (scored: a dense row)
+        if paged:
+            bucket = self._bucket(n)
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = request.prompt
         row = self._inputs.row(b, padded, n, request.max_new_tokens, request_id, request.key)
-        if partial is None and request.prompt_logprobs is not None:  # scored in its one pass
+        if paged:  # its chunks into its pages (those a long prompt's steps have not run), its row
+            table = self._pages.table_of(request_id)
+            if partial is None:
+                count = -(-(n - cached) // self._batch.page_chunk)
+                partial = self._batch.prefill_pages(table, request.prompt, cached, count)
+            row = self._batch.pages_row(bucket, table, partial, row)
+        elif partial is None and request.prompt_logprobs is not None:  # scored in its one pass
             row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
             scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
             if not self._slots[b].updated:  # (a restarted request sent them already)
@@ -579,7 +596,12 @@ class Engine:
             row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
         width = min(w for w in self._widths if w > b)
         self._batch.resize(max(width, self._batch.width))
-        self._batch.write(row, b, None if self._pages is None else self._pages.table(b))
+        if self._pages is None:
+            self._batch.write(row, b)
+            return
+        self._pages.place(b, request_id)
+        self._batch.write(row, b, None if paged else self._pages.table_of(request_id))
+        self._pages.register(request_id, request.prompt)  # its prompt's full pages, for later hits
 
     # ----- pages (EngineConfig.page_size) -----------------------------------------------------
 
@@ -591,17 +613,19 @@ class Engine:
         length = len(request.prompt) + 1 if slot is None else slot.reported
         return min(length + steps * width, len(request.prompt) + request.max_new_tokens) + width
 
-    def _take_pages(self, b: int, request_id: int, request: Request) -> bool:
-        """Pages for a request about to take slot b, for its prompt and its first chunk, leaving
-        the running rows what they grow by in the next chunk; False (it waits) where the pool has
-        too few. Always True for a dense cache."""
+    def _take_pages(self, request_id: int, request: Request) -> int | None:
+        """Pages for a request about to be prefilled, for its prompt and its first chunk, leaving
+        the running rows what they grow by in the next chunk: how many of its prompt's tokens the
+        prefix cache gave (its prefill starts there), or None (it waits) where the pool has too
+        few. 0 for a dense cache."""
         if self._pages is None:
-            return True
+            return 0
         steps = self.chunk_steps
         running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
         reserve = sum(self._pages.growth(i, self._row_slots(slot, steps)) for i, slot in running)
         slots = self._row_slots(None, steps, request)
-        return self._pages.admit(b, request_id, request.prompt, slots, reserve)
+        scored = request.prompt_logprobs is not None  # (its one-pass prefill scores every token)
+        return self._pages.admit(request_id, request.prompt, slots, reserve, cached=not scored)
 
     def _grow_rows(self, steps: int) -> None:
         """Pages for every running row's next chunk of `steps` steps, oldest request first; where
@@ -659,6 +683,10 @@ class Engine:
                 stacklevel=2,
             )
         new = new[again:]
+        if self._pages is not None and not self.spec.proposer_reads_features:
+            # its generated tokens' full pages too (their cache holds every token but the last);
+            # not where the proposer reads features, which only the prefill keeps with the pages
+            self._pages.register(slot.request_id, [*slot.request.prompt, *slot.tokens[:-1]])
         now = row_counters(counters, b)
         delta = {name: now[name] - slot.seen[name] for name in COUNTERS}
         slot.seen = now

@@ -27,7 +27,8 @@ import numpy as np
 
 from specjax.models.cache import NULL_PAGE, paged_cache
 from specjax.serve import engine_programs
-from specjax.serve.engine_programs import SHARED
+from specjax.serve.engine_config import PREFILL_CHUNK
+from specjax.serve.engine_programs import SHARED, without_pool
 from specjax.speculate.loop import DecodeState, LoopSpec
 
 
@@ -76,12 +77,20 @@ class EngineBatch:
         # every free slot holds a valid, finished row). Paged, its cache a table of null pages and
         # no pool (`_bare`: the programs that change the width never touch the pool).
         dense_row = self.run("prefill", spec.prompt_bucket, params, proposer_params, free_inputs())
-        self.free_row = dense_row if paged is None else _bare(self._paged(dense_row))
+        self.free_row = dense_row if paged is None else without_pool(self._paged(dense_row))
         # One free slot (widths[0] is 1), a copy: the programs take the state donated, and the
         # free row must outlive it. Paged, with the pool of every page, allocated here once.
         state = jax.tree.map(jnp.copy, self.free_row)
+        # Paged, the prefill writes straight into the pool (`prefill_pages`), in chunks of
+        # `page_chunk` tokens, and the features the proposer reads go into a pool of their own,
+        # [N, P, F], beside the target's pages: a cached prefix keeps them (empty where the
+        # proposer reads none).
+        self.features = None
+        self.page_chunk = prefill_chunk or PREFILL_CHUNK
         if paged is not None:
             state = _with_pool(state, self._paged(dense_row).cache)
+            shape = (paged.num_pages, paged.page_size, spec.proposer_feature_width)
+            self.features = jnp.zeros(shape if spec.proposer_reads_features else (0,), spec.dtype)
         self.state: DecodeState = state
         # The buffers of the widest state the batch narrowed from, while it runs narrower (paged:
         # without the pool): a later growth back to that width writes into them (`resize`).
@@ -99,13 +108,71 @@ class EngineBatch:
     # ----- the state ---------------------------------------------------------------------------
 
     def write(self, row: DecodeState, slot: int, table: np.ndarray | None = None) -> None:
-        """A prefilled row (a dense batch of one) into free slot `slot`; paged, its keys and
-        values into the pages of `table` ([table_width] page ids: the row's pages, then null)."""
-        if self.paged is None:
+        """A prefilled row (a batch of one) into free slot `slot`: dense, or a paged row whose
+        cache is in the pool already (`pages_row`); with `table`, a dense row into a paged state,
+        its keys and values copied into the pages of `table` ([table_width] page ids: the row's
+        pages, then null)."""
+        if table is None:
             self.state = self.run("write", self.width, self.state, row, jnp.int32(slot))
         else:
             args = (self.state, row, jnp.int32(slot), jnp.asarray(table, jnp.int32))
             self.state = self.run("write_paged", self.width, *args)
+
+    def prefill_pages(self, table: np.ndarray, prompt, start: int, count: int, last_hidden=None):
+        """`count` chunks of a prompt into the pool through its `table`, from position `start`
+        (its cached prefix's end); returns the hidden state at its last token once a chunk held
+        it (to pass to the next call, then to `pages_row`)."""
+        C, cache = self.page_chunk, self.state.cache
+        tokens = np.zeros(self.spec.capacity + C, np.int32)
+        tokens[: len(prompt)] = prompt
+        if last_hidden is None:
+            last_hidden = jnp.zeros((1, self.spec.config.hidden_size), self.spec.dtype)
+        args = (self._pool(), self.features, jnp.asarray(table), jnp.asarray(tokens), jnp.int32(start))
+        args = (*args, jnp.int32(len(prompt)), jnp.int32(count), last_hidden)
+        k, v, self.features, last_hidden = self.run("pool_chunks", C, self.params, *args)
+        self.state = _with_pool(self.state, cache.replace(k=k, v=v))
+        return last_hidden
+
+    def _pool(self):
+        """The running state's pool as a cache of one row (whose length and table the paged
+        prefill's programs set): the pool's buffers alone are the state's, so that a program
+        donating them leaves the running rows' lengths and tables as they are."""
+        zeros = jnp.zeros((1, self.paged.table_width), jnp.int32)
+        return self.state.cache.replace(lengths=zeros[:, 0], pages=zeros)
+
+    def pages_row(self, bucket: int, table: np.ndarray, last_hidden, inputs) -> DecodeState:
+        """The row of a prompt whose chunks are in the pool (inputs: its prompt padded to
+        `bucket`), without the pool, for `write`."""
+        args = (self.params, self.proposer_params, self._pool(), self.features, jnp.asarray(table))
+        return self.run("pool_row", bucket, *args, last_hidden, inputs)
+
+    def precompile_prefills(self, lengths: list[int], bucket_of) -> None:
+        """Compile the prefills of prompts of these lengths (`bucket_of(n)`: a one-pass prefill's
+        bucket): dense, the one-pass prefill of each bucket up to the chunk (with logprobs, the one
+        that scores the prompt too) and a long prompt's chunk and finish per power-of-two bucket;
+        paged, the row of each bucket (the chunks are one program, compiled at start)."""
+        params, proposer = self.params, self.proposer_params
+        chunk = self.chunk
+        short = [n for n in lengths if chunk is None or n <= chunk or self.paged is not None]
+        for bucket in sorted({bucket_of(n) for n in short}):
+            inputs = self.free_inputs(1, bucket)
+            if self.paged is None:
+                self.program("prefill", bucket, params, proposer, inputs)
+            else:
+                last_hidden = jnp.zeros((1, self.spec.config.hidden_size), self.spec.dtype)
+                table = jnp.asarray(self.paged.free_tables(1)[0])
+                args = (params, proposer, self._pool(), self.features, table, last_hidden, inputs)
+                self.program("pool_row", bucket, *args)
+            if self.logprobs is not None:  # a request's prompt_logprobs (or echo's)
+                self.program("scored_prefill", bucket, params, proposer, inputs)
+        long = [n for n in lengths if n not in short]
+        if long:
+            partial = self.program("start_prompt", chunk, params)(params)
+            tokens, start = jnp.zeros((1, chunk), jnp.int32), jnp.int32(0)
+            self.program("prompt_chunk", chunk, params, partial, tokens, start, start)
+        for bucket in sorted({min(1 << (n - 1).bit_length(), self.spec.capacity) for n in long}):
+            inputs = self.free_inputs(1, bucket)
+            self.program("finish_prompt", bucket, params, proposer, partial, inputs)
 
     def move(self, source: int, slot: int) -> None:
         """The row in slot `source` copied into slot `slot` (a paged row: its table)."""
@@ -132,7 +199,7 @@ class EngineBatch:
         half), which the engine's memory check does not count. A paged pool is no part of it: these
         programs run on the state without it (`_bare`), and it is put back as it was."""
         pool = None if self.paged is None else self.state.cache
-        state = self.state if pool is None else _bare(self.state)
+        state = self.state if pool is None else without_pool(self.state)
         spare_width = None if self.spare is None else int(self.spare.done.shape[0])
         if width > self.width and width == spare_width:
             spare, self.spare = self.spare, None
@@ -235,6 +302,9 @@ class EngineBatch:
             return kind, (dataclasses.replace(one, prompt_bucket=size),)
         if kind == "scored_prefill":  # the same, scoring the prompt's tokens (Request.prompt_logprobs)
             return "prefill", (dataclasses.replace(one, prompt_bucket=size, prompt_logprobs=self.logprobs),)
+        if kind in ("pool_chunks", "pool_row"):  # a paged prefill (`size`: the chunk, the bucket)
+            paged = dataclasses.replace(self.spec, batch_size=1, prefill_chunk=self.page_chunk)
+            return kind, (paged if kind == "pool_chunks" else dataclasses.replace(paged, prompt_bucket=size),)
         if kind in ("start_prompt", "prompt_chunk", "finish_prompt"):  # a long prompt's (`size`:
             # the chunk, or the bucket the finish pads the prompt to)
             return kind, (dataclasses.replace(one, prompt_bucket=size, prefill_chunk=self.chunk),)
@@ -262,9 +332,8 @@ class EngineBatch:
         serves."""
         row, slot = self.free_row, jnp.int32(0)
         for w in self.widths:
-            if self.paged is None:
-                self.program("write", w, self.state_shape(w), row, slot)
-            else:
+            self.program("write", w, self.state_shape(w), row, slot)
+            if self.paged is not None:  # (a dense row: a prompt whose logprobs its prefill scores)
                 table = jnp.asarray(self.paged.free_tables(1)[0])
                 self.program("write_paged", w, self.state_shape(w), dense_row, slot, table)
             if w > 1:
@@ -275,14 +344,8 @@ class EngineBatch:
             self.program(("resize", small), big, self.bare_shape(big), row)
         for small, big in itertools.combinations(self.widths, 2):
             self.program(("fill", small), big, self.bare_shape(big), self.bare_shape(small), row)
-
-
-def _bare(state: DecodeState) -> DecodeState:
-    """A paged state without its pool (empty arrays in its place): what the programs that change
-    the width take, so that the pool, every row's, is neither copied nor donated by them."""
-    cache = state.cache
-    empty = [tuple(jnp.zeros((0,), buffer.dtype) for buffer in buffers) for buffers in (cache.k, cache.v)]
-    return state.replace(cache=cache.replace(k=empty[0], v=empty[1]))
+        if self.paged is not None:  # the paged prefill's chunks: one program for every prompt
+            self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
 
 
 def _with_pool(state, pool):

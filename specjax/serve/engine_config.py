@@ -143,6 +143,12 @@ class EngineConfig:
     of the device's free memory when the engine starts (vLLM's gpu_memory_utilization, of what is
     free rather than of the whole device)."""
 
+    prefix_caching: bool = True
+    """With page_size: full pages are keyed by their content and shared by later requests whose
+    prompts begin with the same tokens (vLLM's automatic prefix caching): a hit prefills only
+    the rest, and its proposer drafts as on a miss (the features it reads are kept with the pages;
+    a draft model's own cache is made again from the prompt). False: every prompt prefilled."""
+
     def __post_init__(self):
         check_int("max_batch", self.max_batch, 1)
         self._check_pages()

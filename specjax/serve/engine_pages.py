@@ -80,11 +80,11 @@ class SlotPages:
     """The pages of `max_batch` slots' rows in the pool of `layout` (its null page among them),
     each row's table `layout.table_width` pages wide."""
 
-    def __init__(self, layout: PagedLayout, max_batch: int, spec: LoopSpec):
+    def __init__(self, layout: PagedLayout, max_batch: int, spec: LoopSpec, prefix_caching: bool):
         page_size, table_width = layout.page_size, layout.table_width
         itemsize = np.dtype(spec.cache_dtype).itemsize
         self.bytes = cache_bytes(spec.config, layout.num_pages, page_size, itemsize)  # the pool's
-        self.pool = PagePool(layout.num_pages, page_size, prefix_caching=False)
+        self.pool = PagePool(layout.num_pages, page_size, prefix_caching=prefix_caching)
         self.page_size, self.table_width = page_size, table_width
         self.tables = np.full((max_batch, table_width), NULL_PAGE, np.int32)
         self.request_of: list[int | None] = [None] * max_batch
@@ -94,20 +94,41 @@ class SlotPages:
     def capacity_tokens(self) -> int:
         return self.pool.capacity_tokens
 
-    def admit(self, slot: int, request_id: int, prompt, slots: int, reserve: int = 0) -> bool:
-        """Pages holding `slots` slots for a request about to take `slot`, leaving `reserve` pages
-        available (what the running rows grow by in the next chunk: a request admitted into the
-        pages they need would be preempted at once). False, nothing taken, where the pool has too
-        few."""
+    def cached_tokens(self, prompt) -> int:
+        """How many of the prompt's tokens the prefix cache holds now (full pages; never its last
+        token, whose logits the prefill must compute), without taking them."""
+        return len(self.pool.cached_prefix(prompt, max_tokens=len(prompt) - 1)) * self.page_size
+
+    def admit(self, request_id: int, prompt, slots: int, reserve: int = 0, cached: bool = True) -> int | None:
+        """Pages holding `slots` slots for a request, the cached pages its prompt begins with
+        first (unless not `cached`), leaving `reserve` pages available (what the running rows
+        grow by in the next chunk: a request admitted into the pages they need would be preempted
+        at once). Returns how many prompt tokens the cached pages hold (its prefill starts there);
+        None, nothing taken, where the pool has too few."""
         slots = min(slots, self.table_width * self.page_size)
         if self.pool.pages_for(slots) + reserve > self.pool.available_pages:
-            return False
-        admission = self.pool.admit(request_id, prompt, slots)
-        if admission is None:
-            return False
+            return None
+        limit = len(prompt) - 1 if cached else 0
+        admission = self.pool.admit(request_id, prompt, slots, max_cached_tokens=limit)
+        return None if admission is None else admission.cached_tokens
+
+    def place(self, slot: int, request_id: int) -> None:
+        """The request's row now in slot `slot` (its pages in the slot's table)."""
         self.request_of[slot] = request_id
         self._set(slot)
-        return True
+
+    def table_of(self, request_id: int) -> np.ndarray:
+        return self.pool.table(request_id, self.table_width)
+
+    def register(self, request_id: int, tokens) -> None:
+        """Offer the request's full pages holding `tokens` (the first of its committed tokens) to
+        the prefix cache."""
+        self.pool.register(request_id, tokens)
+
+    def drop(self, request_id: int) -> None:
+        """The pages of a request that holds no slot (a prompt in chunks, aborted) given back."""
+        if self.pool.holds(request_id):
+            self.pool.release(request_id)
 
     def grow(self, slot: int, slots: int) -> bool:
         """Slot `slot`'s row grown to hold `slots` slots (at most its table's); False where the
@@ -138,9 +159,6 @@ class SlotPages:
         """The pages slot `slot`'s row lacks to hold `slots` slots."""
         slots = min(slots, self.table_width * self.page_size)
         return max(0, self.pool.pages_for(slots) - len(self.pool.pages(self.request_of[slot])))
-
-    def table(self, slot: int) -> np.ndarray:
-        return self.tables[slot].copy()
 
     def take_changed(self, width: int) -> np.ndarray | None:
         """The first `width` tables where they changed since the last call, else None."""

@@ -5,7 +5,9 @@
 - `start_prompt`, `prompt_chunk`, `finish_prompt`: the same for a long prompt in chunks of a fixed
   size, run one at a time between the running rows' chunks (a `PartialPrefill` in between);
 - `write_row`: a prefilled row into a free slot of the running state, the other slots untouched
-  (`write_paged_row`: into a paged state's pool, through the row's page table);
+  (`write_paged_row`: a dense row's cache into a paged state's pool, through its page table);
+- `pool_chunks`, `pool_row`: a paged engine's prefill, straight into the pool: a prompt's chunks
+  from the end of its cached prefix, then its row (written by `write_row`);
 - `move_row`: a running row copied into a free slot below it;
 - `resize`: the running state grown to a wider width (free rows added) or cut to a narrower one;
 - `fill`: the growth back to a width the state narrowed from, into the kept buffers of that state;
@@ -27,7 +29,7 @@ import jax.numpy as jnp
 
 from specjax.models.llama import lm_head
 from specjax.speculate.loop import DecodeState, LoopSpec, prefill, resume_program
-from specjax.speculate.prefill import PartialPrefill, first_tokens, prefill_chunk
+from specjax.speculate.prefill import PartialPrefill, first_tokens, prefill_chunk, prefill_pages
 
 SHARED = -1  # the batch axis of a leaf that all rows share
 
@@ -148,6 +150,54 @@ def write_paged_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, 
     return write_row(spec, axes, state, row, slot)
 
 
+def without_pool(state):
+    """A paged state (or row) without its pool: empty arrays in its place, so that a program that
+    takes or makes it neither copies nor donates the pool, every row's."""
+    cache = state.cache
+    empty = [tuple(jnp.zeros((0,), buffer.dtype) for buffer in buffers) for buffers in (cache.k, cache.v)]
+    return state.replace(cache=cache.replace(k=empty[0], v=empty[1]))
+
+
+def _feature_rows(features, table, extra: int = 0):
+    """A row's features [1, W*P + extra, F] read from a feature pool [N, P, F] through its table
+    [W] (zeros past its pages' slots)."""
+    rows = features[table].reshape(1, -1, features.shape[-1])
+    return jnp.pad(rows, ((0, 0), (0, extra), (0, 0)))
+
+
+def pool_chunks(spec: LoopSpec, params, cache, features, table, tokens, start, length, count, last_hidden):
+    """`count` chunks of one prompt (tokens [L], `length` of them) from position `start`, into the
+    pool of `cache` (a paged cache: its buffers are the pool, donated) through the request's
+    table [W], and into the feature pool [N, P, F] where the proposer reads features ([0]
+    otherwise). Returns (the pool's keys, its values, the feature pool, the hidden state at the
+    prompt's last token once a chunk held it: [1, D], carried from `last_hidden`). One program
+    whatever the prompt's length and the prefix it found cached."""
+    with spec.backend.tracing():
+        view = cache.replace(lengths=start[None], pages=table[None])
+        reads = spec.proposer_reads_features
+        rows = _feature_rows(features, table, spec.prefill_chunk) if reads else features
+        partial = prefill_pages(
+            spec, params, PartialPrefill(view, last_hidden, rows), tokens, start, length, count
+        )
+        if reads:
+            (W,), (_, P, F) = table.shape, features.shape
+            features = features.at[table].set(partial.features[0, : W * P].reshape(W, P, F))
+        return partial.cache.k, partial.cache.v, features, partial.last_hidden
+
+
+def pool_row(spec: LoopSpec, params, proposer_params, cache, features, table, last_hidden, inputs):
+    """The row of a prompt whose chunks are in the pool (`pool_chunks`): its proposer's state from
+    the prompt's features read back from the feature pool (the cached prefix's with them), the
+    target's cache through its table, and its first token, as `prefill_row` makes them; without
+    the pool (`without_pool`: the row is written into the running state by `write_row`)."""
+    with spec.backend.tracing():
+        logits = lm_head(params, last_hidden, spec.config)
+        bucket = inputs.prompt_tokens.shape[1]
+        rows = _feature_rows(features, table)[:, :bucket] if spec.proposer_reads_features else None
+        view = cache.replace(lengths=inputs.prompt_lengths, pages=table[None])
+        return without_pool(first_tokens(spec, params, proposer_params, inputs, logits, rows, view))
+
+
 def move_row(axes, width: int, state: DecodeState, source, slot) -> DecodeState:
     """The row in slot `source` of a `width`-slot state copied into slot `slot`."""
     return put_row(axes, state, take_row(axes, state, source, width), slot)
@@ -218,6 +268,8 @@ PROGRAMS = {
     "finish_prompt": Program(finish_prompt, donate=(2,)),
     "write": Program(write_row, donate=(0,)),
     "write_paged": Program(write_paged_row, donate=(0,)),
+    "pool_chunks": Program(pool_chunks, donate=(1, 2)),
+    "pool_row": Program(pool_row),
     "move": Program(move_row, donate=(0,)),
     "resize": Program(resize),  # (its output has another shape: nothing to donate to)
     "fill": Program(fill, donate=(0,)),

@@ -206,6 +206,23 @@ def packed_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs
     return logits, features if reads else None, cache.replace(k=k, v=v, lengths=lengths)
 
 
+def prefill_pages(spec: LoopSpec, params: LlamaParams, partial, tokens, start, length, count):
+    """`count` chunks of C = spec.prefill_chunk tokens of one prompt into a batch-1 `partial`
+    whose cache is a paged view (a pool, through the row's table), the first at position `start`
+    (the pages before it hold a cached prefix: start is a multiple of the page size); tokens [L]
+    the prompt, padded by at least C past its `length` tokens. Each chunk is `prefill_chunk`'s
+    decoding pass; the serving engine runs a prompt's chunks into its pages this way, all of them
+    at once or one between its running rows' chunks (specjax/serve/engine.py)."""
+    C = spec.prefill_chunk
+
+    def chunk(i, partial):
+        at = start + i * C
+        piece = jax.lax.dynamic_slice_in_dim(tokens, at, C)[None]  # [1, C]
+        return prefill_chunk(spec, params, partial, jnp.int32(0), piece, at, length)
+
+    return jax.lax.fori_loop(0, count, chunk, partial)
+
+
 @flax.struct.dataclass
 class PartialPrefill:
     """Prompts part-way through their chunks (`prefill_chunk`): the target's cache holding the
