@@ -226,6 +226,8 @@ def test_serve_on_pages_says_what_its_pool_holds(tiny_folder, monkeypatch, capsy
     ):
         assert cli.main([*argv, "--page-size", "16", *bad]) == 2
         assert "--kv-cache-memory" in capsys.readouterr().err
+    assert cli.main([*argv, "--page-size", "16", "--no-prefix-caching"]) == 0
+    assert not engines[-1].config.prefix_caching and engines[-2].config.prefix_caching
     assert cli.main([*argv, "--num-pages", "12"]) == 2  # without --page-size
     assert "num_pages=12 sizes a paged cache: give a page_size too" in capsys.readouterr().err
 

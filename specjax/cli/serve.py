@@ -60,6 +60,7 @@ def serve_command(args: argparse.Namespace) -> None:
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
+        prefix_caching=not args.no_prefix_caching,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         constraint_states=None if args.constraint_states == -1 else args.constraint_states,
         max_waiting=args.max_waiting,
@@ -156,6 +157,13 @@ def add_serve_command(commands) -> None:
         metavar="BYTES|FRACTION",
         help="with --page-size: the pool's bytes (an integer), or a fraction in (0, 1] of the free "
         "memory at start (e.g. 0.5)",
+    )
+    command.add_argument(
+        "--no-prefix-caching",
+        "--no-enable-prefix-caching",
+        action="store_true",
+        help="with --page-size: prefill every prompt whole (default: prompts that begin with pages "
+        "another request computed take them, and prefill only the rest)",
     )
     command.add_argument(
         "--max-logprobs",

@@ -531,6 +531,7 @@ def serve(
     page_size: int | None = None,
     num_pages: int | None = None,
     kv_cache_memory: int | float | None = None,
+    prefix_caching: bool = True,
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
     constraint_states: int | None = DEFAULT_CONSTRAINT_STATES,
     max_waiting: int | None = None,
@@ -554,7 +555,8 @@ def serve(
         is free: admission_steps), and the chunks a long prompt is prefilled in (EngineConfig).
     page_size, num_pages, kv_cache_memory: the KV cache in pages of page_size slots, in a pool of
         num_pages pages or of kv_cache_memory (bytes, or a fraction of the free memory) shared by
-        the requests as their lengths need (EngineConfig); None: a dense row per slot.
+        the requests as their lengths need (EngineConfig); None: a dense row per slot. With pages,
+        prefix_caching shares prompts' pages by content (EngineConfig.prefix_caching).
     max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
         prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
     constraint_states: the constraint automata's tables (EngineConfig.constraint_states), for
@@ -594,6 +596,7 @@ def serve(
         page_size=page_size,
         num_pages=num_pages,
         kv_cache_memory=kv_cache_memory,
+        prefix_caching=prefix_caching,
         logprobs=max_logprobs,
         constraint_states=constraint_states,
     )

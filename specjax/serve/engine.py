@@ -28,6 +28,13 @@ programs move it, each compiled ahead of time (docs/serving.md):
   request asked for them (engine_loops.py);
 - the state stays on the device between calls (donated: updated in place).
 
+On a paged cache (EngineConfig.page_size; engine_batch.py, engine_pages.py) the rows' caches are
+one pool of pages that each row reads through its page table; a prompt is prefilled straight into
+its pages, from the end of the prefix the prefix cache holds of it (pool_chunks: one program; a
+long prompt's chunks one per `step`, as above), and its row made from them (pool_row, one per
+bucket); tables change between chunks as rows grow, and the newest request is preempted when the
+pool runs out (started again later, its tokens regenerated, not sent twice).
+
 Everything that makes `generate` exact holds per row: a request's greedy tokens are those of
 `generate` on it alone, and a seeded request draws the same numbers whatever runs beside it and
 whenever it joins (its steps are numbered from its own prefill, `DecodeState.first_step`).
@@ -263,6 +270,14 @@ class Engine:
             f"KV cache: {pool.usable_pages:,} pages of {pool.page_size} slots, {self.capacity_tokens:,} "
             f"tokens ({gib:.2f} GiB); {rows}"
         )
+
+    @property
+    def prefix_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, of them the tokens found there) since
+        the engine started; (0, 0) without one."""
+        if self._pages is None:
+            return 0, 0
+        return self._pages.pool.queries, self._pages.pool.hits
 
     @property
     def cache_usage(self) -> float:
@@ -605,40 +620,34 @@ class Engine:
 
     # ----- pages (EngineConfig.page_size) -----------------------------------------------------
 
-    def _row_slots(self, slot: Running | None, steps: int, request: Request | None = None) -> int:
-        """The slots a running row (or a request about to be admitted) holds for a chunk of
-        `steps` steps: what they may commit (a verify pass's drafts and the target's token each,
-        up to the request's last token) and the slots one more verify pass writes past them."""
-        width, request = self.spec.num_drafted + 1, request or slot.request
-        length = len(request.prompt) + 1 if slot is None else slot.reported
-        return min(length + steps * width, len(request.prompt) + request.max_new_tokens) + width
-
     def _take_pages(self, request_id: int, request: Request) -> int | None:
-        """Pages for a request about to be prefilled, for its prompt and its first chunk, leaving
-        the running rows what they grow by in the next chunk: how many of its prompt's tokens the
-        prefix cache gave (its prefill starts there), or None (it waits) where the pool has too
-        few. 0 for a dense cache."""
+        """Pages for a request about to be prefilled (`SlotPages.take`): how many of its prompt's
+        tokens the prefix cache gave, or None (it waits); 0 for a dense cache."""
         if self._pages is None:
             return 0
-        steps = self.chunk_steps
         running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
-        reserve = sum(self._pages.growth(i, self._row_slots(slot, steps)) for i, slot in running)
-        slots = self._row_slots(None, steps, request)
-        scored = request.prompt_logprobs is not None  # (its one-pass prefill scores every token)
-        return self._pages.admit(request_id, request.prompt, slots, reserve, cached=not scored)
+        return self._pages.take(request_id, request, running, self.chunk_steps)
 
     def _grow_rows(self, steps: int) -> None:
         """Pages for every running row's next chunk of `steps` steps, oldest request first; where
-        the pool has too few, the newest running request is preempted (`_preempt`) until they fit.
-        The oldest always fits (the pool holds one request of max_model_len: engine_pages.py)."""
+        the pool has too few, the newest running request is preempted (`_preempt`) until they fit,
+        and before the last running one, a prompt part-way through its chunks (queued first again,
+        its chunks to run again). The oldest always fits alone (the pool holds one request of
+        max_model_len: engine_pages.py)."""
         for b in sorted((i for i, s in enumerate(self._slots) if s is not None), key=self._age):
             slot = self._slots[b]  # (None: preempted for an older row's pages)
             while (
                 slot is not None
                 and slot is self._slots[b]
-                and not self._pages.grow(b, self._row_slots(slot, steps))
+                and not self._pages.grow(b, self._pages.row_slots(slot, steps))
             ):
                 newest = max((i for i, s in enumerate(self._slots) if s is not None), key=self._age)
+                if newest == b and self._in_chunks is not None:  # a prompt in chunks goes first
+                    prompt, self._in_chunks = self._in_chunks, None
+                    self._pages.drop(prompt.request_id)
+                    self._waiting.appendleft((prompt.request_id, prompt.request))
+                    self.stats.preemptions += 1
+                    continue
                 self._preempt(newest)
 
     def _age(self, b: int) -> int:

@@ -1,11 +1,18 @@
 """The engine's paged KV cache on the host (EngineConfig.page_size): how many pages the pool has,
-which pages each slot's row holds and the page tables the device reads (`SlotPages`).
+which pages each request holds, the page tables the device reads and the prefix cache
+(`SlotPages`, over serve/pages.py's `PagePool`).
 
 A row holds pages for what it has committed and what the next chunk may write: its length, a
 chunk's steps of at most `step_tokens` committed tokens each, and one verify pass past them
-(`slots_for`); the engine grows each row to that before every chunk, and a row that cannot grow
+(`row_slots`); the engine grows each row to that before every chunk, and a row that cannot grow
 preempts the newest running request (engine.py). Slots past what a row holds map to the null
 page (models/cache.py), where a pass's stale writes land unread.
+
+With prefix caching, a request's prompt takes the cached full pages it begins with (never its
+last token, whose logits its prefill must compute) and its prefill starts after them
+(engine_batch.py, `prefill_pages`); once prefilled, its prompt's full pages are offered to the
+cache (`register`), and, where the proposer reads no features of the target, the pages its
+generated tokens fill too.
 """
 
 from __future__ import annotations
@@ -85,6 +92,7 @@ class SlotPages:
         itemsize = np.dtype(spec.cache_dtype).itemsize
         self.bytes = cache_bytes(spec.config, layout.num_pages, page_size, itemsize)  # the pool's
         self.pool = PagePool(layout.num_pages, page_size, prefix_caching=prefix_caching)
+        self.step_tokens = spec.num_drafted + 1  # the most a step commits, and what it writes
         self.page_size, self.table_width = page_size, table_width
         self.tables = np.full((max_batch, table_width), NULL_PAGE, np.int32)
         self.request_of: list[int | None] = [None] * max_batch
@@ -98,6 +106,26 @@ class SlotPages:
         """How many of the prompt's tokens the prefix cache holds now (full pages; never its last
         token, whose logits the prefill must compute), without taking them."""
         return len(self.pool.cached_prefix(prompt, max_tokens=len(prompt) - 1)) * self.page_size
+
+    def row_slots(self, slot, steps: int, request=None) -> int:
+        """The slots a running row (`slot`, an engine_rows.Running) or a request about to be
+        admitted (`slot` None) holds for a chunk of `steps` steps: what they may commit (a verify
+        pass's drafts and the target's token each, up to the request's last token) and the slots
+        one more verify pass writes past them."""
+        width, request = self.step_tokens, request or slot.request
+        length = len(request.prompt) + 1 if slot is None else slot.reported
+        return min(length + steps * width, len(request.prompt) + request.max_new_tokens) + width
+
+    def take(self, request_id: int, request, running, steps: int) -> int | None:
+        """Pages for a request about to be prefilled, for its prompt and its first chunk of
+        `steps`, leaving the `running` rows ((slot, Running) pairs) what they grow by in their next
+        chunk: how many of its prompt's tokens the prefix cache gave (its prefill starts there),
+        or None (it waits) where the pool has too few. A request whose prompt is scored
+        (prompt_logprobs) takes no cached pages: its one-pass prefill scores every token."""
+        reserve = sum(self.growth(i, self.row_slots(slot, steps)) for i, slot in running)
+        slots = self.row_slots(None, steps, request)
+        cached = request.prompt_logprobs is None
+        return self.admit(request_id, request.prompt, slots, reserve, cached=cached)
 
     def admit(self, request_id: int, prompt, slots: int, reserve: int = 0, cached: bool = True) -> int | None:
         """Pages holding `slots` slots for a request, the cached pages its prompt begins with

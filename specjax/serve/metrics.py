@@ -14,6 +14,8 @@ process, as in the tests, do not clash.
     kv_cache_usage_perc                            gauge: the KV cache in use, 0 to 1 (a paged
                                                    engine's pages held; a dense one's slots)
     num_preemptions                                counter: requests preempted for their pages
+    prefix_cache_queries, prefix_cache_hits        counters: prompt tokens looked up in the prefix
+                                                   cache, and of them the tokens found there
     request_success{finished_reason}               counter: finished requests (stop, length, abort)
     request_overloaded                             counter: requests refused with 503, max_waiting
                                                    waiting already (specjax's own; vLLM has none)
@@ -55,7 +57,11 @@ class ServerMetrics:
         self.waiting = metric(Gauge, "num_requests_waiting", "Requests waiting for a slot.")
         self.cache_usage = metric(Gauge, "kv_cache_usage_perc", "KV cache in use (1: all of it).")
         self.preemptions = metric(Counter, "num_preemptions", "Requests preempted as the KV cache ran out.")
-        self._preempted = 0  # the engine's count at the last `set_cache`
+        self.prefix_queries = metric(
+            Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = metric(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self._seen = {"preemptions": 0, "queries": 0, "hits": 0}  # the engine's, at the last set_cache
         self.success = metric(
             Counter, "request_success", "Finished requests by finish reason.", ["finished_reason"]
         )
@@ -87,6 +93,8 @@ class ServerMetrics:
         for counter in (
             self.overloaded,
             self.preemptions,
+            self.prefix_queries,
+            self.prefix_hits,
             self.prompt_tokens,
             self.generation_tokens,
             self.num_drafts,
@@ -99,12 +107,18 @@ class ServerMetrics:
         self.running.labels(self.model_name).set(running)
         self.waiting.labels(self.model_name).set(waiting)
 
-    def set_cache(self, usage: float, preemptions: int) -> None:
-        """The engine's KV cache in use (0 to 1) and its preemptions since it started."""
+    def set_cache(self, usage: float, preemptions: int, queries: int = 0, hits: int = 0) -> None:
+        """The engine's KV cache in use (0 to 1), and its counts since it started: preemptions, and
+        the prompt tokens its prefix cache was asked for and found."""
         self.cache_usage.labels(self.model_name).set(usage)
-        if preemptions > self._preempted:
-            self.preemptions.labels(self.model_name).inc(preemptions - self._preempted)
-            self._preempted = preemptions
+        for name, counter, now in (
+            ("preemptions", self.preemptions, preemptions),
+            ("queries", self.prefix_queries, queries),
+            ("hits", self.prefix_hits, hits),
+        ):
+            if now > self._seen[name]:
+                counter.labels(self.model_name).inc(now - self._seen[name])
+                self._seen[name] = now
 
     def rejected(self) -> None:
         """A request refused because the waiting queue was full."""

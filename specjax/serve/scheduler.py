@@ -184,7 +184,8 @@ class Scheduler:
                 if self.engine.has_work:
                     self._step()
                 self.metrics.set_queue(self.engine.num_running, self.engine.num_waiting)
-                self.metrics.set_cache(self.engine.cache_usage, self.engine.stats.preemptions)
+                engine = self.engine
+                self.metrics.set_cache(engine.cache_usage, engine.stats.preemptions, *engine.prefix_counts)
             self._shut_down(Unavailable("the server is shutting down"))
         except BaseException as error:  # a bug here: fail the open requests, /health reports it
             self.error = error
