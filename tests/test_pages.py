@@ -202,3 +202,18 @@ def test_random_run_against_a_simulated_device(seed):
             assert device.read(hit, len(hit) * 4) == tokens[: len(hit) * 4]
         pool.check()
     assert served and preempted and pool.hits > 0
+
+
+def test_reset_cache_forgets_every_key():
+    pool = PagePool(8, 4)
+    tokens = list(range(12))
+    pool.admit("a", tokens, 12)
+    pool.register("a", tokens)
+    pool.admit("b", tokens, 12)  # holds a's pages too
+    pool.release("a")
+    pool.reset_cache()
+    pool.check()
+    assert pool.cached_prefix(tokens) == []
+    pool.release("b")
+    pool.check()
+    assert pool.available_pages == pool.usable_pages

@@ -406,8 +406,8 @@ def test_sixteen_threads_on_four_slots_each_equal_generate_alone(load_server):
 def test_sixteen_threads_on_a_pool_of_pages_too_small_for_them_each_equal_generate_alone():
     """The same 16 requests on a paged engine whose pool holds one request of max_model_len but
     not four at once: rows wait for pages or are preempted and start again (Engine's page_size),
-    and each answer is still generate's alone; /metrics counts the preemptions and the cache in use, and every page
-    is back at the end."""
+    and each answer is still generate's alone; /metrics counts the preemptions, the prefix cache's
+    queries and hits and the cache in use, and every page is back at the end."""
     proposer = specjax.SelfDraft(layers=1, k=3)
     engine = Engine(
         LOAD_MODEL, proposer, max_batch=4, max_model_len=96, chunk_steps=3, page_size=16, num_pages=7

@@ -62,6 +62,7 @@ import numpy as np
 
 from specjax import planner
 from specjax.checks import is_int
+from specjax.models.cache import cache_bytes
 from specjax.models.model import Model
 from specjax.serve import engine_loops
 from specjax.serve.engine_automata import ConstraintPool, StopStringTables
@@ -264,12 +265,20 @@ class Engine:
         tokens (0.10 GiB); 8 slots of at most 2,048 tokens"."""
         rows = f"{self.max_batch} slots of at most {self.max_model_len:,} tokens"
         if self._pages is None:
-            return f"KV cache: dense, {rows} each ({self.capacity_tokens:,} tokens)"
+            itemsize = np.dtype(self.spec.cache_dtype).itemsize
+            gib = cache_bytes(self.model.config, self.max_batch, self.spec.capacity, itemsize) / (1 << 30)
+            return f"KV cache: dense, {rows} each ({self.capacity_tokens:,} tokens, {gib:.2f} GiB)"
         pool, gib = self._pages.pool, self._pages.bytes / (1 << 30)
         return (
             f"KV cache: {pool.usable_pages:,} pages of {pool.page_size} slots, {self.capacity_tokens:,} "
             f"tokens ({gib:.2f} GiB); {rows}"
         )
+
+    def reset_prefix_cache(self) -> None:
+        """Forget what the prefix cache holds (a paged engine's; nothing to do on a dense one):
+        later prompts are prefilled whole until their pages are cached again."""
+        if self._pages is not None:
+            self._pages.pool.reset_cache()
 
     @property
     def prefix_counts(self) -> tuple[int, int]:
@@ -364,7 +373,8 @@ class Engine:
         chunks = self.stats.prompt_chunks
         self._admit_waiting()
         if self.stats.admissions > admitted or self.stats.prompt_chunks > chunks:
-            jax.block_until_ready(self._batch.state)  # (the prefills' time, not the next chunk's)
+            partial = None if self._in_chunks is None else self._in_chunks.partial
+            jax.block_until_ready((self._batch.state, partial))  # (the prefills' time, not the next chunk's)
             self.stats.admission_s += time.perf_counter() - start
         if self.num_running == 0:
             return []

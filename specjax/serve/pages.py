@@ -235,6 +235,14 @@ class PagePool:
         for page in reversed(held.pages):
             self._drop(page)
 
+    def reset_cache(self) -> None:
+        """Forget every cached key (vLLM's reset_prefix_cache): pages nobody holds are free again,
+        and held pages are their holders' alone; nothing later hits what was cached before."""
+        self._free.extend(self._cached)
+        self._cached.clear()
+        self._key_of.clear()
+        self._page_of.clear()
+
     # ----- the pages themselves ------------------------------------------------------------------
 
     def _shared(self, page: int) -> bool:
