@@ -17,6 +17,7 @@ from drafters import (
     noisy_copy,
     quiet_target,
     trained_medusa,
+    trained_mlp_speculator,
 )
 from test_engine import NOISY_DRAFT, TARGET, _prompts, alone, drive
 
@@ -227,6 +228,12 @@ PREFIX_CASES = {  # name: (target, proposer), every kind of proposer state
         specjax.DFlash(first_layer_dflash(CONSTANT_QUERIES, block_size=4, aux_layer_ids=(0, 2))),
     ),
     "medusa": lambda: (TARGET, specjax.Medusa(trained_medusa(TARGET, num_heads=2))),
+    "mlp-speculator": lambda: (
+        TARGET,
+        specjax.MLPSpeculator(
+            trained_mlp_speculator(TARGET, steps=300, n_predict=3, positions_per_sequence=None)
+        ),
+    ),
 }
 FAST_PREFIX = ("plain", "ngram", "eagle-tree")  # the others in make test-all
 
