@@ -1,5 +1,5 @@
 """The serving engine on pages against its dense rows: a shared system prompt, and what the KV
-cache holds at start.
+cache holds at start; with --vllm, vLLM's CPU build on the same requests.
 
     .venv/bin/python benchmarks/paged_engine.py [--requests 12] [--max-batch 4] [--system-tokens 600]
         [--max-new-tokens 64] [--rounds 2] [--page-size 128] [--data ../shared/data]
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from pathlib import Path
 
 import numpy as np
 from common import data_dir, machine, markdown_table
@@ -102,6 +103,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--proposer", choices=("plain", "ngram"), default="plain")
+    parser.add_argument(
+        "--vllm",
+        metavar="PYTHON",
+        help="also vLLM's CPU build (the python of its venv: benchmarks/vllm_worker.py), prefix caching "
+        "off and on, --max-batch sequences at once, the same token ids, in the same rounds",
+    )
     args = parser.parse_args()
 
     model = specjax.load("smollm2-135m")
@@ -126,6 +133,22 @@ def main() -> None:
         run(engine, requests[:2])  # warm-up: every program the timed rounds run
         engines[name] = engine
 
+    peers = {}
+    if args.vllm:
+        from vllm_peer import DEFAULT_FOLDER, VLLM, hf_folder
+
+        folder = hf_folder(model, Path(DEFAULT_FOLDER))
+        for name, caching in (("vllm", False), ("vllm+prefix", True)):
+            peer = VLLM(
+                args.vllm,
+                folder,
+                max_model_len=max_model_len,
+                prefix_caching=caching,
+                max_num_seqs=args.max_batch,
+            )
+            peer.generate_batch([r.prompt for r in requests[:2]], args.max_new_tokens)  # warm-up
+            peers[name] = peer
+
     print(f"# {machine()}")
     print(
         f"# {len(requests)} requests, prompts of {min(len(r.prompt) for r in requests)}-{longest} tokens "
@@ -133,6 +156,7 @@ def main() -> None:
         f"{args.max_batch} slots, max_model_len {max_model_len}, {args.proposer}, {args.rounds} rounds"
     )
     results = {name: [] for name in engines}
+    vllm_runs: dict[str, list] = {}
     for round_ in range(args.rounds):
         for name, engine in engines.items():
             engine.reset_prefix_cache()  # each round from an empty cache: the first request misses
@@ -142,6 +166,11 @@ def main() -> None:
                 f"round {round_}: {name} {result['wall']:.1f} s, {result['steps']} steps, "
                 f"{result['chunks']} prompt chunks, {result['compiled']} programs compiled"
             )
+        for name, peer in peers.items():  # (one LLM.generate call of every request: its own queue)
+            batch = [r.prompt for r in requests]
+            tokens, seconds = peer.generate_batch(batch, args.max_new_tokens, reset_prefix_cache=True)
+            vllm_runs.setdefault(name, []).append((tokens, seconds))
+            print(f"round {round_}: {name} {seconds:.1f} s")
     reference = results["dense"][0]["tokens"]
     for name, runs in results.items():
         for result in runs:
@@ -162,6 +191,13 @@ def main() -> None:
                 runs[0]["preemptions"],
             ]
         )
+    for name, runs in vllm_runs.items():
+        generated = sum(len(t) for t in runs[0][0])
+        same = sum(t == ours for t, ours in zip(runs[0][0], reference, strict=True))
+        rates = " / ".join(f"{generated / seconds:.1f}" for _, seconds in runs)
+        rows.append([name, rates, "-", "-", "-", f"greedy = ours on {same}/{len(reference)}", "-"])
+    for peer in peers.values():
+        peer.close()
     header = [
         "engine",
         "tok/s (rounds)",

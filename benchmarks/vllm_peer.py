@@ -17,7 +17,15 @@ DEFAULT_FOLDER = "/tmp/smollm2-135m-hf"
 class VLLM:
     """One vllm_worker.py process (its venv's python), answering a request per call."""
 
-    def __init__(self, python: str, folder: Path, ngram: int = 0, max_model_len: int = 2048):
+    def __init__(
+        self,
+        python: str,
+        folder: Path,
+        ngram: int = 0,
+        max_model_len: int = 2048,
+        prefix_caching: bool = False,
+        max_num_seqs: int | None = None,
+    ):
         worker = Path(__file__).resolve().parent / "vllm_worker.py"
         command = [
             python,
@@ -27,6 +35,8 @@ class VLLM:
             str(ngram),
             "--max-model-len",
             str(max_model_len),
+            *(["--prefix-caching"] if prefix_caching else []),
+            *([] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]),
         ]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._answer()  # "ready", once its engine is up
@@ -49,11 +59,11 @@ class VLLM:
         )
         return answer["tokens"], answer["seconds"]
 
-    def generate_batch(self, batch, max_new_tokens: int) -> tuple[list[list[int]], float]:
-        """The prompts' greedy tokens from one `LLM.generate` call, and its seconds."""
-        answer = self._ask(
-            {"batch": [list(map(int, ids)) for ids in batch], "max_new_tokens": max_new_tokens}
-        )
+    def generate_batch(self, batch, max_new_tokens: int, reset_prefix_cache: bool = False):
+        """The prompts' greedy tokens from one `LLM.generate` call, and its seconds (its prefix
+        cache emptied first where asked)."""
+        request = {"batch": [list(map(int, ids)) for ids in batch], "max_new_tokens": max_new_tokens}
+        answer = self._ask({**request, "reset_prefix_cache": reset_prefix_cache})
         return answer["tokens"], answer["seconds"]
 
     def close(self) -> None:

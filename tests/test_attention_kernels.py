@@ -144,6 +144,60 @@ def test_pallas_decode_reads_only_visible_slots(implementation, head_dim, dtype,
     check_decode(out, lse, q64, k64, v64, lengths, starts, dtype)
 
 
+@pytest.mark.parametrize("implementation", ["tpu", "cuda", "xla"])
+@pytest.mark.parametrize("windowed", [False, True])
+def test_paged_decode_reads_each_entrys_pages_in_place(implementation, windowed):
+    """A pool of 12 pages (page 0 the null page) and the shuffled tables of 3 rows of 2 kv heads
+    (3 pages a row, in no order): each entry attends to its row's pages as to a
+    dense row of them, against the float64 reference over the gathered rows. Every slot no query
+    sees and the pages no table names are NaN, so only the pages of the visible slots reach the
+    arithmetic (for "xla", which gathers the rows and scores every slot, only the pages no table
+    names)."""
+    E, W, B, K = 64, 3, 3, 2
+    P = 128 if implementation == "tpu" else 32
+    rng = np.random.default_rng(7)
+    (q, k, v, lengths, starts), (q64, k64, v64) = decode_case(
+        5, N=B * K, G=2, T=2, E=E, S=W * P, dtype=jnp.float32, windowed=windowed
+    )
+    k_bad, v_bad = poisoned(np.asarray(k), np.asarray(v), lengths, starts)
+    if implementation == "xla":  # (it scores every slot of the rows it gathers: no poison there)
+        k_bad, v_bad = np.asarray(k), np.asarray(v)
+    pages = (1 + rng.permutation(11)[: B * W]).reshape(B, W).astype(np.int32)
+    pool_k = np.full((12 * K, E, P), np.nan, np.float32)
+    pool_v = np.full((12 * K, P, E), np.nan, np.float32)
+    for b in range(B):
+        for w in range(W):
+            for h in range(K):
+                pool_k[pages[b, w] * K + h] = k_bad[b * K + h][:, w * P : (w + 1) * P]
+                pool_v[pages[b, w] * K + h] = v_bad[b * K + h][w * P : (w + 1) * P]
+    out, lse = cache_attention(
+        q,
+        jnp.asarray(pool_k),
+        jnp.asarray(pool_v),
+        lengths,
+        starts,
+        implementation=implementation,
+        interpret=interpret_for(implementation, tpu_model=windowed),
+        num_splits=2,
+        pages=jnp.asarray(pages),
+    )
+    check_decode(out, lse, q64, k64, v64, lengths, starts, jnp.float32)
+
+
+def test_paged_decode_refuses_a_page_the_tpu_kernel_cannot_block():
+    q = jnp.zeros((2, 4, 64))
+    pool = jnp.zeros((6, 64, 16)), jnp.zeros((6, 16, 64))
+    with pytest.raises(ValueError, match="the page size"):
+        cache_attention(
+            q,
+            *pool,
+            jnp.zeros(2, jnp.int32),
+            implementation="tpu",
+            interpret=True,
+            pages=jnp.ones((1, 2), jnp.int32),
+        )
+
+
 @pytest.mark.parametrize("head_dim, dtype, windowed, slots", [*DECODE_CASES, (16, jnp.float32, True, 50)])
 def test_xla_decode(head_dim, dtype, windowed, slots):
     (q, k, v, lengths, starts), (q64, k64, v64) = decode_case(
@@ -435,6 +489,23 @@ def test_decode_lowers(platform, head_dim, dtype):
             return cache_attention(q, k, v, lengths, starts if windowed else None, implementation=platform)
 
         assert_kernel_only(export_for(platform, f, *args), platform)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_paged_decode_lowers(platform):
+    """The paged kernel (pools and page tables) lowers for each accelerator as the kernel alone:
+    no gather of the rows in front of it (which would copy every row's pages)."""
+    N, R, E, P, W, M = 8, 12, 128, 128, 5, 40
+    spec = jax.ShapeDtypeStruct
+    args = [spec((N, R, E), jnp.bfloat16), spec((M, E, P), jnp.bfloat16), spec((M, P, E), jnp.bfloat16)]
+    args += [spec((N,), jnp.int32), spec((N // 2, W), jnp.int32)]
+
+    def f(q, k, v, lengths, pages):
+        return cache_attention(q, k, v, lengths, implementation=platform, pages=pages)
+
+    exported = export_for(platform, f, *args)
+    assert_kernel_only(exported, platform)
+    assert "stablehlo.gather" not in exported.mlir_module()
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])

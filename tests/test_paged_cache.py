@@ -192,6 +192,26 @@ def test_generate_on_pages_scanned_xla_and_one_pass(options):
     assert runs[1].tokens == runs[0].tokens
 
 
+@pytest.mark.parametrize("kernels, page", [("pallas:cuda", 32), ("pallas:tpu", 128)])
+def test_generate_on_pages_with_the_pallas_kernels_reading_them(kernels, page):
+    """The Pallas kernels (in Pallas' interpreter here) read each row's pages in place, a block a
+    page, in the decoding and verify passes of an EAGLE tree and in the prefill's packed passes:
+    the dense layout's tokens and accepted counts."""
+    on = backend.Backend(("cpu",), kernels)
+    assert on.cache_attention_reads_pages(LAYERED.config.head_dim, "float32", page)
+    assert not on.cache_attention_reads_pages(LAYERED.config.head_dim, "float32", 16) or kernels.endswith(
+        "cuda"
+    )
+    prompts = [list(map(int, RNG.integers(0, 97, n))) for n in (9, 33)]
+    proposer = specjax.Eagle(first_layer_eagle(LAYERED), tree=TokenTree.top_k((2, 1)))
+    runs = [
+        specjax.generate(LAYERED, prompts, proposer=proposer, max_new_tokens=8, page_size=p, kernels=kernels)
+        for p in (None, page)
+    ]
+    assert runs[1].tokens == runs[0].tokens
+    assert runs[1].metrics.accepted.tolist() == runs[0].metrics.accepted.tolist()
+
+
 @pytest.mark.parametrize("bad", [8, 24, 0, "16", 16.0])
 def test_page_size_must_be_a_power_of_two_of_16_or_more(bad):
     with pytest.raises(

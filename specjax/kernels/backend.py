@@ -341,10 +341,19 @@ class Backend:
             return None
         return functools.partial(_by_platform, self, "cache_attention", platforms)
 
-    def cache_attention_reads_pages(self, head_dim: int, dtype) -> bool:
-        """Whether `cache_attention`'s kernel takes a paged cache's pools and its page tables
-        (keyword `pages`: the CPU kernel); a Pallas kernel reads dense rows, gathered for it."""
-        return self.cpu_kernels and self.cache_attention(head_dim, dtype) is not None
+    def cache_attention_reads_pages(self, head_dim: int, dtype, page_size: int) -> bool:
+        """Whether `cache_attention`'s kernel takes a paged cache's pools of pages of `page_size`
+        slots and its page tables (keyword `pages`) and reads each row's pages in place: the CPU
+        kernel, and the Pallas kernels on every platform the program is lowered for where the page
+        is a block they take (a multiple of 128 slots on tpu, a power of two >= 16 on cuda). Where
+        it does not, a paged cache's rows are gathered for it."""
+        if self.cache_attention(head_dim, dtype) is None:
+            return False
+        if self.cpu_kernels:
+            return True
+        power_of_two = page_size >= 16 and page_size & (page_size - 1) == 0
+        fits = {"tpu": page_size % 128 == 0, "cuda": power_of_two}
+        return all(fits[self._pallas_kernel_for(p)[0]] for p in self.pallas_platforms(head_dim))
 
     def prefill_attention(self, head_dim: int | None = None) -> Callable | None:
         """The blocked attention of a prefill into an empty cache for heads of `head_dim`, with

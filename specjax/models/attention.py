@@ -205,8 +205,8 @@ def _kernel_attention(
     kernel) and to the T fresh keys and values [B, T, K, E] under fresh_mask [T, T] (or
     [B, T, T]): what `_committed_and_fresh_attention` and `_cache_attention` compute.
 
-    A paged cache's pools go to the kernel with the page tables where it reads them
-    (`reads_pages`), and its rows gathered otherwise.
+    A paged cache's pools go to the kernel with the page tables where it reads pages of their
+    size (`reads_pages(page_size)`), and its rows gathered otherwise.
 
     `written`: the fresh keys and values are already in the cache, at slots committed[b] on. A
     pass of one token then needs no merge: the kernel reads one slot more, the token's own (a
@@ -219,7 +219,8 @@ def _kernel_attention(
         starts = jnp.broadcast_to(starts[:, None, None, :], (B, K, G, T)).reshape(B * K, G * T)
     k_cache, v_cache = buffers.keys, buffers.values
     stacked = {} if buffers.layer is None else {"layer": buffers.layer}
-    if buffers.pages is not None and (reads_pages and buffers.layer is None):
+    page_size = buffers.values.shape[-2]
+    if buffers.pages is not None and buffers.layer is None and reads_pages and reads_pages(page_size):
         stacked = {"pages": buffers.pages}  # the kernel reads the pools through the tables
     elif buffers.pages is not None:  # the rows gathered from the pools, for a kernel of dense rows
         (k_cache, v_cache), stacked = buffers.read(), {}

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Callable
 
 import jax
@@ -55,9 +56,10 @@ class PassPlan:
 
     kind: PassKind
     kernel: Callable | None = None
-    # Whether `kernel` (a decoding pass's) reads a paged cache through its tables (keyword
-    # `pages`, as the CPU's does); where it does not, a paged cache's rows are gathered for it.
-    kernel_reads_pages: bool = False
+    # Which page sizes `kernel` (a decoding pass's) reads a paged cache of through its tables
+    # (keyword `pages`: Backend.cache_attention_reads_pages); for the others, and with None, a
+    # paged cache's rows are gathered for it.
+    kernel_reads_pages: Callable[[int], bool] | None = None
 
     @property
     def writes(self) -> bool:
@@ -80,9 +82,8 @@ def plan_pass(kind: PassKind, head_dim: int, dtype, kernels: bool = True) -> Pas
     on = backend.active()
     if kind is PassKind.PREFILL:
         return PassPlan(kind, on.prefill_attention(head_dim))
-    return PassPlan(
-        kind, on.cache_attention(head_dim, dtype), on.cache_attention_reads_pages(head_dim, dtype)
-    )
+    reads_pages = functools.partial(on.cache_attention_reads_pages, head_dim, dtype)
+    return PassPlan(kind, on.cache_attention(head_dim, dtype), reads_pages)
 
 
 @dataclasses.dataclass(frozen=True)

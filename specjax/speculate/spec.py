@@ -93,7 +93,7 @@ def pages_pack(page_size: int | None, on: Backend, config: LlamaConfig, dtype: s
     """Whether a chunked prefill over a cache in pages of `page_size` (None: dense) packs the rows'
     prompts end to end on backend `on`: where its attention kernel reads the pages in place (else
     a pass of one-token rows would gather every token's row from the pools)."""
-    return page_size is not None and on.cache_attention_reads_pages(config.head_dim, dtype)
+    return page_size is not None and on.cache_attention_reads_pages(config.head_dim, dtype, page_size)
 
 
 def num_drafted(proposer) -> int:

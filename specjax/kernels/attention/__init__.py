@@ -49,9 +49,16 @@ def cache_attention(
     block_k: int | None = None,
     num_splits: int | None = None,
     layer: int | jax.Array | None = None,
+    pages: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Attention of queries [N, R, E] (already scaled) to the first lengths[n] slots of cache
     entry n: keys [N, E, S], values [N, S, E] (the KVCache's layouts), lengths [N] int32 (0..S).
+
+    pages: a paged cache's page tables [B, W] int32 (models/cache.py, KVCache.pages): keys and
+    values are then pools of pages, keys [M*K, E, P] and values [M*K, P, E] (entry m*K + k: page
+    m's kv head k, K = N / B), and entry n = b*K + k's slot s is slot s % P of the pool's entry
+    pages[b, s // P]*K + k (S = W*P). The Pallas kernels read each entry's pages in place, a block
+    a page (block_k is the page size: a multiple of 128 on tpu); "xla" gathers the rows.
 
     layer: with a stacked cache, keys [L, N, E, S] and values [L, N, S, E] (every layer's cache
     in one buffer), the layer to attend to: a Python int in 0..L-1, or an integer scalar array
@@ -76,6 +83,10 @@ def cache_attention(
     "tpu" a `pltpu.InterpretParams`).
     """
     N, R, E = _shape("queries", queries, 3, "[N, R, E]")
+    if pages is not None:
+        return _paged_cache_attention(
+            queries, keys, values, lengths, starts, pages, implementation, interpret, num_splits, layer
+        )
     if layer is None:
         S = _shape("values", values, 3, "[N, S, E] (without layer)")[1]
         _expect("keys", keys, (N, E, S), "[N, E, S] (N, E of queries, S of values; without layer)")
@@ -112,6 +123,51 @@ def cache_attention(
         block_k=block_k,
         num_splits=num_splits,
         interpret=interpret,
+    )
+
+
+def _paged_cache_attention(
+    queries, keys, values, lengths, starts, pages, implementation, interpret, num_splits, layer
+):
+    """`cache_attention` over a paged cache (its `pages` argument)."""
+    N, R, E = queries.shape
+    if layer is not None:
+        raise ValueError("cache_attention: a paged cache (pages) is one layer's pools; layer must be None")
+    B, W = _shape("pages", pages, 2, "[B, W] (page tables)")
+    M, P = _shape("values", values, 3, "[M*K, P, E] (a pool, with pages)")[:2]
+    if N % B:
+        raise ValueError(f"cache_attention: {N} query entries for {B} page tables; allowed: a multiple")
+    K = N // B
+    _expect("keys", keys, (M, E, P), "[M*K, E, P] (a pool: E of queries, P, M*K of values; with pages)")
+    _expect("lengths", lengths, (N,), "[N]")
+    if starts is not None:
+        _expect("starts", starts, (N, R), "[N, R] or None")
+        starts = jnp.asarray(starts).astype(jnp.int32)
+    _floats(queries=queries, keys=keys, values=values)
+    lengths = jnp.asarray(lengths).astype(jnp.int32)
+    _implementation(implementation)
+    # Entry n's pool entry for its block w: pages[n // K, w] * K + n % K, [N, W]
+    entries = jnp.asarray(pages, jnp.int32)[:, None, :] * K + jnp.arange(K, dtype=jnp.int32)[None, :, None]
+    entries = entries.reshape(N, W)
+    if implementation == "xla":  # the rows gathered: keys [N, E, W*P], values [N, W*P, E]
+        rows_k = jnp.moveaxis(keys[entries], 1, 2).reshape(N, E, W * P)
+        rows_v = values[entries].reshape(N, W * P, E)
+        return xla.cache_attention(queries, rows_k, rows_v, lengths, starts, None)
+    _head_dim(E, implementation, interpret)
+    _block("the page size (block_k)", P, implementation, lanes=True)
+    num_splits = DECODE_SPLITS[implementation] if num_splits is None else num_splits
+    run = decode.tpu_cache_attention if implementation == "tpu" else decode.gpu_cache_attention
+    return run(
+        queries,
+        keys,
+        values,
+        lengths,
+        starts,
+        None,
+        block_k=P,
+        num_splits=num_splits,
+        interpret=interpret,
+        entries=entries,
     )
 
 

@@ -75,15 +75,21 @@ def combine_splits(m, l, acc):
 # TPU
 
 
-def tpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_k, num_splits, interpret):
+def tpu_cache_attention(
+    queries, keys, values, lengths, starts, layer, *, block_k, num_splits, interpret, entries=None
+):
     """See `specjax.kernels.attention.cache_attention`. Grid (N, P, steps): step i of split j
     of entry n reads block lo + i of its range. The lengths and each entry's lowest window start
     arrive by scalar prefetch, so the index maps know the range: past its end they repeat the
     split's last block (the pipeline then issues no new copy) and `pl.when` skips the compute.
     A stacked cache's layer (an int32 scalar, or None) arrives by scalar prefetch too, last; the
-    key and value index maps lead with it and their blocks squeeze the layer axis."""
+    key and value index maps lead with it and their blocks squeeze the layer axis.
+
+    A paged cache (`entries` [N, W]: entry n's block w is the pool's entry entries[n, w]; keys
+    [M, E, P], values [M, P, E], block_k = P): the table arrives by scalar prefetch, flattened,
+    and the index maps read each block from the pool entry it names."""
     N, R, E = queries.shape
-    S = values.shape[-2]
+    S = values.shape[-2] if entries is None else entries.shape[1] * values.shape[-2]
     block_k = min(block_k, S)  # a block as long as the whole slot axis is always a legal shape
     steps = pl.cdiv(pl.cdiv(S, block_k), num_splits)  # the most blocks one split can get
     dtype = jnp.result_type(queries, keys, values)
@@ -98,6 +104,11 @@ def tpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
     key_at = lambda n, j, i, *refs: (n, 0, block(n, j, i, *refs))  # noqa: E731
     value_at = lambda n, j, i, *refs: (n, block(n, j, i, *refs), 0)  # noqa: E731
     prefetch = [lengths, window_lo]
+    if entries is not None:  # (never with a layer: a paged cache is one layer's pools)
+        W = entries.shape[1]
+        prefetch.append(entries.reshape(-1))
+        key_at = lambda n, j, i, *refs: (refs[2][n * W + block(n, j, i, *refs)], 0, 0)  # noqa: E731
+        value_at = key_at
     if layer is not None:
         prefetch.append(layer.reshape(1))
         key_block, value_block = (None, *key_block), (None, *value_block)
@@ -125,6 +136,7 @@ def tpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
         steps=steps,
         windowed=starts is not None,
         stacked=layer is not None,
+        paged=entries is not None,
     )
     m, l, acc = pl.pallas_call(
         kernel,
@@ -153,8 +165,8 @@ def _in_layer(index_map):
     return lambda n, j, i, *refs: (refs[-1][0], *index_map(n, j, i, *refs))
 
 
-def _tpu_kernel(lengths_ref, window_lo_ref, *refs, ranges, block_k, steps, windowed, stacked):
-    if stacked:  # a stacked cache's layer: only the index maps read it
+def _tpu_kernel(lengths_ref, window_lo_ref, *refs, ranges, block_k, steps, windowed, stacked, paged):
+    if stacked or paged:  # a stacked cache's layer, a paged one's table: only the index maps read it
         refs = refs[1:]
     q_ref, k_ref, v_ref, *refs = refs
     starts_ref = refs.pop(0) if windowed else None
@@ -192,7 +204,9 @@ def _tpu_kernel(lengths_ref, window_lo_ref, *refs, ranges, block_k, steps, windo
 # GPU (Triton)
 
 
-def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_k, num_splits, interpret):
+def gpu_cache_attention(
+    queries, keys, values, lengths, starts, layer, *, block_k, num_splits, interpret, entries=None
+):
     """See `specjax.kernels.attention.cache_attention`. Grid (N, P, row blocks): each program
     reads its entry's length, computes its split's block range and loops over exactly those
     blocks. Triton needs power-of-two tiles, so rows are padded to one (at least 16, the
@@ -200,9 +214,13 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
 
     A stacked cache's layer (an int32 scalar, or None) is one more input, last: Triton's index
     maps cannot read data, so a program takes its entry in every layer as its block (a pointer,
-    nothing is copied) and its loads offset into the layer."""
+    nothing is copied) and its loads offset into the layer.
+
+    A paged cache (`entries` [N, W]: entry n's block w is the pool's entry entries[n, w]; keys
+    [M, E, P], values [M, P, E], block_k = P): a program takes the whole pool as its block (a
+    pointer) and its entry's row of the table, and loads each block from the entry it names."""
     N, R, E = queries.shape
-    S = values.shape[-2]
+    S = values.shape[-2] if entries is None else entries.shape[1] * values.shape[-2]
     rows = max(16, pl.next_power_of_2(R))
     block_r = min(rows, 64)
     dtype = jnp.result_type(queries, keys, values)
@@ -214,7 +232,11 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
         starts = jnp.pad(starts, ((0, 0), (0, rows - R)), constant_values=np.iinfo(np.int32).max)
     entry = lambda n, j, r: (n,)  # noqa: E731
     # Keys and values: the whole entry (in every layer, for a stacked cache); the loads pick blocks.
-    if layer is None:
+    if entries is not None:
+        M, P = values.shape[:2]
+        key_spec = pl.BlockSpec((M, E, P), lambda n, j, r: (0, 0, 0))
+        value_spec = pl.BlockSpec((M, P, E), lambda n, j, r: (0, 0, 0))
+    elif layer is None:
         key_spec = pl.BlockSpec((None, E, S), lambda n, j, r: (n, 0, 0))
         value_spec = pl.BlockSpec((None, S, E), lambda n, j, r: (n, 0, 0))
     else:
@@ -233,6 +255,10 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
     if layer is not None:
         in_specs.append(pl.BlockSpec((None,), lambda n, j, r: (0,)))
         operands.append(layer.reshape(1))
+    if entries is not None:  # its row of the table, padded to a power of two (a Triton tile)
+        width = max(16, pl.next_power_of_2(entries.shape[1]))
+        in_specs.append(pl.BlockSpec((None, width), lambda n, j, r: (n, 0)))
+        operands.append(jnp.pad(entries, ((0, 0), (0, width - entries.shape[1]))))
     lm_spec = pl.BlockSpec((None, None, block_r), lambda n, j, r: (n, j, r))
     out_specs = [lm_spec, lm_spec, pl.BlockSpec((None, None, block_r, E), lambda n, j, r: (n, j, r, 0))]
     out_shape = [
@@ -242,7 +268,9 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
     ]
     ranges = functools.partial(split_range, block_k=block_k, num_splits=num_splits)
     m, l, acc = pl.pallas_call(
-        functools.partial(_gpu_kernel, ranges=ranges, block_k=block_k, stacked=layer is not None),
+        functools.partial(
+            _gpu_kernel, ranges=ranges, block_k=block_k, stacked=layer is not None, paged=entries is not None
+        ),
         grid=(N, num_splits, rows // block_r),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -255,13 +283,20 @@ def gpu_cache_attention(queries, keys, values, lengths, starts, layer, *, block_
     return out[:, :R], lse[:, :R]
 
 
-def _gpu_kernel(lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, starts_ref, *refs, ranges, block_k, stacked):
+def _gpu_kernel(
+    lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, starts_ref, *refs, ranges, block_k, stacked, paged
+):
     # A stacked cache's refs are k_ref [L, E, S] and v_ref [L, S, E], this entry in every layer:
     # its loads lead with the layer's index (one indexer: Triton's loads take no chained `.at`).
-    layer = ()
+    # A paged one's are the whole pools, k_ref [M, E, P] and v_ref [M, P, E]: a block's loads
+    # lead with the pool entry its table names, and read its page from slot 0.
+    layer, table = (), None
     if stacked:
         layer_ref, *refs = refs
         layer = (layer_ref[...],)
+    if paged:
+        table_ref, *refs = refs
+        table = table_ref[...]  # [width] this entry's pool entries, block by block
     m_out, l_out, acc_out = refs
     length, window_lo = lengths_ref[...], window_lo_ref[...]
     lo, hi = ranges(length, window_lo, pl.program_id(1))
@@ -273,14 +308,18 @@ def _gpu_kernel(lengths_ref, window_lo_ref, q_ref, k_ref, v_ref, starts_ref, *re
         m, l, acc = carry
         slots = b * block_k + jnp.arange(block_k)
         readable = (slots >= window_lo) & (slots < length)  # [block_k]
+        lead, first = layer, b * block_k
+        if paged:  # block b is page table[b], read from its slot 0 (a sum picks it: no gather)
+            lead = (jnp.sum(jnp.where(jnp.arange(table.shape[0]) == b, table, 0)),)
+            first = 0
         # Masked loads: slots outside the range (past S included) are not read at all.
         keys = plgpu.load(
-            k_ref.at[*layer, :, pl.ds(b * block_k, block_k)],
+            k_ref.at[*lead, :, pl.ds(first, block_k)],
             mask=jnp.broadcast_to(readable[None, :], (E, block_k)),
             other=0.0,
         )
         values = plgpu.load(
-            v_ref.at[*layer, pl.ds(b * block_k, block_k), :],
+            v_ref.at[*lead, pl.ds(first, block_k), :],
             mask=jnp.broadcast_to(readable[:, None], (block_k, E)),
             other=0.0,
         )
