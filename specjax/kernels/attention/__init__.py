@@ -96,13 +96,7 @@ def cache_attention(
         _expect("keys", keys, (L, N, E, S), "[L, N, E, S] (N, E of queries, L, S of values; with layer)")
         _expect("values", values, (L, N, S, E), "[L, N, S, E] (N, E of queries; with layer)")
         layer = _layer(layer, L)
-    _expect("lengths", lengths, (N,), "[N]")
-    if starts is not None:
-        _expect("starts", starts, (N, R), "[N, R] or None")
-        starts = jnp.asarray(starts).astype(jnp.int32)
-    _floats(queries=queries, keys=keys, values=values)
-    lengths = jnp.asarray(lengths).astype(jnp.int32)
-    _implementation(implementation)
+    lengths, starts = _checked_rows(queries, keys, values, lengths, starts, implementation)
     if implementation == "xla":
         return xla.cache_attention(queries, keys, values, lengths, starts, layer)
     _head_dim(E, implementation, interpret)
@@ -139,13 +133,7 @@ def _paged_cache_attention(
         raise ValueError(f"cache_attention: {N} query entries for {B} page tables; allowed: a multiple")
     K = N // B
     _expect("keys", keys, (M, E, P), "[M*K, E, P] (a pool: E of queries, P, M*K of values; with pages)")
-    _expect("lengths", lengths, (N,), "[N]")
-    if starts is not None:
-        _expect("starts", starts, (N, R), "[N, R] or None")
-        starts = jnp.asarray(starts).astype(jnp.int32)
-    _floats(queries=queries, keys=keys, values=values)
-    lengths = jnp.asarray(lengths).astype(jnp.int32)
-    _implementation(implementation)
+    lengths, starts = _checked_rows(queries, keys, values, lengths, starts, implementation)
     # Entry n's pool entry for its block w: pages[n // K, w] * K + n % K, [N, W]
     entries = jnp.asarray(pages, jnp.int32)[:, None, :] * K + jnp.arange(K, dtype=jnp.int32)[None, :, None]
     entries = entries.reshape(N, W)
@@ -169,6 +157,18 @@ def _paged_cache_attention(
         interpret=interpret,
         entries=entries,
     )
+
+
+def _checked_rows(queries, keys, values, lengths, starts, implementation):
+    """`cache_attention`'s checks of everything but the cache's shapes: (lengths, starts) as int32."""
+    N, R, _ = queries.shape
+    _expect("lengths", lengths, (N,), "[N]")
+    if starts is not None:
+        _expect("starts", starts, (N, R), "[N, R] or None")
+        starts = jnp.asarray(starts).astype(jnp.int32)
+    _floats(queries=queries, keys=keys, values=values)
+    _implementation(implementation)
+    return jnp.asarray(lengths).astype(jnp.int32), starts
 
 
 def prefill_attention(
