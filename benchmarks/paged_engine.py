@@ -64,7 +64,7 @@ def requests_for(model, questions: list[str], system_tokens: int, count: int, ma
 def run(engine: Engine, requests: list[Request]) -> dict:
     """All requests at once; tokens by request, first-token times, wall time, where it went."""
     engine.stats.reset()
-    queries, hits = engine.prefix_counts
+    queries, hits = engine.kv_cache.prefix_counts
     compiles = engine.num_compiles
     start = time.perf_counter()
     ids = [engine.add(r) for r in requests]
@@ -76,7 +76,7 @@ def run(engine: Engine, requests: list[Request]) -> dict:
             if update.tokens and update.request_id not in first:
                 first[update.request_id] = time.perf_counter() - start
     wall = time.perf_counter() - start
-    now_queries, now_hits = engine.prefix_counts
+    now_queries, now_hits = engine.kv_cache.prefix_counts
     return {
         "tokens": [tokens[i] for i in ids],
         "wall": wall,
@@ -128,7 +128,7 @@ def main() -> None:
         gc.collect()
         before = resident_bytes()
         engine = Engine(model, proposer, **common, **options)
-        memory[name] = (engine.cache_summary(), resident_bytes() - before)
+        memory[name] = (engine.kv_cache.summary(), resident_bytes() - before)
         engine.precompile(sorted({len(r.prompt) for r in requests}))
         run(engine, requests[:2])  # warm-up: every program the timed rounds run
         engines[name] = engine
@@ -159,7 +159,7 @@ def main() -> None:
     vllm_runs: dict[str, list] = {}
     for round_ in range(args.rounds):
         for name, engine in engines.items():
-            engine.reset_prefix_cache()  # each round from an empty cache: the first request misses
+            engine.kv_cache.reset_prefix_cache()  # each round from an empty cache: the first request misses
             result = run(engine, requests)
             results[name].append(result)
             print(

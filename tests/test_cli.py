@@ -213,10 +213,10 @@ def test_serve_on_pages_says_what_its_pool_holds(tiny_folder, monkeypatch, capsy
     argv = ["serve", str(tiny_folder), "--max-batch", "2", "--max-model-len", "64", "--precompile", "-1"]
     assert cli.main([*argv, "--page-size", "16", "--num-pages", "12"]) == 0
     assert "KV cache: 12 pages of 16 slots, 192 tokens" in capsys.readouterr().out
-    assert engines[-1].capacity_tokens == 192
+    assert engines[-1].kv_cache.capacity_tokens == 192
     page = specjax.models.cache.cache_bytes(engines[-1].model.config, 1, 16, 4)
     assert cli.main([*argv, "--page-size", "16", "--kv-cache-memory", str(11 * page)]) == 0
-    assert engines[-1].capacity_tokens == 10 * 16  # (the null page comes out of the bytes)
+    assert engines[-1].kv_cache.capacity_tokens == 10 * 16  # (the null page comes out of the bytes)
     assert cli.main([*argv]) == 0
     assert "KV cache: dense, 2 slots of at most 64 tokens" in capsys.readouterr().out
     for bad in (

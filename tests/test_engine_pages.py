@@ -104,7 +104,7 @@ def test_a_pool_too_small_for_every_request_preempts_the_newest_and_starts_it_ag
 
     dense_tokens, dense_logprobs = run(Engine(TARGET, **options))
     engine = Engine(TARGET, **options, page_size=16, num_pages=7)
-    assert engine.capacity_tokens == 7 * 16
+    assert engine.kv_cache.capacity_tokens == 7 * 16
     tokens, logprobs = run(engine)
     assert engine.stats.preemptions > 0
     assert tokens == dense_tokens
@@ -186,9 +186,15 @@ def test_bad_page_options_are_refused_naming_them():
         ValueError, match=r"num_pages=6: a pool of 6 pages of 16 slots \(96 tokens\) cannot hold one"
     ):
         Engine(TARGET, **OPTIONS, page_size=16, num_pages=6)
+    with pytest.raises(
+        ValueError,
+        match=r"prompt of 90 tokens it exceeds the engine's max_model_len of 96 tokens \(its KV cache's "
+        r"pool holds 112 tokens\)",
+    ):
+        Engine(TARGET, **OPTIONS, page_size=16, num_pages=7).add(Request([1] * 90, max_new_tokens=7))
     page = specjax.models.cache.cache_bytes(TARGET.config, 1, 16, 4)
     engine = Engine(TARGET, **OPTIONS, page_size=16, kv_cache_memory=9 * page)
-    assert engine.capacity_tokens == 8 * 16  # (the null page is counted in the bytes)
+    assert engine.kv_cache.capacity_tokens == 8 * 16  # (the null page is counted in the bytes)
 
 
 def test_free_slots_write_into_the_null_page():

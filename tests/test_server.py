@@ -423,11 +423,13 @@ def test_sixteen_threads_on_a_pool_of_pages_too_small_for_them_each_equal_genera
         # (whether rows were preempted depends on when the threads' requests came: the engine's
         # own tests preempt deterministically, tests/test_engine_pages.py)
         assert after[("specjax:num_preemptions_total", ())] == engine.stats.preemptions
-        queries, hits = engine.prefix_counts  # (prompts that begin with "The quick brown " share a page)
+        queries, hits = (
+            engine.kv_cache.prefix_counts
+        )  # (prompts that begin with "The quick brown " share a page)
         assert after[("specjax:prefix_cache_queries_total", ())] == queries > 0
         assert after[("specjax:prefix_cache_hits_total", ())] == hits > 0
         assert after[("specjax:kv_cache_usage_perc", ())] == 0
-        assert engine.cache_usage == 0
+        assert engine.kv_cache.usage(engine.num_running) == 0
     finally:
         server.close()
 

@@ -601,7 +601,7 @@ def serve(
         constraint_states=constraint_states,
     )
     engine = Engine(model, proposer, config)
-    print(f"specjax serve: {engine.cache_summary()}")
+    print(f"specjax serve: {engine.kv_cache.summary()}")
     if precompile is not None:
         longest = min(precompile, engine.max_model_len - 1)
         start = time.perf_counter()

@@ -62,7 +62,6 @@ import numpy as np
 
 from specjax import planner
 from specjax.checks import is_int
-from specjax.models.cache import cache_bytes
 from specjax.models.model import Model
 from specjax.serve import engine_loops
 from specjax.serve.engine_automata import ConstraintPool, StopStringTables
@@ -77,7 +76,7 @@ from specjax.serve.engine_config import (
     check_request,
 )
 from specjax.serve.engine_inputs import SlotInputs, check_memory, check_warp, engine_capacity
-from specjax.serve.engine_pages import SlotPages, paged_layout
+from specjax.serve.engine_pages import DenseRows, SlotPages, paged_layout
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
 from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import LoopSpec, program_params
@@ -144,9 +143,10 @@ class Engine:
             logprobs=planner.check_logprobs(config.logprobs, model.config.vocab_size),
         )
         layout = paged_layout(config, self.spec)
-        self._pages = (
-            None if layout is None else SlotPages(layout, config.max_batch, self.spec, config.prefix_caching)
-        )
+        self._pages = None if layout is None else SlotPages(layout, config, self.spec)
+        # What the KV cache holds and how much of it is in use (`kv_cache.summary()`, `.usage`,
+        # `.capacity_tokens`, `.prefix_counts`, `.reset_prefix_cache()`), dense or paged
+        self.kv_cache = DenseRows(config, self.spec) if self._pages is None else self._pages
         check_memory(self.config, self.spec, model.params, None if layout is None else self._pages.bytes)
         params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
@@ -253,51 +253,6 @@ class Engine:
         return self._batch.width
 
     @property
-    def capacity_tokens(self) -> int:
-        """The most tokens the running requests may hold together: the paged pool's, or every
-        slot's row of max_model_len."""
-        if self._pages is None:
-            return self.max_batch * self.max_model_len
-        return self._pages.capacity_tokens
-
-    def cache_summary(self) -> str:
-        """What the KV cache holds, for a server's start: "KV cache: 512 pages of 16 slots, 8,176
-        tokens (0.10 GiB); 8 slots of at most 2,048 tokens"."""
-        rows = f"{self.max_batch} slots of at most {self.max_model_len:,} tokens"
-        if self._pages is None:
-            itemsize = np.dtype(self.spec.cache_dtype).itemsize
-            gib = cache_bytes(self.model.config, self.max_batch, self.spec.capacity, itemsize) / (1 << 30)
-            return f"KV cache: dense, {rows} each ({self.capacity_tokens:,} tokens, {gib:.2f} GiB)"
-        pool, gib = self._pages.pool, self._pages.bytes / (1 << 30)
-        return (
-            f"KV cache: {pool.usable_pages:,} pages of {pool.page_size} slots, {self.capacity_tokens:,} "
-            f"tokens ({gib:.2f} GiB); {rows}"
-        )
-
-    def reset_prefix_cache(self) -> None:
-        """Forget what the prefix cache holds (a paged engine's; nothing to do on a dense one):
-        later prompts are prefilled whole until their pages are cached again."""
-        if self._pages is not None:
-            self._pages.pool.reset_cache()
-
-    @property
-    def prefix_counts(self) -> tuple[int, int]:
-        """(prompt tokens looked up in the prefix cache, of them the tokens found there) since
-        the engine started; (0, 0) without one."""
-        if self._pages is None:
-            return 0, 0
-        return self._pages.pool.queries, self._pages.pool.hits
-
-    @property
-    def cache_usage(self) -> float:
-        """The KV cache in use, 0 to 1: a paged engine's pages held by requests, a dense one's
-        slots taken."""
-        if self._pages is None:
-            return self.num_running / self.max_batch
-        pool = self._pages.pool
-        return (pool.usable_pages - pool.available_pages) / pool.usable_pages
-
-    @property
     def num_waiting(self) -> int:
         """Requests not yet decoding: queued, or a long prompt part-way through its chunks."""
         return len(self._waiting) + (self._in_chunks is not None)
@@ -312,8 +267,9 @@ class Engine:
 
     def add(self, request: Request) -> int:
         """Check a request and queue it; returns its id. ValueError naming what is wrong."""
+        pool = None if self._pages is None else self._pages.capacity_tokens
         prompt = check_request(
-            request, self.model.config.vocab_size, self.max_model_len, self.config.logprobs
+            request, self.model.config.vocab_size, self.max_model_len, self.config.logprobs, pool
         )
         planner.check_token_options([request.sampling], self.model)
         if request.sampling.constraint is not None:

@@ -322,10 +322,13 @@ class EngineStats:
         return ", ".join(parts)
 
 
-def check_request(request, vocab_size: int, max_model_len: int, max_logprobs: int | None) -> list[int]:
+def check_request(
+    request, vocab_size: int, max_model_len: int, max_logprobs: int | None, pool_tokens: int | None = None
+) -> list[int]:
     """A request's prompt as a list of token ids, after the checks of its own fields (what the
     engine checks beside them, the sampling options, it checks itself); `max_logprobs`: the
-    engine's EngineConfig.logprobs."""
+    engine's EngineConfig.logprobs; `pool_tokens`: a paged engine's pool (named where a request
+    could never fit: the pool holds one request of max_model_len, engine_pages.py)."""
     if not isinstance(request, Request):
         raise ValueError(f"request must be a specjax.serve.Request, got {type(request).__name__}")
     prompt = request.prompt
@@ -340,6 +343,7 @@ def check_request(request, vocab_size: int, max_model_len: int, max_logprobs: in
         raise ValueError(
             f"max_new_tokens={request.max_new_tokens}: with a prompt of {len(prompt)} tokens it "
             f"exceeds the engine's max_model_len of {max_model_len} tokens"
+            + ("" if pool_tokens is None else f" (its KV cache's pool holds {pool_tokens} tokens)")
         )
     if not isinstance(request.sampling, Sampling):
         raise ValueError(f"sampling must be a specjax.Sampling, got {type(request.sampling).__name__}")

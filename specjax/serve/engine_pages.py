@@ -83,15 +83,43 @@ def pool_pages(
     return int(budget // page_bytes) - 1  # (the null page comes out of the budget too)
 
 
+class DenseRows:
+    """A dense KV cache's report (what `SlotPages` says of a paged one): `max_batch` rows of
+    `spec.capacity` slots, each request's own."""
+
+    prefix_counts = (0, 0)  # (no prefix cache)
+
+    def __init__(self, config: EngineConfig, spec: LoopSpec):
+        self.max_batch, self.max_model_len = config.max_batch, config.max_model_len
+        self.capacity_tokens = config.max_batch * config.max_model_len
+        self.bytes = cache_bytes(
+            spec.config, config.max_batch, spec.capacity, np.dtype(spec.cache_dtype).itemsize
+        )
+
+    def summary(self) -> str:
+        """What the cache holds, for a server's start."""
+        rows = f"{self.max_batch} slots of at most {self.max_model_len:,} tokens"
+        gib = self.bytes / (1 << 30)
+        return f"KV cache: dense, {rows} each ({self.capacity_tokens:,} tokens, {gib:.2f} GiB)"
+
+    def usage(self, num_running: int) -> float:
+        """The cache in use, 0 to 1: the slots taken."""
+        return num_running / self.max_batch
+
+    def reset_prefix_cache(self) -> None:
+        """(Nothing to forget.)"""
+
+
 class SlotPages:
     """The pages of `max_batch` slots' rows in the pool of `layout` (its null page among them),
     each row's table `layout.table_width` pages wide."""
 
-    def __init__(self, layout: PagedLayout, max_batch: int, spec: LoopSpec, prefix_caching: bool):
-        page_size, table_width = layout.page_size, layout.table_width
+    def __init__(self, layout: PagedLayout, config: EngineConfig, spec: LoopSpec):
+        page_size, table_width, max_batch = layout.page_size, layout.table_width, config.max_batch
+        self.max_batch, self.max_model_len = max_batch, config.max_model_len
         itemsize = np.dtype(spec.cache_dtype).itemsize
         self.bytes = cache_bytes(spec.config, layout.num_pages, page_size, itemsize)  # the pool's
-        self.pool = PagePool(layout.num_pages, page_size, prefix_caching=prefix_caching)
+        self.pool = PagePool(layout.num_pages, page_size, prefix_caching=config.prefix_caching)
         self.step_tokens = spec.num_drafted + 1  # the most a step commits, and what it writes
         self.page_size, self.table_width = page_size, table_width
         self.tables = np.full((max_batch, table_width), NULL_PAGE, np.int32)
@@ -100,7 +128,32 @@ class SlotPages:
 
     @property
     def capacity_tokens(self) -> int:
+        """The most tokens the running requests may hold together."""
         return self.pool.capacity_tokens
+
+    def summary(self) -> str:
+        """What the cache holds, for a server's start: "KV cache: 512 pages of 16 slots, 8,192
+        tokens (0.36 GiB); 8 slots of at most 2,048 tokens"."""
+        pool, gib = self.pool, self.bytes / (1 << 30)
+        return (
+            f"KV cache: {pool.usable_pages:,} pages of {pool.page_size} slots, {self.capacity_tokens:,} "
+            f"tokens ({gib:.2f} GiB); {self.max_batch} slots of at most {self.max_model_len:,} tokens"
+        )
+
+    def usage(self, num_running: int) -> float:
+        """The cache in use, 0 to 1: the pages requests hold."""
+        pool = self.pool
+        return (pool.usable_pages - pool.available_pages) / pool.usable_pages
+
+    @property
+    def prefix_counts(self) -> tuple[int, int]:
+        """(prompt tokens looked up in the prefix cache, of them the tokens found there)."""
+        return self.pool.queries, self.pool.hits
+
+    def reset_prefix_cache(self) -> None:
+        """Forget what the prefix cache holds: later prompts are prefilled whole until their pages
+        are cached again."""
+        self.pool.reset_cache()
 
     def cached_tokens(self, prompt) -> int:
         """How many of the prompt's tokens the prefix cache holds now (full pages; never its last

@@ -184,8 +184,9 @@ class Scheduler:
                 if self.engine.has_work:
                     self._step()
                 self.metrics.set_queue(self.engine.num_running, self.engine.num_waiting)
-                engine = self.engine
-                self.metrics.set_cache(engine.cache_usage, engine.stats.preemptions, *engine.prefix_counts)
+                cache = self.engine.kv_cache
+                usage = cache.usage(self.engine.num_running)
+                self.metrics.set_cache(usage, self.engine.stats.preemptions, *cache.prefix_counts)
             self._shut_down(Unavailable("the server is shutting down"))
         except BaseException as error:  # a bug here: fail the open requests, /health reports it
             self.error = error
