@@ -299,3 +299,30 @@ def test_pages_of_generated_tokens_are_shared_by_a_follow_up_turn():
     followed = engine.run([turn])[1]
     assert engine._pages.pool.hits - hits == (len(turn.prompt) - 3) // 16 * 16
     assert followed == alone(TARGET, turn, specjax.NGram(k=3))
+
+
+def test_a_restart_that_regenerates_other_tokens_ends_with_an_error_alone():
+    """A preempted request whose new start does not give back the tokens it had reported (here
+    made so by changing what it reported: on real weights a near tie) ends with finish_reason
+    "error" and a warning, sending nothing more; the others get the dense engine's tokens."""
+    requests = _requests(5)
+    dense, _ = drive(Engine(TARGET, **OPTIONS), requests, seed=3)
+    engine = Engine(TARGET, **OPTIONS, page_size=16, num_pages=7)
+    ids = [engine.add(r) for r in requests]
+    tokens, finals, changed = {i: [] for i in ids}, {}, None
+    with pytest.warns(RuntimeWarning, match="did not regenerate the tokens it had reported"):
+        while engine.has_work:
+            for update in engine.step():
+                tokens[update.request_id] += update.tokens
+                if update.finished:
+                    finals[update.request_id] = update.finish_reason
+            sent = [(i, r) for i, r in engine._restarts.items() if r.tokens]
+            if changed is None and sent:
+                changed, restart = sent[0]
+                restart.tokens[0] = (restart.tokens[0] + 1) % TARGET.config.vocab_size
+    assert finals[changed] == "error"
+    for position, i in enumerate(ids):
+        if i != changed:
+            assert tokens[i] == dense[position], position
+            assert finals[i] in ("stop", "length")
+    _all_pages_back(engine)

@@ -649,15 +649,17 @@ class Engine:
         before, slot.tokens = len(slot.tokens), slot.tokens + new
         # A restarted request's row regenerates what it had reported: sent once, and checked
         again = max(0, min(len(slot.resend) - before, len(new)))
-        if new[:again] != slot.resend[before : before + again]:
-            done, nonfinite = True, self._step_count  # (reported as an error below)
+        diverged = new[:again] != slot.resend[before : before + again]
+        new = [] if diverged else new[again:]
+        if diverged:  # it ends here, with an error, rather than with an answer not its own
             warnings.warn(
                 f"request {slot.request_id}: started again after a preemption, it did not regenerate "
                 "the tokens it had reported (a near-tie decided otherwise); it ends with an error",
                 RuntimeWarning,
                 stacklevel=2,
             )
-        new = new[again:]
+            self._batch.finish_row(b)
+            done = True
         if self._pages is not None and not self.spec.proposer_reads_features:
             # its generated tokens' full pages too (their cache holds every token but the last);
             # not where the proposer reads features, which only the prefill keeps with the pages
@@ -667,7 +669,7 @@ class Engine:
         slot.seen = now
         reason = None
         if done:
-            reason = "error" if nonfinite >= 0 else self._finish_reason(slot)
+            reason = "error" if nonfinite >= 0 or diverged else self._finish_reason(slot)
         update = Update(
             request_id=slot.request_id,
             tokens=new,
