@@ -326,3 +326,25 @@ def test_a_restart_that_regenerates_other_tokens_ends_with_an_error_alone():
             assert tokens[i] == dense[position], position
             assert finals[i] in ("stop", "length")
     _all_pages_back(engine)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "xla"])
+def test_prompts_admitted_together_share_their_prefill_passes(kernels):
+    """Four prompts admitted in one step, on pages the CPU kernel reads in place, are prefilled in
+    one packed program call (their tokens end to end in the same passes), each from the end of
+    what the prefix cache holds of it; under XLA's attention, one prompt at a time. The dense
+    engine's tokens either way."""
+    requests = _requests(17)[:4]
+    requests[3] = dataclasses.replace(requests[3], prompt=requests[1].prompt + [7, 8])  # a hit
+    dense, _ = drive(Engine(TARGET, **OPTIONS, kernels=kernels), [requests[1]] + requests, seed=0)
+    engine = Engine(TARGET, **OPTIONS, kernels=kernels, page_size=16)
+    engine.run([requests[1]])  # cached
+    runs = []
+    run = engine._batch.run
+    engine._batch.run = lambda kind, *args: runs.append(kind) or run(kind, *args)
+    tokens = engine.run(requests)
+    assert [tokens[i] for i in sorted(tokens)] == [dense[i] for i in range(1, 5)]
+    packed, alone_ = runs.count("pool_packed"), runs.count("pool_chunks")
+    assert (packed, alone_) == ((1, 0) if kernels == "auto" else (0, 4)), runs
+    assert engine.kv_cache.prefix_counts[1] > 0
+    _all_pages_back(engine)

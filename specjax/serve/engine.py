@@ -169,6 +169,7 @@ class Engine:
         # Requests preempted (paged: the pool ran out), waiting to start again: the tokens each had
         # reported, which its new start regenerates without sending them twice
         self._restarts: dict[int, Restart] = {}
+        self._pending: list = []  # admissions of this step whose packed prefill is to run
         self._admitted = itertools.count()  # admission order: the newest is preempted first
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
         self._slots: list[Running | None] = [None] * config.max_batch
@@ -451,11 +452,17 @@ class Engine:
     # ----- slots -----------------------------------------------------------------------------
 
     def _admit_waiting(self) -> None:
+        """Admit what waits into free slots (`_take_waiting`), then prefill together the prompts
+        that wait for it (`_prefill_pending`)."""
+        self._take_waiting()
+        self._prefill_pending()
+
+    def _take_waiting(self) -> None:
         """Admit what waits into free slots, first come first served: a prompt of at most
         `prefill_chunk` tokens in one pass, a longer one in chunks. One long prompt is in chunks
         at a time; its chunks run one per step while other rows run (back to back when none
         does), and it takes a free slot when its last chunk has run; shorter prompts behind it
-        are admitted meanwhile."""
+        are admitted meanwhile (on pages the kernel reads in place, their passes shared)."""
         ran_chunk = False
         while True:
             free = None if None not in self._slots else self._slots.index(None)
@@ -557,6 +564,9 @@ class Engine:
         padded = np.zeros((1, bucket), np.int32)
         padded[0, :n] = request.prompt
         row = self._inputs.row(b, padded, n, request.max_new_tokens, request_id, request.key)
+        if paged and partial is None and self._batch.packs:  # with the others admitted beside it
+            self._pending.append((b, request_id, request, cached, row, bucket))
+            return
         if paged:  # its chunks into its pages (those a long prompt's steps have not run), its row
             table = self._pages.table_of(request_id)
             if partial is None:
@@ -575,6 +585,11 @@ class Engine:
             row = self._batch.run("prefill", bucket, self._params, self._proposer_params, row)
         else:
             row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
+        self._place_row(b, request_id, request, row, paged)
+
+    def _place_row(self, b: int, request_id: int, request: Request, row, paged: bool) -> None:
+        """A request's prefilled row into slot b (paged: its cache in its pages already, or with
+        `paged` False a dense row copied into them)."""
         width = min(w for w in self._widths if w > b)
         self._batch.resize(max(width, self._batch.width))
         if self._pages is None:
@@ -583,6 +598,21 @@ class Engine:
         self._pages.place(b, request_id)
         self._batch.write(row, b, None if paged else self._pages.table_of(request_id))
         self._pages.register(request_id, request.prompt)  # its prompt's full pages, for later hits
+
+    def _prefill_pending(self) -> None:
+        """The prompts admitted in this step on pages the kernel reads in place, prefilled
+        together (their tokens packed into the same passes), then each one's row."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        tables = np.stack([self._pages.table_of(request_id) for _, request_id, *_ in pending])
+        prompts, starts = [p[2].prompt for p in pending], [p[3] for p in pending]
+        last = self._batch.prefill_packed(tables, prompts, starts)
+        for i, (b, request_id, request, _, row, bucket) in enumerate(pending):
+            hidden = jax.lax.dynamic_slice_in_dim(last, jnp.int32(i), 1)
+            self._place_row(
+                b, request_id, request, self._batch.pages_row(bucket, tables[i], hidden, row), True
+            )
 
     # ----- pages (EngineConfig.page_size) -----------------------------------------------------
 

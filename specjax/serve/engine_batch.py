@@ -30,6 +30,7 @@ from specjax.serve import engine_programs
 from specjax.serve.engine_config import PREFILL_CHUNK
 from specjax.serve.engine_programs import SHARED, without_pool
 from specjax.speculate.loop import DecodeState, LoopSpec
+from specjax.speculate.spec import pages_pack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +132,35 @@ class EngineBatch:
         args = (*args, jnp.int32(len(prompt)), jnp.int32(count), last_hidden)
         k, v, self.features, last_hidden = self.run("pool_chunks", C, self.params, *args)
         self.state = _with_pool(self.state, cache.replace(k=k, v=v))
+        return last_hidden
+
+    @property
+    def packs(self) -> bool:
+        """Whether several prompts' prefills share passes (`prefill_packed`): on pages that the
+        attention kernel reads in place (LoopSpec.packs_prefill's rule)."""
+        return self.paged is not None and pages_pack(
+            self.paged.page_size, self.spec.backend, self.spec.config, self.spec.dtype
+        )
+
+    def prefill_packed(self, tables: np.ndarray, prompts: list, starts: list[int]):
+        """Prompts' tokens (at most max_batch of them, from starts[i], past their cached prefixes)
+        into the pool through their `tables` [n, W], packed into the same passes; returns the
+        hidden states [max_batch, D] at their last tokens (row i for prompt i, to `pages_row`)."""
+        R, W = self.spec.batch_size, self.paged.table_width
+        tokens = np.zeros((R, self.spec.capacity), np.int32)
+        table = np.zeros((R, W), np.int32)
+        start, length = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        for i, prompt in enumerate(prompts):
+            tokens[i, : len(prompt)], table[i], start[i], length[i] = (
+                prompt,
+                tables[i],
+                starts[i],
+                len(prompt),
+            )
+        cache = self.state.cache.replace(lengths=jnp.asarray(start), pages=jnp.asarray(table))
+        args = (self.params, cache, self.features, *map(jnp.asarray, (table, tokens, start, length)))
+        k, v, self.features, last_hidden = self.run("pool_packed", R, *args)
+        self.state = _with_pool(self.state, self.state.cache.replace(k=k, v=v))
         return last_hidden
 
     def _pool(self):
@@ -302,6 +332,8 @@ class EngineBatch:
             return kind, (dataclasses.replace(one, prompt_bucket=size),)
         if kind == "scored_prefill":  # the same, scoring the prompt's tokens (Request.prompt_logprobs)
             return "prefill", (dataclasses.replace(one, prompt_bucket=size, prompt_logprobs=self.logprobs),)
+        if kind == "pool_packed":  # `size` prompts packed
+            return kind, (dataclasses.replace(self.spec, batch_size=size, prefill_chunk=self.page_chunk),)
         if kind in ("pool_chunks", "pool_row"):  # a paged prefill (`size`: the chunk, the bucket)
             paged = dataclasses.replace(self.spec, batch_size=1, prefill_chunk=self.page_chunk)
             return kind, (paged if kind == "pool_chunks" else dataclasses.replace(paged, prompt_bucket=size),)
@@ -346,6 +378,8 @@ class EngineBatch:
             self.program(("fill", small), big, self.bare_shape(big), self.bare_shape(small), row)
         if self.paged is not None:  # the paged prefill's chunks: one program for every prompt
             self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
+            if self.packs:  # and the packed one, for every admission of several
+                self.prefill_packed(self.paged.free_tables(0), [], [])
 
 
 def _with_pool(state, pool):

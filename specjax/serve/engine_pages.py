@@ -238,8 +238,11 @@ class SlotPages:
 
     def growth(self, slot: int, slots: int) -> int:
         """The pages slot `slot`'s row lacks to hold `slots` slots."""
+        request_id = self.request_of[slot]
+        if request_id is None:  # admitted this step, not yet placed: it holds its first chunk's
+            return 0
         slots = min(slots, self.table_width * self.page_size)
-        return max(0, self.pool.pages_for(slots) - len(self.pool.pages(self.request_of[slot])))
+        return max(0, self.pool.pages_for(slots) - len(self.pool.pages(request_id)))
 
     def take_changed(self, width: int) -> np.ndarray | None:
         """The first `width` tables where they changed since the last call, else None."""

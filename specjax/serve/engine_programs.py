@@ -6,8 +6,9 @@
   size, run one at a time between the running rows' chunks (a `PartialPrefill` in between);
 - `write_row`: a prefilled row into a free slot of the running state, the other slots untouched
   (`write_paged_row`: a dense row's cache into a paged state's pool, through its page table);
-- `pool_chunks`, `pool_row`: a paged engine's prefill, straight into the pool: a prompt's chunks
-  from the end of its cached prefix, then its row (written by `write_row`);
+- `pool_chunks`, `pool_packed`, `pool_row`: a paged engine's prefill, straight into the pool: a
+  prompt's chunks from the end of its cached prefix (or several prompts' tokens packed into the
+  same passes), then each one's row (written by `write_row`);
 - `move_row`: a running row copied into a free slot below it;
 - `resize`: the running state grown to a wider width (free rows added) or cut to a narrower one;
 - `fill`: the growth back to a width the state narrowed from, into the kept buffers of that state;
@@ -29,7 +30,13 @@ import jax.numpy as jnp
 
 from specjax.models.llama import lm_head
 from specjax.speculate.loop import DecodeState, LoopSpec, prefill, resume_program
-from specjax.speculate.prefill import PartialPrefill, first_tokens, prefill_chunk, prefill_pages
+from specjax.speculate.prefill import (
+    PartialPrefill,
+    first_tokens,
+    packed_passes,
+    prefill_chunk,
+    prefill_pages,
+)
 
 SHARED = -1  # the batch axis of a leaf that all rows share
 
@@ -185,6 +192,28 @@ def pool_chunks(spec: LoopSpec, params, cache, features, table, tokens, start, l
         return partial.cache.k, partial.cache.v, features, partial.last_hidden
 
 
+def pool_packed(spec: LoopSpec, params, cache, features, tables, tokens, starts, lengths):
+    """Several prompts' tokens into the pool at once, packed (`packed_passes`: laid end to end, C
+    one-token rows a pass, where the attention kernel reads pages in place): prompt r (tokens
+    [R, L], tables [R, W]) from position starts[r], past its cached prefix, to lengths[r] (rows
+    with nothing to run: start = length). Returns (the pool's keys, its values, the feature pool
+    [N, P, F] with their features, the hidden states [R, D] at their last tokens). One program
+    for every admission of up to R prompts."""
+    with spec.backend.tracing():
+        view = cache.replace(lengths=starts, pages=tables)
+        P = spec.page_size
+
+        def put(features, row, position, token_features, tables):  # into its page (padding: null)
+            pages = tables[row, position // P]
+            return features.at[pages, position % P].set(token_features.astype(features.dtype))
+
+        reads = spec.proposer_reads_features
+        last_hidden, features, (k, v) = packed_passes(
+            spec, params, view, tokens, starts, lengths, features, put if reads else None
+        )
+        return k, v, features, last_hidden
+
+
 def pool_row(spec: LoopSpec, params, proposer_params, cache, features, table, last_hidden, inputs):
     """The row of a prompt whose chunks are in the pool (`pool_chunks`): its proposer's state from
     the prompt's features read back from the feature pool (the cached prefix's with them), the
@@ -269,6 +298,7 @@ PROGRAMS = {
     "write": Program(write_row, donate=(0,)),
     "write_paged": Program(write_paged_row, donate=(0,)),
     "pool_chunks": Program(pool_chunks, donate=(1, 2)),
+    "pool_packed": Program(pool_packed, donate=(1, 2)),
     "pool_row": Program(pool_row),
     "move": Program(move_row, donate=(0,)),
     "resize": Program(resize),  # (its output has another shape: nothing to donate to)

@@ -173,13 +173,38 @@ def packed_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs
     and this one's, which share the row's pages) and to itself: causal attention within each row,
     none across rows. The padding past the batch's last token is a row of null pages, written
     where nothing reads."""
-    C = spec.prefill_chunk
     B, S = inputs.prompt_tokens.shape
     lengths = inputs.prompt_lengths
-    ends = jnp.cumsum(lengths)  # token j of the stream belongs to the first row b with j < ends[b]
+    reads = spec.proposer_reads_features
+
+    def put(features, row, position, token_features, tables):  # row B (padding) is dropped
+        return features.at[row, position].set(token_features.astype(features.dtype), mode="drop")
+
+    empty = PartialPrefill.empty(spec, params, B, S, cache)
+    starts = jnp.zeros_like(lengths)
+    last_hidden, features, (k, v) = packed_passes(
+        spec, params, cache, inputs.prompt_tokens, starts, lengths, empty.features, put if reads else None
+    )
+    logits = lm_head(params, last_hidden, spec.config)
+    return logits, features if reads else None, cache.replace(k=k, v=v, lengths=lengths)
+
+
+def packed_passes(
+    spec: LoopSpec, params: LlamaParams, cache: KVCache, tokens, starts, lengths, features, put
+):
+    """The passes of `packed_prefill` over rows' prompt tokens [B, S] from position starts[b] to
+    lengths[b] (a row's tokens before its start are in its pages already: a cached prefix; a row
+    with start = length has none to run), laid end to end and run C = `spec.prefill_chunk` a
+    pass, as C one-token rows written first (cache: the pool, and each row's table [B, W]).
+    `put(features, row, position, token_features [C, F], tables)` stores a pass's features
+    (row B: padding) where the proposer reads them (None: nowhere). Returns (the hidden states
+    [B, D] at each row's last token, the features, the pool's (keys, values))."""
+    C = spec.prefill_chunk
+    B, S = tokens.shape
+    counts = lengths - starts
+    ends = jnp.cumsum(counts)  # token j of the stream belongs to the first row b with j < ends[b]
     total = ends[-1]
     tables = jnp.concatenate([cache.pages, jnp.zeros_like(cache.pages[:1])])  # [B + 1, W]: row B null
-    reads = spec.proposer_reads_features
 
     def one_pass(i, partial):
         last_hidden, features, pools = partial
@@ -187,23 +212,20 @@ def packed_prefill(spec: LoopSpec, params: LlamaParams, inputs: GenerationInputs
         row = jnp.searchsorted(ends, j, side="right").astype(jnp.int32)  # B past the last token
         real = j < total
         row = jnp.where(real, row, B)
-        position = jnp.where(real, j - (ends - lengths)[jnp.minimum(row, B - 1)], 0)
-        tokens = inputs.prompt_tokens[jnp.minimum(row, B - 1), jnp.clip(position, 0, S - 1)]
+        of = jnp.minimum(row, B - 1)
+        position = jnp.where(real, starts[of] + j - (ends - counts)[of], 0)
+        ids = tokens[of, jnp.clip(position, 0, S - 1)]
         view = cache.replace(k=pools[0], v=pools[1], lengths=position, pages=tables[row])
-        hidden, token_features, view = forward(spec, params, tokens[:, None], position[:, None], view)
-        last = jnp.where(real & (position == lengths[jnp.minimum(row, B - 1)] - 1), row, B)  # B: dropped
+        hidden, token_features, view = forward(spec, params, ids[:, None], position[:, None], view)
+        last = jnp.where(real & (position == lengths[of] - 1), row, B)  # B: dropped
         last_hidden = last_hidden.at[last].set(hidden[:, 0], mode="drop")
-        if reads:
-            features = features.at[row, position].set(
-                token_features[:, 0].astype(features.dtype), mode="drop"
-            )
+        if put is not None:
+            features = put(features, row, position, token_features[:, 0], tables)
         return last_hidden, features, (view.k, view.v)
 
-    empty = PartialPrefill.empty(spec, params, B, S, cache)
-    start = (empty.last_hidden, empty.features, (cache.k, cache.v))
-    last_hidden, features, (k, v) = jax.lax.fori_loop(0, -(-total // C), one_pass, start)
-    logits = lm_head(params, last_hidden, spec.config)
-    return logits, features if reads else None, cache.replace(k=k, v=v, lengths=lengths)
+    last_hidden = jnp.zeros((B, spec.config.hidden_size), jnp.dtype(spec.dtype))
+    start = (last_hidden, features, (cache.k, cache.v))
+    return jax.lax.fori_loop(0, -(-total // C), one_pass, start)
 
 
 def prefill_pages(spec: LoopSpec, params: LlamaParams, partial, tokens, start, length, count):
