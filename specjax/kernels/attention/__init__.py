@@ -103,9 +103,7 @@ def cache_attention(
     if block_k is None:
         block_k = 64 if implementation == "cuda" and E > 128 else DECODE_BLOCK_K[implementation]
     _block("block_k", block_k, implementation, lanes=True)
-    num_splits = DECODE_SPLITS[implementation] if num_splits is None else num_splits
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"cache_attention: num_splits is {num_splits!r}; allowed: an int >= 1")
+    num_splits = _splits(num_splits, implementation)
     run = decode.tpu_cache_attention if implementation == "tpu" else decode.gpu_cache_attention
     return run(
         queries,
@@ -143,7 +141,7 @@ def _paged_cache_attention(
         return xla.cache_attention(queries, rows_k, rows_v, lengths, starts, None)
     _head_dim(E, implementation, interpret)
     _block("the page size (block_k)", P, implementation, lanes=True)
-    num_splits = DECODE_SPLITS[implementation] if num_splits is None else num_splits
+    num_splits = _splits(num_splits, implementation)
     run = decode.tpu_cache_attention if implementation == "tpu" else decode.gpu_cache_attention
     return run(
         queries,
@@ -157,6 +155,14 @@ def _paged_cache_attention(
         interpret=interpret,
         entries=entries,
     )
+
+
+def _splits(num_splits, implementation: str) -> int:
+    """`cache_attention`'s num_splits, checked (None: the implementation's default)."""
+    num_splits = DECODE_SPLITS[implementation] if num_splits is None else num_splits
+    if not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"cache_attention: num_splits is {num_splits!r}; allowed: an int >= 1")
+    return num_splits
 
 
 def _checked_rows(queries, keys, values, lengths, starts, implementation):
