@@ -41,6 +41,7 @@ def export_generate(
     matmul_precision: str | None = None,
     batch_buckets=None,
     scan_layers: bool | None = None,
+    page_size: int | None = None,
 ) -> jax.export.Exported:
     """The generation `generate(model, prompts, ...)` would run, lowered for `platforms` (names
     jax.export knows: "cpu", "cuda", "rocm", "tpu"). Every other argument is `generate`'s. Run
@@ -89,6 +90,7 @@ def export_arguments(
     matmul_precision: str | None = None,
     batch_buckets=None,
     scan_layers: bool | None = None,
+    page_size: int | None = None,
 ) -> list[jax.Array]:
     """The flat arguments of the program `export_generate` made with the same arguments."""
     platforms = _check_platforms(platforms)
@@ -108,6 +110,7 @@ _OPTIONS = (
     "matmul_precision",
     "batch_buckets",
     "scan_layers",
+    "page_size",
 )
 
 

@@ -82,6 +82,23 @@ def test_every_proposer_lowers_for_cuda_and_tpu(name):
     assert_accelerator_program(exported)
 
 
+def test_a_paged_generation_lowers_with_the_kernels_reading_pages():
+    """On pages of 128 slots (a block of either kernel) the program lowers for cuda and tpu with
+    each platform's Pallas kernel reading the pools through the tables, its prefill packed, and
+    no CPU kernel: an EAGLE tree's verify passes and moves through the tables."""
+    backend = specjax.kernels.backend.Backend(("cuda", "tpu"), "auto")
+    assert backend.cache_attention_reads_pages(TARGET.config.head_dim, "float32", 128)
+    tree = TokenTree.top_k((2, 1))
+    exported = specjax.export_generate(
+        TARGET,
+        PROMPTS,
+        proposer=specjax.Eagle(EagleHead.init(TARGET, jax.random.key(0)), tree=tree),
+        max_new_tokens=8,
+        page_size=128,
+    )
+    assert_accelerator_program(exported)
+
+
 def test_sampled_generation_with_a_tree_lowers():
     exported = specjax.export_generate(
         TARGET,

@@ -76,7 +76,7 @@ class EngineBatch:
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`batch_axes`), found once
         # A free slot's row: a one-token request with nothing to generate, prefilled once (so
         # every free slot holds a valid, finished row). Paged, its cache a table of null pages and
-        # no pool (`_bare`: the programs that change the width never touch the pool).
+        # no pool (`without_pool`: the programs that change the width never touch the pool).
         dense_row = self.run("prefill", spec.prompt_bucket, params, proposer_params, free_inputs())
         self.free_row = dense_row if paged is None else without_pool(self._paged(dense_row))
         # One free slot (widths[0] is 1), a copy: the programs take the state donated, and the

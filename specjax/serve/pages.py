@@ -33,15 +33,19 @@ import numpy as np
 from specjax.models.cache import NULL_PAGE  # page 0, which no request holds (module doc)
 
 
-def page_keys(tokens: Sequence[int], page_size: int, salt: bytes = b"") -> list[bytes]:
+def page_keys(
+    tokens: Sequence[int], page_size: int, salt: bytes = b"", after: bytes | None = None, first: int = 0
+) -> list[bytes]:
     """The content keys of the full pages of `tokens`: key i digests key i - 1 and page i's
     tokens, so equal keys mean equal tokens from the start (up to SHA-256 collisions). `salt` (a
     request's cache salt, or what else its pages' contents depend on: the model, an adapter)
     starts the chain, so differently salted prompts never share a page. The keys are the same in
-    every process, which a prefill node handing pages to a decode node relies on."""
-    keys, key = [], hashlib.sha256(b"specjax-pages" + salt).digest()
+    every process, which a prefill node handing pages to a decode node relies on. `after`, with
+    `first`: the key of page first - 1, to go on the chain from page `first` (the keys of the
+    pages from there)."""
+    keys, key = [], hashlib.sha256(b"specjax-pages" + salt).digest() if after is None else after
     ids = np.asarray(tokens, dtype=np.int64)
-    for start in range(0, len(ids) - page_size + 1, page_size):
+    for start in range(first * page_size, len(ids) - page_size + 1, page_size):
         key = hashlib.sha256(key + ids[start : start + page_size].tobytes()).digest()
         keys.append(key)
     return keys
@@ -66,6 +70,7 @@ class _Held:
     pages: list[int]
     registered: int
     salt: bytes
+    chain: list[bytes] = dataclasses.field(default_factory=list)  # its first pages' content keys
 
 
 class PagePool:
@@ -201,7 +206,12 @@ class PagePool:
         held = self._held[request_id]
         if not self.prefix_caching:
             return
-        keys = page_keys(tokens, self.page_size, held.salt)
+        # The chain goes on from the last key computed (a row registers as it grows: hashing its
+        # tokens from the start at every chunk would grow with its length).
+        known = min(len(held.chain), held.registered)
+        after = held.chain[known - 1] if known else None
+        keys = held.chain[:known] + page_keys(tokens, self.page_size, held.salt, after, known)
+        held.chain = keys
         for i in range(held.registered, min(len(keys), len(held.pages))):
             page, key = held.pages[i], keys[i]
             if key not in self._page_of:

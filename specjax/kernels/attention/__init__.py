@@ -103,18 +103,8 @@ def cache_attention(
     if block_k is None:
         block_k = 64 if implementation == "cuda" and E > 128 else DECODE_BLOCK_K[implementation]
     _block("block_k", block_k, implementation, lanes=True)
-    num_splits = _splits(num_splits, implementation)
-    run = decode.tpu_cache_attention if implementation == "tpu" else decode.gpu_cache_attention
-    return run(
-        queries,
-        keys,
-        values,
-        lengths,
-        starts,
-        layer,
-        block_k=block_k,
-        num_splits=num_splits,
-        interpret=interpret,
+    return _pallas_decode(
+        implementation, queries, keys, values, lengths, starts, layer, block_k, num_splits, interpret
     )
 
 
@@ -141,16 +131,35 @@ def _paged_cache_attention(
         return xla.cache_attention(queries, rows_k, rows_v, lengths, starts, None)
     _head_dim(E, implementation, interpret)
     _block("the page size (block_k)", P, implementation, lanes=True)
-    num_splits = _splits(num_splits, implementation)
+    return _pallas_decode(
+        implementation, queries, keys, values, lengths, starts, None, P, num_splits, interpret, entries
+    )
+
+
+def _pallas_decode(
+    implementation,
+    queries,
+    keys,
+    values,
+    lengths,
+    starts,
+    layer,
+    block_k,
+    num_splits,
+    interpret,
+    entries=None,
+):
+    """decode.py's kernel for `implementation`, with num_splits checked (None: its default)."""
     run = decode.tpu_cache_attention if implementation == "tpu" else decode.gpu_cache_attention
+    num_splits = _splits(num_splits, implementation)
     return run(
         queries,
         keys,
         values,
         lengths,
         starts,
-        None,
-        block_k=P,
+        layer,
+        block_k=block_k,
         num_splits=num_splits,
         interpret=interpret,
         entries=entries,
