@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import planner
+from specjax import planner, sharding
 from specjax.checks import is_int
 from specjax.models.model import Model
 from specjax.serve import engine_loops
@@ -75,7 +75,13 @@ from specjax.serve.engine_config import (
     admission_bucket,
     check_request,
 )
-from specjax.serve.engine_inputs import SlotInputs, check_memory, check_warp, engine_capacity
+from specjax.serve.engine_inputs import (
+    SlotInputs,
+    check_engine_mesh,
+    check_memory,
+    check_warp,
+    engine_capacity,
+)
 from specjax.serve.engine_pages import DenseRows, SlotPages, paged_layout
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
 from specjax.speculate.logprobs import Logprobs
@@ -104,7 +110,9 @@ class Engine:
     check of which runs), each on first use unless `precompile` compiled it before.
     """
 
-    def __init__(self, model: Model, proposer=None, config: EngineConfig | None = None, **options):
+    def __init__(
+        self, model: Model, proposer=None, config: EngineConfig | None = None, mesh=None, **options
+    ):
         planner.check_model(model)
         if config is not None and options:
             raise ValueError(f"Engine: give a config or its fields ({', '.join(options)}), not both")
@@ -122,10 +130,12 @@ class Engine:
         self.model, self.proposer, self.config = model, proposer, config
         self._fitting_narrower = 0  # chunks in a row whose running requests fit a narrower width
         warp = config.sampling_paths
-        backend = planner.backend_for(model, config.kernels, config.matmul_precision, config.scan_layers)
-        proposer_spec, proposer_params = resolve(proposer, model, warp, None)
+        check_engine_mesh(mesh, model, config)
+        self.mesh = mesh
+        backend = planner.backend_for(model, config.kernels, config.matmul_precision, config.scan_layers, mesh)
+        proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
         resolved_params = proposer_params
-        page_size = planner.check_page_size(config.page_size, model.config, None)
+        page_size = planner.check_page_size(config.page_size, model.config, mesh)
         capacity = engine_capacity(config, proposer_spec)
         if page_size is not None:  # whole pages: a row's table covers its capacity exactly
             capacity = -(-capacity // page_size) * page_size
@@ -137,6 +147,7 @@ class Engine:
             page_size=page_size,
             warp=warp,
             proposer=proposer_spec,
+            mesh=mesh,
             dtype=model.params.dtype.name,
             cache_dtype=planner.cache_dtype_of(model, config.cache_dtype),
             backend=backend,
@@ -148,7 +159,7 @@ class Engine:
         # `.capacity_tokens`, `.prefix_counts`, `.reset_prefix_cache()`), dense or paged
         self.kv_cache = DenseRows(config, self.spec) if self._pages is None else self._pages
         check_memory(self.config, self.spec, model.params, None if layout is None else self._pages.bytes)
-        params, proposer_params = planner.kernel_weights(self.spec, model.params, proposer_params)
+        params, proposer_params, prefill_spec = self._placed(model, proposer, proposer_params, warp)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
             with backend.tracing():
                 params, proposer_params = jax.jit(program_params, static_argnums=0)(
@@ -156,7 +167,9 @@ class Engine:
                 )
         self._params, self._proposer_params = params, proposer_params
         loops = engine_loops.loop_specs(self.spec, proposer, model, resolved_params)
-        self._widths = config.widths
+        # On a mesh, one width: the rows' caches are split over its devices, and moving rows
+        # between widths would move them between devices (a free slot costs its masked compute).
+        self._widths = config.widths if mesh is None else [config.max_batch]
         self.k = self.spec.k
         window = config.chunk_steps * (self.k + 1) + 1
         self._key = jax.random.key(0) if config.key is None else planner.as_key(config.key)
@@ -213,8 +226,26 @@ class Engine:
             proposer_params,
             self._inputs.free,
             paged=layout,
+            prefill_spec=prefill_spec,
         )
         self._step_count = int(self._batch.state.step)  # the loop's step counter, as the host last saw it
+
+    def _placed(self, model: Model, proposer, proposer_params, warp):
+        """The target's and the proposer's weights as the programs read them (one device: in the
+        backend's kernels' layout; on a mesh: split over it, the proposer's as it asks), and the
+        spec of a request's own prefill (None: the batch's own default; on a mesh, a batch of one
+        on `sharding.row_mesh`, its proposer resolved there)."""
+        if self.mesh is None:
+            return (*planner.kernel_weights(self.spec, model.params, proposer_params), None)
+        params = sharding.shard_params(model.params, model.config, self.mesh)
+        if proposer_params is not None:
+            proposer_params = self.spec.proposer.place_params(proposer_params, self.mesh)
+        rows = sharding.row_mesh(self.mesh)
+        row_proposer, _ = resolve(proposer, model, warp, rows)
+        prefill_spec = dataclasses.replace(
+            self.spec, batch_size=1, page_size=None, mesh=rows, proposer=row_proposer
+        )
+        return params, proposer_params, prefill_spec
 
     # ----- the public face -------------------------------------------------------------------
 
@@ -538,7 +569,7 @@ class Engine:
             # changes: it may refuse)
             states = np.asarray(jax.device_get(self._batch.state.stop_states))
             moved = self._stops.grow(self._running_stop_strings(b), sampling.stop, states)
-            self._batch.state = self._batch.state.replace(stop_states=jnp.asarray(moved))
+            self._batch.replace(stop_states=jnp.asarray(moved))
         start = -1 if sampling.constraint is None else self._constraints.acquire(sampling.constraint)
         self._samplings[b] = sampling
         self._slots[b] = Running(

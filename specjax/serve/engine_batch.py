@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.models.cache import NULL_PAGE, paged_cache
+from specjax.models.cache import NULL_PAGE, KVCache, paged_cache
 from specjax.serve import engine_programs
 from specjax.serve.engine_config import PREFILL_CHUNK
-from specjax.serve.engine_programs import SHARED, without_pool
+from specjax.serve.engine_programs import IN_ORDER, SHARED, Blocks, without_pool
+from specjax.sharding import entry_blocks
 from specjax.speculate.loop import DecodeState, LoopSpec
 from specjax.speculate.spec import pages_pack
 
@@ -66,22 +67,36 @@ class EngineBatch:
         proposer_params,
         free_inputs: Callable[..., Any],
         paged: PagedLayout | None,
+        prefill_spec: LoopSpec | None = None,
     ):
         self.spec, self.loops, self.widths, self.window = spec, loops, widths, window
+        # The spec of a request's own prefill: a dense batch of one (its row is written into the
+        # running state's cache, dense or paged, by `write`); on a mesh, on its `row_mesh`.
+        self.prefill_spec = prefill_spec or dataclasses.replace(spec, batch_size=1, page_size=None)
         self.chunk, self.logprobs, self.paged = prefill_chunk, logprobs, paged
         self.params, self.proposer_params = params, proposer_params
         self.free_inputs = free_inputs
         self.programs: dict[Any, Any] = {}
         self.num_compiles = 0
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`batch_axes`), found once
+        self.blocks = None  # on a mesh, where its split caches keep each row (`put_row`)
+        self.shardings = None  # on a mesh, where every program keeps the state
         # A free slot's row: a one-token request with nothing to generate, prefilled once (so
         # every free slot holds a valid, finished row). Paged, its cache a table of null pages and
         # no pool (`without_pool`: the programs that change the width never touch the pool).
         dense_row = self.run("prefill", spec.prompt_bucket, params, proposer_params, free_inputs())
         self.free_row = dense_row if paged is None else without_pool(self._paged(dense_row))
         # One free slot (widths[0] is 1), a copy: the programs take the state donated, and the
-        # free row must outlive it. Paged, with the pool of every page, allocated here once.
-        state = jax.tree.map(jnp.copy, self.free_row)
+        # free row must outlive it. Paged, with the pool of every page, allocated here once. On a
+        # mesh the state is max_batch wide (its only width), every slot free, prefilled as a batch
+        # so that its caches are split over the mesh as the loop's shard_map reads them.
+        if spec.mesh is None:
+            state = jax.tree.map(jnp.copy, self.free_row)
+        else:
+            free = free_inputs(spec.batch_size)
+            state = self.run("batch_prefill", spec.batch_size, params, proposer_params, free)
+            self.blocks = _entry_blocks(state)
+            self.shardings = jax.tree.map(lambda x: x.sharding, state)
         # Paged, the prefill writes straight into the pool (`prefill_pages`), in chunks of
         # `page_chunk` tokens, and the features the proposer reads go into a pool of their own,
         # [N, P, F], beside the target's pages: a cached prefix keeps them (empty where the
@@ -214,7 +229,15 @@ class EngineBatch:
 
     def finish_row(self, slot: int) -> None:
         """Mark slot `slot`'s row done (its request aborted or preempted)."""
-        self.state = self.state.replace(done=self.state.done.at[slot].set(True))
+        self.replace(done=self.state.done.at[slot].set(True))
+
+    def replace(self, **fields) -> None:
+        """The running state with `fields` replaced from the host (on a mesh, put where the
+        programs read them)."""
+        state = self.state.replace(**fields)
+        if self.shardings is not None:
+            state = jax.device_put(state, self.shardings)
+        self.state = state
 
     def resize(self, width: int) -> None:
         """Bring the running state to `width` slots: its first slots kept, free rows added past
@@ -248,7 +271,10 @@ class EngineBatch:
         self.state = state if pool is None else _with_pool(state, pool)
 
     def state_shape(self, width: int):
-        """The shapes of a running state `width` slots wide (what the loop compiles for)."""
+        """The shapes of a running state `width` slots wide (what the loop compiles for); on a
+        mesh (one width) with the state's shardings."""
+        if self.spec.mesh is not None:
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
         shape = self.bare_shape(width)
         if self.paged is None:
             return shape
@@ -296,12 +322,6 @@ class EngineBatch:
         traced = functools.partial(engine_programs.prefill_row, spec)
         return jax.eval_shape(traced, self.params, self.proposer_params, self.free_inputs(batch))
 
-    @property
-    def prefill_spec(self) -> LoopSpec:
-        """The spec of a request's own prefill: a dense batch of one (its row is written into the
-        running state's cache, dense or paged, by `write`)."""
-        return dataclasses.replace(self.spec, batch_size=1, page_size=None)
-
     def run(self, kind, size: int, *args):
         """Call a program, compiled ahead of time on its first call (`program`)."""
         return self.program(kind, size, *args)(*args)
@@ -317,9 +337,22 @@ class EngineBatch:
                 # finish_prompt donates a long prompt's partial row for its cache, and its other
                 # buffers (the features, the last hidden state) have no output to go to.
                 warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-                self.programs[key] = engine_programs.jitted(program, *statics).lower(*args).compile()
+                jitted = engine_programs.jitted(program, *statics, out_shardings=self._out_shardings(kind))
+                self.programs[key] = jitted.lower(*args).compile()
             self.num_compiles += 1
         return self.programs[key]
+
+    def _out_shardings(self, kind):
+        """On a mesh, where a program that returns the running state puts it: where the state's
+        first prefill put it (`shardings`), so that every program compiled for the state takes
+        what another returned; None elsewhere (the compiler chooses)."""
+        if self.shardings is None:
+            return None
+        if kind == "write":
+            return self.shardings
+        if kind in self.loops:  # (the state, the chunk's tokens, their logprobs)
+            return (self.shardings, None, None)
+        return None
 
     def _statics(self, kind, size: int) -> tuple[str, tuple]:
         """(the engine_programs kind, its static arguments) of the program (kind, size): a loop by
@@ -330,6 +363,8 @@ class EngineBatch:
         one = self.prefill_spec
         if kind == "prefill":  # one request's row, its prompt padded to `size`
             return kind, (dataclasses.replace(one, prompt_bucket=size),)
+        if kind == "batch_prefill":  # a mesh's running state of `size` free slots
+            return "prefill", (dataclasses.replace(self.spec, batch_size=size, page_size=None),)
         if kind == "scored_prefill":  # the same, scoring the prompt's tokens (Request.prompt_logprobs)
             return "prefill", (dataclasses.replace(one, prompt_bucket=size, prompt_logprobs=self.logprobs),)
         if kind == "pool_packed":  # `size` prompts packed
@@ -343,7 +378,9 @@ class EngineBatch:
         if kind == "may_draft":
             return kind, (self.spec,)
         axes = self.batch_axes()  # the programs over the running state read its rows' axes
-        if kind in ("write", "write_paged"):
+        if kind == "write":
+            return kind, (self.spec, axes, self.blocks)
+        if kind == "write_paged":
             return kind, (self.spec, axes)
         if kind == "move":
             return kind, (axes, size)
@@ -363,6 +400,9 @@ class EngineBatch:
         any narrower one: a request's arrival or a freed slot never compiles while the engine
         serves."""
         row, slot = self.free_row, jnp.int32(0)
+        if self.spec.mesh is not None:  # one width; its rows never move
+            self.program("write", self.width, self.state, row, slot)
+            return
         for w in self.widths:
             self.program("write", w, self.state_shape(w), row, slot)
             if self.paged is not None:  # (a dense row: a prompt whose logprobs its prefill scores)
@@ -380,6 +420,23 @@ class EngineBatch:
             self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
             if self.packs:  # and the packed one, for every admission of several
                 self.prefill_packed(self.paged.free_tables(0), [], [])
+
+
+def _entry_blocks(state: DecodeState):
+    """Per leaf of a mesh's running state, how its rows are ordered over the devices
+    (engine_programs.Blocks): a KV cache buffer split over "model" device block by device block
+    (its merged rows-and-heads axis, `sharding.entry_blocks`), everything else in order."""
+
+    def blocks(node):
+        if not isinstance(node, KVCache):
+            return jax.tree.map(lambda _: IN_ORDER, node)
+        order = [Blocks(*b) if (b := entry_blocks(x, x.ndim - 3)) else IN_ORDER for x in (*node.k, *node.v)]
+        n = len(node.k)
+        return node.replace(
+            k=tuple(order[:n]), v=tuple(order[n:]), lengths=IN_ORDER, pages=jax.tree.map(lambda _: IN_ORDER, node.pages)
+        )
+
+    return jax.tree.map(blocks, state, is_leaf=lambda x: isinstance(x, KVCache))
 
 
 def _with_pool(state, pool):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import planner
+from specjax import planner, sharding
 from specjax.models.cache import cache_bytes
 from specjax.planner import MIN_BUCKET
 from specjax.serve.engine_config import MAX_STOP_TOKEN_IDS, EngineConfig, admission_bucket
@@ -28,6 +28,27 @@ def engine_capacity(config: EngineConfig, proposer_spec) -> int:
     capacity = planner.capacity(config.max_model_len, proposer_spec)
     chunk = config.prefill_chunk
     return capacity if chunk is None else max(capacity, -(-config.max_model_len // chunk) * chunk)
+
+
+def check_engine_mesh(mesh, model, config: EngineConfig) -> None:
+    """ValueError unless the engine can run on `mesh` (None: one device): a ("data", "model")
+    mesh that the model's heads and ffw split over, and max_batch slots that divide over its data
+    groups."""
+    if mesh is None:
+        return
+    sharding.check_mesh(mesh)
+    sharding.check_model_split(mesh, model.config)
+    data = sharding.data_degree(mesh)
+    if config.max_batch % data:
+        raise ValueError(
+            f"max_batch={config.max_batch}: on a mesh the slots split over its {data} data groups; "
+            f"give a multiple of {data}"
+        )
+    if sharding.spans_processes(mesh):
+        raise ValueError(
+            "mesh: the engine runs on a mesh inside one process (its devices all this process's); "
+            "across processes, use specjax.generate"
+        )
 
 
 def check_memory(config: EngineConfig, spec: LoopSpec, params, pool_bytes: int | None = None) -> None:

@@ -64,7 +64,7 @@ def _lean_loop(spec: LoopSpec, proposer, model, proposer_params) -> LoopSpec | N
     already, or where the proposer's params differ without the sampling paths."""
     if spec.warp == WarpSpec():
         return None
-    lean_proposer, lean_params = resolve(proposer, model, WarpSpec(), None)
+    lean_proposer, lean_params = resolve(proposer, model, WarpSpec(), spec.mesh)
     if jax.tree.structure(lean_params) != jax.tree.structure(proposer_params):
         return None
     return dataclasses.replace(spec, warp=WarpSpec(), proposer=lean_proposer)

@@ -54,15 +54,41 @@ def _differing_axis(one, two) -> int:
     return axes[0] if axes else SHARED
 
 
-def put_row(axes, state, row, slot):
-    """`state` with slot `slot` replaced by `row` (a batch of one) in every per-row leaf."""
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """How a per-row leaf's rows axis is ordered on a mesh: in row order (model 1), or, for a KV
+    cache split over ("data", "model") (`sharding.entry_blocks`), device block by device block:
+    [data, model, rows of a data group, entries of a row's kv heads on one device]."""
 
-    def write(axis, big, small):
+    data: int = 1
+    model: int = 1
+
+
+IN_ORDER = Blocks()
+
+
+def put_row(axes, state, row, slot, blocks=None):
+    """`state` with slot `slot` replaced by `row` (a batch of one) in every per-row leaf. `blocks`
+    (a Blocks per leaf; None: all in order) says where a mesh's split caches keep a row's entries:
+    the row's own (a batch of one on `sharding.row_mesh`) are [model, entries] in order, written
+    into each device's block, where they are (no leaf is reordered, so nothing crosses devices)."""
+
+    def write(axis, big, small, order=IN_ORDER):
         if axis == SHARED:
             return big
-        return jax.lax.dynamic_update_slice_in_dim(big, small, slot * small.shape[axis], axis)
+        if order.model == 1:
+            return jax.lax.dynamic_update_slice_in_dim(big, small, slot * small.shape[axis], axis)
+        D, M, per_row = order.data, order.model, small.shape[axis]
+        rows = big.shape[axis] // per_row // D  # a data group's
+        view = big.reshape(*big.shape[:axis], D, M, rows, per_row // M, *big.shape[axis + 1 :])
+        part = small.reshape(*small.shape[:axis], 1, M, 1, per_row // M, *small.shape[axis + 1 :])
+        at = [jnp.int32(0)] * view.ndim
+        at[axis], at[axis + 2] = slot // rows, slot % rows
+        return jax.lax.dynamic_update_slice(view, part, at).reshape(big.shape)
 
-    return jax.tree.map(write, axes, state, row)
+    if blocks is None:
+        return jax.tree.map(write, axes, state, row)
+    return jax.tree.map(write, axes, state, row, blocks)
 
 
 def take_row(axes, state, slot, width: int):
@@ -119,16 +145,17 @@ def finish_prompt(spec: LoopSpec, params, proposer_params, partial: PartialPrefi
         return first_tokens(spec, params, proposer_params, inputs, logits, features, cache)
 
 
-def write_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot) -> DecodeState:
+def write_row(spec: LoopSpec, axes, blocks, state: DecodeState, row: DecodeState, slot) -> DecodeState:
     """A prefilled row into free slot `slot` of the running state. Its steps count from here (its
     own step numbers, so a seeded row draws as it would alone), and its proposer state joins the
     batch's (Dynamic's schedule: one k for the batch; the slot is free, so ~done marks the rows
-    running beside it)."""
+    running beside it). `blocks`: where a mesh's split caches keep each row (`put_row`; None off
+    a mesh)."""
     row = row.replace(first_step=jnp.broadcast_to(state.step, (1,)))
     if spec.proposer is not None:
         joined = spec.proposer.join(state.proposer_state, row.proposer_state, ~state.done)
         row = row.replace(proposer_state=joined)
-    return put_row(axes, state, row, slot)
+    return put_row(axes, state, row, slot, blocks)
 
 
 def write_paged_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot, table) -> DecodeState:
@@ -154,7 +181,7 @@ def write_paged_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, 
     v = tuple(into_pages(pool, dense, False) for pool, dense in zip(cache.v, row.cache.v, strict=True))
     state = state.replace(cache=cache.replace(k=k, v=v))
     row = row.replace(cache=state.cache.replace(lengths=row.cache.lengths, pages=table[None]))
-    return write_row(spec, axes, state, row, slot)
+    return write_row(spec, axes, None, state, row, slot)
 
 
 def without_pool(state):
@@ -308,9 +335,14 @@ PROGRAMS = {
 }
 
 
-def jitted(kind: str, *static):
-    """Program `kind` with its static arguments bound, jitted (donating what it donates)."""
+def jitted(kind: str, *static, out_shardings=None):
+    """Program `kind` with its static arguments bound, jitted (donating what it donates);
+    `out_shardings` (a prefix tree of its outputs; None where the compiler chooses) fixes where
+    its outputs go, as a mesh's running state must stay (the programs are compiled for it)."""
     if kind not in PROGRAMS:
         raise ValueError(f"engine program kind {kind!r} is not one of {', '.join(PROGRAMS)}")
     program = PROGRAMS[kind]
-    return jax.jit(functools.partial(program.function, *static), donate_argnums=program.donate)
+    function = functools.partial(program.function, *static)
+    if out_shardings is None:
+        return jax.jit(function, donate_argnums=program.donate)
+    return jax.jit(function, donate_argnums=program.donate, out_shardings=out_shardings)

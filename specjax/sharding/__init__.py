@@ -19,11 +19,13 @@ from specjax.sharding.mesh import (
     data_degree,
     make_mesh,
     model_degree,
+    row_mesh,
 )
 from specjax.sharding.processes import CallAgreement, mesh_fingerprint, spans_processes
 from specjax.sharding.specs import (
     RULES,
     cache_specs,
+    entry_blocks,
     fetch,
     logical_to_spec,
     param_placer,
@@ -43,6 +45,7 @@ __all__ = [
     "MODEL",
     "RULES",
     "cache_specs",
+    "entry_blocks",
     "check_batch_split",
     "check_mesh",
     "check_model_split",
@@ -59,6 +62,7 @@ __all__ = [
     "param_placer",
     "place",
     "param_specs",
+    "row_mesh",
     "row_spec",
     "replicate",
     "shard_params",

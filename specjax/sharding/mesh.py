@@ -121,3 +121,17 @@ def check_batch_split(mesh: Mesh, batch_size: int) -> None:
             f"prompts: a batch of {batch_size} rows does not divide over the mesh axis {DATA!r} of "
             f"size {d}; pad it to a multiple of {d}"
         )
+
+
+REPLICA = "replica"  # the axis of `row_mesh` over which every data group computes the same rows
+
+
+def row_mesh(mesh: Mesh) -> Mesh:
+    """`mesh`'s devices as a (replica, data, model) mesh of shape (D, 1, M), for programs on a
+    batch of one (a serving engine's admission), which cannot split over D data groups: every
+    data group computes the same row, its model group splitting each layer as on `mesh`. The same
+    devices in the same order, so its outputs are `mesh`'s arrays replicated over "data", which
+    programs on `mesh` read as they are (no copy: each device holds what it would hold there)."""
+    D, M = data_degree(mesh), model_degree(mesh)
+    grid = np.asarray(mesh.devices, dtype=object).reshape(D, 1, M)
+    return Mesh(grid, (REPLICA, DATA, MODEL), axis_types=(AxisType.Auto,) * 3)

@@ -348,3 +348,19 @@ def shard_rows(tree, mesh: Mesh, batch_size: int):
         return place(x, NamedSharding(mesh, row_spec() if rows else P()))
 
     return jax.tree.map(put, tree)
+
+
+def entry_blocks(array: jax.Array, axis: int) -> tuple[int, int] | None:
+    """(data degree, model degree) where `array` (a placed global array: a KV cache's buffer) is
+    split along `axis` over ("data", "model"), whose entries are then ordered device by device
+    (block (d, m) holding rows d*B/D.. of kv heads m*K/M..: models/cache.py); None where that
+    axis holds its rows in order (not split over "model", or a model degree of 1). Read from
+    the buffer's sharding as the shard_map that wrote it left it (sharding/forward.py)."""
+    sharding = array.sharding
+    if not isinstance(sharding, NamedSharding) or sharding.mesh.shape.get(MODEL, 1) == 1:
+        return None
+    spec = tuple(sharding.spec) + (None,) * (array.ndim - len(sharding.spec))
+    names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+    if MODEL not in names:
+        return None
+    return sharding.mesh.shape.get(DATA, 1), sharding.mesh.shape[MODEL]

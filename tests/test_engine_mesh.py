@@ -1,0 +1,75 @@
+"""The engine on a ("data", "model") mesh of fake CPU devices (`Engine(..., mesh=)`): the target
+split over "model" as `generate` splits it, the slots over "data", every kind of proposer state
+placed as on one device's engine; each request gets the tokens and accepted drafts (position by
+position) it gets on one device."""
+
+import jax
+import numpy as np
+import pytest
+from test_engine import NOISY_DRAFT, TARGET, _prompts, drive
+from test_engine_pages import PREFIX_CASES
+
+import specjax
+from specjax import sharding
+from specjax.serve import Engine, Request
+from specjax.speculate.sampling import Sampling
+
+if jax.device_count() < 4:  # conftest.py sets the flag; a jax imported earlier would miss it
+    pytest.skip(
+        f"tests/test_engine_mesh.py needs 4 devices, found {jax.device_count()}: XLA_FLAGS="
+        "--xla_force_host_platform_device_count=8 must be set before jax is imported (tests/conftest.py)",
+        allow_module_level=True,
+    )
+
+# A 40-token prompt runs in chunks of 32 (beside the running rows), the others in one pass.
+OPTIONS = dict(max_batch=4, max_model_len=112, chunk_steps=4, prefill_chunk=32)
+MESHES = {"model2": (1, 2), "data2-model2": (2, 2)}
+CASES = {**PREFIX_CASES, "draft-tensor-parallel": lambda: (TARGET, specjax.DraftModel(NOISY_DRAFT, k=3, tensor_parallel=True))}
+FAST = ("plain", "ngram", "eagle-tree", "draft-tensor-parallel")
+
+
+def _requests(vocab: int) -> list[Request]:
+    prompts = [[t % vocab for t in p] for p in _prompts(3, 4)]
+    prompts.append([int(t) for t in np.random.default_rng(5).integers(0, vocab, 40)])
+    requests = [Request(p, max_new_tokens=n) for p, n in zip(prompts, (18, 9, 22, 14, 12), strict=True)]
+    sampled = Sampling(temperature=0.8, top_p=0.9, seed=17)
+    return [*requests, Request(prompts[1], max_new_tokens=16, sampling=sampled)]
+
+
+def _run(target, proposer, mesh):
+    engine = Engine(target, proposer, mesh=mesh, **OPTIONS)
+    tokens, finals = drive(engine, _requests(target.config.vocab_size), seed=2)
+    accepted = {i: np.asarray(u.metrics.accepted_at).tolist() for i, u in finals.items()}
+    return tokens, accepted, engine
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize(
+    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+)
+def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name, mesh_name):
+    """Greedy and seeded sampled requests, one in chunks, added at random moments: tokens and
+    accepted drafts by position equal one device's engine's. (A sampled row could differ at a
+    float near-tie, the all-reduces summing in another order; these do not meet one.)"""
+    target, proposer = CASES[name]()
+    data, model = MESHES[mesh_name]
+    mesh = sharding.make_mesh(model=model, data=data)
+    one_tokens, one_accepted, _ = _run(target, proposer, None)
+    tokens, accepted, engine = _run(target, proposer, mesh)
+    assert tokens == one_tokens
+    assert accepted == one_accepted
+    if proposer is not None:  # drafts accepted part of the time: the comparison means something
+        assert 0 < sum(np.sum(a) for a in accepted.values())
+    # the target's weights and caches are split: each device holds half of each layer's kv heads
+    cache = engine._batch.state.cache.k[0]
+    assert cache.addressable_shards[0].data.shape[0] == cache.shape[0] // (data * model)
+
+
+def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
+    mesh = sharding.make_mesh(model=2, data=2)
+    with pytest.raises(ValueError, match=r"max_batch=3: .* 2 data groups; give a multiple of 2"):
+        Engine(TARGET, None, mesh=mesh, max_batch=3, max_model_len=64)
+    with pytest.raises(ValueError, match="num_kv_heads=2 does not divide over the mesh axis 'model' of size 4"):
+        Engine(TARGET, None, mesh=sharding.make_mesh(model=4, data=1), max_batch=4, max_model_len=64)
+    with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+        Engine(TARGET, None, mesh="2x2", max_batch=4, max_model_len=64)
