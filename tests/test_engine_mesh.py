@@ -24,7 +24,10 @@ if jax.device_count() < 4:  # conftest.py sets the flag; a jax imported earlier 
 # A 40-token prompt runs in chunks of 32 (beside the running rows), the others in one pass.
 OPTIONS = dict(max_batch=4, max_model_len=112, chunk_steps=4, prefill_chunk=32)
 MESHES = {"model2": (1, 2), "data2-model2": (2, 2)}
-CASES = {**PREFIX_CASES, "draft-tensor-parallel": lambda: (TARGET, specjax.DraftModel(NOISY_DRAFT, k=3, tensor_parallel=True))}
+CASES = {
+    **PREFIX_CASES,
+    "draft-tensor-parallel": lambda: (TARGET, specjax.DraftModel(NOISY_DRAFT, k=3, tensor_parallel=True)),
+}
 FAST = ("plain", "ngram", "eagle-tree", "draft-tensor-parallel")
 
 
@@ -44,9 +47,7 @@ def _run(target, proposer, mesh):
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize(
-    "name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
-)
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name, mesh_name):
     """Greedy and seeded sampled requests, one in chunks, added at random moments: tokens and
     accepted drafts by position equal one device's engine's. (A sampled row could differ at a
@@ -69,7 +70,9 @@ def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
     mesh = sharding.make_mesh(model=2, data=2)
     with pytest.raises(ValueError, match=r"max_batch=3: .* 2 data groups; give a multiple of 2"):
         Engine(TARGET, None, mesh=mesh, max_batch=3, max_model_len=64)
-    with pytest.raises(ValueError, match="num_kv_heads=2 does not divide over the mesh axis 'model' of size 4"):
+    with pytest.raises(
+        ValueError, match="num_kv_heads=2 does not divide over the mesh axis 'model' of size 4"
+    ):
         Engine(TARGET, None, mesh=sharding.make_mesh(model=4, data=1), max_batch=4, max_model_len=64)
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         Engine(TARGET, None, mesh="2x2", max_batch=4, max_model_len=64)

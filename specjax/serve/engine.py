@@ -110,9 +110,7 @@ class Engine:
     check of which runs), each on first use unless `precompile` compiled it before.
     """
 
-    def __init__(
-        self, model: Model, proposer=None, config: EngineConfig | None = None, mesh=None, **options
-    ):
+    def __init__(self, model: Model, proposer=None, config: EngineConfig | None = None, mesh=None, **options):
         planner.check_model(model)
         if config is not None and options:
             raise ValueError(f"Engine: give a config or its fields ({', '.join(options)}), not both")
@@ -132,7 +130,9 @@ class Engine:
         warp = config.sampling_paths
         check_engine_mesh(mesh, model, config)
         self.mesh = mesh
-        backend = planner.backend_for(model, config.kernels, config.matmul_precision, config.scan_layers, mesh)
+        backend = planner.backend_for(
+            model, config.kernels, config.matmul_precision, config.scan_layers, mesh
+        )
         proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
         resolved_params = proposer_params
         page_size = planner.check_page_size(config.page_size, model.config, mesh)

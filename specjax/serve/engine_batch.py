@@ -274,7 +274,9 @@ class EngineBatch:
         """The shapes of a running state `width` slots wide (what the loop compiles for); on a
         mesh (one width) with the state's shardings."""
         if self.spec.mesh is not None:
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state)
+            return jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.state
+            )
         shape = self.bare_shape(width)
         if self.paged is None:
             return shape
@@ -433,7 +435,10 @@ def _entry_blocks(state: DecodeState):
         order = [Blocks(*b) if (b := entry_blocks(x, x.ndim - 3)) else IN_ORDER for x in (*node.k, *node.v)]
         n = len(node.k)
         return node.replace(
-            k=tuple(order[:n]), v=tuple(order[n:]), lengths=IN_ORDER, pages=jax.tree.map(lambda _: IN_ORDER, node.pages)
+            k=tuple(order[:n]),
+            v=tuple(order[n:]),
+            lengths=IN_ORDER,
+            pages=jax.tree.map(lambda _: IN_ORDER, node.pages),
         )
 
     return jax.tree.map(blocks, state, is_leaf=lambda x: isinstance(x, KVCache))
