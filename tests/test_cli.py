@@ -232,6 +232,33 @@ def test_serve_on_pages_says_what_its_pool_holds(tiny_folder, monkeypatch, capsy
     assert "num_pages=12 sizes a paged cache: give a page_size too" in capsys.readouterr().err
 
 
+def test_serve_on_a_mesh_splits_the_model_and_the_slots(tiny_folder, monkeypatch, capsys):
+    """--tensor-parallel-size and --data-parallel-size: the engine on a mesh of this process's
+    devices, the weights split over "model"; sizes the devices, the model or the slots cannot take
+    are refused naming them."""
+    engines = []
+    monkeypatch.setattr(specjax.serve.app.uvicorn, "run", lambda app, **_: engines.append(app.state.engine))
+    argv = ["serve", str(tiny_folder), "--max-batch", "4", "--max-model-len", "64", "--precompile", "-1"]
+    assert cli.main([*argv, "--tensor-parallel-size", "2", "--data-parallel-size", "2"]) == 0
+    assert "on 4 devices, tensor parallel 2 x data parallel 2" in capsys.readouterr().out
+    mesh = engines[-1].mesh
+    assert dict(mesh.shape) == {"data": 2, "model": 2}
+    qkv = engines[-1].model.params.layers[0].qkv
+    assert qkv.addressable_shards[0].data.shape[1] == qkv.shape[1] // 2  # placed split at load
+    assert cli.main([*argv, "-tp", "2"]) == 0 and dict(engines[-1].mesh.shape) == {"data": 1, "model": 2}
+    for bad, message in (
+        (["-tp", "4", "-dp", "4"], "4 x 4 = 16 devices, but this process has 8"),
+        (["-dp", "3"], "max_batch=4: on a mesh the slots split over its 3 data groups"),
+        (["-tp", "3"], "does not divide over the mesh axis 'model' of size 3"),
+        (
+            ["-tp", "2", "--speculative-config", '{"model": "x", "draft_tensor_parallel_size": 4}'],
+            "draft_tensor_parallel_size=4: 1 .* or tensor_parallel_size=2",
+        ),
+    ):
+        assert cli.main([*argv, *bad]) == 2
+        assert re.search(message, capsys.readouterr().err), bad
+
+
 # ---------------------------------------------------------------------------------------------
 # specjax generate
 

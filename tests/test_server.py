@@ -26,6 +26,7 @@ import types
 import urllib.error
 import urllib.request
 
+import jax
 import openai
 import pytest
 import uvicorn
@@ -430,6 +431,22 @@ def test_sixteen_threads_on_a_pool_of_pages_too_small_for_them_each_equal_genera
         assert after[("specjax:prefix_cache_hits_total", ())] == hits > 0
         assert after[("specjax:kv_cache_usage_perc", ())] == 0
         assert engine.kv_cache.usage(engine.num_running) == 0
+    finally:
+        server.close()
+
+
+def test_sixteen_threads_on_a_tensor_and_data_parallel_engine_each_equal_generate_alone():
+    """The same 16 requests on an engine on a mesh of 4 fake devices (model 2 x data 2, as
+    `specjax serve --tensor-parallel-size 2 --data-parallel-size 2` builds it) with an n-gram
+    proposer: the server sees one engine, and each answer is generate's alone."""
+    mesh = specjax.sharding.make_mesh(model=2, data=2, devices=jax.devices()[:4])
+    engine = Engine(LOAD_MODEL, specjax.NGram(k=3), max_batch=4, max_model_len=96, chunk_steps=3, mesh=mesh)
+    server = Running(make_app(engine))
+    try:
+        before = server.metrics()
+        with concurrent.futures.ThreadPoolExecutor(len(LOAD_JOBS)) as pool:
+            answers = list(pool.map(lambda job: completion(server, *job)[:3], LOAD_JOBS))
+        check_load(server, answers, before)
     finally:
         server.close()
 

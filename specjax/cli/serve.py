@@ -61,6 +61,8 @@ def serve_command(args: argparse.Namespace) -> None:
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
         prefix_caching=not args.no_prefix_caching,
+        tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         constraint_states=None if args.constraint_states == -1 else args.constraint_states,
         max_waiting=args.max_waiting,
@@ -164,6 +166,21 @@ def add_serve_command(commands) -> None:
         action="store_true",
         help="with --page-size: prefill every prompt whole (default: prompts that begin with pages "
         "another request computed take them, and prefill only the rest)",
+    )
+    command.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=positive_int,
+        default=1,
+        help="devices each layer is split over (its heads and MLP; default 1)",
+    )
+    command.add_argument(
+        "--data-parallel-size",
+        "-dp",
+        type=positive_int,
+        default=1,
+        help="groups of --tensor-parallel-size devices the slots are split over (--max-batch a "
+        "multiple of it; default 1)",
     )
     command.add_argument(
         "--max-logprobs",

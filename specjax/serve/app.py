@@ -31,13 +31,16 @@ import os
 import time
 from collections.abc import Sequence
 
+import jax
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from specjax import sharding
+from specjax.api import load
 from specjax.checks import check_int, is_int
-from specjax.models import Model, load
+from specjax.models import Model
 from specjax.serve.config import speculative_config_to_proposer
 from specjax.serve.engine import Engine
 from specjax.serve.engine_config import (
@@ -513,6 +516,29 @@ def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
 
+def serving_mesh(tensor_parallel_size: int, data_parallel_size: int, speculative_config: dict | None):
+    """The engine's mesh for `serve`'s parallel sizes (None for 1 x 1: one device), checked
+    against this process's devices and the speculative config's draft_tensor_parallel_size."""
+    check_int("tensor_parallel_size", tensor_parallel_size, 1)
+    check_int("data_parallel_size", data_parallel_size, 1)
+    draft = (speculative_config or {}).get("draft_tensor_parallel_size", 1)
+    if draft not in (1, tensor_parallel_size):
+        raise ValueError(
+            f"speculative_config draft_tensor_parallel_size={draft!r}: 1 (the draft replicated) or "
+            f"tensor_parallel_size={tensor_parallel_size} (split as the target)"
+        )
+    size = tensor_parallel_size * data_parallel_size
+    if size == 1:
+        return None
+    devices = jax.local_devices()
+    if size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size x data_parallel_size = {tensor_parallel_size} x {data_parallel_size} "
+            f"= {size} devices, but this process has {len(devices)} ({devices[0].platform})"
+        )
+    return sharding.make_mesh(model=tensor_parallel_size, data=data_parallel_size, devices=devices[:size])
+
+
 def serve(
     model,
     speculative_config: dict | None = None,
@@ -532,6 +558,8 @@ def serve(
     num_pages: int | None = None,
     kv_cache_memory: int | float | None = None,
     prefix_caching: bool = True,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
     constraint_states: int | None = DEFAULT_CONSTRAINT_STATES,
     max_waiting: int | None = None,
@@ -557,6 +585,11 @@ def serve(
         num_pages pages or of kv_cache_memory (bytes, or a fraction of the free memory) shared by
         the requests as their lengths need (EngineConfig); None: a dense row per slot. With pages,
         prefix_caching shares prompts' pages by content (EngineConfig.prefix_caching).
+    tensor_parallel_size, data_parallel_size: the engine on a mesh of their product of this
+        process's devices (`sharding.make_mesh(model=..., data=...)`): each layer split over
+        tensor_parallel_size devices, the slots over data_parallel_size groups of them
+        (max_batch a multiple of it). A draft model is replicated unless the speculative config's
+        draft_tensor_parallel_size is the tensor-parallel size.
     max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
         prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
     constraint_states: the constraint automata's tables (EngineConfig.constraint_states), for
@@ -580,11 +613,12 @@ def serve(
             check_max_waiting(max_waiting)
         check_api_key(api_key)
         check_int("max_request_bytes", max_request_bytes, 1)
+        mesh = serving_mesh(tensor_parallel_size, data_parallel_size, speculative_config)
     except ValueError as error:
         raise ValueError(f"serve: {error}") from None
     if not isinstance(model, Model):
         served_model_name = served_model_name or str(model)
-        model = load(model, dtype=dtype, quantization=quantization, group_size=group_size)
+        model = load(model, dtype=dtype, quantization=quantization, group_size=group_size, mesh=mesh)
     if proposer is None:
         proposer = speculative_config_to_proposer(speculative_config, model)
     config = EngineConfig(
@@ -600,7 +634,10 @@ def serve(
         logprobs=max_logprobs,
         constraint_states=constraint_states,
     )
-    engine = Engine(model, proposer, config)
+    engine = Engine(model, proposer, config, mesh=mesh)
+    if mesh is not None:
+        parallel = f"tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}"
+        print(f"specjax serve: on {mesh.size} devices, {parallel}")
     print(f"specjax serve: {engine.kv_cache.summary()}")
     if precompile is not None:
         longest = min(precompile, engine.max_model_len - 1)

@@ -12,6 +12,10 @@ starts specjax with the matching proposer:
     model                   draft_model: a model (a built-in name, an HF folder or a .gguf file);
                             eagle, eagle3, medusa, dflash, mlp_speculator: the folder of a head
                             (`specjax.load_head`: specjax's own or a published release)
+    draft_tensor_parallel_size
+                            draft_model: 1 (default) replicates the draft on each device of a model
+                            group; the target's --tensor-parallel-size splits it as the target
+                            (DraftModel tensor_parallel)
     prompt_lookup_max       ngram: the longest n-gram matched (NGram n_max)
     prompt_lookup_min       ngram: the shortest n-gram matched (NGram n_min)
     layers                  self_draft: the target's layers that draft (SelfDraft layers)

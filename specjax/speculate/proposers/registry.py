@@ -105,7 +105,12 @@ def _draft_model_method(options: dict, target) -> DraftModel:
     from specjax.models import load
 
     source = method_required(options, "model", "draft_model", "a built-in name, an HF folder or a .gguf file")
-    return DraftModel(load(source, dtype=target.params.dtype.name), **method_k(options))
+    # vLLM's draft_tensor_parallel_size: 1 replicates the draft on every device of a model group;
+    # the target's tensor-parallel size splits it as the target (serve checks it is that size)
+    split = method_int(options, "draft_tensor_parallel_size", 1)
+    tensor_parallel = split is not None and split > 1
+    model = load(source, dtype=target.params.dtype.name)
+    return DraftModel(model, **method_k(options), tensor_parallel=tensor_parallel)
 
 
 def _self_draft_method(options: dict, target) -> SelfDraft:
@@ -211,7 +216,7 @@ ENTRIES: tuple[Entry, ...] = (
         "a separate small model with the target's vocabulary",
         (Option("model", MODEL, "a built-in name, HF folder or .gguf file"), Option("k")),
         method="draft_model",
-        method_keys=_HEAD_KEYS,
+        method_keys=(*_HEAD_KEYS, "draft_tensor_parallel_size"),
         speculative_config=_draft_model_method,
     ),
     Entry(
