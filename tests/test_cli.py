@@ -259,6 +259,22 @@ def test_serve_on_a_mesh_splits_the_model_and_the_slots(tiny_folder, monkeypatch
         assert re.search(message, capsys.readouterr().err), bad
 
 
+def test_serve_roles_prefill_and_decode_apart(tiny_folder, monkeypatch, capsys):
+    """--role prefill serves rows (POST /specjax/prefill), --role decode pulls them from
+    --prefill-url; the URL goes with --role decode alone."""
+    apps = []
+    monkeypatch.setattr(specjax.serve.app.uvicorn, "run", lambda app, **_: apps.append(app))
+    argv = ["serve", str(tiny_folder), "--max-batch", "2", "--max-model-len", "64", "--precompile", "-1"]
+    assert cli.main([*argv, "--role", "prefill"]) == 0
+    assert "/specjax/prefill" in {route.path for route in apps[-1].routes}
+    assert cli.main([*argv, "--role", "decode", "--prefill-url", "http://127.0.0.1:9"]) == 0
+    assert apps[-1].state.engine.prefiller.url == "http://127.0.0.1:9"
+    assert cli.main([*argv]) == 0 and apps[-1].state.engine.prefiller is None
+    for bad in (["--role", "decode"], ["--prefill-url", "http://x"]):
+        assert cli.main([*argv, *bad]) == 2
+        assert "a decode server needs the prefill server's URL" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------
 # specjax generate
 

@@ -3,6 +3,8 @@ split over "model" as `generate` splits it, the slots over "data", every kind of
 placed as on one device's engine; each request gets the tokens and accepted drafts (position by
 position) it gets on one device."""
 
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -76,3 +78,21 @@ def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
         Engine(TARGET, None, mesh=sharding.make_mesh(model=4, data=1), max_batch=4, max_model_len=64)
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         Engine(TARGET, None, mesh="2x2", max_batch=4, max_model_len=64)
+
+
+def test_a_step_all_reduces_twice_per_layer_over_the_model_groups():
+    """Counted in the compiled loop's HLO (data 2 x model 2, plain decoding): one float32 sum
+    of [B/d, T, D] after attention and one after the MLP in every layer, each over a model group
+    ({0, 1} and {2, 3}); the loop's other all-reduces are integers and flags (whether rows are
+    done, the token buffer), none of them a layer's."""
+    mesh = sharding.make_mesh(model=2, data=2, devices=jax.devices()[:4])
+    engine = Engine(TARGET, None, mesh=mesh, max_batch=4, max_model_len=64)
+    engine.precompile([])
+    text = engine._batch.programs[("lean", 4)].as_text()
+    sums = re.findall(r"= (\w+)\[[^\]]*\]\S* all-reduce\(.*?replica_groups=(\{[{}0-9,]*\})", text)
+    over_model = [dtype for dtype, groups in sums if groups == "{{0,1},{2,3}}"]
+    assert over_model == ["f32"] * (2 * TARGET.config.num_layers)
+    assert all(dtype in ("s32", "pred") for dtype, groups in sums if groups != "{{0,1},{2,3}}")
+    # each device holds a quarter of the slots' caches: its rows' half of the kv heads
+    cache = engine._batch.state.cache.k[0]
+    assert cache.addressable_shards[0].data.nbytes * 4 == cache.nbytes

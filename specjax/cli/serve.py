@@ -63,6 +63,8 @@ def serve_command(args: argparse.Namespace) -> None:
         prefix_caching=not args.no_prefix_caching,
         tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
+        role=args.role,
+        prefill_url=args.prefill_url,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         constraint_states=None if args.constraint_states == -1 else args.constraint_states,
         max_waiting=args.max_waiting,
@@ -181,6 +183,17 @@ def add_serve_command(commands) -> None:
         default=1,
         help="groups of --tensor-parallel-size devices the slots are split over (--max-batch a "
         "multiple of it; default 1)",
+    )
+    command.add_argument(
+        "--role",
+        choices=("both", "prefill", "decode"),
+        default="both",
+        help="both (default): prefill and decode here; prefill: serve only rows (POST "
+        "/specjax/prefill) to a decode server; decode: serve the API, each request's row pulled "
+        "from --prefill-url (both started with the same model, proposer and engine options)",
+    )
+    command.add_argument(
+        "--prefill-url", help="with --role decode: the prefill server, e.g. http://host:8001"
     )
     command.add_argument(
         "--max-logprobs",

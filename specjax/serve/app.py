@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 
@@ -51,6 +52,7 @@ from specjax.serve.engine_config import (
 )
 from specjax.serve.engine_config import Request as EngineRequest
 from specjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Guard, add_error_handlers, check_api_key
+from specjax.serve.handoff import PREFILL_ROUTE, RemotePrefiller, encode_row, request_from_json
 from specjax.serve.logprob_bodies import (
     TokenTexts,
     chat_logprobs,
@@ -512,8 +514,54 @@ async def _watch_disconnect(http_request: Request, streams: list[RequestStream])
         stream.updates.put_nowait(ClientGone())
 
 
+def make_prefill_app(engine: Engine) -> FastAPI:
+    """A prefill server's app (`specjax serve --role prefill`; handoff.py): POST PREFILL_ROUTE
+    with a request's JSON (`request_to_json`) answers its row's bytes (`encode_row`), or HTTP 400
+    naming what the engine refused; GET /health for probes. Rows are made one at a time, off the
+    event loop."""
+    app = FastAPI(title="specjax prefill")
+    app.state.engine = engine
+    lock = threading.Lock()
+
+    def make(body: dict) -> bytes:
+        with lock:
+            return encode_row(engine.prefill(request_from_json(body)))
+
+    @app.post(PREFILL_ROUTE)
+    async def prefill(http: Request):
+        try:
+            data = await asyncio.to_thread(make, await http.json())
+        except (ValueError, KeyError, TypeError) as error:
+            return JSONResponse(
+                {"error": {"message": f"prefill: {error}", "type": "invalid_request_error"}}, 400
+            )
+        return Response(data, media_type="application/octet-stream")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    return app
+
+
 def _event(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
+
+
+ROLES = ("both", "prefill", "decode")
+
+
+def serving_prefiller(role: str, prefill_url: str | None):
+    """The engine's prefiller for a `serve` role: a RemotePrefiller of prefill_url for "decode",
+    else None (checked: prefill_url goes with "decode" alone)."""
+    if role not in ROLES:
+        raise ValueError(f"role={role!r}: one of {', '.join(ROLES)}")
+    if (role == "decode") != (prefill_url is not None):
+        raise ValueError(
+            f"role={role!r} with prefill_url={prefill_url!r}: a decode server needs the prefill "
+            "server's URL, and only a decode server takes one"
+        )
+    return None if prefill_url is None else RemotePrefiller(prefill_url)
 
 
 def serving_mesh(tensor_parallel_size: int, data_parallel_size: int, speculative_config: dict | None):
@@ -560,6 +608,8 @@ def serve(
     prefix_caching: bool = True,
     tensor_parallel_size: int = 1,
     data_parallel_size: int = 1,
+    role: str = "both",
+    prefill_url: str | None = None,
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
     constraint_states: int | None = DEFAULT_CONSTRAINT_STATES,
     max_waiting: int | None = None,
@@ -590,6 +640,10 @@ def serve(
         tensor_parallel_size devices, the slots over data_parallel_size groups of them
         (max_batch a multiple of it). A draft model is replicated unless the speculative config's
         draft_tensor_parallel_size is the tensor-parallel size.
+    role, prefill_url: "both" (default) prefills and decodes here; "prefill" serves only rows
+        (`make_prefill_app`: POST /specjax/prefill) for a decode server; "decode" serves the API
+        and pulls each request's row from the prefill server at prefill_url (handoff.py), the
+        two started with the same model, proposer and engine options.
     max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
         prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
     constraint_states: the constraint automata's tables (EngineConfig.constraint_states), for
@@ -614,6 +668,7 @@ def serve(
         check_api_key(api_key)
         check_int("max_request_bytes", max_request_bytes, 1)
         mesh = serving_mesh(tensor_parallel_size, data_parallel_size, speculative_config)
+        prefiller = serving_prefiller(role, prefill_url)
     except ValueError as error:
         raise ValueError(f"serve: {error}") from None
     if not isinstance(model, Model):
@@ -634,7 +689,7 @@ def serve(
         logprobs=max_logprobs,
         constraint_states=constraint_states,
     )
-    engine = Engine(model, proposer, config, mesh=mesh)
+    engine = Engine(model, proposer, config, mesh=mesh, prefiller=prefiller)
     if mesh is not None:
         parallel = f"tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}"
         print(f"specjax serve: on {mesh.size} devices, {parallel}")
@@ -645,6 +700,10 @@ def serve(
         print(f"specjax serve: compiling the loop and the prefill of prompts up to {longest} tokens")
         count = engine.precompile(range(1, longest + 1))
         print(f"specjax serve: {count} programs compiled in {time.perf_counter() - start:.0f} s")
+    if role == "prefill":
+        print(f"specjax serve: prefill server, rows at POST {PREFILL_ROUTE}")
+        uvicorn.run(make_prefill_app(engine), host=host, port=port, log_level=log_level)
+        return
     app = make_app(
         engine,
         served_model_name=served_model_name,

@@ -60,10 +60,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import planner, sharding
+from specjax import planner
 from specjax.checks import is_int
 from specjax.models.model import Model
 from specjax.serve import engine_loops
+from specjax.serve.engine_admission import Admissions
 from specjax.serve.engine_automata import ConstraintPool, StopStringTables
 from specjax.serve.engine_batch import EngineBatch
 from specjax.serve.engine_config import (
@@ -81,9 +82,11 @@ from specjax.serve.engine_inputs import (
     check_memory,
     check_warp,
     engine_capacity,
+    placed_weights,
 )
 from specjax.serve.engine_pages import DenseRows, SlotPages, paged_layout
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
+from specjax.serve.handoff import Handoffs, can_hand_over
 from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
@@ -94,7 +97,7 @@ from specjax.speculate.stops import cut_text
 MIN_BUCKET = planner.MIN_BUCKET
 
 
-class Engine:
+class Engine(Admissions):
     """A batch of `config.max_batch` slots that requests join and leave (see the module's docstring).
 
     Drive it from one thread: `add` requests, call `step` while `has_work`, read the Updates.
@@ -110,7 +113,15 @@ class Engine:
     check of which runs), each on first use unless `precompile` compiled it before.
     """
 
-    def __init__(self, model: Model, proposer=None, config: EngineConfig | None = None, mesh=None, **options):
+    def __init__(
+        self,
+        model: Model,
+        proposer=None,
+        config: EngineConfig | None = None,
+        mesh=None,
+        prefiller=None,
+        **options,
+    ):
         planner.check_model(model)
         if config is not None and options:
             raise ValueError(f"Engine: give a config or its fields ({', '.join(options)}), not both")
@@ -126,6 +137,7 @@ class Engine:
                 f"max_model_len={config.max_model_len} exceeds the model's context of {context} tokens"
             )
         self.model, self.proposer, self.config = model, proposer, config
+        self.prefiller = prefiller  # where requests' rows come from by default (`add`)
         self._fitting_narrower = 0  # chunks in a row whose running requests fit a narrower width
         warp = config.sampling_paths
         check_engine_mesh(mesh, model, config)
@@ -159,7 +171,7 @@ class Engine:
         # `.capacity_tokens`, `.prefix_counts`, `.reset_prefix_cache()`), dense or paged
         self.kv_cache = DenseRows(config, self.spec) if self._pages is None else self._pages
         check_memory(self.config, self.spec, model.params, None if layout is None else self._pages.bytes)
-        params, proposer_params, prefill_spec = self._placed(model, proposer, proposer_params, warp)
+        params, proposer_params, prefill_spec = placed_weights(self.spec, model, proposer, proposer_params)
         if backend.scans_layers:  # once: stacked layers are a copy, not to be made every chunk
             with backend.tracing():
                 params, proposer_params = jax.jit(program_params, static_argnums=0)(
@@ -183,6 +195,8 @@ class Engine:
         # reported, which its new start regenerates without sending them twice
         self._restarts: dict[int, Restart] = {}
         self._pending: list = []  # admissions of this step whose packed prefill is to run
+        self._handoffs = Handoffs()  # rows asked of prefillers (handoff.py), by request id
+        self._failed: list[Update] = []  # the final Updates of requests whose rows never came
         self._admitted = itertools.count()  # admission order: the newest is preempted first
         self._waiting: collections.deque[tuple[int, Request]] = collections.deque()
         self._slots: list[Running | None] = [None] * config.max_batch
@@ -229,23 +243,6 @@ class Engine:
             prefill_spec=prefill_spec,
         )
         self._step_count = int(self._batch.state.step)  # the loop's step counter, as the host last saw it
-
-    def _placed(self, model: Model, proposer, proposer_params, warp):
-        """The target's and the proposer's weights as the programs read them (one device: in the
-        backend's kernels' layout; on a mesh: split over it, the proposer's as it asks), and the
-        spec of a request's own prefill (None: the batch's own default; on a mesh, a batch of one
-        on `sharding.row_mesh`, its proposer resolved there)."""
-        if self.mesh is None:
-            return (*planner.kernel_weights(self.spec, model.params, proposer_params), None)
-        params = sharding.shard_params(model.params, model.config, self.mesh)
-        if proposer_params is not None:
-            proposer_params = self.spec.proposer.place_params(proposer_params, self.mesh)
-        rows = sharding.row_mesh(self.mesh)
-        row_proposer, _ = resolve(proposer, model, warp, rows)
-        prefill_spec = dataclasses.replace(
-            self.spec, batch_size=1, page_size=None, mesh=rows, proposer=row_proposer
-        )
-        return params, proposer_params, prefill_spec
 
     # ----- the public face -------------------------------------------------------------------
 
@@ -297,8 +294,56 @@ class Engine:
     def has_work(self) -> bool:
         return self.num_waiting > 0 or self.num_running > 0
 
-    def add(self, request: Request) -> int:
-        """Check a request and queue it; returns its id. ValueError naming what is wrong."""
+    def add(self, request: Request, prefiller=None) -> int:
+        """Check a request and queue it; returns its id. ValueError naming what is wrong.
+
+        prefiller: where its row comes from instead of this engine's prefill (handoff.py: a
+        `LocalPrefiller` or `RemotePrefiller`; default the engine's `prefiller`), asked at once off
+        this thread; the request is admitted when its row has arrived. A request a row cannot
+        carry is prefilled here."""
+        request_id = self._queue(self._checked(request))
+        prefiller = self.prefiller if prefiller is None else prefiller
+        if prefiller is not None and can_hand_over(request):
+            if self._pages is not None:
+                raise ValueError("prefiller: handed-over rows go into a dense KV cache (no page_size)")
+            key = jax.random.fold_in(self._key, request_id)  # (the key this engine's prefill uses)
+            request = self._waiting[-1][1]
+            request = request if request.key is not None else dataclasses.replace(request, key=key)
+            self._handoffs.ask(request_id, request, prefiller, self._batch.free_row)
+        return request_id
+
+    def prefill(self, request: Request):
+        """The row of `request` (a DecodeState of a batch of one, on this engine's devices) for a
+        decode engine to admit without prefilling (handoff.py), its prompt in one pass or in
+        chunks as this engine would prefill it; nothing is queued here. ValueError as `add`'s,
+        and for a request a row cannot carry (`can_hand_over`)."""
+        request = self._checked(request)
+        if not can_hand_over(request) or self._pages is not None:
+            raise ValueError(
+                "prefill: a handed-over row carries no stop strings, constraint or prompt_logprobs, "
+                "and is made by an engine with a dense KV cache (no page_size)"
+            )
+        key = request.key if request.key is not None else jax.random.fold_in(self._key, next(self._ids))
+        n, params, proposer = len(request.prompt), self._params, self._proposer_params
+        long = self._chunk is not None and n > self._chunk
+        bucket = min(1 << (n - 1).bit_length(), self.spec.capacity) if long else self._bucket(n)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :n] = request.prompt
+        inputs = self._inputs.request_row(request, self._stop_ids(request), padded, n, key)
+        if not long:
+            return self._batch.run("prefill", bucket, params, proposer, inputs)
+        prompt = PromptInChunks(
+            -1, request, self._batch.run("start_prompt", self._chunk, params), self._chunk
+        )
+        while not prompt.complete:
+            prompt.partial = self._batch.run(
+                "prompt_chunk", self._chunk, params, prompt.partial, *prompt.next_chunk()
+            )
+        return self._batch.run("finish_prompt", bucket, params, proposer, prompt.partial, inputs)
+
+    def _checked(self, request: Request) -> Request:
+        """The request checked (ValueError naming what is wrong), its prompt as ids and its key
+        a PRNG key."""
         pool = None if self._pages is None else self._pages.capacity_tokens
         prompt = check_request(
             request, self.model.config.vocab_size, self.max_model_len, self.config.logprobs, pool
@@ -317,7 +362,9 @@ class Engine:
             self._stops.check(request.sampling.stop)
         if request.key is not None:
             request = dataclasses.replace(request, key=planner.as_key(request.key))
-        request = dataclasses.replace(request, prompt=prompt)
+        return dataclasses.replace(request, prompt=prompt)
+
+    def _queue(self, request: Request) -> int:
         request_id = next(self._ids)
         self._waiting.append((request_id, request))
         return request_id
@@ -337,6 +384,7 @@ class Engine:
             if waiting_id == request_id:
                 del self._waiting[i]
                 self._restarts.pop(request_id, None)
+                self._handoffs.drop(request_id)
                 return [self._final(request_id, [], "abort", None)]
         if self._in_chunks is not None and self._in_chunks.request_id == request_id:
             self._in_chunks = None  # (its partial row's memory goes with it; its pages now)
@@ -364,8 +412,11 @@ class Engine:
             partial = None if self._in_chunks is None else self._in_chunks.partial
             jax.block_until_ready((self._batch.state, partial))  # (the prefills' time, not the next chunk's)
             self.stats.admission_s += time.perf_counter() - start
+        failed, self._failed = self._failed, []  # requests whose rows never came (handoff.py)
         if self.num_running == 0:
-            return []
+            if self._waiting and all(self._handoffs.waits_for(i) for i, _ in self._waiting):
+                time.sleep(0.001)  # (nothing to run until a row arrives)
+            return failed
         # The chunk runs over the first `width` slots only: the smallest program width holding
         # the running requests, once they have fit it for more than narrow_after chunks.
         # Admission fills the lowest free slot, and requests left past that width by others
@@ -426,7 +477,7 @@ class Engine:
             width, int(step) - self._step_count, time.perf_counter() - start, engine_loops.is_quiet(kind)
         )
         self._step_count = int(step)
-        updates = []
+        updates = failed
         for b, slot in enumerate(self._slots):
             if slot is not None:
                 updates.append(
@@ -479,217 +530,6 @@ class Engine:
             for update in self.step():
                 tokens[update.request_id] += update.tokens
         return tokens
-
-    # ----- slots -----------------------------------------------------------------------------
-
-    def _admit_waiting(self) -> None:
-        """Admit what waits into free slots (`_take_waiting`), then prefill together the prompts
-        that wait for it (`_prefill_pending`)."""
-        self._take_waiting()
-        self._prefill_pending()
-
-    def _take_waiting(self) -> None:
-        """Admit what waits into free slots, first come first served: a prompt of at most
-        `prefill_chunk` tokens in one pass, a longer one in chunks. One long prompt is in chunks
-        at a time; its chunks run one per step while other rows run (back to back when none
-        does), and it takes a free slot when its last chunk has run; shorter prompts behind it
-        are admitted meanwhile (on pages the kernel reads in place, their passes shared)."""
-        ran_chunk = False
-        while True:
-            free = None if None not in self._slots else self._slots.index(None)
-            if self._in_chunks is None and free is not None:
-                self._in_chunks = self._start_long_prompt()
-            prompt = self._in_chunks
-            while prompt is not None and not prompt.complete and not (ran_chunk and self.num_running):
-                self._run_chunk(prompt)
-                self.stats.prompt_chunks += 1
-                ran_chunk = True
-            if prompt is not None and prompt.complete and free is not None:
-                if self._fits(free, prompt.request):  # (its pages it holds since its first chunk)
-                    self._in_chunks = None
-                    self._admit(free, prompt.request_id, prompt.request, prompt.partial)
-                    self.stats.admissions += 1
-                    continue
-            short = next((i for i, (_, r) in enumerate(self._waiting) if not self._long(r)), None)
-            if free is None or short is None:
-                return
-            request_id, request = self._waiting[short]
-            cached = self._take_pages(request_id, request) if self._fits(free, request) else None
-            if cached is None:
-                return  # it waits (first in line) until running requests with other automata
-                # finish, or until the pool has its pages
-            del self._waiting[short]
-            self._admit(free, request_id, request, cached=cached)
-            self.stats.admissions += 1
-
-    def _long(self, request: Request) -> bool:
-        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk; paged,
-        what the prefix cache does not hold of it); not one whose prompt is scored
-        (prompt_logprobs: the scoring runs in the one-pass prefill)."""
-        if self._chunk is None or request.prompt_logprobs is not None:
-            return False
-        cached = 0 if self._pages is None else self._pages.cached_tokens(request.prompt)
-        return len(request.prompt) - cached > self._chunk
-
-    def _start_long_prompt(self) -> PromptInChunks | None:
-        """The first waiting long prompt, taken out of the queue before its first chunk (None if
-        none waits)."""
-        at = next((i for i, (_, r) in enumerate(self._waiting) if self._long(r)), None)
-        if at is None:
-            return None
-        request_id, request = self._waiting[at]
-        if self._pages is not None:  # its pages from its first chunk on (the chunks write there)
-            cached = self._take_pages(request_id, request)
-            if cached is None:
-                return None
-            del self._waiting[at]
-            return PromptInChunks(request_id, request, None, self._chunk, done=cached)
-        del self._waiting[at]
-        partial = self._batch.run("start_prompt", self._chunk, self._params)
-        return PromptInChunks(request_id, request, partial, self._chunk)
-
-    def _run_chunk(self, prompt: PromptInChunks) -> None:
-        """The next chunk of the long prompt in chunks: into its dense partial row, or its pages."""
-        if self._pages is None:
-            args = (self._params, prompt.partial, *prompt.next_chunk())
-            prompt.partial = self._batch.run("prompt_chunk", self._chunk, *args)
-            return
-        table = self._pages.table_of(prompt.request_id)
-        prompt.partial = self._batch.prefill_pages(
-            table, prompt.request.prompt, prompt.done, 1, prompt.partial
-        )
-        prompt.done += self._chunk
-
-    def _admit(self, b: int, request_id: int, request: Request, partial=None, cached: int = 0) -> None:
-        """Prefill the request into slot b (one compiled program per prompt bucket), or, for a
-        long prompt whose chunks have run (`partial`), make its row from them. Paged, into the
-        pages it holds from `cached` on (the end of its cached prefix)."""
-        sampling = request.sampling
-        if self._stops is not None and not self._stops.has(sampling.stop):  # (before the slot
-            # changes: it may refuse)
-            states = np.asarray(jax.device_get(self._batch.state.stop_states))
-            moved = self._stops.grow(self._running_stop_strings(b), sampling.stop, states)
-            self._batch.replace(stop_states=jnp.asarray(moved))
-        start = -1 if sampling.constraint is None else self._constraints.acquire(sampling.constraint)
-        self._samplings[b] = sampling
-        self._slots[b] = Running(
-            request_id,
-            request,
-            self._stop_ids(request),
-            reported=len(request.prompt),
-            tokens=[],
-            seen={name: 0 for name in COUNTERS},
-            started=time.perf_counter(),
-            constraint_start=start,
-            admitted=next(self._admitted),
-        )
-        restart = self._restarts.pop(request_id, None)
-        if restart is not None:
-            self._slots[b].resend, self._slots[b].updated = restart.tokens, restart.reported
-        self._inputs.changed()
-        n = len(request.prompt)
-        bucket = self._bucket(n) if partial is None else min(1 << (n - 1).bit_length(), self.spec.capacity)
-        paged = self._pages is not None and request.prompt_logprobs is None  # (scored: a dense row)
-        if paged:
-            bucket = self._bucket(n)
-        padded = np.zeros((1, bucket), np.int32)
-        padded[0, :n] = request.prompt
-        row = self._inputs.row(b, padded, n, request.max_new_tokens, request_id, request.key)
-        if paged and partial is None and self._batch.packs:  # with the others admitted beside it
-            self._pending.append((b, request_id, request, cached, row, bucket))
-            return
-        if paged:  # its chunks into its pages (those a long prompt's steps have not run), its row
-            table = self._pages.table_of(request_id)
-            if partial is None:
-                count = -(-(n - cached) // self._batch.page_chunk)
-                partial = self._batch.prefill_pages(table, request.prompt, cached, count)
-            row = self._batch.pages_row(bucket, table, partial, row)
-        elif partial is None and request.prompt_logprobs is not None:  # scored in its one pass
-            row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
-            scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
-            if not self._slots[b].updated:  # (a restarted request sent them already)
-                self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
-                    request.prompt_logprobs
-                )
-            row = row.replace(prompt_logprobs=None)
-        elif partial is None:
-            row = self._batch.run("prefill", bucket, self._params, self._proposer_params, row)
-        else:
-            row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
-        self._place_row(b, request_id, request, row, paged)
-
-    def _place_row(self, b: int, request_id: int, request: Request, row, paged: bool) -> None:
-        """A request's prefilled row into slot b (paged: its cache in its pages already, or with
-        `paged` False a dense row copied into them)."""
-        width = min(w for w in self._widths if w > b)
-        self._batch.resize(max(width, self._batch.width))
-        if self._pages is None:
-            self._batch.write(row, b)
-            return
-        self._pages.place(b, request_id)
-        self._batch.write(row, b, None if paged else self._pages.table_of(request_id))
-        self._pages.register(request_id, request.prompt)  # its prompt's full pages, for later hits
-
-    def _prefill_pending(self) -> None:
-        """The prompts admitted in this step on pages the kernel reads in place, prefilled
-        together (their tokens packed into the same passes), then each one's row."""
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        tables = np.stack([self._pages.table_of(request_id) for _, request_id, *_ in pending])
-        prompts, starts = [p[2].prompt for p in pending], [p[3] for p in pending]
-        last = self._batch.prefill_packed(tables, prompts, starts)
-        for i, (b, request_id, request, _, row, bucket) in enumerate(pending):
-            hidden = jax.lax.dynamic_slice_in_dim(last, jnp.int32(i), 1)
-            self._place_row(
-                b, request_id, request, self._batch.pages_row(bucket, tables[i], hidden, row), True
-            )
-
-    # ----- pages (EngineConfig.page_size) -----------------------------------------------------
-
-    def _take_pages(self, request_id: int, request: Request) -> int | None:
-        """Pages for a request about to be prefilled (`SlotPages.take`): how many of its prompt's
-        tokens the prefix cache gave, or None (it waits); 0 for a dense cache."""
-        if self._pages is None:
-            return 0
-        running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
-        return self._pages.take(request_id, request, running, self.chunk_steps)
-
-    def _grow_rows(self, steps: int) -> None:
-        """Pages for every running row's next chunk of `steps` steps, oldest request first; where
-        the pool has too few, the newest running request is preempted (`_preempt`) until they fit,
-        and before the last running one, a prompt part-way through its chunks (queued first again,
-        its chunks to run again). The oldest always fits alone (the pool holds one request of
-        max_model_len: engine_pages.py)."""
-        for b in sorted((i for i, s in enumerate(self._slots) if s is not None), key=self._age):
-            slot = self._slots[b]  # (None: preempted for an older row's pages)
-            while (
-                slot is not None
-                and slot is self._slots[b]
-                and not self._pages.grow(b, self._pages.row_slots(slot, steps))
-            ):
-                newest = max((i for i, s in enumerate(self._slots) if s is not None), key=self._age)
-                if newest == b and self._in_chunks is not None:  # a prompt in chunks goes first
-                    prompt, self._in_chunks = self._in_chunks, None
-                    self._pages.drop(prompt.request_id)
-                    self._waiting.appendleft((prompt.request_id, prompt.request))
-                    self.stats.preemptions += 1
-                    continue
-                self._preempt(newest)
-
-    def _age(self, b: int) -> int:
-        return self._slots[b].admitted
-
-    def _preempt(self, b: int) -> None:
-        """Take slot b's request out of the batch, its pages freed, and queue it first to start
-        again from its prompt (`Restart`: what it reported is regenerated, not sent twice)."""
-        slot = self._slots[b]
-        sent = slot.tokens if len(slot.tokens) > len(slot.resend) else slot.resend
-        self._restarts[slot.request_id] = Restart(list(sent), slot.updated)
-        self._waiting.appendleft((slot.request_id, slot.request))
-        self._batch.finish_row(b)
-        self._free(b)
-        self.stats.preemptions += 1
 
     def _bucket(self, length: int) -> int:
         """The prefill bucket of a prompt of `length` tokens (at most the cache's capacity)."""

@@ -29,6 +29,7 @@ from specjax.models.cache import NULL_PAGE, KVCache, paged_cache
 from specjax.serve import engine_programs
 from specjax.serve.engine_config import PREFILL_CHUNK
 from specjax.serve.engine_programs import IN_ORDER, SHARED, Blocks, without_pool
+from specjax.serve.handoff import check_row
 from specjax.sharding import entry_blocks
 from specjax.speculate.loop import DecodeState, LoopSpec
 from specjax.speculate.spec import pages_pack
@@ -133,6 +134,12 @@ class EngineBatch:
         else:
             args = (self.state, row, jnp.int32(slot), jnp.asarray(table, jnp.int32))
             self.state = self.run("write_paged", self.width, *args)
+
+    def placed_row(self, row) -> DecodeState:
+        """A row made elsewhere (another engine's devices, or the host: handoff.py) checked against
+        this batch's rows (HandoffError for another shape) and put where they are."""
+        check_row(row, self.free_row)
+        return jax.device_put(row, jax.tree.map(lambda x: x.sharding, self.free_row))
 
     def prefill_pages(self, table: np.ndarray, prompt, start: int, count: int, last_hidden=None):
         """`count` chunks of a prompt into the pool through its `table`, from position `start`

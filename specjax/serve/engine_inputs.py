@@ -17,6 +17,7 @@ from specjax.planner import MIN_BUCKET
 from specjax.serve.engine_config import MAX_STOP_TOKEN_IDS, EngineConfig, admission_bucket
 from specjax.speculate.grammar import Grammar
 from specjax.speculate.loop import GenerationInputs, LoopSpec
+from specjax.speculate.proposers import resolve
 from specjax.speculate.sampling import Sampling, SamplingParams, WarpSpec
 from specjax.speculate.spec import memory_bytes
 from specjax.speculate.stops import StopStrings
@@ -49,6 +50,23 @@ def check_engine_mesh(mesh, model, config: EngineConfig) -> None:
             "mesh: the engine runs on a mesh inside one process (its devices all this process's); "
             "across processes, use specjax.generate"
         )
+
+
+def placed_weights(spec: LoopSpec, model, proposer, proposer_params):
+    """The target's and the proposer's weights as the engine's programs read them (one device: in
+    the backend's kernels' layout; on `spec.mesh`: split over it, the proposer's as it asks), and
+    the spec of a request's own prefill (None: the batch's default; on a mesh, a batch of one on
+    `sharding.row_mesh`, the proposer resolved there)."""
+    mesh = spec.mesh
+    if mesh is None:
+        return (*planner.kernel_weights(spec, model.params, proposer_params), None)
+    params = sharding.shard_params(model.params, model.config, mesh)
+    if proposer_params is not None:
+        proposer_params = spec.proposer.place_params(proposer_params, mesh)
+    rows = sharding.row_mesh(mesh)
+    row_proposer, _ = resolve(proposer, model, spec.warp, rows)
+    prefill_spec = dataclasses.replace(spec, batch_size=1, page_size=None, mesh=rows, proposer=row_proposer)
+    return params, proposer_params, prefill_spec
 
 
 def check_memory(config: EngineConfig, spec: LoopSpec, params, pool_bytes: int | None = None) -> None:
@@ -162,6 +180,20 @@ class SlotInputs:
             max_new_tokens=[max_new_tokens],
             key=jax.random.fold_in(self.key, request_id) if key is None else key,
             starts=[slot.constraint_start],
+            seeded=True,
+        )
+
+    def request_row(self, request, stop_ids, prompt, prompt_length: int, key) -> GenerationInputs:
+        """A request's inputs for a prefill outside any slot (a handed-over row: handoff.py), no
+        stop strings or constraint."""
+        return self._rows(
+            [request.sampling],
+            [stop_ids],
+            [request.speculate],
+            prompt_tokens=prompt,
+            prompt_lengths=[prompt_length],
+            max_new_tokens=[request.max_new_tokens],
+            key=key,
             seeded=True,
         )
 

@@ -1,0 +1,253 @@
+"""How the engine admits waiting requests into its slots (specjax/serve/engine.py, whose class
+`Engine` this mixin's methods are part of, reading its attributes): a short prompt's prefill in
+one pass (several packed together on pages the kernel reads in place), a long one's chunks between
+the running rows' chunks, a row handed over by a prefiller (handoff.py), and on a paged cache the
+pages each needs, with the newest request preempted when the pool runs out."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.serve.engine_config import Request
+from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running
+from specjax.serve.handoff import HandoffError
+from specjax.speculate.logprobs import Logprobs
+
+
+class Admissions:
+    """The admission half of `Engine` (module docstring)."""
+
+    def _admit_waiting(self) -> None:
+        """Admit what waits into free slots (`_take_waiting`), then prefill together the prompts
+        that wait for it (`_prefill_pending`)."""
+        self._take_waiting()
+        self._prefill_pending()
+
+    def _take_waiting(self) -> None:
+        """Admit what waits into free slots, first come first served: a prompt of at most
+        `prefill_chunk` tokens in one pass, a longer one in chunks. One long prompt is in chunks
+        at a time; its chunks run one per step while other rows run (back to back when none
+        does), and it takes a free slot when its last chunk has run; shorter prompts behind it
+        are admitted meanwhile (on pages the kernel reads in place, their passes shared)."""
+        ran_chunk = False
+        while True:
+            free = None if None not in self._slots else self._slots.index(None)
+            if self._in_chunks is None and free is not None:
+                self._in_chunks = self._start_long_prompt()
+            prompt = self._in_chunks
+            while prompt is not None and not prompt.complete and not (ran_chunk and self.num_running):
+                self._run_chunk(prompt)
+                self.stats.prompt_chunks += 1
+                ran_chunk = True
+            if prompt is not None and prompt.complete and free is not None:
+                if self._fits(free, prompt.request):  # (its pages it holds since its first chunk)
+                    self._in_chunks = None
+                    self._admit(free, prompt.request_id, prompt.request, prompt.partial)
+                    self.stats.admissions += 1
+                    continue
+            short = next((i for i, (j, r) in enumerate(self._waiting) if self._short(j, r)), None)
+            if free is None or short is None:
+                return
+            request_id, request = self._waiting[short]
+            cached = self._take_pages(request_id, request) if self._fits(free, request) else None
+            if cached is None:
+                return  # it waits (first in line) until running requests with other automata
+                # finish, or until the pool has its pages
+            del self._waiting[short]
+            row = None
+            if self._handoffs.has(request_id):  # its row, made elsewhere (handoff.py)
+                try:
+                    row = self._batch.placed_row(self._handoffs.take(request_id))
+                except (HandoffError, ValueError) as error:
+                    warnings.warn(f"request {request_id}: {error}", RuntimeWarning, stacklevel=2)
+                    self._failed.append(self._final(request_id, [], "error", None))
+                    continue
+            self._admit(free, request_id, request, cached=cached, prefilled=row)
+            self.stats.admissions += 1
+
+    def _short(self, request_id: int, request: Request) -> bool:
+        """Whether a waiting request is admitted in one step: its prompt in one pass, or its row
+        arrived from a prefiller (one still on its way waits, the others passing it)."""
+        if self._handoffs.has(request_id):
+            return not self._handoffs.waits_for(request_id)
+        return not self._long(request)
+
+    def _long(self, request: Request) -> bool:
+        """Whether the request's prompt is prefilled in chunks (EngineConfig.prefill_chunk; paged,
+        what the prefix cache does not hold of it); not one whose prompt is scored
+        (prompt_logprobs: the scoring runs in the one-pass prefill)."""
+        if self._chunk is None or request.prompt_logprobs is not None:
+            return False
+        cached = 0 if self._pages is None else self._pages.cached_tokens(request.prompt)
+        return len(request.prompt) - cached > self._chunk
+
+    def _start_long_prompt(self) -> PromptInChunks | None:
+        """The first waiting long prompt, taken out of the queue before its first chunk (None if
+        none waits)."""
+        at = next(
+            (i for i, (j, r) in enumerate(self._waiting) if self._long(r) and not self._handoffs.has(j)), None
+        )
+        if at is None:
+            return None
+        request_id, request = self._waiting[at]
+        if self._pages is not None:  # its pages from its first chunk on (the chunks write there)
+            cached = self._take_pages(request_id, request)
+            if cached is None:
+                return None
+            del self._waiting[at]
+            return PromptInChunks(request_id, request, None, self._chunk, done=cached)
+        del self._waiting[at]
+        partial = self._batch.run("start_prompt", self._chunk, self._params)
+        return PromptInChunks(request_id, request, partial, self._chunk)
+
+    def _run_chunk(self, prompt: PromptInChunks) -> None:
+        """The next chunk of the long prompt in chunks: into its dense partial row, or its pages."""
+        if self._pages is None:
+            args = (self._params, prompt.partial, *prompt.next_chunk())
+            prompt.partial = self._batch.run("prompt_chunk", self._chunk, *args)
+            return
+        table = self._pages.table_of(prompt.request_id)
+        prompt.partial = self._batch.prefill_pages(
+            table, prompt.request.prompt, prompt.done, 1, prompt.partial
+        )
+        prompt.done += self._chunk
+
+    def _admit(
+        self, b: int, request_id: int, request: Request, partial=None, cached: int = 0, prefilled=None
+    ) -> None:
+        """Prefill the request into slot b (one compiled program per prompt bucket), or, for a
+        long prompt whose chunks have run (`partial`), make its row from them. Paged, into the
+        pages it holds from `cached` on (the end of its cached prefix)."""
+        sampling = request.sampling
+        if self._stops is not None and not self._stops.has(sampling.stop):  # (before the slot
+            # changes: it may refuse)
+            states = np.asarray(jax.device_get(self._batch.state.stop_states))
+            moved = self._stops.grow(self._running_stop_strings(b), sampling.stop, states)
+            self._batch.replace(stop_states=jnp.asarray(moved))
+        start = -1 if sampling.constraint is None else self._constraints.acquire(sampling.constraint)
+        self._samplings[b] = sampling
+        self._slots[b] = Running(
+            request_id,
+            request,
+            self._stop_ids(request),
+            reported=len(request.prompt),
+            tokens=[],
+            seen={name: 0 for name in COUNTERS},
+            started=time.perf_counter(),
+            constraint_start=start,
+            admitted=next(self._admitted),
+        )
+        restart = self._restarts.pop(request_id, None)
+        if restart is not None:
+            self._slots[b].resend, self._slots[b].updated = restart.tokens, restart.reported
+        self._inputs.changed()
+        n = len(request.prompt)
+        bucket = self._bucket(n) if partial is None else min(1 << (n - 1).bit_length(), self.spec.capacity)
+        paged = self._pages is not None and request.prompt_logprobs is None  # (scored: a dense row)
+        if paged:
+            bucket = self._bucket(n)
+        padded = np.zeros((1, bucket), np.int32)
+        padded[0, :n] = request.prompt
+        row = self._inputs.row(b, padded, n, request.max_new_tokens, request_id, request.key)
+        if paged and partial is None and self._batch.packs:  # with the others admitted beside it
+            self._pending.append((b, request_id, request, cached, row, bucket))
+            return
+        if paged:  # its chunks into its pages (those a long prompt's steps have not run), its row
+            table = self._pages.table_of(request_id)
+            if partial is None:
+                count = -(-(n - cached) // self._batch.page_chunk)
+                partial = self._batch.prefill_pages(table, request.prompt, cached, count)
+            row = self._batch.pages_row(bucket, table, partial, row)
+        elif partial is None and request.prompt_logprobs is not None:  # scored in its one pass
+            row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
+            scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
+            if not self._slots[b].updated:  # (a restarted request sent them already)
+                self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
+                    request.prompt_logprobs
+                )
+            row = row.replace(prompt_logprobs=None)
+        elif prefilled is not None:  # (a prefiller's)
+            row = prefilled
+        elif partial is None:
+            row = self._batch.run("prefill", bucket, self._params, self._proposer_params, row)
+        else:
+            row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
+        self._place_row(b, request_id, request, row, paged)
+
+    def _place_row(self, b: int, request_id: int, request: Request, row, paged: bool) -> None:
+        """A request's prefilled row into slot b (paged: its cache in its pages already, or with
+        `paged` False a dense row copied into them)."""
+        width = min(w for w in self._widths if w > b)
+        self._batch.resize(max(width, self._batch.width))
+        if self._pages is None:
+            self._batch.write(row, b)
+            return
+        self._pages.place(b, request_id)
+        self._batch.write(row, b, None if paged else self._pages.table_of(request_id))
+        self._pages.register(request_id, request.prompt)  # its prompt's full pages, for later hits
+
+    def _prefill_pending(self) -> None:
+        """The prompts admitted in this step on pages the kernel reads in place, prefilled
+        together (their tokens packed into the same passes), then each one's row."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        tables = np.stack([self._pages.table_of(request_id) for _, request_id, *_ in pending])
+        prompts, starts = [p[2].prompt for p in pending], [p[3] for p in pending]
+        last = self._batch.prefill_packed(tables, prompts, starts)
+        for i, (b, request_id, request, _, row, bucket) in enumerate(pending):
+            hidden = jax.lax.dynamic_slice_in_dim(last, jnp.int32(i), 1)
+            self._place_row(
+                b, request_id, request, self._batch.pages_row(bucket, tables[i], hidden, row), True
+            )
+
+    # ----- pages (EngineConfig.page_size) -----------------------------------------------------
+
+    def _take_pages(self, request_id: int, request: Request) -> int | None:
+        """Pages for a request about to be prefilled (`SlotPages.take`): how many of its prompt's
+        tokens the prefix cache gave, or None (it waits); 0 for a dense cache."""
+        if self._pages is None:
+            return 0
+        running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
+        return self._pages.take(request_id, request, running, self.chunk_steps)
+
+    def _grow_rows(self, steps: int) -> None:
+        """Pages for every running row's next chunk of `steps` steps, oldest request first; where
+        the pool has too few, the newest running request is preempted (`_preempt`) until they fit,
+        and before the last running one, a prompt part-way through its chunks (queued first again,
+        its chunks to run again). The oldest always fits alone (the pool holds one request of
+        max_model_len: engine_pages.py)."""
+        for b in sorted((i for i, s in enumerate(self._slots) if s is not None), key=self._age):
+            slot = self._slots[b]  # (None: preempted for an older row's pages)
+            while (
+                slot is not None
+                and slot is self._slots[b]
+                and not self._pages.grow(b, self._pages.row_slots(slot, steps))
+            ):
+                newest = max((i for i, s in enumerate(self._slots) if s is not None), key=self._age)
+                if newest == b and self._in_chunks is not None:  # a prompt in chunks goes first
+                    prompt, self._in_chunks = self._in_chunks, None
+                    self._pages.drop(prompt.request_id)
+                    self._waiting.appendleft((prompt.request_id, prompt.request))
+                    self.stats.preemptions += 1
+                    continue
+                self._preempt(newest)
+
+    def _age(self, b: int) -> int:
+        return self._slots[b].admitted
+
+    def _preempt(self, b: int) -> None:
+        """Take slot b's request out of the batch, its pages freed, and queue it first to start
+        again from its prompt (`Restart`: what it reported is regenerated, not sent twice)."""
+        slot = self._slots[b]
+        sent = slot.tokens if len(slot.tokens) > len(slot.resend) else slot.resend
+        self._restarts[slot.request_id] = Restart(list(sent), slot.updated)
+        self._waiting.appendleft((slot.request_id, slot.request))
+        self._batch.finish_row(b)
+        self._free(b)
+        self.stats.preemptions += 1
