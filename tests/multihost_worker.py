@@ -125,6 +125,40 @@ def run_generate(case: dict) -> dict:
     return {"tokens": result.tokens, "texts": result.texts, "counters": counters}
 
 
+def run_engine(case: dict) -> dict:
+    """The serving engine on the case's mesh: process 0 adds the requests and steps (the others
+    follow it in lockstep); its tokens and accepted drafts per request."""
+    from specjax.serve import Engine, Request
+
+    mesh = sharding.make_mesh(model=case["model"], data=case["data"])
+    address = f"127.0.0.1:{PORT + 1}"
+    engine = Engine(
+        TARGET,
+        proposer(case.get("proposer", "none"), TARGET),
+        mesh=mesh,
+        lockstep_address=address,
+        max_batch=4,
+        max_model_len=64,
+        chunk_steps=4,
+        prefill_chunk=16,
+    )
+    if PROCESS_ID != 0:
+        engine.follow()
+        return {"followed": True}
+    sampled = specjax.Sampling(temperature=1.0, top_k=20, seed=5)
+    requests = [Request(TARGET.tokenizer.encode(p), max_new_tokens=10) for p in PROMPTS[:5]]
+    requests.append(Request(TARGET.tokenizer.encode(PROMPTS[2] * 2), max_new_tokens=8, sampling=sampled))
+    ids = [engine.add(r) for r in requests]
+    tokens, accepted = {i: [] for i in ids}, {}
+    while engine.has_work:
+        for update in engine.step():
+            tokens[update.request_id] += update.tokens
+            if update.finished:
+                accepted[update.request_id] = np.asarray(update.metrics.accepted_at).tolist()
+    engine.close()
+    return {"tokens": [tokens[i] for i in ids], "accepted": [accepted[i] for i in ids]}
+
+
 def run_load(case: dict) -> dict:
     """Load a model (an HF folder, or the built-in model's converted cache) onto a mesh: the bytes
     this process read, what its devices hold, and whether every weight's slices equal a load
@@ -156,7 +190,14 @@ def main() -> None:
         if NUM_PROCESSES == 1 and case.get("mismatch"):
             continue  # one process cannot disagree with itself
         try:
-            out = run_load(case) if case.get("kind") == "load" else run_generate(case)
+            kind = case.get("kind")
+            out = (
+                run_load(case)
+                if kind == "load"
+                else run_engine(case)
+                if kind == "engine"
+                else run_generate(case)
+            )
         except Exception as error:  # reported, then the next case: every process raised here
             out = {"error": f"{type(error).__name__}: {error}"}
             if not case.get("mismatch"):

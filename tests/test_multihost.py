@@ -31,6 +31,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -272,3 +273,82 @@ def test_builtin_model_degree_3_over_two_processes(smollm2, smollm2_cache_dir):
     per_process, reference = run(2, 3, cases, SLOW_LAUNCH_TIMEOUT_S, SPECJAX_CACHE=str(smollm2_cache_dir))
     check_same(per_process, reference, cases)
     check_load(per_process, cases[-1], spans_model_axis=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# The serving engine across processes (make test-all)
+
+
+@pytest.mark.slow  # two processes compiling on 2 cores: minutes; make test-all
+def test_the_engine_across_two_processes_equals_one_process():
+    """The engine on a mesh over 2 processes x 2 devices (data 2 across them x model 2 within, and
+    model 4 across them): process 0 adds requests (greedy and seeded sampled, one in chunks) and
+    steps, process 1 follows in lockstep (serve/lockstep.py); process 0's tokens and accepted
+    drafts equal the same engine's in one process with all 4 devices."""
+    cases = [
+        {"name": f"engine-{p}-d{d}m{m}", "kind": "engine", "data": d, "model": m, "proposer": p}
+        for d, m, p in ((2, 2, "ngram"), (2, 2, "draft-tp"), (1, 4, "eagle"))
+    ]
+    per_process, reference = run(2, 2, cases)
+    for case in cases:
+        name = case["name"]
+        assert "error" not in reference[name], reference[name]
+        assert per_process[1][name] == {"process": 1, "followed": True}, per_process[1][name]
+        got = per_process[0][name]
+        assert got["tokens"] == reference[name]["tokens"], name
+        assert got["accepted"] == reference[name]["accepted"], name
+        assert any(got["tokens"]) and any(np.sum(a) for a in got["accepted"]), name
+
+
+@pytest.mark.slow  # two server processes compiling on 2 cores: minutes; make test-all
+def test_serve_across_two_processes_answers_from_process_0(tmp_path_factory):
+    """`specjax serve --coordinator-address ... -tp 2 -dp 2` started in 2 processes of 2 devices:
+    process 0 serves HTTP and leads, process 1 follows; the openai client's greedy completions equal
+    `generate` alone, and when process 0 stops, process 1 returns too."""
+    import openai
+    from tiny import tiny_tokenizer
+
+    import specjax
+
+    folder, _ = tiny_folder(tmp_path_factory)
+    tiny_tokenizer().save_pretrained(folder)
+    coordinator, http = free_port(), free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", OMP_NUM_THREADS="1")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    command = [sys.executable, "-m", "specjax.cli", "serve", folder, "--coordinator-address"]
+    command += [f"127.0.0.1:{coordinator}", "--num-processes", "2", "-tp", "2", "-dp", "2"]
+    command += ["--max-batch", "4", "--max-model-len", "64", "--precompile", "-1", "--port", str(http)]
+    command += ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
+    processes = [
+        subprocess.Popen(
+            [*command, "--process-id", str(i)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        url, deadline = f"http://127.0.0.1:{http}", time.monotonic() + LAUNCH_TIMEOUT_S
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                assert all(p.poll() is None for p in processes), "a server process exited"
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(1)
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=300)
+        model = specjax.load(folder)
+        for prompt in ("abcabcab", "the cat the cat", "xy"):
+            answer = client.completions.create(model=folder, prompt=prompt, max_tokens=8, temperature=0)
+            expected = specjax.generate(model, [prompt], max_new_tokens=8).texts[0]
+            assert answer.choices[0].text == expected, prompt
+        os.killpg(processes[0].pid, signal.SIGINT)  # uvicorn stops; the engine tells process 1
+        assert processes[1].wait(timeout=120) == 0, processes[1].communicate()[0][-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGKILL)

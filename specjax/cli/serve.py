@@ -65,6 +65,7 @@ def serve_command(args: argparse.Namespace) -> None:
         data_parallel_size=args.data_parallel_size,
         role=args.role,
         prefill_url=args.prefill_url,
+        lockstep_address=distributed(args),
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         constraint_states=None if args.constraint_states == -1 else args.constraint_states,
         max_waiting=args.max_waiting,
@@ -76,6 +77,26 @@ def serve_command(args: argparse.Namespace) -> None:
         allowed_origins=args.allowed_origins or (),
         max_request_bytes=args.max_request_bytes,
     )
+
+
+def distributed(args: argparse.Namespace) -> str | None:
+    """With --coordinator-address: JAX's distributed runtime started (every process runs the same
+    command, each with its --process-id), and the address where process 0 leads the engines:
+    the coordinator's host, --lockstep-port (default the coordinator's port + 1)."""
+    if args.coordinator_address is None:
+        if args.num_processes is not None or args.process_id is not None:
+            raise ValueError("--num-processes and --process-id go with --coordinator-address")
+        return None
+    if args.num_processes is None or args.process_id is None:
+        raise ValueError("--coordinator-address needs --num-processes and --process-id")
+    import jax
+
+    # CPU devices' collectives across processes (GPUs' go through NCCL, TPUs' their own links);
+    # set before the runtime starts, which asking for the devices would do
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
+    host, _, port = args.coordinator_address.rpartition(":")
+    return f"{host}:{args.lockstep_port or int(port) + 1}"
 
 
 def memory_amount(text: str) -> int | float:
@@ -194,6 +215,20 @@ def add_serve_command(commands) -> None:
     )
     command.add_argument(
         "--prefill-url", help="with --role decode: the prefill server, e.g. http://host:8001"
+    )
+    command.add_argument(
+        "--coordinator-address",
+        metavar="HOST:PORT",
+        help="one engine over several processes (hosts): every process runs this command with the "
+        "same arguments and its own --process-id; process 0 (at HOST) serves HTTP and leads",
+    )
+    command.add_argument("--num-processes", type=positive_int, help="with --coordinator-address")
+    command.add_argument("--process-id", type=int, help="with --coordinator-address: 0 .. N-1")
+    command.add_argument(
+        "--lockstep-port",
+        type=positive_int,
+        help="with --coordinator-address: where process 0 leads the others' engines (default: the "
+        "coordinator's port + 1)",
     )
     command.add_argument(
         "--max-logprobs",

@@ -566,7 +566,8 @@ def serving_prefiller(role: str, prefill_url: str | None):
 
 def serving_mesh(tensor_parallel_size: int, data_parallel_size: int, speculative_config: dict | None):
     """The engine's mesh for `serve`'s parallel sizes (None for 1 x 1: one device), checked
-    against this process's devices and the speculative config's draft_tensor_parallel_size."""
+    against the devices (this process's; after `jax.distributed.initialize`, every process's)
+    and the speculative config's draft_tensor_parallel_size."""
     check_int("tensor_parallel_size", tensor_parallel_size, 1)
     check_int("data_parallel_size", data_parallel_size, 1)
     draft = (speculative_config or {}).get("draft_tensor_parallel_size", 1)
@@ -578,11 +579,14 @@ def serving_mesh(tensor_parallel_size: int, data_parallel_size: int, speculative
     size = tensor_parallel_size * data_parallel_size
     if size == 1:
         return None
-    devices = jax.local_devices()
+    devices = jax.devices()  # (global: several processes' after jax.distributed.initialize)
     if size > len(devices):
+        where = (
+            "this process has" if jax.process_count() == 1 else f"the {jax.process_count()} processes have"
+        )
         raise ValueError(
             f"tensor_parallel_size x data_parallel_size = {tensor_parallel_size} x {data_parallel_size} "
-            f"= {size} devices, but this process has {len(devices)} ({devices[0].platform})"
+            f"= {size} devices, but {where} {len(devices)} ({devices[0].platform})"
         )
     return sharding.make_mesh(model=tensor_parallel_size, data=data_parallel_size, devices=devices[:size])
 
@@ -610,6 +614,7 @@ def serve(
     data_parallel_size: int = 1,
     role: str = "both",
     prefill_url: str | None = None,
+    lockstep_address: str | None = None,
     max_logprobs: int | None = DEFAULT_MAX_LOGPROBS,
     constraint_states: int | None = DEFAULT_CONSTRAINT_STATES,
     max_waiting: int | None = None,
@@ -644,6 +649,9 @@ def serve(
         (`make_prefill_app`: POST /specjax/prefill) for a decode server; "decode" serves the API
         and pulls each request's row from the prefill server at prefill_url (handoff.py), the
         two started with the same model, proposer and engine options.
+    lockstep_address: on a mesh that spans processes (every process runs `serve` with the same
+        arguments after `jax.distributed.initialize`), where process 0, which serves HTTP, leads
+        the others' engines (serve/lockstep.py), "host:port" of process 0.
     max_logprobs: the most alternatives per token a request's logprobs, top_logprobs or
         prompt_logprobs may ask for (EngineConfig.logprobs; vLLM's default 20). None: no logprobs.
     constraint_states: the constraint automata's tables (EngineConfig.constraint_states), for
@@ -689,7 +697,9 @@ def serve(
         logprobs=max_logprobs,
         constraint_states=constraint_states,
     )
-    engine = Engine(model, proposer, config, mesh=mesh, prefiller=prefiller)
+    engine = Engine(
+        model, proposer, config, mesh=mesh, prefiller=prefiller, lockstep_address=lockstep_address
+    )
     if mesh is not None:
         parallel = f"tensor parallel {tensor_parallel_size} x data parallel {data_parallel_size}"
         print(f"specjax serve: on {mesh.size} devices, {parallel}")
@@ -700,6 +710,10 @@ def serve(
         print(f"specjax serve: compiling the loop and the prefill of prompts up to {longest} tokens")
         count = engine.precompile(range(1, longest + 1))
         print(f"specjax serve: {count} programs compiled in {time.perf_counter() - start:.0f} s")
+    if jax.process_index() != 0:  # (a mesh across processes: process 0 serves, this one follows)
+        print(f"specjax serve: process {jax.process_index()} follows process 0's engine")
+        engine.follow()
+        return
     if role == "prefill":
         print(f"specjax serve: prefill server, rows at POST {PREFILL_ROUTE}")
         uvicorn.run(make_prefill_app(engine), host=host, port=port, log_level=log_level)
@@ -714,4 +728,7 @@ def serve(
         allowed_origins=allowed_origins,
         max_request_bytes=max_request_bytes,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
+    finally:
+        engine.close()  # (the other processes' engines stop following)

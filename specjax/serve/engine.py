@@ -87,6 +87,8 @@ from specjax.serve.engine_inputs import (
 from specjax.serve.engine_pages import DenseRows, SlotPages, paged_layout
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
 from specjax.serve.handoff import Handoffs, can_hand_over
+from specjax.serve.lockstep import Follower, Leader, lockstep_for
+from specjax.sharding import fetch
 from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
@@ -120,6 +122,7 @@ class Engine(Admissions):
         config: EngineConfig | None = None,
         mesh=None,
         prefiller=None,
+        lockstep_address: str | None = None,
         **options,
     ):
         planner.check_model(model)
@@ -140,7 +143,7 @@ class Engine(Admissions):
         self.prefiller = prefiller  # where requests' rows come from by default (`add`)
         self._fitting_narrower = 0  # chunks in a row whose running requests fit a narrower width
         warp = config.sampling_paths
-        check_engine_mesh(mesh, model, config)
+        check_engine_mesh(mesh, model, config, prefiller)
         self.mesh = mesh
         backend = planner.backend_for(
             model, config.kernels, config.matmul_precision, config.scan_layers, mesh
@@ -242,7 +245,11 @@ class Engine(Admissions):
             paged=layout,
             prefill_spec=prefill_spec,
         )
-        self._step_count = int(self._batch.state.step)  # the loop's step counter, as the host last saw it
+        self._step_count = int(
+            fetch(self._batch.state.step)
+        )  # the loop's step counter, as the host last saw it
+        # On a mesh that spans processes, process 0 leads and the others follow (lockstep.py)
+        self._lockstep = lockstep_for(mesh, lockstep_address)
 
     # ----- the public face -------------------------------------------------------------------
 
@@ -302,6 +309,8 @@ class Engine(Admissions):
         this thread; the request is admitted when its row has arrived. A request a row cannot
         carry is prefilled here."""
         request_id = self._queue(self._checked(request))
+        if isinstance(self._lockstep, Leader):
+            self._lockstep.added(request)
         prefiller = self.prefiller if prefiller is None else prefiller
         if prefiller is not None and can_hand_over(request):
             if self._pages is not None:
@@ -380,6 +389,8 @@ class Engine(Admissions):
     def abort(self, request_id: int) -> list[Update]:
         """Drop a waiting or running request: its final Update (finish_reason "abort"), or [] if
         it is not here (finished already, or never added)."""
+        if isinstance(self._lockstep, Leader):
+            self._lockstep.aborted(request_id)
         for i, (waiting_id, _) in enumerate(self._waiting):
             if waiting_id == request_id:
                 del self._waiting[i]
@@ -400,6 +411,8 @@ class Engine(Admissions):
 
     def step(self) -> list[Update]:
         """Admit waiting requests into free slots, run the loop for one chunk, report."""
+        if isinstance(self._lockstep, Leader):
+            self._lockstep.step()
         start, admitted = time.perf_counter(), self.stats.admissions
         # The state grows once to the width that the requests admitted below will need (they take
         # the lowest free slots): growing one width at a time copied most rows several times.
@@ -470,7 +483,7 @@ class Engine(Admissions):
             jnp.asarray(reported),
         )
         state = self._batch.state
-        window, logprobs, lengths, done, nonfinite, counters, step = jax.device_get(
+        window, logprobs, lengths, done, nonfinite, counters, step = fetch(
             (window, logprobs, state.lengths, state.done, state.nonfinite_step, state.metrics, state.step)
         )
         self.stats.add_chunk(
@@ -520,6 +533,25 @@ class Engine(Admissions):
             if "resume-quiet" in self._batch.loops:
                 self._batch.program("may_draft", width, self._batch.state_shape(width))
         return self.num_compiles - before
+
+    def follow(self) -> None:
+        """On a process other than 0 of a mesh that spans processes: make process 0's engine's
+        calls (its adds, aborts and steps, lockstep.py) until it closes; a step that fails fails
+        there too, and both go on."""
+        if not isinstance(self._lockstep, Follower):
+            raise ValueError(
+                "follow: only an engine on a process other than 0 of a mesh spanning processes follows"
+            )
+        for message in self._lockstep.messages():
+            try:
+                self._lockstep.apply(self, message)
+            except Exception as error:  # (the leader's step failed as well; its caller recovers)
+                warnings.warn(f"a step failed as on process 0: {error}", RuntimeWarning, stacklevel=2)
+
+    def close(self) -> None:
+        """On process 0 of a mesh that spans processes: let the other processes' `follow` return."""
+        if isinstance(self._lockstep, Leader):
+            self._lockstep.close()
 
     def run(self, requests: Sequence[Request]) -> dict[int, list[int]]:
         """Add requests and step until all are done: their new tokens by request id (for tests and

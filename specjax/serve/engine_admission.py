@@ -16,6 +16,7 @@ import numpy as np
 from specjax.serve.engine_config import Request
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running
 from specjax.serve.handoff import HandoffError
+from specjax.sharding import fetch
 from specjax.speculate.logprobs import Logprobs
 
 
@@ -126,7 +127,7 @@ class Admissions:
         sampling = request.sampling
         if self._stops is not None and not self._stops.has(sampling.stop):  # (before the slot
             # changes: it may refuse)
-            states = np.asarray(jax.device_get(self._batch.state.stop_states))
+            states = np.asarray(fetch(self._batch.state.stop_states))
             moved = self._stops.grow(self._running_stop_strings(b), sampling.stop, states)
             self._batch.replace(stop_states=jnp.asarray(moved))
         start = -1 if sampling.constraint is None else self._constraints.acquire(sampling.constraint)
@@ -165,7 +166,7 @@ class Admissions:
             row = self._batch.pages_row(bucket, table, partial, row)
         elif partial is None and request.prompt_logprobs is not None:  # scored in its one pass
             row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
-            scored = jax.device_get(row.prompt_logprobs)  # (the running state keeps none)
+            scored = fetch(row.prompt_logprobs)  # (the running state keeps none)
             if not self._slots[b].updated:  # (a restarted request sent them already)
                 self._slots[b].prompt_logprobs = Logprobs.of_row(scored, request.prompt[1:], 0, 0).first(
                     request.prompt_logprobs

@@ -30,7 +30,7 @@ from specjax.serve import engine_programs
 from specjax.serve.engine_config import PREFILL_CHUNK
 from specjax.serve.engine_programs import IN_ORDER, SHARED, Blocks, without_pool
 from specjax.serve.handoff import check_row
-from specjax.sharding import entry_blocks
+from specjax.sharding import entry_blocks, fetch, place, spans_processes
 from specjax.speculate.loop import DecodeState, LoopSpec
 from specjax.speculate.spec import pages_pack
 
@@ -81,6 +81,7 @@ class EngineBatch:
         self.num_compiles = 0
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`batch_axes`), found once
         self.blocks = None  # on a mesh, where its split caches keep each row (`put_row`)
+        self.spans = spans_processes(spec.mesh)  # every program's host arguments placed (`run`)
         self.shardings = None  # on a mesh, where every program keeps the state
         # A free slot's row: a one-token request with nothing to generate, prefilled once (so
         # every free slot holds a valid, finished row). Paged, its cache a table of null pages and
@@ -236,15 +237,16 @@ class EngineBatch:
 
     def finish_row(self, slot: int) -> None:
         """Mark slot `slot`'s row done (its request aborted or preempted)."""
-        self.replace(done=self.state.done.at[slot].set(True))
+        done = np.array(fetch(self.state.done))
+        done[slot] = True
+        self.replace(done=done)
 
     def replace(self, **fields) -> None:
-        """The running state with `fields` replaced from the host (on a mesh, put where the
-        programs read them)."""
-        state = self.state.replace(**fields)
+        """The running state with `fields` (host arrays) replaced (on a mesh, placed where the
+        programs read them: `sharding.place`, each process its own devices' part)."""
         if self.shardings is not None:
-            state = jax.device_put(state, self.shardings)
-        self.state = state
+            fields = {name: place(value, getattr(self.shardings, name)) for name, value in fields.items()}
+        self.state = self.state.replace(**{name: jnp.asarray(value) for name, value in fields.items()})
 
     def resize(self, width: int) -> None:
         """Bring the running state to `width` slots: its first slots kept, free rows added past
@@ -332,8 +334,13 @@ class EngineBatch:
         return jax.eval_shape(traced, self.params, self.proposer_params, self.free_inputs(batch))
 
     def run(self, kind, size: int, *args):
-        """Call a program, compiled ahead of time on its first call (`program`)."""
-        return self.program(kind, size, *args)(*args)
+        """Call a program, compiled ahead of time on its first call (`program`). On a mesh that
+        spans processes, the host's arguments first become global arrays where the program takes
+        them (each process fills its own devices' part from its copy: `sharding.place`)."""
+        program = self.program(kind, size, *args)
+        if self.spans:
+            args = jax.tree.map(_global, args, program.input_shardings[0])
+        return program(*args)
 
     def program(self, kind, size: int, *args):
         """The compiled program (kind, size), compiled for `args` (arrays or their shapes) if it is
@@ -429,6 +436,18 @@ class EngineBatch:
             self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
             if self.packs:  # and the packed one, for every admission of several
                 self.prefill_packed(self.paged.free_tables(0), [], [])
+
+
+def _global(value, sharding):
+    """A program's argument as a global array of `sharding` (one that is one already as it is;
+    an argument the program does not read, its sharding None, as it is)."""
+    if sharding is None or (isinstance(value, jax.Array) and not value.is_fully_addressable):
+        return value
+    return place(np.asarray(value) if not _is_key(value) else value, sharding)
+
+
+def _is_key(value) -> bool:
+    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
 
 
 def _entry_blocks(state: DecodeState):

@@ -31,10 +31,10 @@ def engine_capacity(config: EngineConfig, proposer_spec) -> int:
     return capacity if chunk is None else max(capacity, -(-config.max_model_len // chunk) * chunk)
 
 
-def check_engine_mesh(mesh, model, config: EngineConfig) -> None:
+def check_engine_mesh(mesh, model, config: EngineConfig, prefiller=None) -> None:
     """ValueError unless the engine can run on `mesh` (None: one device): a ("data", "model")
     mesh that the model's heads and ffw split over, and max_batch slots that divide over its data
-    groups."""
+    groups; across processes, without a prefiller (whose rows arrive at times of their own)."""
     if mesh is None:
         return
     sharding.check_mesh(mesh)
@@ -45,10 +45,10 @@ def check_engine_mesh(mesh, model, config: EngineConfig) -> None:
             f"max_batch={config.max_batch}: on a mesh the slots split over its {data} data groups; "
             f"give a multiple of {data}"
         )
-    if sharding.spans_processes(mesh):
+    if sharding.spans_processes(mesh) and prefiller is not None:
         raise ValueError(
-            "mesh: the engine runs on a mesh inside one process (its devices all this process's); "
-            "across processes, use specjax.generate"
+            "prefiller: an engine on a mesh that spans processes prefills its own rows (its "
+            "processes admit in lockstep, and a row's arrival is a clock of its own)"
         )
 
 
