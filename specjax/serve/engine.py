@@ -313,12 +313,10 @@ class Engine(Admissions):
             self._lockstep.added(request)
         prefiller = self.prefiller if prefiller is None else prefiller
         if prefiller is not None and can_hand_over(request):
-            if self._pages is not None:
-                raise ValueError("prefiller: handed-over rows go into a dense KV cache (no page_size)")
             key = jax.random.fold_in(self._key, request_id)  # (the key this engine's prefill uses)
             request = self._waiting[-1][1]
             request = request if request.key is not None else dataclasses.replace(request, key=key)
-            self._handoffs.ask(request_id, request, prefiller, self._batch.free_row)
+            self._handoffs.ask(request_id, request, prefiller, self._batch.row_like)
         return request_id
 
     def prefill(self, request: Request):
@@ -327,10 +325,9 @@ class Engine(Admissions):
         chunks as this engine would prefill it; nothing is queued here. ValueError as `add`'s,
         and for a request a row cannot carry (`can_hand_over`)."""
         request = self._checked(request)
-        if not can_hand_over(request) or self._pages is not None:
+        if not can_hand_over(request):
             raise ValueError(
-                "prefill: a handed-over row carries no stop strings, constraint or prompt_logprobs, "
-                "and is made by an engine with a dense KV cache (no page_size)"
+                "prefill: a handed-over row carries no stop strings, constraint or prompt_logprobs"
             )
         key = request.key if request.key is not None else jax.random.fold_in(self._key, next(self._ids))
         n, params, proposer = len(request.prompt), self._params, self._proposer_params

@@ -67,6 +67,8 @@ class Admissions:
                 except (HandoffError, ValueError) as error:
                     warnings.warn(f"request {request_id}: {error}", RuntimeWarning, stacklevel=2)
                     self._failed.append(self._final(request_id, [], "error", None))
+                    if self._pages is not None:
+                        self._pages.drop(request_id)
                     continue
             self._admit(free, request_id, request, cached=cached, prefilled=row)
             self.stats.admissions += 1
@@ -149,7 +151,8 @@ class Admissions:
         self._inputs.changed()
         n = len(request.prompt)
         bucket = self._bucket(n) if partial is None else min(1 << (n - 1).bit_length(), self.spec.capacity)
-        paged = self._pages is not None and request.prompt_logprobs is None  # (scored: a dense row)
+        # (scored, or made by a prefiller: a dense row, copied into its pages)
+        paged = self._pages is not None and request.prompt_logprobs is None and prefilled is None
         if paged:
             bucket = self._bucket(n)
         padded = np.zeros((1, bucket), np.int32)
@@ -178,11 +181,16 @@ class Admissions:
             row = self._batch.run("prefill", bucket, self._params, self._proposer_params, row)
         else:
             row = self._batch.run("finish_prompt", bucket, self._params, self._proposer_params, partial, row)
-        self._place_row(b, request_id, request, row, paged)
+        register = prefilled is None or not self.spec.proposer_reads_features
+        self._place_row(b, request_id, request, row, paged, register)
 
-    def _place_row(self, b: int, request_id: int, request: Request, row, paged: bool) -> None:
+    def _place_row(
+        self, b: int, request_id: int, request: Request, row, paged: bool, register: bool = True
+    ) -> None:
         """A request's prefilled row into slot b (paged: its cache in its pages already, or with
-        `paged` False a dense row copied into them)."""
+        `paged` False a dense row copied into them). Its prompt's full pages go into the prefix
+        cache, except a handed-over row's where the proposer reads features: those the feature
+        pool does not hold (only this engine's prefills put them there): `register` False."""
         width = min(w for w in self._widths if w > b)
         self._batch.resize(max(width, self._batch.width))
         if self._pages is None:
@@ -190,7 +198,8 @@ class Admissions:
             return
         self._pages.place(b, request_id)
         self._batch.write(row, b, None if paged else self._pages.table_of(request_id))
-        self._pages.register(request_id, request.prompt)  # its prompt's full pages, for later hits
+        if register:
+            self._pages.register(request_id, request.prompt)  # its prompt's full pages, for later hits
 
     def _prefill_pending(self) -> None:
         """The prompts admitted in this step on pages the kernel reads in place, prefilled
@@ -215,7 +224,9 @@ class Admissions:
         if self._pages is None:
             return 0
         running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
-        return self._pages.take(request_id, request, running, self.chunk_steps)
+        # (a handed-over row brings its whole cache: it takes no cached pages, which it would write)
+        cached = not self._handoffs.has(request_id)
+        return self._pages.take(request_id, request, running, self.chunk_steps, cached)
 
     def _grow_rows(self, steps: int) -> None:
         """Pages for every running row's next chunk of `steps` steps, oldest request first; where

@@ -87,6 +87,11 @@ class EngineBatch:
         # every free slot holds a valid, finished row). Paged, its cache a table of null pages and
         # no pool (`without_pool`: the programs that change the width never touch the pool).
         dense_row = self.run("prefill", spec.prompt_bucket, params, proposer_params, free_inputs())
+        # What a request's own prefill makes (a dense row, on a paged engine too), as shapes and
+        # shardings: a row made elsewhere must be one (`placed_row`)
+        self.row_like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), dense_row
+        )
         self.free_row = dense_row if paged is None else without_pool(self._paged(dense_row))
         # One free slot (widths[0] is 1), a copy: the programs take the state donated, and the
         # free row must outlive it. Paged, with the pool of every page, allocated here once. On a
@@ -139,8 +144,8 @@ class EngineBatch:
     def placed_row(self, row) -> DecodeState:
         """A row made elsewhere (another engine's devices, or the host: handoff.py) checked against
         this batch's rows (HandoffError for another shape) and put where they are."""
-        check_row(row, self.free_row)
-        return jax.device_put(row, jax.tree.map(lambda x: x.sharding, self.free_row))
+        check_row(row, self.row_like)
+        return jax.device_put(row, jax.tree.map(lambda x: x.sharding, self.row_like))
 
     def prefill_pages(self, table: np.ndarray, prompt, start: int, count: int, last_hidden=None):
         """`count` chunks of a prompt into the pool through its `table`, from position `start`

@@ -169,15 +169,16 @@ class SlotPages:
         length = len(request.prompt) + 1 if slot is None else slot.reported
         return min(length + steps * width, len(request.prompt) + request.max_new_tokens) + width
 
-    def take(self, request_id: int, request, running, steps: int) -> int | None:
+    def take(self, request_id: int, request, running, steps: int, cached: bool = True) -> int | None:
         """Pages for a request about to be prefilled, for its prompt and its first chunk of
         `steps`, leaving the `running` rows ((slot, Running) pairs) what they grow by in their next
         chunk: how many of its prompt's tokens the prefix cache gave (its prefill starts there),
         or None (it waits) where the pool has too few. A request whose prompt is scored
-        (prompt_logprobs) takes no cached pages: its one-pass prefill scores every token."""
+        (prompt_logprobs) takes no cached pages: its one-pass prefill scores every token; nor
+        does one with `cached` False."""
         reserve = sum(self.growth(i, self.row_slots(slot, steps)) for i, slot in running)
         slots = self.row_slots(None, steps, request)
-        cached = request.prompt_logprobs is None
+        cached = cached and request.prompt_logprobs is None
         return self.admit(request_id, request.prompt, slots, reserve, cached=cached)
 
     def admit(self, request_id: int, prompt, slots: int, reserve: int = 0, cached: bool = True) -> int | None:

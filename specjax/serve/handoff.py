@@ -102,9 +102,9 @@ def check_row(row, like) -> None:
 
 def decode_row(data: bytes, like):
     """The row of `encode_row`'s bytes, as numpy leaves in the structure of `like` (the decode
-    engine's own row, whose shapes and dtypes it must have). HandoffError naming what is wrong
-    for bytes cut short, altered, or from an engine with other shapes (another model, proposer or
-    max_model_len)."""
+    engine's own row, or its shapes: `EngineBatch.row_like`, whose shapes and dtypes it must
+    have). HandoffError naming what is wrong for bytes cut short, altered, or from an engine with
+    other shapes (another model, proposer or max_model_len)."""
     if not data.startswith(MAGIC) or b"\n" not in data[len(MAGIC) :]:
         raise HandoffError(f"a row's bytes begin with {MAGIC!r}; got {data[:32]!r} ({len(data)} bytes)")
     line, payload = data[len(MAGIC) :].split(b"\n", 1)
@@ -118,11 +118,11 @@ def decode_row(data: bytes, like):
             "prefill side has another model, proposer or max_model_len"
         )
     leaves, offset = [], 0
-    for (kind, shape, dtype), mine in zip(header["leaves"], expected, strict=True):
+    for kind, shape, dtype in header["leaves"]:
         array = np.frombuffer(payload, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
         offset += array.nbytes
-        if kind == "key":
-            array = jax.random.wrap_key_data(array, impl=jax.random.key_impl(mine))
+        if kind == "key":  # (the engine's keys are jax.random.key's, of the default implementation)
+            array = jax.random.wrap_key_data(array)
         leaves.append(array)
     if offset != len(payload):
         raise HandoffError(f"a row's {len(payload)} bytes hold {offset} of its arrays' bytes")
