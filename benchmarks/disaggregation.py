@@ -9,11 +9,12 @@ Per prompt length, in
 interleaved rounds (the machine's drift falls on all alike): the prefill itself
 (`Engine.prefill`), the move between the meshes in one process (`jax.device_put` onto the decode
 engine's row shardings: `EngineBatch.placed_row`), and the host path between processes (the row
-to bytes, `encode_row`, and back, `decode_row`, then placed; the HTTP hop itself not counted).
-Medians; per token of prompt; the row's bytes (the whole row: a max_model_len cache, whatever the
-prompt's length). On this CPU all fake devices share two cores and one memory, so these times say
-what the copies cost, not what a link between two accelerators would: only correctness of the
-split is shown here (tests/test_handoff.py).
+to bytes, `encode_row`, and back, `decode_row`, then placed; the HTTP hop itself not counted),
+sending the filled slots only (`Engine.prefill_bytes`: the prompt's and the first token's) and,
+for comparison, the whole row (a max_model_len cache whatever the prompt's length). Medians; per
+token of prompt; the bytes sent. On this CPU all fake devices share two cores and one memory, so
+these times say what the copies cost, not what a link between two accelerators would: only
+correctness of the split is shown here (tests/test_handoff.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from common import machine, markdown_table
 import specjax
 from specjax import sharding
 from specjax.serve import Engine, Request
-from specjax.serve.handoff import decode_row, encode_row
+from specjax.serve.handoff import decode_row, encode_row  # (what Engine.prefill_bytes sends)
 
 
 def main() -> None:
@@ -59,32 +60,51 @@ def main() -> None:
             made = time.perf_counter()
             jax.block_until_ready(decode._batch.placed_row(row))
             moved = time.perf_counter()
-            data = encode_row(row)
+            data = encode_row(row, prefill._batch.slot_axes(), n + 1)  # (as Engine.prefill_bytes)
             jax.block_until_ready(decode._batch.placed_row(decode_row(data, like)))
             hosted = time.perf_counter()
-            sizes[n] = len(data)
+            whole = encode_row(row)
+            jax.block_until_ready(decode._batch.placed_row(decode_row(whole, like)))
+            hosted_whole = time.perf_counter()
+            sizes[n] = (len(data), len(whole))
             if round_:
                 for name, seconds in (
                     ("prefill", made - start),
                     ("device_put", moved - made),
                     ("host", hosted - moved),
+                    ("host_whole", hosted_whole - hosted),
                 ):
                     times.setdefault((n, name), []).append(seconds)
     rows = []
+    names = ("prefill", "device_put", "host", "host_whole")
     for n in args.lengths:
-        median = {name: statistics.median(times[(n, name)]) for name in ("prefill", "device_put", "host")}
+        median = {name: statistics.median(times[(n, name)]) for name in names}
+        per_token = {
+            name: f"{median[name] * 1e3:.2f} ({median[name] / n * 1e6:.1f} us/token)" for name in names
+        }
+        sent, whole = sizes[n]
         rows.append(
             [
                 n,
                 f"{median['prefill'] * 1e3:.1f}",
-                f"{median['device_put'] * 1e3:.2f} ({median['device_put'] / n * 1e6:.1f} us/token)",
-                f"{median['host'] * 1e3:.1f} ({median['host'] / n * 1e6:.1f} us/token)",
-                f"{sizes[n] / 2**20:.1f}",
+                per_token["device_put"],
+                per_token["host"],
+                f"{sent / 2**20:.2f}",
+                per_token["host_whole"],
+                f"{whole / 2**20:.1f}",
             ]
         )
     print(machine())
     print(f"proposer {args.proposer}, max_model_len {options['max_model_len']}, rounds {args.rounds}")
-    header = ["prompt tokens", "prefill ms", "device_put ms", "host path ms", "row MiB"]
+    header = [
+        "prompt tokens",
+        "prefill ms",
+        "device_put ms",
+        "host path ms (filled slots)",
+        "sent MiB",
+        "host path ms (whole row)",
+        "whole row MiB",
+    ]
     print(markdown_table(header, rows))
 
 

@@ -71,8 +71,9 @@ def _split(target, proposer, through_bytes=False):
     if not through_bytes:
         return decode, local
 
-    def through(request, like):  # the host path of two processes, in one
-        return decode_row(encode_row(local(request, like)), like)
+    def through(request, like):  # the host path of two processes, in one (the filled slots sent)
+        with local._lock:
+            return decode_row(prefill.prefill_bytes(request), like)
 
     return decode, through
 
@@ -95,14 +96,22 @@ def test_every_proposer_through_the_split_equals_the_colocated_engine(name):
         assert 0 < sum(np.sum(a) for a in colocated[1].values())
 
 
-def test_rows_through_bytes_equal_rows_moved_between_meshes():
-    """The host path (`encode_row` / `decode_row`, what crosses between processes) gives the same
-    answers, and the transfer's time per prompt token is small beside a prefill's."""
-    target, proposer = CASES["eagle-tree"]()
+@pytest.mark.parametrize(
+    "name",
+    ["eagle-tree", *(pytest.param(n, marks=pytest.mark.slow) for n in ("draft-model", "mtp", "dflash"))],
+)
+def test_rows_through_bytes_equal_the_colocated_engine(name):
+    """The host path (`Engine.prefill_bytes` / `decode_row`, what crosses between processes),
+    which sends only the slots the prompt filled (the rest padded again on arrival), gives the
+    colocated engine's tokens and accepted drafts, a draft model's cache and a head's features
+    included; and it sends less than the whole row."""
+    target, proposer = CASES[name]()
     requests = _requests(target.config.vocab_size)
     colocated = _outputs(Engine(target, proposer, **OPTIONS), requests)[:2]
     decode, prefiller = _split(target, proposer, through_bytes=True)
     assert _outputs(Prefilling(decode, prefiller), requests)[:2] == colocated
+    short = Engine(target, proposer, **OPTIONS)
+    assert len(short.prefill_bytes(requests[1])) < len(encode_row(short.prefill(requests[1]))) / 2
 
 
 @pytest.mark.parametrize("name", ["ngram", "eagle-tree", pytest.param("draft-model", marks=pytest.mark.slow)])

@@ -52,7 +52,7 @@ from specjax.serve.engine_config import (
 )
 from specjax.serve.engine_config import Request as EngineRequest
 from specjax.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Guard, add_error_handlers, check_api_key
-from specjax.serve.handoff import PREFILL_ROUTE, RemotePrefiller, encode_row, request_from_json
+from specjax.serve.handoff import PREFILL_ROUTE, RemotePrefiller, request_from_json
 from specjax.serve.logprob_bodies import (
     TokenTexts,
     chat_logprobs,
@@ -525,7 +525,7 @@ def make_prefill_app(engine: Engine) -> FastAPI:
 
     def make(body: dict) -> bytes:
         with lock:
-            return encode_row(engine.prefill(request_from_json(body)))
+            return engine.prefill_bytes(request_from_json(body))
 
     @app.post(PREFILL_ROUTE)
     async def prefill(http: Request):

@@ -86,7 +86,7 @@ from specjax.serve.engine_inputs import (
 )
 from specjax.serve.engine_pages import DenseRows, SlotPages, paged_layout
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
-from specjax.serve.handoff import Handoffs, can_hand_over
+from specjax.serve.handoff import Handoffs, can_hand_over, encode_row
 from specjax.serve.lockstep import Follower, Leader, lockstep_for
 from specjax.sharding import fetch
 from specjax.speculate.logprobs import Logprobs
@@ -346,6 +346,13 @@ class Engine(Admissions):
                 "prompt_chunk", self._chunk, params, prompt.partial, *prompt.next_chunk()
             )
         return self._batch.run("finish_prompt", bucket, params, proposer, prompt.partial, inputs)
+
+    def prefill_bytes(self, request: Request) -> bytes:
+        """`prefill`'s row as bytes for a decode engine in another process (handoff.py,
+        `encode_row`): only the slots the prompt and its first token filled, so that what crosses
+        grows with the prompt, not with max_model_len."""
+        row = self.prefill(request)
+        return encode_row(row, self._batch.slot_axes(), len(request.prompt) + 1)
 
     def _checked(self, request: Request) -> Request:
         """The request checked (ValueError naming what is wrong), its prompt as ids and its key

@@ -80,6 +80,7 @@ class EngineBatch:
         self.programs: dict[Any, Any] = {}
         self.num_compiles = 0
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`batch_axes`), found once
+        self._slot_axes = None  # per leaf of a row, its cache slots' axis (`slot_axes`), found once
         self.blocks = None  # on a mesh, where its split caches keep each row (`put_row`)
         self.spans = spans_processes(spec.mesh)  # every program's host arguments placed (`run`)
         self.shardings = None  # on a mesh, where every program keeps the state
@@ -333,8 +334,24 @@ class EngineBatch:
             self._axes = axes
         return self._axes
 
-    def _prefill_shapes(self, batch: int):
+    def slot_axes(self):
+        """Per leaf of a request's row, the axis of its cache slots (SHARED: none), found by
+        comparing the prefill's shapes at two capacities: what a row sent as bytes keeps only the
+        filled part of (handoff.py, `encode_row`)."""
+        if self._slot_axes is None:
+            shapes = [self._prefill_shapes(1, capacity=self.spec.capacity + n) for n in (0, 16)]
+            self._slot_axes = jax.tree.map(
+                lambda a, b: next(
+                    (i for i, (x, y) in enumerate(zip(a.shape, b.shape, strict=True)) if x != y), SHARED
+                ),
+                *shapes,
+            )
+        return self._slot_axes
+
+    def _prefill_shapes(self, batch: int, capacity: int | None = None):
         spec = dataclasses.replace(self.prefill_spec, batch_size=batch)
+        if capacity is not None:
+            spec = dataclasses.replace(spec, capacity=capacity)
         traced = functools.partial(engine_programs.prefill_row, spec)
         return jax.eval_shape(traced, self.params, self.proposer_params, self.free_inputs(batch))
 

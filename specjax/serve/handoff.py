@@ -64,12 +64,21 @@ def can_hand_over(request: Request) -> bool:
 # ----- a row as bytes (the host path between processes) -------------------------------------------
 
 
-def encode_row(row) -> bytes:
+def encode_row(row, slot_axes=None, slots: int | None = None) -> bytes:
     """A row (a DecodeState of a batch of one, on any devices) as bytes: MAGIC, a JSON line (each
     leaf's shape and dtype, PRNG keys by their key data, and the payload's SHA-256), the leaves'
-    bytes."""
+    bytes. With `slot_axes` (per leaf, its cache slots' axis or -1: `EngineBatch.slot_axes`) and
+    `slots`, only the first `slots` of each (the prompt's and its first token's: the rest is never
+    read before it is written) are sent, the others padded again by `decode_row`."""
     leaves = []
-    for leaf in jax.tree.leaves(jax.device_get(row)):
+    host = jax.device_get(row)
+    if slot_axes is not None and slots is not None:
+        host = jax.tree.map(
+            lambda x, axis: x if axis < 0 else np.asarray(x).take(range(min(slots, x.shape[axis])), axis),
+            host,
+            slot_axes,
+        )
+    for leaf in jax.tree.leaves(host):
         if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
             leaves.append(("key", np.asarray(jax.random.key_data(leaf))))
         else:
@@ -118,9 +127,13 @@ def decode_row(data: bytes, like):
             "prefill side has another model, proposer or max_model_len"
         )
     leaves, offset = [], 0
-    for kind, shape, dtype in header["leaves"]:
+    for (kind, shape, dtype), mine in zip(header["leaves"], expected, strict=True):
         array = np.frombuffer(payload, np.dtype(dtype), int(np.prod(shape)), offset).reshape(shape)
         offset += array.nbytes
+        if kind == "array" and len(shape) == len(mine.shape) and tuple(shape) != tuple(mine.shape):
+            # (sent in part: its slots past those sent as zeros, never read before written)
+            padding = [(0, max(0, b - a)) for a, b in zip(shape, mine.shape, strict=True)]
+            array = np.pad(array, padding)
         if kind == "key":  # (the engine's keys are jax.random.key's, of the default implementation)
             array = jax.random.wrap_key_data(array)
         leaves.append(array)
