@@ -41,9 +41,10 @@ def _requests(vocab: int) -> list[Request]:
     return [*requests, Request(prompts[1], max_new_tokens=16, sampling=sampled)]
 
 
-def _run(target, proposer, mesh):
-    engine = Engine(target, proposer, mesh=mesh, **OPTIONS)
-    tokens, finals = drive(engine, _requests(target.config.vocab_size), seed=2)
+def _run(target, proposer, mesh, requests=None, **options):
+    engine = Engine(target, proposer, mesh=mesh, **OPTIONS, **options)
+    requests = _requests(target.config.vocab_size) if requests is None else requests
+    tokens, finals = drive(engine, requests, seed=2)
     accepted = {i: np.asarray(u.metrics.accepted_at).tolist() for i, u in finals.items()}
     return tokens, accepted, engine
 
@@ -68,6 +69,37 @@ def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name,
     assert cache.addressable_shards[0].data.shape[0] == cache.shape[0] // (data * model)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES],
+)
+def test_pages_on_a_model_mesh_give_one_devices_tokens_and_accepted_drafts(name):
+    """The engine on pages on a model-2 mesh (the pool split by kv head: each device every page of
+    its half of the heads), a pool of 9 usable pages, too small for every request at once (rows
+    wait, and two long answers outgrow it: the newest is preempted and starts again), prompts
+    sharing their first page (prefix hits): every request's tokens and accepted drafts equal one
+    device's dense engine's, and every page is back at the end."""
+    target, proposer = CASES[name]()
+    requests = _requests(target.config.vocab_size)
+    shared = requests[4].prompt[:16]  # two more requests beginning with the 40-token prompt's first page
+    requests += [Request(shared + p[:8], max_new_tokens=10) for p in (requests[0].prompt, requests[2].prompt)]
+    requests += [Request(requests[i].prompt, max_new_tokens=80) for i in (0, 3)]  # (they outgrow the pool)
+    one_tokens, one_accepted, _ = _run(target, proposer, None, requests)
+    mesh = sharding.make_mesh(model=2, data=1, devices=jax.devices()[:2])
+    tokens, accepted, engine = _run(target, proposer, mesh, requests, page_size=16, num_pages=10)
+    assert tokens == one_tokens
+    assert accepted == one_accepted
+    pool = engine.kv_cache.pool
+    pool.check()
+    assert pool.available_pages == pool.usable_pages
+    assert engine.kv_cache.prefix_counts[1] > 0  # the shared page was found
+    if proposer is None:  # the two long answers outgrow the pool beside the others (with drafts
+        # accepted, rows end sooner and whether they meet depends on the proposer)
+        assert engine.stats.preemptions > 0
+    pages = engine._batch.state.cache.k[0]
+    assert pages.addressable_shards[0].data.shape[0] == pages.shape[0] // 2
+
+
 def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
     mesh = sharding.make_mesh(model=2, data=2)
     with pytest.raises(ValueError, match=r"max_batch=3: .* 2 data groups; give a multiple of 2"):
@@ -76,6 +108,8 @@ def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
         ValueError, match="num_kv_heads=2 does not divide over the mesh axis 'model' of size 4"
     ):
         Engine(TARGET, None, mesh=sharding.make_mesh(model=4, data=1), max_batch=4, max_model_len=64)
+    with pytest.raises(ValueError, match="page_size=16: on a mesh, pages split over its model axis"):
+        Engine(TARGET, None, mesh=mesh, max_batch=4, max_model_len=64, page_size=16)
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         Engine(TARGET, None, mesh="2x2", max_batch=4, max_model_len=64)
 

@@ -5,6 +5,8 @@ by jax.device_put) and across two (rows as bytes over HTTP). Every request gets 
 accepted drafts of the colocated engine; a transfer that fails is tried again or ends its request
 with an error, never a wrong answer, and the others are served throughout."""
 
+import dataclasses
+import json
 import os
 import socket
 import subprocess
@@ -29,6 +31,8 @@ from specjax.serve.handoff import (
     can_hand_over,
     decode_row,
     encode_row,
+    request_from_json,
+    request_to_json,
 )
 from specjax.speculate.sampling import Sampling
 
@@ -182,6 +186,38 @@ def test_what_a_row_cannot_carry_is_prefilled_by_the_decode_side():
     engine = Engine(TARGET, None, **LOGPROB_OPTIONS)
     with pytest.raises(ValueError, match="carries no stop strings, constraint or prompt_logprobs"):
         engine.prefill(Request([1, 2, 3], max_new_tokens=8, prompt_logprobs=1))
+
+
+def test_a_request_crosses_as_json_unchanged():
+    """What the decode side sends the prefill side (and process 0 the others, lockstep.py): every
+    sampling field, the key, the options, as they were."""
+    sampling = Sampling(
+        temperature=0.7,
+        top_k=5,
+        top_p=0.9,
+        min_p=0.05,
+        repetition_penalty=1.1,
+        frequency_penalty=0.2,
+        presence_penalty=0.3,
+        logit_bias={3: -1.5, 7: 2.0},
+        stop="END",
+        stop_token_ids=(4, 9),
+        seed=11,
+        choice=("yes", "no"),
+    )
+    request = Request(
+        [1, 2, 3], sampling, 17, speculate=False, key=jax.random.key(5), ignore_eos=True, logprobs=2
+    )
+    back = request_from_json(json.loads(json.dumps(request_to_json(request))))
+    assert back.sampling == dataclasses.replace(sampling, stop=("END",))
+    assert (back.prompt, back.max_new_tokens, back.speculate, back.ignore_eos, back.logprobs) == (
+        [1, 2, 3],
+        17,
+        False,
+        True,
+        2,
+    )
+    assert np.array_equal(jax.random.key_data(back.key), jax.random.key_data(request.key))
 
 
 def _free_port() -> int:

@@ -150,7 +150,7 @@ class Engine(Admissions):
         )
         proposer_spec, proposer_params = resolve(proposer, model, warp, mesh)
         resolved_params = proposer_params
-        page_size = planner.check_page_size(config.page_size, model.config, mesh)
+        page_size = planner.check_page_size(config.page_size, model.config, None)  # (a mesh: below)
         capacity = engine_capacity(config, proposer_spec)
         if page_size is not None:  # whole pages: a row's table covers its capacity exactly
             capacity = -(-capacity // page_size) * page_size

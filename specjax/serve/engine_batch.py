@@ -24,13 +24,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from specjax.models.cache import NULL_PAGE, KVCache, paged_cache
 from specjax.serve import engine_programs
 from specjax.serve.engine_config import PREFILL_CHUNK
 from specjax.serve.engine_programs import IN_ORDER, SHARED, Blocks, without_pool
 from specjax.serve.handoff import check_row
-from specjax.sharding import entry_blocks, fetch, place, spans_processes
+from specjax.sharding import cache_specs_like, entry_blocks, fetch, place, row_spec, spans_processes
 from specjax.speculate.loop import DecodeState, LoopSpec
 from specjax.speculate.spec import pages_pack
 
@@ -93,28 +95,27 @@ class EngineBatch:
         self.row_like = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), dense_row
         )
-        self.free_row = dense_row if paged is None else without_pool(self._paged(dense_row))
+        self.free_row = dense_row
+        if paged is not None:  # (on a mesh, compiled: the pool it drops is never made on one device)
+            bare = lambda row: without_pool(self._paged(row))  # noqa: E731
+            self.free_row = bare(dense_row) if spec.mesh is None else jax.jit(bare)(dense_row)
         # One free slot (widths[0] is 1), a copy: the programs take the state donated, and the
         # free row must outlive it. Paged, with the pool of every page, allocated here once. On a
         # mesh the state is max_batch wide (its only width), every slot free, prefilled as a batch
         # so that its caches are split over the mesh as the loop's shard_map reads them.
-        if spec.mesh is None:
-            state = jax.tree.map(jnp.copy, self.free_row)
-        else:
-            free = free_inputs(spec.batch_size)
-            state = self.run("batch_prefill", spec.batch_size, params, proposer_params, free)
-            self.blocks = _entry_blocks(state)
-            self.shardings = jax.tree.map(lambda x: x.sharding, state)
         # Paged, the prefill writes straight into the pool (`prefill_pages`), in chunks of
         # `page_chunk` tokens, and the features the proposer reads go into a pool of their own,
         # [N, P, F], beside the target's pages: a cached prefix keeps them (empty where the
         # proposer reads none).
         self.features = None
         self.page_chunk = prefill_chunk or PREFILL_CHUNK
-        if paged is not None:
-            state = _with_pool(state, self._paged(dense_row).cache)
-            shape = (paged.num_pages, paged.page_size, spec.proposer_feature_width)
-            self.features = jnp.zeros(shape if spec.proposer_reads_features else (0,), spec.dtype)
+        if spec.mesh is not None:
+            state = self._mesh_state(dense_row)
+        else:
+            state = jax.tree.map(jnp.copy, self.free_row)
+            if paged is not None:
+                state = _with_pool(state, self._paged(dense_row).cache)
+                self.features = jnp.zeros(self._features_shape(), spec.dtype)
         self.state: DecodeState = state
         # The buffers of the widest state the batch narrowed from, while it runs narrower (paged:
         # without the pool): a later growth back to that width writes into them (`resize`).
@@ -123,6 +124,45 @@ class EngineBatch:
         # 0.1 s writing in place.
         self.spare: DecodeState | None = None
         self._compile_width_programs(dense_row)
+
+    def _features_shape(self) -> tuple[int, ...]:
+        paged, spec = self.paged, self.spec
+        shape = (paged.num_pages, paged.page_size, spec.proposer_feature_width)
+        return shape if spec.proposer_reads_features else (0,)
+
+    def _mesh_state(self, dense_row: DecodeState) -> DecodeState:
+        """On a mesh, the running state of max_batch free slots, its caches split as the loop's
+        shard_map reads them: dense, prefilled as a batch (the shardings every program then keeps);
+        paged, the free row repeated into the shardings that prefill would give (compiled, not
+        run: no dense cache is allocated) and the pool made on the mesh, split over "model" by kv
+        head. Sets `blocks` and `shardings`."""
+        spec, mesh, B = self.spec, self.spec.mesh, self.spec.batch_size
+        free = self.free_inputs(B)
+        if self.paged is None:
+            state = self.run("batch_prefill", B, self.params, self.proposer_params, free)
+        else:
+            dense = self.program("batch_prefill", B, self.params, self.proposer_params, free).output_shardings
+            bare = self.bare_shape(B)
+            replicated = NamedSharding(mesh, P())
+            cache = bare.cache.replace(
+                k=tuple(replicated for _ in bare.cache.k),
+                v=tuple(replicated for _ in bare.cache.v),
+                lengths=dense.cache.lengths,
+                pages=NamedSharding(mesh, row_spec()),
+            )
+            repeat = functools.partial(engine_programs.repeat_rows, self.batch_axes(), B)
+            state = jax.jit(repeat, out_shardings=dense.replace(cache=cache))(self.free_row)
+            pool = jax.eval_shape(lambda: self._paged(dense_row).cache)
+            pool_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs_like(pool))
+            pool = jax.jit(lambda: self._paged(dense_row).cache, out_shardings=pool_shardings)()
+            state = _with_pool(state, pool)
+            features = jax.jit(
+                lambda: jnp.zeros(self._features_shape(), spec.dtype), out_shardings=replicated
+            )
+            self.features = features()
+        self.blocks = _entry_blocks(state)
+        self.shardings = jax.tree.map(lambda x: x.sharding, state)
+        return state
 
     @property
     def width(self) -> int:
@@ -238,8 +278,11 @@ class EngineBatch:
         self.state = self.run("move", self.width, self.state, jnp.int32(source), jnp.int32(slot))
 
     def set_tables(self, tables: np.ndarray) -> None:
-        """The running rows' page tables [width, table_width] (a host write: no program)."""
-        self.state = self.state.replace(cache=self.state.cache.replace(pages=jnp.asarray(tables, jnp.int32)))
+        """The running rows' page tables [width, table_width] (a host write: no program; on a mesh
+        placed where the programs read them)."""
+        tables = np.asarray(tables, np.int32)
+        tables = jnp.asarray(tables) if self.shardings is None else place(tables, self.shardings.cache.pages)
+        self.state = self.state.replace(cache=self.state.cache.replace(pages=tables))
 
     def finish_row(self, slot: int) -> None:
         """Mark slot `slot`'s row done (its request aborted or preempted)."""
@@ -325,7 +368,7 @@ class EngineBatch:
         if self._axes is None:
             axes = engine_programs.batch_axes(*(self._prefill_shapes(n) for n in (1, 2)))
             if self.paged is not None:  # the tables' rows on axis 0; the pool is every row's
-                cache = self.state.cache
+                cache = self.free_row.cache
                 axes = axes.replace(
                     cache=cache.replace(
                         k=(SHARED,) * len(cache.k), v=(SHARED,) * len(cache.v), lengths=0, pages=0
@@ -386,10 +429,13 @@ class EngineBatch:
         what another returned; None elsewhere (the compiler chooses)."""
         if self.shardings is None:
             return None
-        if kind == "write":
+        if kind in ("write", "write_paged"):
             return self.shardings
         if kind in self.loops:  # (the state, the chunk's tokens, their logprobs)
             return (self.shardings, None, None)
+        if kind in ("pool_chunks", "pool_packed"):  # (the pool's keys, values, features, hidden)
+            cache = self.shardings.cache
+            return (cache.k, cache.v, self.features.sharding, None)
         return None
 
     def _statics(self, kind, size: int) -> tuple[str, tuple]:
@@ -419,7 +465,7 @@ class EngineBatch:
         if kind == "write":
             return kind, (self.spec, axes, self.blocks)
         if kind == "write_paged":
-            return kind, (self.spec, axes)
+            return kind, (self.spec, axes, self.spec.mesh)
         if kind == "move":
             return kind, (axes, size)
         if isinstance(kind, tuple) and kind[0] == "resize":  # `size` slots wide -> kind[1] wide
@@ -440,6 +486,10 @@ class EngineBatch:
         row, slot = self.free_row, jnp.int32(0)
         if self.spec.mesh is not None:  # one width; its rows never move
             self.program("write", self.width, self.state, row, slot)
+            if self.paged is not None:
+                table = jnp.asarray(self.paged.free_tables(1)[0])
+                self.program("write_paged", self.width, self.state, dense_row, slot, table)
+                self._compile_paged_prefills()
             return
         for w in self.widths:
             self.program("write", w, self.state_shape(w), row, slot)
@@ -454,10 +504,15 @@ class EngineBatch:
             self.program(("resize", small), big, self.bare_shape(big), row)
         for small, big in itertools.combinations(self.widths, 2):
             self.program(("fill", small), big, self.bare_shape(big), self.bare_shape(small), row)
-        if self.paged is not None:  # the paged prefill's chunks: one program for every prompt
-            self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
-            if self.packs:  # and the packed one, for every admission of several
-                self.prefill_packed(self.paged.free_tables(0), [], [])
+        if self.paged is not None:
+            self._compile_paged_prefills()
+
+    def _compile_paged_prefills(self) -> None:
+        """The paged prefill's chunks: one program for every prompt (run once on nothing); and
+        the packed one, for every admission of several."""
+        self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
+        if self.packs:
+            self.prefill_packed(self.paged.free_tables(0), [], [])
 
 
 def _global(value, sharding):

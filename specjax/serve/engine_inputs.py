@@ -45,6 +45,12 @@ def check_engine_mesh(mesh, model, config: EngineConfig, prefiller=None) -> None
             f"max_batch={config.max_batch}: on a mesh the slots split over its {data} data groups; "
             f"give a multiple of {data}"
         )
+    if config.page_size is not None and data > 1:
+        raise ValueError(
+            f"page_size={config.page_size}: on a mesh, pages split over its model axis (each device "
+            f"every page of its kv heads); a data axis of {data} splits dense rows only: give "
+            "page_size None, or a mesh of data 1"
+        )
     if sharding.spans_processes(mesh) and prefiller is not None:
         raise ValueError(
             "prefiller: an engine on a mesh that spans processes prefills its own rows (its "

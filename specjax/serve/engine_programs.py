@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.models.llama import lm_head
+from specjax.sharding import model_degree
 from specjax.speculate.loop import DecodeState, LoopSpec, prefill, resume_program
 from specjax.speculate.prefill import (
     PartialPrefill,
@@ -158,13 +159,19 @@ def write_row(spec: LoopSpec, axes, blocks, state: DecodeState, row: DecodeState
     return put_row(axes, state, row, slot, blocks)
 
 
-def write_paged_row(spec: LoopSpec, axes, state: DecodeState, row: DecodeState, slot, table) -> DecodeState:
+def write_paged_row(
+    spec: LoopSpec, axes, mesh, state: DecodeState, row: DecodeState, slot, table
+) -> DecodeState:
     """`write_row` into a paged state: the dense row's keys and values copied into the pool's
     pages `table` ([W] page ids, the row's pages then null ones: the slots past what the row holds
-    land in the null page), and the row's table and length into slot `slot`."""
+    land in the null page), and the row's table and length into slot `slot`. On a `mesh` (data 1)
+    the pool is split over "model" by kv head, so its entries are ordered device by device: page
+    p's kv head h is entry (h // (K/M)) * N*K/M + p*K/M + h % (K/M) of its N pages."""
     cache = state.cache
     K, P, W = cache.paged_heads, cache.page_size, table.shape[0]
-    entries = table[:, None] * K + jnp.arange(K, dtype=table.dtype)  # [W, K]
+    M = 1 if mesh is None else model_degree(mesh)
+    N, heads = cache.k[0].shape[-3] // K, jnp.arange(K, dtype=table.dtype)
+    entries = (heads // (K // M)) * (N * K // M) + table[:, None] * (K // M) + heads % (K // M)  # [W, K]
 
     def into_pages(pool, dense, keys: bool):
         # dense keys [..., K, E, S] / values [..., K, S, E] -> [..., W, K, E, P] / [..., W, K, P, E]

@@ -153,6 +153,10 @@ def request_to_json(request: Request) -> dict:
     if sampling["logit_bias"] is not None:
         sampling["logit_bias"] = {str(t): float(b) for t, b in sampling["logit_bias"].items()}
     sampling["stop_token_ids"] = [int(t) for t in sampling["stop_token_ids"]]
+    stop = sampling["stop"]
+    sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    if sampling["choice"] is not None:
+        sampling["choice"] = list(sampling["choice"])
     key = None if request.key is None else np.asarray(jax.random.key_data(request.key)).tolist()
     return {
         "prompt": [int(t) for t in request.prompt],
@@ -171,6 +175,8 @@ def request_from_json(body: dict) -> Request:
         sampling["logit_bias"] = {int(t): b for t, b in sampling["logit_bias"].items()}
     sampling["stop_token_ids"] = tuple(sampling.get("stop_token_ids", ()))
     sampling["stop"] = tuple(sampling.get("stop", ()))
+    if sampling.get("choice") is not None:
+        sampling["choice"] = tuple(sampling["choice"])
     key = body.get("key")
     return Request(
         prompt=list(body["prompt"]),

@@ -43,9 +43,18 @@ class Leader:
     def __init__(self, address: str, followers: int):
         host, port = _host_port(address)
         self._server = socket.create_server((host, port))
+        self._server.settimeout(CONNECT_TIMEOUT_S)
         self._connections = []
-        for _ in range(followers):  # each follower connects once, at its engine's start
-            connection, _ = self._server.accept()
+        for i in range(followers):  # each follower connects once, at its engine's start
+            try:
+                connection, _ = self._server.accept()
+            except TimeoutError:
+                self._server.close()
+                raise RuntimeError(
+                    f"lockstep: {i} of the {followers} other processes reached {address} in "
+                    f"{CONNECT_TIMEOUT_S:.0f} s; each builds the same engine with the same lockstep_address"
+                ) from None
+            connection.settimeout(None)
             self._connections.append(connection.makefile("w"))
         self._changes: list = []
 

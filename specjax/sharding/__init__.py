@@ -25,6 +25,7 @@ from specjax.sharding.processes import CallAgreement, mesh_fingerprint, spans_pr
 from specjax.sharding.specs import (
     RULES,
     cache_specs,
+    cache_specs_like,
     entry_blocks,
     fetch,
     logical_to_spec,
@@ -45,6 +46,7 @@ __all__ = [
     "MODEL",
     "RULES",
     "cache_specs",
+    "cache_specs_like",
     "entry_blocks",
     "check_batch_split",
     "check_mesh",

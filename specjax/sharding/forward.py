@@ -25,7 +25,7 @@ from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 from specjax.models.params import LlamaParams
 from specjax.sharding.mesh import DATA, MODEL
-from specjax.sharding.specs import cache_specs, fresh_specs, params_specs_like, row_spec
+from specjax.sharding.specs import cache_specs_like, fresh_specs, params_specs_like, row_spec
 
 
 def _sum_over_model(x: jax.Array) -> jax.Array:
@@ -56,26 +56,30 @@ def mesh_forward_hidden(
     row like the hidden states (see models.forward_hidden).
     """
     reduce = _sum_over_model if mesh is not None and tensor_parallel else None
+    split_cache = mesh is not None and tensor_parallel and not cache.is_latent
+    heads = _local_heads(mesh, cache, split_cache)
 
     def local(params, tokens, positions, cache):  # each device's slice: [B/d, T], K/m kv heads ...
-        return llama.forward_hidden(
+        out = llama.forward_hidden(
             params,
             config,
             tokens,
             positions,
-            cache,
+            cache.replace(paged_heads=heads),
             fresh_mask=fresh_mask,
             empty_cache=empty_cache,
             reduce=reduce,
             write=write,
             capture=capture,
         )
+        if write:  # (the cache as the caller's: its kv heads per page whole)
+            out = (out[0], out[1].replace(paged_heads=cache.paged_heads), *out[2:])
+        return out
 
     if mesh is None:
         return local(params, tokens, positions, cache)
     params_spec = params_specs_like(params, config, tensor_parallel, mesh)
-    split_cache = tensor_parallel and not cache.is_latent
-    cache_spec = cache_specs(cache.layout, split_cache)
+    cache_spec = cache_specs_like(cache, split_cache)
     written_spec = cache_spec if write else fresh_specs(cache.layout, split_cache)
     rows = row_spec()
     sharded = jax.shard_map(
@@ -88,6 +92,14 @@ def mesh_forward_hidden(
         check_vma=not backend.active().pallas_platforms(),
     )
     return sharded(params, tokens, positions, cache)
+
+
+def _local_heads(mesh: Mesh | None, cache: KVCache, split: bool) -> int:
+    """A paged cache's kv heads per page on each device (its pool split over "model" by kv head,
+    as a dense cache's rows are); 0 for a dense cache."""
+    if cache.pages is None or not split:
+        return cache.paged_heads
+    return cache.paged_heads // mesh.shape[MODEL]
 
 
 def mesh_move_slots(mesh: Mesh | None, cache: KVCache, sources: jax.Array) -> KVCache:
@@ -106,8 +118,13 @@ def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_sp
     shard_map like the forward that wrote them. With mesh None, the plain call."""
     if mesh is None:
         return update(cache, argument)
-    cache_spec = cache_specs(cache.layout, not cache.is_latent)
-    sharded = jax.shard_map(update, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
+    heads = _local_heads(mesh, cache, not cache.is_latent)
+
+    def local(cache, argument):
+        return update(cache.replace(paged_heads=heads), argument).replace(paged_heads=cache.paged_heads)
+
+    cache_spec = cache_specs_like(cache, not cache.is_latent)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
     return sharded(cache, argument)
 
 

@@ -220,6 +220,16 @@ def cache_specs(layout: int | tuple[int | None, ...], tensor_parallel: bool = Tr
     )
 
 
+def cache_specs_like(cache: KVCache, tensor_parallel: bool = True) -> KVCache:
+    """`cache_specs` for `cache` as it is: a paged cache's page tables [B, W] split by row like its
+    lengths, its pool split as a dense cache's rows are (pages for rows: each device holds every
+    page of its kv heads, or on a "data" axis its group's pages)."""
+    specs = cache_specs(cache.layout, tensor_parallel)
+    if cache.pages is None:
+        return specs
+    return specs.replace(pages=row_spec(), paged_heads=cache.paged_heads)
+
+
 def fresh_specs(layout: int | tuple[int | None, ...], tensor_parallel: bool = True) -> FreshEntries:
     """A FreshEntries tree of PartitionSpecs: rows on "data", kv heads on "model" (`layout` as
     for `cache_specs`)."""
