@@ -246,9 +246,12 @@ def test_serve_on_a_mesh_splits_the_model_and_the_slots(tiny_folder, monkeypatch
     qkv = engines[-1].model.params.layers[0].qkv
     assert qkv.addressable_shards[0].data.shape[1] == qkv.shape[1] // 2  # placed split at load
     assert cli.main([*argv, "-tp", "2"]) == 0 and dict(engines[-1].mesh.shape) == {"data": 1, "model": 2}
+    assert cli.main([*argv, "-tp", "2", "--page-size", "16", "--num-pages", "12"]) == 0  # pages split by head
+    assert "KV cache: 12 pages of 16 slots" in capsys.readouterr().out
     for bad, message in (
         (["-tp", "4", "-dp", "4"], "4 x 4 = 16 devices, but this process has 8"),
         (["-dp", "3"], "max_batch=4: on a mesh the slots split over its 3 data groups"),
+        (["-dp", "2", "--page-size", "16"], "page_size=16: on a mesh, pages split over its model axis"),
         (["-tp", "3"], "does not divide over the mesh axis 'model' of size 3"),
         (
             ["-tp", "2", "--speculative-config", '{"model": "x", "draft_tensor_parallel_size": 4}'],

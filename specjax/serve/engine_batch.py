@@ -176,11 +176,15 @@ class EngineBatch:
         cache is in the pool already (`pages_row`); with `table`, a dense row into a paged state,
         its keys and values copied into the pages of `table` ([table_width] page ids: the row's
         pages, then null)."""
+        kind = "write" if table is None else "write_paged"
+        if self.shardings is not None:  # on a mesh: the row where the program reads it (a paged
+            # row's proposer cache, made from the pool's, may come split where the free row was not)
+            row = jax.device_put(row, self.programs[(kind, self.width)].input_shardings[0][1])
         if table is None:
-            self.state = self.run("write", self.width, self.state, row, jnp.int32(slot))
+            self.state = self.run(kind, self.width, self.state, row, jnp.int32(slot))
         else:
             args = (self.state, row, jnp.int32(slot), jnp.asarray(table, jnp.int32))
-            self.state = self.run("write_paged", self.width, *args)
+            self.state = self.run(kind, self.width, *args)
 
     def placed_row(self, row) -> DecodeState:
         """A row made elsewhere (another engine's devices, or the host: handoff.py) checked against

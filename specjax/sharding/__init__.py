@@ -8,7 +8,13 @@ caches from one table of logical axes, and the model's forward under `jax.shard_
 See docs/scaling.md for memory and traffic per device.
 """
 
-from specjax.sharding.forward import mesh_entries_by_row, mesh_forward_hidden, mesh_move_slots, mesh_write
+from specjax.sharding.forward import (
+    mesh_dense,
+    mesh_entries_by_row,
+    mesh_forward_hidden,
+    mesh_move_slots,
+    mesh_write,
+)
 from specjax.sharding.mesh import (
     AXES,
     DATA,
@@ -55,6 +61,7 @@ __all__ = [
     "fetch",
     "logical_to_spec",
     "make_mesh",
+    "mesh_dense",
     "mesh_entries_by_row",
     "mesh_fingerprint",
     "mesh_forward_hidden",

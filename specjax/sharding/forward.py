@@ -25,7 +25,7 @@ from specjax.models.cache import FreshEntries, KVCache
 from specjax.models.config import LlamaConfig
 from specjax.models.params import LlamaParams
 from specjax.sharding.mesh import DATA, MODEL
-from specjax.sharding.specs import cache_specs_like, fresh_specs, params_specs_like, row_spec
+from specjax.sharding.specs import cache_specs, cache_specs_like, fresh_specs, params_specs_like, row_spec
 
 
 def _sum_over_model(x: jax.Array) -> jax.Array:
@@ -126,6 +126,22 @@ def _per_device(mesh: Mesh | None, update, cache: KVCache, argument, argument_sp
     cache_spec = cache_specs_like(cache, not cache.is_latent)
     sharded = jax.shard_map(local, mesh=mesh, in_specs=(cache_spec, argument_spec), out_specs=cache_spec)
     return sharded(cache, argument)
+
+
+def mesh_dense(mesh: Mesh | None, cache: KVCache) -> KVCache:
+    """`cache.dense()` on `mesh`: a paged cache's rows gathered from its pool on each device (the
+    pool's entries are ordered per device, its kv heads split over "model"), a dense cache as it
+    is. With mesh None, the plain call."""
+    if mesh is None or cache.pages is None:
+        return cache.dense()
+    split = not cache.is_latent
+    heads = _local_heads(mesh, cache, split)
+
+    def local(cache):
+        return cache.replace(paged_heads=heads).dense()
+
+    in_spec, out_spec = cache_specs_like(cache, split), cache_specs(cache.layout, split)
+    return jax.shard_map(local, mesh=mesh, in_specs=(in_spec,), out_specs=out_spec)(cache)
 
 
 def mesh_entries_by_row(mesh: Mesh | None, cache: KVCache) -> KVCache:

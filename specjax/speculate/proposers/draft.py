@@ -24,7 +24,13 @@ from specjax.models.cache import KVCache, cache_bytes, init_cache, starting_from
 from specjax.models.config import LlamaConfig
 from specjax.models.llama import lm_head, stack_layers
 from specjax.models.model import Model
-from specjax.sharding import check_model_split, mesh_entries_by_row, mesh_forward_hidden, shard_params
+from specjax.sharding import (
+    check_model_split,
+    mesh_dense,
+    mesh_entries_by_row,
+    mesh_forward_hidden,
+    shard_params,
+)
 from specjax.speculate.proposers.base import Proposal, check_k, choose_draft, draft_keys
 from specjax.speculate.proposers.protocol import (
     Capabilities,
@@ -81,7 +87,7 @@ class DraftSpec(ProposerSpec):
             self.config, B, ctx.capacity, self.dtype, num_layers=self.num_layers, like=params.layers
         )
         if self.prompt_from_target:  # no prefill of its own: the target's keys and values
-            target_cache = ctx.target_cache.dense()  # (its own cache is dense, per row)
+            target_cache = mesh_dense(self.mesh, ctx.target_cache)  # (its own cache is dense, per row)
             if not self.tensor_parallel:  # split by row alone, where the target's is by head too
                 target_cache = mesh_entries_by_row(self.mesh, target_cache)
             return DraftState(cache=starting_from(cache, target_cache))
