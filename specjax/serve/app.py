@@ -556,6 +556,11 @@ def serving_prefiller(role: str, prefill_url: str | None):
     else None (checked: prefill_url goes with "decode" alone)."""
     if role not in ROLES:
         raise ValueError(f"role={role!r}: one of {', '.join(ROLES)}")
+    if role != "both" and jax.process_count() > 1:
+        raise ValueError(
+            f"role={role!r}: a prefill or decode server runs in one process (its own devices); "
+            "across processes, serve with role 'both'"
+        )
     if (role == "decode") != (prefill_url is not None):
         raise ValueError(
             f"role={role!r} with prefill_url={prefill_url!r}: a decode server needs the prefill "

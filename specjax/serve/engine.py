@@ -245,9 +245,8 @@ class Engine(Admissions):
             paged=layout,
             prefill_spec=prefill_spec,
         )
-        self._step_count = int(
-            fetch(self._batch.state.step)
-        )  # the loop's step counter, as the host last saw it
+        # the loop's step counter, as the host last saw it
+        self._step_count = int(fetch(self._batch.state.step))
         # On a mesh that spans processes, process 0 leads and the others follow (lockstep.py)
         self._lockstep = lockstep_for(mesh, lockstep_address)
 
