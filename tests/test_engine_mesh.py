@@ -100,6 +100,21 @@ def test_pages_on_a_model_mesh_give_one_devices_tokens_and_accepted_drafts(name)
     assert pages.addressable_shards[0].data.shape[0] == pages.shape[0] // 2
 
 
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_on_a_mesh_nothing_compiles_while_serving_after_precompile(page_size):
+    """Precompiled for the prompts' lengths, an engine on a mesh (data 2 x model 2 dense, model 2
+    on pages) serves requests of every length and kind without compiling anything more: each
+    program is compiled once for the state's shardings, which every program keeps."""
+    data = 2 if page_size is None else 1
+    mesh = sharding.make_mesh(model=2, data=data, devices=jax.devices()[: 2 * data])
+    engine = Engine(TARGET, specjax.NGram(k=3), mesh=mesh, **OPTIONS, page_size=page_size)
+    requests = _requests(TARGET.config.vocab_size)
+    engine.precompile(sorted({len(r.prompt) for r in requests}))
+    compiled = engine.num_compiles
+    drive(engine, requests, seed=3)
+    assert engine.num_compiles == compiled, sorted(engine.compiled)
+
+
 def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
     mesh = sharding.make_mesh(model=2, data=2)
     with pytest.raises(ValueError, match=r"max_batch=3: .* 2 data groups; give a multiple of 2"):

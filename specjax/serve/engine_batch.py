@@ -437,6 +437,9 @@ class EngineBatch:
             return self.shardings
         if kind in self.loops:  # (the state, the chunk's tokens, their logprobs)
             return (self.shardings, None, None)
+        if kind in ("start_prompt", "prompt_chunk"):  # a long prompt's partial row, between its
+            # chunks on every device whole (each chunk's programs compiled for where it lies)
+            return NamedSharding(self.spec.mesh, P())
         if kind in ("pool_chunks", "pool_packed"):  # (the pool's keys, values, features, hidden)
             cache = self.shardings.cache
             return (cache.k, cache.v, self.features.sharding, None)
