@@ -179,7 +179,7 @@ class EngineBatch:
         kind = "write" if table is None else "write_paged"
         if self.shardings is not None:  # on a mesh: the row where the program reads it (a paged
             # row's proposer cache, made from the pool's, may come split where the free row was not)
-            row = jax.device_put(row, self.programs[(kind, self.width)].input_shardings[0][1])
+            row = jax.tree.map(_resharded, row, self.programs[(kind, self.width)].input_shardings[0][1])
         if table is None:
             self.state = self.run(kind, self.width, self.state, row, jnp.int32(slot))
         else:
@@ -528,6 +528,14 @@ def _global(value, sharding):
     if sharding is None or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         return value
     return place(np.asarray(value) if not _is_key(value) else value, sharding)
+
+
+def _resharded(value, sharding):
+    """`value` put where a program reads it (a mesh's NamedSharding; anything else, such as an
+    argument the program does not read, left as it is)."""
+    if not isinstance(sharding, NamedSharding) or value.sharding.is_equivalent_to(sharding, value.ndim):
+        return value
+    return jax.device_put(value, sharding)
 
 
 def _is_key(value) -> bool:
