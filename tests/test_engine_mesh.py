@@ -17,10 +17,9 @@ from specjax.serve import Engine, Request
 from specjax.speculate.sampling import Sampling
 
 if jax.device_count() < 4:  # conftest.py sets the flag; a jax imported earlier would miss it
-    pytest.skip(
+    raise RuntimeError(
         f"tests/test_engine_mesh.py needs 4 devices, found {jax.device_count()}: XLA_FLAGS="
-        "--xla_force_host_platform_device_count=8 must be set before jax is imported (tests/conftest.py)",
-        allow_module_level=True,
+        "--xla_force_host_platform_device_count=8 must be set before jax is imported (tests/conftest.py)"
     )
 
 # A 40-token prompt runs in chunks of 32 (beside the running rows), the others in one pass.
@@ -46,7 +45,14 @@ def _run(target, proposer, mesh, requests=None, **options):
     requests = _requests(target.config.vocab_size) if requests is None else requests
     tokens, finals = drive(engine, requests, seed=2)
     accepted = {i: np.asarray(u.metrics.accepted_at).tolist() for i, u in finals.items()}
-    return tokens, accepted, engine
+    return tokens, accepted, engine, finals
+
+
+def _drafts_accepted_part_of_the_time(finals) -> bool:
+    """Some drafts accepted and some rejected: acceptance and rollback both ran (not none, not all)."""
+    accepted = sum(int(np.sum(u.metrics.accepted)) for u in finals.values())
+    drafted = sum(int(np.sum(u.metrics.drafted)) for u in finals.values())
+    return 0 < accepted < drafted
 
 
 @pytest.mark.parametrize("mesh_name", list(MESHES))
@@ -58,12 +64,13 @@ def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name,
     target, proposer = CASES[name]()
     data, model = MESHES[mesh_name]
     mesh = sharding.make_mesh(model=model, data=data)
-    one_tokens, one_accepted, _ = _run(target, proposer, None)
-    tokens, accepted, engine = _run(target, proposer, mesh)
+    one_tokens, one_accepted, *_ = _run(target, proposer, None)
+    tokens, accepted, engine, finals = _run(target, proposer, mesh)
     assert tokens == one_tokens
     assert accepted == one_accepted
     if proposer is not None:  # drafts accepted part of the time: the comparison means something
         assert 0 < sum(np.sum(a) for a in accepted.values())
+        assert _drafts_accepted_part_of_the_time(finals)
     # the target's weights and caches are split: each device holds half of each layer's kv heads
     cache = engine._batch.state.cache.k[0]
     assert cache.addressable_shards[0].data.shape[0] == cache.shape[0] // (data * model)
@@ -84,15 +91,17 @@ def test_pages_on_a_model_mesh_give_one_devices_tokens_and_accepted_drafts(name)
     shared = requests[4].prompt[:16]  # two more requests beginning with the 40-token prompt's first page
     requests += [Request(shared + p[:8], max_new_tokens=10) for p in (requests[0].prompt, requests[2].prompt)]
     requests += [Request(requests[i].prompt, max_new_tokens=80) for i in (0, 3)]  # (they outgrow the pool)
-    one_tokens, one_accepted, _ = _run(target, proposer, None, requests)
+    one_tokens, one_accepted, *_ = _run(target, proposer, None, requests)
     mesh = sharding.make_mesh(model=2, data=1, devices=jax.devices()[:2])
-    tokens, accepted, engine = _run(target, proposer, mesh, requests, page_size=16, num_pages=10)
+    tokens, accepted, engine, finals = _run(target, proposer, mesh, requests, page_size=16, num_pages=10)
     assert tokens == one_tokens
     assert accepted == one_accepted
     pool = engine.kv_cache.pool
     pool.check()
     assert pool.available_pages == pool.usable_pages
     assert engine.kv_cache.prefix_counts[1] > 0  # the shared page was found
+    if proposer is not None:
+        assert _drafts_accepted_part_of_the_time(finals)
     if proposer is None:  # the two long answers outgrow the pool beside the others (with drafts
         # accepted, rows end sooner and whether they meet depends on the proposer)
         assert engine.stats.preemptions > 0

@@ -514,13 +514,17 @@ async def _watch_disconnect(http_request: Request, streams: list[RequestStream])
         stream.updates.put_nowait(ClientGone())
 
 
-def make_prefill_app(engine: Engine) -> FastAPI:
+def make_prefill_app(
+    engine: Engine, api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+) -> FastAPI:
     """A prefill server's app (`specjax serve --role prefill`; handoff.py): POST PREFILL_ROUTE
     with a request's JSON (`request_to_json`) answers its row's bytes (`encode_row`), or HTTP 400
     naming what the engine refused; GET /health for probes. Rows are made one at a time, off the
-    event loop."""
+    event loop. The API server's guard in front (`Guard`: the API key, which the decode side
+    sends, and the body limit: a larger body gets 413 unread)."""
     app = FastAPI(title="specjax prefill")
     app.state.engine = engine
+    app.add_middleware(Guard, api_key=api_key, open_paths=MONITORING, max_request_bytes=max_request_bytes)
     lock = threading.Lock()
 
     def make(body: dict) -> bytes:
@@ -551,7 +555,7 @@ def _event(body: dict) -> str:
 ROLES = ("both", "prefill", "decode")
 
 
-def serving_prefiller(role: str, prefill_url: str | None):
+def serving_prefiller(role: str, prefill_url: str | None, api_key: str | None = None):
     """The engine's prefiller for a `serve` role: a RemotePrefiller of prefill_url for "decode",
     else None (checked: prefill_url goes with "decode" alone)."""
     if role not in ROLES:
@@ -566,7 +570,7 @@ def serving_prefiller(role: str, prefill_url: str | None):
             f"role={role!r} with prefill_url={prefill_url!r}: a decode server needs the prefill "
             "server's URL, and only a decode server takes one"
         )
-    return None if prefill_url is None else RemotePrefiller(prefill_url)
+    return None if prefill_url is None else RemotePrefiller(prefill_url, api_key=api_key)
 
 
 def serving_mesh(tensor_parallel_size: int, data_parallel_size: int, speculative_config: dict | None):
@@ -681,7 +685,7 @@ def serve(
         check_api_key(api_key)
         check_int("max_request_bytes", max_request_bytes, 1)
         mesh = serving_mesh(tensor_parallel_size, data_parallel_size, speculative_config)
-        prefiller = serving_prefiller(role, prefill_url)
+        prefiller = serving_prefiller(role, prefill_url, api_key)
     except ValueError as error:
         raise ValueError(f"serve: {error}") from None
     if not isinstance(model, Model):
@@ -721,7 +725,8 @@ def serve(
         return
     if role == "prefill":
         print(f"specjax serve: prefill server, rows at POST {PREFILL_ROUTE}")
-        uvicorn.run(make_prefill_app(engine), host=host, port=port, log_level=log_level)
+        app = make_prefill_app(engine, api_key, max_request_bytes)
+        uvicorn.run(app, host=host, port=port, log_level=log_level)
         return
     app = make_app(
         engine,

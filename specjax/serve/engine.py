@@ -307,15 +307,15 @@ class Engine(Admissions):
         `LocalPrefiller` or `RemotePrefiller`; default the engine's `prefiller`), asked at once off
         this thread; the request is admitted when its row has arrived. A request a row cannot
         carry is prefilled here."""
-        request_id = self._queue(self._checked(request))
+        checked = self._checked(request)
+        request_id = self._queue(checked)
         if isinstance(self._lockstep, Leader):
             self._lockstep.added(request)
         prefiller = self.prefiller if prefiller is None else prefiller
-        if prefiller is not None and can_hand_over(request):
-            key = jax.random.fold_in(self._key, request_id)  # (the key this engine's prefill uses)
-            request = self._waiting[-1][1]
-            request = request if request.key is not None else dataclasses.replace(request, key=key)
-            self._handoffs.ask(request_id, request, prefiller, self._batch.row_like)
+        if prefiller is not None and can_hand_over(checked):
+            if checked.key is None:  # (the key this engine's own prefill would use)
+                checked = dataclasses.replace(checked, key=jax.random.fold_in(self._key, request_id))
+            self._handoffs.ask(request_id, checked, prefiller, self._batch.row_like)
         return request_id
 
     def prefill(self, request: Request):

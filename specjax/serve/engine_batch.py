@@ -179,7 +179,7 @@ class EngineBatch:
         kind = "write" if table is None else "write_paged"
         if self.shardings is not None:  # on a mesh: the row where the program reads it (a paged
             # row's proposer cache, made from the pool's, may come split where the free row was not)
-            row = jax.tree.map(_resharded, row, self.programs[(kind, self.width)].input_shardings[0][1])
+            row = jax.tree.map(_placed, row, self.programs[(kind, self.width)].input_shardings[0][1])
         if table is None:
             self.state = self.run(kind, self.width, self.state, row, jnp.int32(slot))
         else:
@@ -297,9 +297,11 @@ class EngineBatch:
     def replace(self, **fields) -> None:
         """The running state with `fields` (host arrays) replaced (on a mesh, placed where the
         programs read them: `sharding.place`, each process its own devices' part)."""
-        if self.shardings is not None:
+        if self.shardings is None:
+            fields = {name: jnp.asarray(value) for name, value in fields.items()}
+        else:
             fields = {name: place(value, getattr(self.shardings, name)) for name, value in fields.items()}
-        self.state = self.state.replace(**{name: jnp.asarray(value) for name, value in fields.items()})
+        self.state = self.state.replace(**fields)
 
     def resize(self, width: int) -> None:
         """Bring the running state to `width` slots: its first slots kept, free rows added past
@@ -408,7 +410,7 @@ class EngineBatch:
         them (each process fills its own devices' part from its copy: `sharding.place`)."""
         program = self.program(kind, size, *args)
         if self.spans:
-            args = jax.tree.map(_global, args, program.input_shardings[0])
+            args = jax.tree.map(_placed, args, program.input_shardings[0])
         return program(*args)
 
     def program(self, kind, size: int, *args):
@@ -522,24 +524,11 @@ class EngineBatch:
             self.prefill_packed(self.paged.free_tables(0), [], [])
 
 
-def _global(value, sharding):
-    """A program's argument as a global array of `sharding` (one that is one already as it is;
-    an argument the program does not read, its sharding None, as it is)."""
-    if sharding is None or (isinstance(value, jax.Array) and not value.is_fully_addressable):
-        return value
-    return place(np.asarray(value) if not _is_key(value) else value, sharding)
-
-
-def _resharded(value, sharding):
-    """`value` put where a program reads it (a mesh's NamedSharding; anything else, such as an
-    argument the program does not read, left as it is)."""
-    if not isinstance(sharding, NamedSharding) or value.sharding.is_equivalent_to(sharding, value.ndim):
-        return value
-    return jax.device_put(value, sharding)
-
-
-def _is_key(value) -> bool:
-    return isinstance(value, jax.Array) and jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key)
+def _placed(value, sharding):
+    """A program's argument where the program reads it (`sharding.place`: a host value becomes a
+    global array, each process filling its own devices; a device array is resharded); one whose
+    sharding is not a mesh's (an argument the program does not read) as it is."""
+    return place(value, sharding) if isinstance(sharding, NamedSharding) else value
 
 
 def _entry_blocks(state: DecodeState):

@@ -206,16 +206,18 @@ class LocalPrefiller:
 
 
 class RemotePrefiller:
-    """Rows from a prefill server (`make_prefill_app`) at `url`, as bytes over HTTP."""
+    """Rows from a prefill server (`make_prefill_app`) at `url`, as bytes over HTTP (sending
+    `api_key` where the server wants one)."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
-        self.url, self.timeout = url.rstrip("/"), timeout
+    def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None):
+        self.url, self.timeout, self.api_key = url.rstrip("/"), timeout, api_key
 
     def __call__(self, request: Request, like):
         body = json.dumps(request_to_json(request)).encode()
-        call = urllib.request.Request(
-            self.url + PREFILL_ROUTE, body, {"Content-Type": "application/json"}, method="POST"
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        call = urllib.request.Request(self.url + PREFILL_ROUTE, body, headers, method="POST")
         try:
             with urllib.request.urlopen(call, timeout=self.timeout) as response:
                 data = response.read()
@@ -240,13 +242,12 @@ class Handoffs:
         self._futures[request_id] = self._pool.submit(self._fetch, prefiller, request, like)
 
     def _fetch(self, prefiller, request: Request, like):
-        for attempt in range(self.retries + 1):
+        for _ in range(self.retries):
             try:
                 return prefiller(request, like)
             except HandoffError:
-                if attempt == self.retries:
-                    raise
-        raise AssertionError("unreachable")
+                pass  # (tried again)
+        return prefiller(request, like)
 
     def waits_for(self, request_id: int) -> bool:
         """Whether the request's row is asked for and has not arrived (nor failed) yet."""
