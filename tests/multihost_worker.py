@@ -141,6 +141,7 @@ def run_engine(case: dict) -> dict:
         max_model_len=64,
         chunk_steps=4,
         prefill_chunk=16,
+        page_size=case.get("page_size"),
     )
     if PROCESS_ID != 0:
         engine.follow()

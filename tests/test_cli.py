@@ -248,10 +248,18 @@ def test_serve_on_a_mesh_splits_the_model_and_the_slots(tiny_folder, monkeypatch
     assert cli.main([*argv, "-tp", "2"]) == 0 and dict(engines[-1].mesh.shape) == {"data": 1, "model": 2}
     assert cli.main([*argv, "-tp", "2", "--page-size", "16", "--num-pages", "12"]) == 0  # pages split by head
     assert "KV cache: 12 pages of 16 slots" in capsys.readouterr().out
+    assert (
+        cli.main([*argv, "-tp", "2", "-dp", "2", "--page-size", "16", "--num-pages", "12"]) == 0
+    )  # and by page
+    assert "KV cache: 2 data groups of 6 pages of 16 slots, 192 tokens" in capsys.readouterr().out
     for bad, message in (
         (["-tp", "4", "-dp", "4"], "4 x 4 = 16 devices, but this process has 8"),
         (["-dp", "3"], "max_batch=4: on a mesh the slots split over its 3 data groups"),
-        (["-dp", "2", "--page-size", "16"], "page_size=16: on a mesh, pages split over its model axis"),
+        (
+            ["-dp", "2", "--page-size", "16", "--num-pages", "13"],
+            "num_pages=13: on a mesh of 2 data groups the pool splits into equal parts, one a group; "
+            "give a multiple of 2",
+        ),
         (["-tp", "3"], "does not divide over the mesh axis 'model' of size 3"),
         (
             ["-tp", "2", "--speculative-config", '{"model": "x", "draft_tensor_parallel_size": 4}'],

@@ -76,46 +76,56 @@ def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name,
     assert cache.addressable_shards[0].data.shape[0] == cache.shape[0] // (data * model)
 
 
-@pytest.mark.parametrize(
-    "name",
-    [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES],
-)
-def test_pages_on_a_model_mesh_give_one_devices_tokens_and_accepted_drafts(name):
-    """The engine on pages on a model-2 mesh (the pool split by kv head: each device every page of
-    its half of the heads), a pool of 9 usable pages, too small for every request at once (rows
-    wait, and two long answers outgrow it: the newest is preempted and starts again), prompts
-    sharing their first page (prefix hits): every request's tokens and accepted drafts equal one
-    device's dense engine's, and every page is back at the end."""
+# Per mesh, the pool's usable pages of 16 slots (a request of max_model_len takes 8): 9, and on
+# data 2 eight a group (its rows spread over the groups, each with fewer to share)
+POOLS = {"model2": 9, "data2-model2": 16}
+
+
+@pytest.mark.parametrize("mesh_name", list(MESHES))
+@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+def test_pages_on_a_mesh_give_one_devices_tokens_and_accepted_drafts(name, mesh_name):
+    """The engine on pages on a mesh: the pool split by kv head over "model" (each device every
+    page of its half of the heads) and, on data 2, by page over "data" (each group a pool of its
+    own, its slots' rows reading only its pages). 9 or 8 usable pages a group, too few for every
+    request at once (rows wait, and two long answers outgrow it: the newest is preempted and
+    starts again; on data 2, four), prompts sharing their first page (prefix hits): every request's tokens and
+    accepted drafts equal one device's dense engine's, and every page is back at the end."""
     target, proposer = CASES[name]()
     requests = _requests(target.config.vocab_size)
     shared = requests[4].prompt[:16]  # two more requests beginning with the 40-token prompt's first page
     requests += [Request(shared + p[:8], max_new_tokens=10) for p in (requests[0].prompt, requests[2].prompt)]
-    requests += [Request(requests[i].prompt, max_new_tokens=80) for i in (0, 3)]  # (they outgrow the pool)
+    data, model = MESHES[mesh_name]
+    long = (0, 3) if data == 1 else (0, 2, 3, 6)  # (on data 2, two of them in one group's pool)
+    requests += [Request(requests[i].prompt, max_new_tokens=80) for i in long]  # (they outgrow the pool)
     one_tokens, one_accepted, *_ = _run(target, proposer, None, requests)
-    mesh = sharding.make_mesh(model=2, data=1, devices=jax.devices()[:2])
-    tokens, accepted, engine, finals = _run(target, proposer, mesh, requests, page_size=16, num_pages=10)
+    mesh = sharding.make_mesh(model=model, data=data, devices=jax.devices()[: data * model])
+    tokens, accepted, engine, finals = _run(
+        target, proposer, mesh, requests, page_size=16, num_pages=POOLS[mesh_name]
+    )
     assert tokens == one_tokens
     assert accepted == one_accepted
-    pool = engine.kv_cache.pool
-    pool.check()
-    assert pool.available_pages == pool.usable_pages
+    pools = engine.kv_cache.pools
+    assert len(pools) == data and all(pool.usable_pages == POOLS[mesh_name] // data for pool in pools)
+    for pool in pools:
+        pool.check()
+        assert pool.available_pages == pool.usable_pages
     assert engine.kv_cache.prefix_counts[1] > 0  # the shared page was found
     if proposer is not None:
         assert _drafts_accepted_part_of_the_time(finals)
     if proposer is None:  # the two long answers outgrow the pool beside the others (with drafts
         # accepted, rows end sooner and whether they meet depends on the proposer)
         assert engine.stats.preemptions > 0
+    # each device holds its group's pages of its half of the kv heads
     pages = engine._batch.state.cache.k[0]
-    assert pages.addressable_shards[0].data.shape[0] == pages.shape[0] // 2
+    assert pages.addressable_shards[0].data.shape[0] == pages.shape[0] // (data * model)
 
 
 @pytest.mark.parametrize("page_size", [None, 16])
 def test_on_a_mesh_nothing_compiles_while_serving_after_precompile(page_size):
-    """Precompiled for the prompts' lengths, an engine on a mesh (data 2 x model 2 dense, model 2
-    on pages) serves requests of every length and kind without compiling anything more: each
+    """Precompiled for the prompts' lengths, an engine on a mesh of data 2 x model 2 (dense, or on
+    pages) serves requests of every length and kind without compiling anything more: each
     program is compiled once for the state's shardings, which every program keeps."""
-    data = 2 if page_size is None else 1
-    mesh = sharding.make_mesh(model=2, data=data, devices=jax.devices()[: 2 * data])
+    mesh = sharding.make_mesh(model=2, data=2, devices=jax.devices()[:4])
     engine = Engine(TARGET, specjax.NGram(k=3), mesh=mesh, **OPTIONS, page_size=page_size)
     requests = _requests(TARGET.config.vocab_size)
     engine.precompile(sorted({len(r.prompt) for r in requests}))
@@ -132,8 +142,16 @@ def test_a_mesh_the_engine_cannot_use_is_refused_naming_it():
         ValueError, match="num_kv_heads=2 does not divide over the mesh axis 'model' of size 4"
     ):
         Engine(TARGET, None, mesh=sharding.make_mesh(model=4, data=1), max_batch=4, max_model_len=64)
-    with pytest.raises(ValueError, match="page_size=16: on a mesh, pages split over its model axis"):
-        Engine(TARGET, None, mesh=mesh, max_batch=4, max_model_len=64, page_size=16)
+    with pytest.raises(
+        ValueError, match="num_pages=9: on a mesh of 2 data groups the pool splits into equal"
+    ):
+        Engine(TARGET, None, mesh=mesh, max_batch=4, max_model_len=64, page_size=16, num_pages=9)
+    with pytest.raises(
+        ValueError,
+        match=r"num_pages=8: a data group's part of the pool, 4 pages of 16 slots \(64 tokens; 8 over 2 "
+        r"groups\), cannot hold one request of max_model_len=64 \(5 pages",
+    ):
+        Engine(TARGET, None, mesh=mesh, max_batch=4, max_model_len=64, page_size=16, num_pages=8)
     with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
         Engine(TARGET, None, mesh="2x2", max_batch=4, max_model_len=64)
 

@@ -41,7 +41,7 @@ def _accepted(finals) -> list[int]:
 
 def _all_pages_back(engine: Engine) -> None:
     """Every page is free again once every request has ended (none held, none leaked)."""
-    pool = engine._pages.pool
+    pool = engine._pages.pools[0]
     pool.check()
     assert pool.available_pages == pool.usable_pages
 
@@ -136,7 +136,7 @@ def test_long_prompts_in_chunks_on_pages():
 
 def test_an_aborted_request_frees_its_pages_at_once():
     engine = Engine(TARGET, **OPTIONS, page_size=16)
-    pool = engine._pages.pool
+    pool = engine._pages.pools[0]
     ids = [engine.add(r) for r in _requests(7)[:3]]
     engine.step()
     held = pool.usable_pages - pool.available_pages
@@ -287,7 +287,7 @@ def test_a_prefix_hit_drafts_as_a_miss(name):
     without = one_by_one(Engine(target, proposer, **options, prefix_caching=False))
     assert with_cache == without
     assert with_cache[0][0] == alone(target, requests[0], proposer)
-    pool = cached._pages.pool
+    pool = cached._pages.pools[0]
     assert pool.hits == 3 * 16 + 3 * 16  # the second and third requests found the shared pages
     assert pool.queries == sum(len(r.prompt) for r in requests)
     if proposer is not None:
@@ -305,9 +305,9 @@ def test_pages_of_generated_tokens_are_shared_by_a_follow_up_turn():
     engine = Engine(TARGET, specjax.NGram(k=3), **OPTIONS, page_size=16)
     answer = engine.run([first])[0]
     turn = Request([*first.prompt, *answer, 5, 6, 7], max_new_tokens=10)
-    hits = engine._pages.pool.hits
+    hits = engine._pages.pools[0].hits
     followed = engine.run([turn])[1]
-    assert engine._pages.pool.hits - hits == (len(turn.prompt) - 3) // 16 * 16
+    assert engine._pages.pools[0].hits - hits == (len(turn.prompt) - 3) // 16 * 16
     assert followed == alone(TARGET, turn, specjax.NGram(k=3))
 
 

@@ -126,20 +126,22 @@ def test_rows_through_bytes_equal_the_colocated_engine(name):
 
 @pytest.mark.parametrize("name", ["ngram", "eagle-tree", pytest.param("draft-model", marks=pytest.mark.slow)])
 def test_a_paged_decode_engine_admits_handed_over_rows_into_its_pages(name):
-    """A decode engine on pages (one device: pages run on one) takes each handed-over row's cache
-    into pages of its pool, no cached pages shared (the row brings its whole cache): the colocated
-    engine's tokens and accepted drafts, and every page back at the end; a follow-up request that
-    shares the prompt's pages hits them where the proposer reads no features."""
+    """A decode engine on pages on data 2 x model 2 takes each handed-over row's cache into pages of
+    its slot's data group's pool, no cached pages shared (the row brings its whole cache): the
+    colocated engine's tokens and accepted drafts, and every page back at the end; a follow-up
+    request that shares the prompt's pages hits them where the proposer reads no features."""
     target, proposer = CASES[name]()
     requests = _requests(target.config.vocab_size)
     colocated = _outputs(Engine(target, proposer, **OPTIONS), requests)[:2]
     prefill_mesh = sharding.make_mesh(model=2, data=1, devices=PREFILL_DEVICES)
     prefill = Engine(target, proposer, mesh=prefill_mesh, **OPTIONS)
-    decode = Engine(target, proposer, page_size=16, **OPTIONS)
+    decode_mesh = sharding.make_mesh(model=2, data=2, devices=DECODE_DEVICES)
+    decode = Engine(target, proposer, mesh=decode_mesh, page_size=16, **OPTIONS)
     assert _outputs(Prefilling(decode, LocalPrefiller(prefill)), requests)[:2] == colocated
-    pool = decode.kv_cache.pool
-    pool.check()
-    assert pool.available_pages == pool.usable_pages
+    assert len(decode.kv_cache.pools) == 2
+    for pool in decode.kv_cache.pools:
+        pool.check()
+        assert pool.available_pages == pool.usable_pages
     again = decode.run([Request(requests[4].prompt, max_new_tokens=4)])  # prefilled here: a hit or not
     assert list(again.values())[0] == colocated[0][4][:4]
     hits = decode.kv_cache.prefix_counts[1]

@@ -282,12 +282,19 @@ def test_builtin_model_degree_3_over_two_processes(smollm2, smollm2_cache_dir):
 @pytest.mark.slow  # two processes compiling on 2 cores: minutes; make test-all
 def test_the_engine_across_two_processes_equals_one_process():
     """The engine on a mesh over 2 processes x 2 devices (data 2 across them x model 2 within, and
-    model 4 across them): process 0 adds requests (greedy and seeded sampled, one in chunks) and
-    steps, process 1 follows in lockstep (serve/lockstep.py); process 0's tokens and accepted
-    drafts equal the same engine's in one process with all 4 devices."""
+    model 4 across them; dense, and on pages, each process's data group its own part of the pool):
+    process 0 adds requests (greedy and seeded sampled, one in chunks) and steps, process 1 follows
+    in lockstep (serve/lockstep.py); process 0's tokens and accepted drafts equal the same engine's
+    in one process with all 4 devices."""
     cases = [
-        {"name": f"engine-{p}-d{d}m{m}", "kind": "engine", "data": d, "model": m, "proposer": p}
-        for d, m, p in ((2, 2, "ngram"), (2, 2, "draft-tp"), (1, 4, "eagle"))
+        {"name": f"engine-{p}-d{d}m{m}-{pages}", "kind": "engine", "data": d, "model": m, "proposer": p}
+        | ({} if pages == "dense" else {"page_size": 16})
+        for d, m, p, pages in (
+            (2, 2, "ngram", "dense"),
+            (2, 2, "draft-tp", "dense"),
+            (1, 4, "eagle", "dense"),
+            (2, 2, "ngram", "pages"),
+        )
     ]
     per_process, reference = run(2, 2, cases)
     for case in cases:

@@ -217,3 +217,43 @@ def test_reset_cache_forgets_every_key():
     pool.release("b")
     pool.check()
     assert pool.available_pages == pool.usable_pages
+
+
+def test_slot_pages_on_data_groups_keep_each_groups_pages_apart():
+    """On a mesh of 2 data groups (engine_pages.SlotPages): slots 0-1 are group 0's, 2-3 group 1's;
+    a request takes pages in its slot's group, named there (1..n-1: each group's page 0 is its own
+    null page); each group's prefix cache is its own, and a request goes to the group that holds
+    its prefix, else to the one with the most pages available."""
+    from types import SimpleNamespace
+
+    from specjax.models.config import LlamaConfig
+    from specjax.serve.engine_batch import PagedLayout
+    from specjax.serve.engine_config import EngineConfig, Request
+    from specjax.serve.engine_pages import SlotPages
+
+    config = EngineConfig(max_batch=4, max_model_len=48, page_size=16)
+    model = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1
+    )
+    spec = SimpleNamespace(config=model, cache_dtype="float32", num_drafted=0)  # what SlotPages reads
+    pages = SlotPages(PagedLayout(page_size=16, num_pages=2 * 8, table_width=4, groups=2), config, spec)
+    assert [pages.group_of_slot(b) for b in range(4)] == [0, 0, 1, 1]
+    assert [pool.usable_pages for pool in pages.pools] == [7, 7]
+    prompt = list(range(40))
+    assert pages.choose_slot([0, 1, 2, 3], prompt) == 0  # (a tie: the first)
+    assert pages.take(0, Request(prompt, max_new_tokens=4), [], 1, group=1) == 0
+    pages.place(2, 0)
+    table = pages.table_of(0)
+    assert table[:3].tolist() == [1, 2, 3] and table[3] == NULL_PAGE  # group 1's own ids
+    assert [pool.available_pages for pool in pages.pools] == [7, 4]
+    pages.register(0, prompt)
+    assert pages.cached_tokens(prompt, group=1) == 32 and pages.cached_tokens(prompt, group=0) == 0
+    assert pages.choose_slot([0, 1, 3], prompt) == 3  # where its prefix is
+    assert pages.choose_slot([0, 1, 3], list(range(1, 41))) == 0  # no hit: the emptier group
+    with pytest.raises(AssertionError):
+        pages.place(0, 0)  # a slot of another group than its pages'
+    pages.release(2)
+    assert pages.tables[2].tolist() == [NULL_PAGE] * 4
+    assert [pool.available_pages for pool in pages.pools] == [7, 7]  # (group 1's prefix cached)
+    for pool in pages.pools:
+        pool.check()

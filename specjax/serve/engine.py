@@ -88,7 +88,7 @@ from specjax.serve.engine_pages import DenseRows, SlotPages, paged_layout
 from specjax.serve.engine_rows import COUNTERS, PromptInChunks, Restart, Running, row_counters
 from specjax.serve.handoff import Handoffs, can_hand_over, encode_row
 from specjax.serve.lockstep import Follower, Leader, lockstep_for
-from specjax.sharding import fetch
+from specjax.sharding import data_degree, fetch
 from specjax.speculate.logprobs import Logprobs
 from specjax.speculate.loop import LoopSpec, program_params
 from specjax.speculate.metrics import SpecMetrics
@@ -168,7 +168,7 @@ class Engine(Admissions):
             backend=backend,
             logprobs=planner.check_logprobs(config.logprobs, model.config.vocab_size),
         )
-        layout = paged_layout(config, self.spec)
+        layout = paged_layout(config, self.spec, groups=1 if mesh is None else data_degree(mesh))
         self._pages = None if layout is None else SlotPages(layout, config, self.spec)
         # What the KV cache holds and how much of it is in use (`kv_cache.summary()`, `.usage`,
         # `.capacity_tokens`, `.prefix_counts`, `.reset_prefix_cache()`), dense or paged

@@ -37,25 +37,28 @@ class Admissions:
         are admitted meanwhile (on pages the kernel reads in place, their passes shared)."""
         ran_chunk = False
         while True:
-            free = None if None not in self._slots else self._slots.index(None)
-            if self._in_chunks is None and free is not None:
-                self._in_chunks = self._start_long_prompt()
+            free = [b for b, slot in enumerate(self._slots) if slot is None]
+            if self._in_chunks is None and free:
+                self._in_chunks = self._start_long_prompt(free)
             prompt = self._in_chunks
             while prompt is not None and not prompt.complete and not (ran_chunk and self.num_running):
                 self._run_chunk(prompt)
                 self.stats.prompt_chunks += 1
                 ran_chunk = True
-            if prompt is not None and prompt.complete and free is not None:
-                if self._fits(free, prompt.request):  # (its pages it holds since its first chunk)
+            if prompt is not None and prompt.complete:
+                b = self._slot_for_chunked(prompt.request_id, free)
+                if b is not None and self._fits(b, prompt.request):  # (its pages it holds since
+                    # its first chunk)
                     self._in_chunks = None
-                    self._admit(free, prompt.request_id, prompt.request, prompt.partial)
+                    self._admit(b, prompt.request_id, prompt.request, prompt.partial)
                     self.stats.admissions += 1
                     continue
             short = next((i for i, (j, r) in enumerate(self._waiting) if self._short(j, r)), None)
-            if free is None or short is None:
+            if not free or short is None:
                 return
             request_id, request = self._waiting[short]
-            cached = self._take_pages(request_id, request) if self._fits(free, request) else None
+            b = free[0] if self._pages is None else self._pages.choose_slot(free, request.prompt)
+            cached = self._take_pages(request_id, request, b) if self._fits(b, request) else None
             if cached is None:
                 return  # it waits (first in line) until running requests with other automata
                 # finish, or until the pool has its pages
@@ -70,8 +73,16 @@ class Admissions:
                     if self._pages is not None:
                         self._pages.drop(request_id)
                     continue
-            self._admit(free, request_id, request, cached=cached, prefilled=row)
+            self._admit(b, request_id, request, cached=cached, prefilled=row)
             self.stats.admissions += 1
+
+    def _slot_for_chunked(self, request_id: int, free: list[int]) -> int | None:
+        """The free slot a prompt whose chunks have run goes into: the first (paged: the first of
+        the data group holding its pages), None where there is none."""
+        if self._pages is not None:
+            group = self._pages.group_of(request_id)
+            free = [b for b in free if self._pages.group_of_slot(b) == group]
+        return free[0] if free else None
 
     def _short(self, request_id: int, request: Request) -> bool:
         """Whether a waiting request is admitted in one step: its prompt in one pass, or its row
@@ -89,9 +100,10 @@ class Admissions:
         cached = 0 if self._pages is None else self._pages.cached_tokens(request.prompt)
         return len(request.prompt) - cached > self._chunk
 
-    def _start_long_prompt(self) -> PromptInChunks | None:
+    def _start_long_prompt(self, free: list[int]) -> PromptInChunks | None:
         """The first waiting long prompt, taken out of the queue before its first chunk (None if
-        none waits)."""
+        none waits); paged, its pages taken in the data group of the slot it would take of the
+        `free` ones now (it takes one of that group's when its chunks have run)."""
         at = next(
             (i for i, (j, r) in enumerate(self._waiting) if self._long(r) and not self._handoffs.has(j)), None
         )
@@ -99,7 +111,7 @@ class Admissions:
             return None
         request_id, request = self._waiting[at]
         if self._pages is not None:  # its pages from its first chunk on (the chunks write there)
-            cached = self._take_pages(request_id, request)
+            cached = self._take_pages(request_id, request, self._pages.choose_slot(free, request.prompt))
             if cached is None:
                 return None
             del self._waiting[at]
@@ -114,9 +126,10 @@ class Admissions:
             args = (self._params, prompt.partial, *prompt.next_chunk())
             prompt.partial = self._batch.run("prompt_chunk", self._chunk, *args)
             return
-        table = self._pages.table_of(prompt.request_id)
+        request_id = prompt.request_id
+        table, group = self._pages.table_of(request_id), self._pages.group_of(request_id)
         prompt.partial = self._batch.prefill_pages(
-            table, prompt.request.prompt, prompt.done, 1, prompt.partial
+            table, prompt.request.prompt, prompt.done, 1, prompt.partial, group
         )
         prompt.done += self._chunk
 
@@ -162,11 +175,11 @@ class Admissions:
             self._pending.append((b, request_id, request, cached, row, bucket))
             return
         if paged:  # its chunks into its pages (those a long prompt's steps have not run), its row
-            table = self._pages.table_of(request_id)
+            table, group = self._pages.table_of(request_id), self._pages.group_of(request_id)
             if partial is None:
                 count = -(-(n - cached) // self._batch.page_chunk)
-                partial = self._batch.prefill_pages(table, request.prompt, cached, count)
-            row = self._batch.pages_row(bucket, table, partial, row)
+                partial = self._batch.prefill_pages(table, request.prompt, cached, count, group=group)
+            row = self._batch.pages_row(bucket, table, partial, row, group)
         elif partial is None and request.prompt_logprobs is not None:  # scored in its one pass
             row = self._batch.run("scored_prefill", bucket, self._params, self._proposer_params, row)
             scored = fetch(row.prompt_logprobs)  # (the running state keeps none)
@@ -218,31 +231,41 @@ class Admissions:
 
     # ----- pages (EngineConfig.page_size) -----------------------------------------------------
 
-    def _take_pages(self, request_id: int, request: Request) -> int | None:
-        """Pages for a request about to be prefilled (`SlotPages.take`): how many of its prompt's
-        tokens the prefix cache gave, or None (it waits); 0 for a dense cache."""
+    def _take_pages(self, request_id: int, request: Request, b: int) -> int | None:
+        """Pages for a request about to be prefilled for slot b (`SlotPages.take`, in b's data
+        group): how many of its prompt's tokens the prefix cache gave, or None (it waits); 0 for
+        a dense cache."""
         if self._pages is None:
             return 0
         running = [(i, slot) for i, slot in enumerate(self._slots) if slot is not None]
         # (a handed-over row brings its whole cache: it takes no cached pages, which it would write)
         cached = not self._handoffs.has(request_id)
-        return self._pages.take(request_id, request, running, self.chunk_steps, cached)
+        group = self._pages.group_of_slot(b)
+        return self._pages.take(request_id, request, running, self.chunk_steps, group, cached)
 
     def _grow_rows(self, steps: int) -> None:
         """Pages for every running row's next chunk of `steps` steps, oldest request first; where
         the pool has too few, the newest running request is preempted (`_preempt`) until they fit,
         and before the last running one, a prompt part-way through its chunks (queued first again,
-        its chunks to run again). The oldest always fits alone (the pool holds one request of
-        max_model_len: engine_pages.py)."""
+        its chunks to run again); on data groups, the newest of the row's group, whose pool it is.
+        The oldest always fits alone (a group's pool holds one request of max_model_len:
+        engine_pages.py)."""
+        pages = self._pages
         for b in sorted((i for i, s in enumerate(self._slots) if s is not None), key=self._age):
             slot = self._slots[b]  # (None: preempted for an older row's pages)
+            group = pages.group_of_slot(b)
             while (
                 slot is not None
                 and slot is self._slots[b]
-                and not self._pages.grow(b, self._pages.row_slots(slot, steps))
+                and not pages.grow(b, pages.row_slots(slot, steps))
             ):
-                newest = max((i for i, s in enumerate(self._slots) if s is not None), key=self._age)
-                if newest == b and self._in_chunks is not None:  # a prompt in chunks goes first
+                mine = [
+                    i for i, s in enumerate(self._slots) if s is not None and pages.group_of_slot(i) == group
+                ]
+                newest = max(mine, key=self._age)
+                chunks = self._in_chunks
+                if newest == b and chunks is not None and pages.group_of(chunks.request_id) == group:
+                    # a prompt in chunks goes first
                     prompt, self._in_chunks = self._in_chunks, None
                     self._pages.drop(prompt.request_id)
                     self._waiting.appendleft((prompt.request_id, prompt.request))

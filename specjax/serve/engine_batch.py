@@ -40,11 +40,20 @@ from specjax.speculate.spec import pages_pack
 @dataclasses.dataclass(frozen=True)
 class PagedLayout:
     """A paged target cache: `num_pages` pages of `page_size` slots (page 0 the null page) and
-    tables of `table_width` pages per row (a row's `capacity` slots)."""
+    tables of `table_width` pages per row (a row's `capacity` slots). On a mesh of `groups` data
+    groups the pool is split over them, group g holding pages g*n.. of n = num_pages/groups, and
+    its rows' tables name them by their place there (0..n-1, page 0 its own null page): each
+    device reads its group's pages as a pool of its own."""
 
     page_size: int
     num_pages: int
     table_width: int
+    groups: int = 1
+
+    @property
+    def group_pages(self) -> int:
+        """A data group's pages, its null page among them."""
+        return self.num_pages // self.groups
 
     def free_tables(self, width: int) -> np.ndarray:
         return np.full((width, self.table_width), NULL_PAGE, np.int32)
@@ -83,6 +92,7 @@ class EngineBatch:
         self.num_compiles = 0
         self._axes = None  # per leaf of a DecodeState, its rows' axis (`batch_axes`), found once
         self._slot_axes = None  # per leaf of a row, its cache slots' axis (`slot_axes`), found once
+        self._input_axes = None  # per leaf of a prefill's inputs, its rows' axis (`input_axes`)
         self.blocks = None  # on a mesh, where its split caches keep each row (`put_row`)
         self.spans = spans_processes(spec.mesh)  # every program's host arguments placed (`run`)
         self.shardings = None  # on a mesh, where every program keeps the state
@@ -154,11 +164,13 @@ class EngineBatch:
             state = jax.jit(repeat, out_shardings=dense.replace(cache=cache))(self.free_row)
             pool = jax.eval_shape(lambda: self._paged(dense_row).cache)
             pool_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), cache_specs_like(pool))
+            # (of a batch of one, its length and table are no data group's: only its buffers are kept)
+            pool_shardings = pool_shardings.replace(lengths=replicated, pages=replicated)
             pool = jax.jit(lambda: self._paged(dense_row).cache, out_shardings=pool_shardings)()
             state = _with_pool(state, pool)
-            features = jax.jit(
-                lambda: jnp.zeros(self._features_shape(), spec.dtype), out_shardings=replicated
-            )
+            by_page = NamedSharding(mesh, row_spec() if spec.proposer_reads_features else P())  # (each
+            # data group its pages')
+            features = jax.jit(lambda: jnp.zeros(self._features_shape(), spec.dtype), out_shardings=by_page)
             self.features = features()
         self.blocks = _entry_blocks(state)
         self.shardings = jax.tree.map(lambda x: x.sharding, state)
@@ -192,17 +204,36 @@ class EngineBatch:
         check_row(row, self.row_like)
         return jax.device_put(row, jax.tree.map(lambda x: x.sharding, self.row_like))
 
-    def prefill_pages(self, table: np.ndarray, prompt, start: int, count: int, last_hidden=None):
-        """`count` chunks of a prompt into the pool through its `table`, from position `start`
-        (its cached prefix's end); returns the hidden state at its last token once a chunk held
-        it (to pass to the next call, then to `pages_row`)."""
-        C, cache = self.page_chunk, self.state.cache
-        tokens = np.zeros(self.spec.capacity + C, np.int32)
-        tokens[: len(prompt)] = prompt
+    @property
+    def groups(self) -> int:
+        """The data groups a paged pool is split over (1 off a data-parallel mesh): the rows of a
+        paged prefill's programs, one per group (engine_programs.pool_chunks)."""
+        return 1 if self.paged is None else self.paged.groups
+
+    def _group_rows(self, group: int, value, width: int, dtype=np.int32) -> np.ndarray:
+        """[groups, width] zeros, with `value` (its first entries) in row `group`."""
+        rows = np.zeros((self.groups, width), dtype)
+        rows[group, : len(value)] = value
+        return rows
+
+    def prefill_pages(
+        self, table: np.ndarray, prompt, start: int, count: int, last_hidden=None, group: int = 0
+    ) -> jax.Array:
+        """`count` chunks of a prompt into the pool through its `table` (the pages of data group
+        `group`), from position `start` (its cached prefix's end); returns the hidden states at
+        its last token once a chunk held it ([groups, D], its row `group`: to pass to the next
+        call, then to `pages_row`)."""
+        C, cache, R = self.page_chunk, self.state.cache, self.groups
+        tokens = self._group_rows(group, prompt, self.spec.capacity + C)
+        tables = self._group_rows(group, table, self.paged.table_width)
+        starts, lengths = (
+            self._group_rows(group, [start], 1)[:, 0],
+            self._group_rows(group, [len(prompt)], 1)[:, 0],
+        )
         if last_hidden is None:
-            last_hidden = jnp.zeros((1, self.spec.config.hidden_size), self.spec.dtype)
-        args = (self._pool(), self.features, jnp.asarray(table), jnp.asarray(tokens), jnp.int32(start))
-        args = (*args, jnp.int32(len(prompt)), jnp.int32(count), last_hidden)
+            last_hidden = jnp.zeros((R, self.spec.config.hidden_size), self.spec.dtype)
+        args = (self._pool(), self.features, *map(jnp.asarray, (tables, tokens, starts, lengths)))
+        args = (*args, jnp.int32(count), last_hidden)
         k, v, self.features, last_hidden = self.run("pool_chunks", C, self.params, *args)
         self.state = _with_pool(self.state, cache.replace(k=k, v=v))
         return last_hidden
@@ -210,9 +241,12 @@ class EngineBatch:
     @property
     def packs(self) -> bool:
         """Whether several prompts' prefills share passes (`prefill_packed`): on pages that the
-        attention kernel reads in place (LoopSpec.packs_prefill's rule)."""
-        return self.paged is not None and pages_pack(
-            self.paged.page_size, self.spec.backend, self.spec.config, self.spec.dtype
+        attention kernel reads in place (LoopSpec.packs_prefill's rule), on one data group (a
+        pass's packed tokens would cross the groups' pages)."""
+        return (
+            self.paged is not None
+            and self.groups == 1
+            and pages_pack(self.paged.page_size, self.spec.backend, self.spec.config, self.spec.dtype)
         )
 
     def prefill_packed(self, tables: np.ndarray, prompts: list, starts: list[int]):
@@ -237,17 +271,19 @@ class EngineBatch:
         return last_hidden
 
     def _pool(self):
-        """The running state's pool as a cache of one row (whose length and table the paged
-        prefill's programs set): the pool's buffers alone are the state's, so that a program
-        donating them leaves the running rows' lengths and tables as they are."""
-        zeros = jnp.zeros((1, self.paged.table_width), jnp.int32)
+        """The running state's pool as a cache of a row per data group (whose lengths and tables
+        the paged prefill's programs set): the pool's buffers alone are the state's, so that a
+        program donating them leaves the running rows' lengths and tables as they are."""
+        zeros = jnp.zeros((self.groups, self.paged.table_width), jnp.int32)
         return self.state.cache.replace(lengths=zeros[:, 0], pages=zeros)
 
-    def pages_row(self, bucket: int, table: np.ndarray, last_hidden, inputs) -> DecodeState:
-        """The row of a prompt whose chunks are in the pool (inputs: its prompt padded to
-        `bucket`), without the pool, for `write`."""
-        args = (self.params, self.proposer_params, self._pool(), self.features, jnp.asarray(table))
-        return self.run("pool_row", bucket, *args, last_hidden, inputs)
+    def pages_row(self, bucket: int, table: np.ndarray, last_hidden, inputs, group: int = 0) -> DecodeState:
+        """The row of a prompt whose chunks are in the pool (in data group `group`'s pages, its
+        hidden state row `group` of `last_hidden`; inputs: its prompt padded to `bucket`), without
+        the pool, for `write`."""
+        tables = jnp.asarray(self._group_rows(group, table, self.paged.table_width))
+        args = (self.params, self.proposer_params, self._pool(), self.features, tables)
+        return self.run("pool_row", bucket, *args, last_hidden, inputs, jnp.int32(group))
 
     def precompile_prefills(self, lengths: list[int], bucket_of) -> None:
         """Compile the prefills of prompts of these lengths (`bucket_of(n)`: a one-pass prefill's
@@ -262,10 +298,10 @@ class EngineBatch:
             if self.paged is None:
                 self.program("prefill", bucket, params, proposer, inputs)
             else:
-                last_hidden = jnp.zeros((1, self.spec.config.hidden_size), self.spec.dtype)
-                table = jnp.asarray(self.paged.free_tables(1)[0])
-                args = (params, proposer, self._pool(), self.features, table, last_hidden, inputs)
-                self.program("pool_row", bucket, *args)
+                last_hidden = jnp.zeros((self.groups, self.spec.config.hidden_size), self.spec.dtype)
+                tables = jnp.asarray(self.paged.free_tables(self.groups))
+                args = (params, proposer, self._pool(), self.features, tables, last_hidden, inputs)
+                self.program("pool_row", bucket, *args, jnp.int32(0))
             if self.logprobs is not None:  # a request's prompt_logprobs (or echo's)
                 self.program("scored_prefill", bucket, params, proposer, inputs)
         long = [n for n in lengths if n not in short]
@@ -383,6 +419,13 @@ class EngineBatch:
             self._axes = axes
         return self._axes
 
+    def input_axes(self):
+        """Per leaf of a prefill's inputs (GenerationInputs), the axis that holds its rows, found
+        once."""
+        if self._input_axes is None:
+            self._input_axes = engine_programs.batch_axes(self.free_inputs(1), self.free_inputs(2))
+        return self._input_axes
+
     def slot_axes(self):
         """Per leaf of a request's row, the axis of its cache slots (SHARED: none), found by
         comparing the prefill's shapes at two capacities: what a row sent as bytes keeps only the
@@ -462,9 +505,13 @@ class EngineBatch:
             return "prefill", (dataclasses.replace(one, prompt_bucket=size, prompt_logprobs=self.logprobs),)
         if kind == "pool_packed":  # `size` prompts packed
             return kind, (dataclasses.replace(self.spec, batch_size=size, prefill_chunk=self.page_chunk),)
-        if kind in ("pool_chunks", "pool_row"):  # a paged prefill (`size`: the chunk, the bucket)
-            paged = dataclasses.replace(self.spec, batch_size=1, prefill_chunk=self.page_chunk)
-            return kind, (paged if kind == "pool_chunks" else dataclasses.replace(paged, prompt_bucket=size),)
+        if kind in ("pool_chunks", "pool_row"):  # a paged prefill, a row per data group (`size`:
+            # the chunk, the bucket)
+            paged = dataclasses.replace(self.spec, batch_size=self.groups, prefill_chunk=self.page_chunk)
+            if kind == "pool_chunks":
+                return kind, (paged,)
+            axes = (self.input_axes(), self.batch_axes())
+            return kind, (dataclasses.replace(paged, prompt_bucket=size), axes)
         if kind in ("start_prompt", "prompt_chunk", "finish_prompt"):  # a long prompt's (`size`:
             # the chunk, or the bucket the finish pads the prompt to)
             return kind, (dataclasses.replace(one, prompt_bucket=size, prefill_chunk=self.chunk),)
@@ -519,7 +566,7 @@ class EngineBatch:
     def _compile_paged_prefills(self) -> None:
         """The paged prefill's chunks: one program for every prompt (run once on nothing); and
         the packed one, for every admission of several."""
-        self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)
+        self.prefill_pages(self.paged.free_tables(1)[0], [0], 0, 0)  # (group 0's row: any)
         if self.packs:
             self.prefill_packed(self.paged.free_tables(0), [], [])
 

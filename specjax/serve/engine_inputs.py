@@ -34,7 +34,8 @@ def engine_capacity(config: EngineConfig, proposer_spec) -> int:
 def check_engine_mesh(mesh, model, config: EngineConfig, prefiller=None) -> None:
     """ValueError unless the engine can run on `mesh` (None: one device): a ("data", "model")
     mesh that the model's heads and ffw split over, and max_batch slots that divide over its data
-    groups; across processes, without a prefiller (whose rows arrive at times of their own)."""
+    groups (a paged pool too: engine_pages.paged_layout); across processes, without a prefiller
+    (whose rows arrive at times of their own)."""
     if mesh is None:
         return
     sharding.check_mesh(mesh)
@@ -44,12 +45,6 @@ def check_engine_mesh(mesh, model, config: EngineConfig, prefiller=None) -> None
         raise ValueError(
             f"max_batch={config.max_batch}: on a mesh the slots split over its {data} data groups; "
             f"give a multiple of {data}"
-        )
-    if config.page_size is not None and data > 1:
-        raise ValueError(
-            f"page_size={config.page_size}: on a mesh, pages split over its model axis (each device "
-            f"every page of its kv heads); a data axis of {data} splits dense rows only: give "
-            "page_size None, or a mesh of data 1"
         )
     if sharding.spans_processes(mesh) and prefiller is not None:
         raise ValueError(

@@ -28,8 +28,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from specjax.models.cache import NULL_PAGE
 from specjax.models.llama import lm_head
-from specjax.sharding import model_degree
+from specjax.sharding import data_degree, model_degree
 from specjax.speculate.loop import DecodeState, LoopSpec, prefill, resume_program
 from specjax.speculate.prefill import (
     PartialPrefill,
@@ -164,14 +165,17 @@ def write_paged_row(
 ) -> DecodeState:
     """`write_row` into a paged state: the dense row's keys and values copied into the pool's
     pages `table` ([W] page ids, the row's pages then null ones: the slots past what the row holds
-    land in the null page), and the row's table and length into slot `slot`. On a `mesh` (data 1)
-    the pool is split over "model" by kv head, so its entries are ordered device by device: page
-    p's kv head h is entry (h // (K/M)) * N*K/M + p*K/M + h % (K/M) of its N pages."""
+    land in the null page), and the row's table and length into slot `slot`. On a `mesh` the pool
+    is split over ("data", "model"), data group g holding its n pages (`table` names them 0..n-1)
+    and each of its devices their kv heads, so its entries are ordered device by device: group
+    g's page p's kv head h is entry (g*M + h // (K/M)) * n*K/M + p*K/M + h % (K/M)."""
     cache = state.cache
     K, P, W = cache.paged_heads, cache.page_size, table.shape[0]
-    M = 1 if mesh is None else model_degree(mesh)
-    N, heads = cache.k[0].shape[-3] // K, jnp.arange(K, dtype=table.dtype)
-    entries = (heads // (K // M)) * (N * K // M) + table[:, None] * (K // M) + heads % (K // M)  # [W, K]
+    M, D = (1, 1) if mesh is None else (model_degree(mesh), data_degree(mesh))
+    n, heads = cache.k[0].shape[-3] // K // D, jnp.arange(K, dtype=table.dtype)
+    group = slot // (state.done.shape[0] // D)  # the slot's data group, whose pages the row takes
+    device = group * M + heads // (K // M)  # [K] the device block holding each kv head
+    entries = device * (n * K // M) + table[:, None] * (K // M) + heads % (K // M)  # [W, K]
 
     def into_pages(pool, dense, keys: bool):
         # dense keys [..., K, E, S] / values [..., K, S, E] -> [..., W, K, E, P] / [..., W, K, P, E]
@@ -199,31 +203,48 @@ def without_pool(state):
     return state.replace(cache=cache.replace(k=empty[0], v=empty[1]))
 
 
-def _feature_rows(features, table, extra: int = 0):
-    """A row's features [1, W*P + extra, F] read from a feature pool [N, P, F] through its table
-    [W] (zeros past its pages' slots)."""
-    rows = features[table].reshape(1, -1, features.shape[-1])
+def pool_pages(tables, num_pages: int):
+    """Page tables [R, W] of R rows, one per data group in order (R = 1 off a data-parallel mesh),
+    as ids in the whole pool of `num_pages` (group r's pages are r*n.. of n = num_pages / R):
+    what an array indexed by page outside the model's per-device code reads (the feature pool)."""
+    R = tables.shape[0]
+    return tables + (jnp.arange(R, dtype=tables.dtype) * (num_pages // R))[:, None]
+
+
+def _feature_rows(features, tables, extra: int = 0):
+    """Rows' features [R, W*P + extra, F] read from a feature pool [N, P, F] through their tables
+    [R, W] (one row per data group: `pool_pages`; zeros past their pages' slots)."""
+    R, (N, _, F) = tables.shape[0], features.shape
+    rows = features[pool_pages(tables, N)].reshape(R, -1, F)
     return jnp.pad(rows, ((0, 0), (0, extra), (0, 0)))
 
 
-def pool_chunks(spec: LoopSpec, params, cache, features, table, tokens, start, length, count, last_hidden):
-    """`count` chunks of one prompt (tokens [L], `length` of them) from position `start`, into the
-    pool of `cache` (a paged cache: its buffers are the pool, donated) through the request's
-    table [W], and into the feature pool [N, P, F] where the proposer reads features ([0]
-    otherwise). Returns (the pool's keys, its values, the feature pool, the hidden state at the
-    prompt's last token once a chunk held it: [1, D], carried from `last_hidden`). One program
-    whatever the prompt's length and the prefix it found cached."""
+def pool_chunks(spec: LoopSpec, params, cache, features, tables, tokens, starts, lengths, count, last_hidden):
+    """`count` chunks of R = spec.batch_size prompts (one per data group, a group with nothing to
+    prefill a row of length 0; R = 1 off a data-parallel mesh): prompt r (tokens [R, L],
+    `lengths`) from position starts[r], into the pool of `cache` (a paged cache: its buffers are
+    the pool, donated) through its table (tables [R, W]), and into the feature pool [N, P, F]
+    where the proposer reads features ([0] otherwise). Returns (the pool's keys, its values, the
+    feature pool, the hidden states at the prompts' last tokens once a chunk held them: [R, D],
+    carried from `last_hidden`). One program whatever the prompts' lengths and the prefixes they
+    found cached."""
     with spec.backend.tracing():
-        view = cache.replace(lengths=start[None], pages=table[None])
-        reads = spec.proposer_reads_features
-        rows = _feature_rows(features, table, spec.prefill_chunk) if reads else features
-        partial = prefill_pages(
-            spec, params, PartialPrefill(view, last_hidden, rows), tokens, start, length, count
+        view = cache.replace(lengths=starts, pages=tables)
+        put = None
+        if spec.proposer_reads_features:
+            (R, W), N, P = tables.shape, features.shape[0], spec.page_size
+            nulls = pool_pages(jnp.full((R, 1), NULL_PAGE, tables.dtype), N)
+            pages = jnp.concatenate([pool_pages(tables, N), nulls], axis=1)  # [R, W + 1]: W, null
+
+            def put(features, positions, token_features, active):
+                index = jnp.where(active[:, None] & (positions < W * P), positions // P, W)  # W: null
+                page = jnp.take_along_axis(pages, index, axis=1)  # [R, C]
+                return features.at[page, positions % P].set(token_features.astype(features.dtype))
+
+        last_hidden, features, (k, v) = prefill_pages(
+            spec, params, view, tokens, starts, lengths, count, (last_hidden, features), put
         )
-        if reads:
-            (W,), (_, P, F) = table.shape, features.shape
-            features = features.at[table].set(partial.features[0, : W * P].reshape(W, P, F))
-        return partial.cache.k, partial.cache.v, features, partial.last_hidden
+        return k, v, features, last_hidden
 
 
 def pool_packed(spec: LoopSpec, params, cache, features, tables, tokens, starts, lengths):
@@ -248,17 +269,29 @@ def pool_packed(spec: LoopSpec, params, cache, features, tables, tokens, starts,
         return k, v, features, last_hidden
 
 
-def pool_row(spec: LoopSpec, params, proposer_params, cache, features, table, last_hidden, inputs):
-    """The row of a prompt whose chunks are in the pool (`pool_chunks`): its proposer's state from
-    the prompt's features read back from the feature pool (the cached prefix's with them), the
-    target's cache through its table, and its first token, as `prefill_row` makes them; without
-    the pool (`without_pool`: the row is written into the running state by `write_row`)."""
+def pool_row(
+    spec: LoopSpec, axes, params, proposer_params, cache, features, tables, last_hidden, inputs, group
+):
+    """The row of a prompt whose chunks are in the pool (`pool_chunks`, whose R rows' tables and
+    hidden states these are; the prompt's is row `group`): its proposer's state from the prompt's
+    features read back from the feature pool (the cached prefix's with them), the target's cache
+    through its table, and its first token, as `prefill_row` makes them; without the pool
+    (`without_pool`: the row is written into the running state by `write_row`). With R > 1 (a
+    data-parallel mesh, each group reading its own pages) all R rows are made, from the request's
+    inputs (`inputs`, a batch of one; its key folded as row 0's), and row `group` kept: `axes`,
+    (the rows' axes of the inputs, of the state)."""
     with spec.backend.tracing():
+        R = tables.shape[0]
+        if R > 1:
+            inputs = repeat_rows(axes[0], R, inputs).replace(row_numbers=jnp.zeros((R,), jnp.int32))
         logits = lm_head(params, last_hidden, spec.config)
         bucket = inputs.prompt_tokens.shape[1]
-        rows = _feature_rows(features, table)[:, :bucket] if spec.proposer_reads_features else None
-        view = cache.replace(lengths=inputs.prompt_lengths, pages=table[None])
-        return without_pool(first_tokens(spec, params, proposer_params, inputs, logits, rows, view))
+        rows = _feature_rows(features, tables)[:, :bucket] if spec.proposer_reads_features else None
+        view = cache.replace(lengths=inputs.prompt_lengths, pages=tables)
+        state = first_tokens(spec, params, proposer_params, inputs, logits, rows, view)
+        if R > 1:
+            state = take_row(axes[1], state, group, R)
+        return without_pool(state)
 
 
 def move_row(axes, width: int, state: DecodeState, source, slot) -> DecodeState:

@@ -7,7 +7,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specjax.models.cache import KVCache, identity_pages, init_cache, paged_cache
+from specjax.models.cache import NULL_PAGE, KVCache, identity_pages, init_cache, paged_cache
 from specjax.models.llama import lm_head
 from specjax.models.params import LlamaParams
 from specjax.speculate.history import TokenHistory
@@ -228,21 +228,42 @@ def packed_passes(
     return jax.lax.fori_loop(0, -(-total // C), one_pass, start)
 
 
-def prefill_pages(spec: LoopSpec, params: LlamaParams, partial, tokens, start, length, count):
-    """`count` chunks of C = spec.prefill_chunk tokens of one prompt into a batch-1 `partial`
-    whose cache is a paged view (a pool, through the row's table), the first at position `start`
-    (the pages before it hold a cached prefix: start is a multiple of the page size); tokens [L]
-    the prompt, padded by at least C past its `length` tokens. Each chunk is `prefill_chunk`'s
-    decoding pass; the serving engine runs a prompt's chunks into its pages this way, all of them
-    at once or one between its running rows' chunks (specjax/serve/engine.py)."""
+def prefill_pages(spec: LoopSpec, params: LlamaParams, cache, tokens, starts, lengths, count, carry, put):
+    """`count` chunks of C = spec.prefill_chunk tokens of each of R prompts into a paged cache
+    (the pool, and each row's table [R, W]), row r's first at position starts[r] (its pages before
+    it hold a cached prefix: a multiple of the page size); tokens [R, L] the prompts, padded by at
+    least C past their `lengths`. Each chunk is a decoding pass of R rows of C tokens, as
+    `prefill_chunk`'s: it attends to the slots earlier chunks wrote and, causally, to itself; a
+    row whose prompt has run out (a length of 0: a row with nothing to prefill) reads and writes
+    the null page. `carry`: (the hidden states [R, D] at each row's last prompt token, from an
+    earlier call, or zeros; the features the proposer reads). `put(features, positions [R, C],
+    token_features [R, C, F], active [R])` stores a chunk's features (None: nowhere). The serving
+    engine runs a prompt's chunks into its pages this way (specjax/serve/engine.py), all of them at
+    once or one between its running rows' chunks, one prompt a data group. Returns (the hidden
+    states, the features, the pool's (keys, values))."""
     C = spec.prefill_chunk
+    R = tokens.shape[0]
+    offsets = jnp.arange(C, dtype=jnp.int32)
 
     def chunk(i, partial):
-        at = start + i * C
-        piece = jax.lax.dynamic_slice_in_dim(tokens, at, C)[None]  # [1, C]
-        return prefill_chunk(spec, params, partial, jnp.int32(0), piece, at, length)
+        last_hidden, features, (k, v) = partial
+        at = starts + i * C  # [R]
+        active = at < lengths
+        piece = jax.vmap(lambda row, a: jax.lax.dynamic_slice_in_dim(row, a, C))(tokens, at)  # [R, C]
+        positions = at[:, None] + offsets
+        pages = jnp.where(active[:, None], cache.pages, NULL_PAGE)
+        view = cache.replace(k=k, v=v, lengths=at, pages=pages)
+        hidden, token_features, view = forward(spec, params, piece, positions, view)
+        last = lengths - 1 - at  # a row's last prompt token, where this chunk holds it
+        holds = active & (last >= 0) & (last < C)
+        at_last = hidden[jnp.arange(R), jnp.clip(last, 0, C - 1)]
+        last_hidden = jnp.where(holds[:, None], at_last, last_hidden)
+        if put is not None:
+            features = put(features, positions, token_features, active)
+        return last_hidden, features, (view.k, view.v)
 
-    return jax.lax.fori_loop(0, count, chunk, partial)
+    last_hidden, features = carry
+    return jax.lax.fori_loop(0, count, chunk, (last_hidden, features, (cache.k, cache.v)))
 
 
 @flax.struct.dataclass

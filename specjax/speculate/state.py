@@ -74,6 +74,10 @@ class GenerationInputs:
     # plain step's worth of progress per step (its drafts are marked invalid), inside a batch that
     # speculates: a continuous batch's per-request opt-out (specjax/serve/engine.py).
     speculate: jax.Array | None = None
+    # [B] int32: the number a row's key folds in where it has no seed (`row_keys`); None: its
+    # index b. A serving engine on a data-parallel mesh prefills a request in the row of its
+    # device group, numbered 0 there so that it draws what it draws in a batch of one.
+    row_numbers: jax.Array | None = None
 
     @classmethod
     def simple(cls, prompt_tokens, prompt_lengths, max_new_tokens, sampling, key, stop_token_ids=()):
@@ -93,10 +97,12 @@ class GenerationInputs:
 
 
 def row_keys(inputs: GenerationInputs) -> jax.Array:
-    """[B] keys: jax.random.key(seed) for a seeded row, the call's key folded with b otherwise."""
+    """[B] keys: jax.random.key(seed) for a seeded row, the call's key folded with b (or the row's
+    `row_numbers` entry) otherwise."""
     B = inputs.seeds.shape[0]
     impl = jax.random.key_impl(inputs.key)
-    derived = jax.vmap(lambda b: jax.random.fold_in(inputs.key, b))(jnp.arange(B))
+    numbers = jnp.arange(B) if inputs.row_numbers is None else inputs.row_numbers
+    derived = jax.vmap(lambda b: jax.random.fold_in(inputs.key, b))(numbers)
     own = jax.vmap(lambda seed: jax.random.key(seed, impl=impl))(inputs.seeds)
     derived, own = jax.random.key_data(derived), jax.random.key_data(own)
     seeded = inputs.seeded.reshape((B,) + (1,) * (own.ndim - 1))
