@@ -223,7 +223,8 @@ def test_slot_pages_on_data_groups_keep_each_groups_pages_apart():
     """On a mesh of 2 data groups (engine_pages.SlotPages): slots 0-1 are group 0's, 2-3 group 1's;
     a request takes pages in its slot's group, named there (1..n-1: each group's page 0 is its own
     null page); each group's prefix cache is its own, and a request goes to the group that holds
-    its prefix, else to the one with the most pages available."""
+    its prefix, else to the one with the most pages available (or, where that one has too few
+    now, to the next)."""
     from types import SimpleNamespace
 
     from specjax.models.config import LlamaConfig
@@ -240,7 +241,7 @@ def test_slot_pages_on_data_groups_keep_each_groups_pages_apart():
     assert [pages.group_of_slot(b) for b in range(4)] == [0, 0, 1, 1]
     assert [pool.usable_pages for pool in pages.pools] == [7, 7]
     prompt = list(range(40))
-    assert pages.choose_slot([0, 1, 2, 3], prompt) == 0  # (a tie: the first)
+    assert pages.slot_choices([0, 1, 2, 3], prompt) == [0, 2]  # (a tie: in order)
     assert pages.take(0, Request(prompt, max_new_tokens=4), [], 1, group=1) == 0
     pages.place(2, 0)
     table = pages.table_of(0)
@@ -248,8 +249,8 @@ def test_slot_pages_on_data_groups_keep_each_groups_pages_apart():
     assert [pool.available_pages for pool in pages.pools] == [7, 4]
     pages.register(0, prompt)
     assert pages.cached_tokens(prompt, group=1) == 32 and pages.cached_tokens(prompt, group=0) == 0
-    assert pages.choose_slot([0, 1, 3], prompt) == 3  # where its prefix is
-    assert pages.choose_slot([0, 1, 3], list(range(1, 41))) == 0  # no hit: the emptier group
+    assert pages.slot_choices([0, 1, 3], prompt) == [3, 0]  # where its prefix is first
+    assert pages.slot_choices([0, 1, 3], list(range(1, 41))) == [0, 3]  # no hit: the emptier first
     with pytest.raises(AssertionError):
         pages.place(0, 0)  # a slot of another group than its pages'
     pages.release(2)

@@ -57,11 +57,11 @@ class Admissions:
             if not free or short is None:
                 return
             request_id, request = self._waiting[short]
-            b = free[0] if self._pages is None else self._pages.choose_slot(free, request.prompt)
-            cached = self._take_pages(request_id, request, b) if self._fits(b, request) else None
+            if not self._fits(free[0], request):
+                return  # it waits (first in line) until running requests with other automata finish
+            b, cached = self._take_slot(request_id, request, free)
             if cached is None:
-                return  # it waits (first in line) until running requests with other automata
-                # finish, or until the pool has its pages
+                return  # (or until a pool has its pages)
             del self._waiting[short]
             row = None
             if self._handoffs.has(request_id):  # its row, made elsewhere (handoff.py)
@@ -75,6 +75,17 @@ class Admissions:
                     continue
             self._admit(b, request_id, request, cached=cached, prefilled=row)
             self.stats.admissions += 1
+
+    def _take_slot(self, request_id: int, request: Request, free: list[int]) -> tuple[int, int | None]:
+        """(the free slot a request is admitted into, how many of its prompt's tokens the prefix
+        cache gave it there): paged, the first of `SlotPages.slot_choices` whose data group has
+        its pages now; None for the tokens where no group has them (it waits)."""
+        choices = free[:1] if self._pages is None else self._pages.slot_choices(free, request.prompt)
+        for b in choices:
+            cached = self._take_pages(request_id, request, b)
+            if cached is not None:
+                return b, cached
+        return choices[0], None
 
     def _slot_for_chunked(self, request_id: int, free: list[int]) -> int | None:
         """The free slot a prompt whose chunks have run goes into: the first (paged: the first of
@@ -111,7 +122,7 @@ class Admissions:
             return None
         request_id, request = self._waiting[at]
         if self._pages is not None:  # its pages from its first chunk on (the chunks write there)
-            cached = self._take_pages(request_id, request, self._pages.choose_slot(free, request.prompt))
+            _, cached = self._take_slot(request_id, request, free)
             if cached is None:
                 return None
             del self._waiting[at]

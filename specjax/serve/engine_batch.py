@@ -168,8 +168,8 @@ class EngineBatch:
             pool_shardings = pool_shardings.replace(lengths=replicated, pages=replicated)
             pool = jax.jit(lambda: self._paged(dense_row).cache, out_shardings=pool_shardings)()
             state = _with_pool(state, pool)
-            by_page = NamedSharding(mesh, row_spec() if spec.proposer_reads_features else P())  # (each
-            # data group its pages')
+            # (the feature pool split by page over "data": each data group its pages')
+            by_page = NamedSharding(mesh, row_spec() if spec.proposer_reads_features else P())
             features = jax.jit(lambda: jnp.zeros(self._features_shape(), spec.dtype), out_shardings=by_page)
             self.features = features()
         self.blocks = _entry_blocks(state)
@@ -210,9 +210,17 @@ class EngineBatch:
         paged prefill's programs, one per group (engine_programs.pool_chunks)."""
         return 1 if self.paged is None else self.paged.groups
 
-    def _group_rows(self, group: int, value, width: int, dtype=np.int32) -> np.ndarray:
-        """[groups, width] zeros, with `value` (its first entries) in row `group`."""
-        rows = np.zeros((self.groups, width), dtype)
+    def _no_hidden(self) -> jax.Array:
+        """[groups, D] zeros: a paged prefill's hidden states before its first chunk (on a mesh
+        whole on every device, where `pool_chunks` returns them)."""
+        zeros = np.zeros((self.groups, self.spec.config.hidden_size), jnp.dtype(self.spec.dtype))
+        return (
+            jnp.asarray(zeros) if self.spec.mesh is None else place(zeros, NamedSharding(self.spec.mesh, P()))
+        )
+
+    def _group_rows(self, group: int, value, width: int) -> np.ndarray:
+        """[groups, width] int32 zeros, with `value` (its first entries) in row `group`."""
+        rows = np.zeros((self.groups, width), np.int32)
         rows[group, : len(value)] = value
         return rows
 
@@ -226,12 +234,10 @@ class EngineBatch:
         C, cache, R = self.page_chunk, self.state.cache, self.groups
         tokens = self._group_rows(group, prompt, self.spec.capacity + C)
         tables = self._group_rows(group, table, self.paged.table_width)
-        starts, lengths = (
-            self._group_rows(group, [start], 1)[:, 0],
-            self._group_rows(group, [len(prompt)], 1)[:, 0],
-        )
+        starts, lengths = np.zeros(R, np.int32), np.zeros(R, np.int32)
+        starts[group], lengths[group] = start, len(prompt)
         if last_hidden is None:
-            last_hidden = jnp.zeros((R, self.spec.config.hidden_size), self.spec.dtype)
+            last_hidden = self._no_hidden()
         args = (self._pool(), self.features, *map(jnp.asarray, (tables, tokens, starts, lengths)))
         args = (*args, jnp.int32(count), last_hidden)
         k, v, self.features, last_hidden = self.run("pool_chunks", C, self.params, *args)
@@ -298,7 +304,7 @@ class EngineBatch:
             if self.paged is None:
                 self.program("prefill", bucket, params, proposer, inputs)
             else:
-                last_hidden = jnp.zeros((self.groups, self.spec.config.hidden_size), self.spec.dtype)
+                last_hidden = self._no_hidden()
                 tables = jnp.asarray(self.paged.free_tables(self.groups))
                 args = (params, proposer, self._pool(), self.features, tables, last_hidden, inputs)
                 self.program("pool_row", bucket, *args, jnp.int32(0))
@@ -485,9 +491,10 @@ class EngineBatch:
         if kind in ("start_prompt", "prompt_chunk"):  # a long prompt's partial row, between its
             # chunks on every device whole (each chunk's programs compiled for where it lies)
             return NamedSharding(self.spec.mesh, P())
-        if kind in ("pool_chunks", "pool_packed"):  # (the pool's keys, values, features, hidden)
+        if kind in ("pool_chunks", "pool_packed"):  # (the pool's keys, values, features, and the
+            # hidden states whole on every device, as the first call's zeros and pool_row take them)
             cache = self.shardings.cache
-            return (cache.k, cache.v, self.features.sharding, None)
+            return (cache.k, cache.v, self.features.sharding, NamedSharding(self.spec.mesh, P()))
         return None
 
     def _statics(self, kind, size: int) -> tuple[str, tuple]:

@@ -208,18 +208,21 @@ class SlotPages:
         found = max(len(pool.cached_prefix(prompt, max_tokens=len(prompt) - 1)) for pool in pools)
         return found * self.page_size
 
-    def choose_slot(self, free: list[int], prompt) -> int:
-        """The free slot (of `free`, in order) for a request with this prompt: one in the data
-        group whose prefix cache holds most of it, then whose pool has the most pages available
-        (the first free slot where there is one group)."""
+    def slot_choices(self, free: list[int], prompt) -> list[int]:
+        """The free slots (of `free`, in order) a request with this prompt may take, best first:
+        one per data group, the group whose prefix cache holds most of it first, then those
+        whose pools have the most pages available (the first free slot where there is one
+        group). The engine takes the first whose group's pool has its pages now."""
         if len(self.pools) == 1:
-            return free[0]
+            return free[:1]
+        first = {}  # group -> its first free slot
+        for slot in free:
+            first.setdefault(self.group_of_slot(slot), slot)
 
-        def merit(slot):
-            group = self.group_of_slot(slot)
-            return (self.cached_tokens(prompt, group), self.pools[group].available_pages, -slot)
+        def merit(group):
+            return (-self.cached_tokens(prompt, group), -self.pools[group].available_pages, group)
 
-        return max(free, key=merit)
+        return [first[group] for group in sorted(first, key=merit)]
 
     def row_slots(self, slot, steps: int, request=None) -> int:
         """The slots a running row (`slot`, an engine_rows.Running) or a request about to be
