@@ -2,17 +2,19 @@
 all-reduces a decoding step makes.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=6 .venv/bin/python benchmarks/engine_mesh.py \
-        [--max-batch 4] [--max-model-len 1024] [--page-size 16] [--num-pages 128]
+        [--max-batch 4] [--max-model-len 1024] [--page-size 16] [--num-pages 160]
 
 The built-in model (SmolLM2-135M: 30 layers, 9 heads, 3 kv heads, so the "model" axis is 1 or 3)
 with NGram(k=4), on one device, on model 3, and on data 2 x model 3; dense rows (max_batch rows of
 max_model_len and a verify pass) and pages (`--num-pages` usable pages of `--page-size` slots, a
 part per data group). Per layout: the KV cache's bytes in all and on one device (read from the
-running state's arrays: the shards each device holds), and the all-reduces in the compiled
-decoding loop's HLO (`Engine._batch.programs`, the greedy loop at max_batch): the float32 sums over
-each model group (two per layer: after attention, after the MLP) and the others (the loop's
-integer and flag reductions). Nothing here is timed: the fake devices share two cores, so a step's
-time on them says nothing of a mesh of accelerators.
+running state's arrays at max_batch wide: the shards each device holds), and the all-reduces in
+the compiled decoding loop's HLO (`Engine._batch.programs`, the greedy loop at max_batch): the
+float32 sums over each model group in each of the loop's bodies that hold them (a step runs one:
+the verify pass, or the plain pass of a step where no row drafted; two per layer each, after
+attention and after the MLP), and the others (the loop's integer and flag reductions). Nothing
+here is timed: the fake devices share two cores, so a step's time on them says nothing of a mesh
+of accelerators.
 """
 
 from __future__ import annotations
@@ -42,20 +44,28 @@ def per_device_bytes(buffers) -> tuple[int, int]:
     return total, mine
 
 
-def all_reduces(engine: Engine) -> Counter:
-    """The compiled greedy loop's all-reduces, counted by (dtype, whether over the model groups)."""
-    width = engine.max_batch
-    kind = next(k for k in engine._batch.loops if (k, width) in engine._batch.programs)
-    text = engine._batch.programs[(kind, width)].as_text()
-    sums = re.findall(r"= (\w+)\[[^\]]*\]\S* all-reduce\(.*?replica_groups=(\{[{}0-9,]*\})", text)
-    model = 1 if engine.mesh is None else sharding.model_degree(engine.mesh)
-    data = 1 if engine.mesh is None else sharding.data_degree(engine.mesh)
-    groups = (
-        "{"
-        + ",".join("{" + ",".join(str(g * model + m) for m in range(model)) + "}" for g in range(data))
-        + "}"
-    )
-    return Counter((dtype, found == groups) for dtype, found in sums)
+def all_reduces(engine: Engine) -> tuple[list[int], Counter]:
+    """The compiled greedy loop's all-reduces (`Engine._batch.programs`, the lean loop at
+    max_batch): the float32 sums over the model groups in each HLO computation that holds any
+    (the loop's bodies: a step runs one of them), and the others counted by dtype."""
+    programs = engine._batch.programs
+    kind = "lean" if ("lean", engine.max_batch) in programs else "resume"
+    text = programs[(kind, engine.max_batch)].as_text()
+    model, data = sharding.model_degree(engine.mesh), sharding.data_degree(engine.mesh)
+    groups = ",".join("{" + ",".join(str(g * model + m) for m in range(model)) + "}" for g in range(data))
+    computation, over_model, others = None, Counter(), Counter()
+    for line in text.splitlines():
+        if line and not line[0].isspace() and line.rstrip().endswith("{"):
+            computation = line.split()[0]
+        if " all-reduce(" not in line and " all-reduce-start(" not in line:
+            continue
+        dtype = re.search(r"= \(?(\w+)\[", line)
+        dtype = dtype.group(1) if dtype else "tuple"
+        if dtype == "f32" and f"replica_groups={{{groups}}}" in line:
+            over_model[computation] += 1
+        else:
+            others[dtype] += 1
+    return sorted(over_model.values(), reverse=True), others
 
 
 def main() -> None:
@@ -65,7 +75,7 @@ def main() -> None:
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--num-pages", type=int, default=128)
+    parser.add_argument("--num-pages", type=int, default=160)
     args = parser.parse_args()
     if jax.device_count() < 6:
         raise SystemExit("needs 6 devices: XLA_FLAGS=--xla_force_host_platform_device_count=6")
@@ -88,18 +98,11 @@ def main() -> None:
                 **pages,
             )
             engine.precompile([])
+            engine._batch.resize(engine.max_batch)  # (one device: its state at its widest)
             state = engine._batch.state.cache
             total, mine = per_device_bytes([*state.k, *state.v])
-            counts = all_reduces(engine) if mesh is not None else Counter()
-            over_model = sum(
-                n for (dtype, model_groups), n in counts.items() if model_groups and dtype == "f32"
-            )
-            others = sum(
-                n for (dtype, model_groups), n in counts.items() if not (model_groups and dtype == "f32")
-            )
-            others_kinds = ", ".join(
-                sorted({dtype for (dtype, model_groups) in counts if not (model_groups and dtype == "f32")})
-            )
+            sums, others = ([], Counter()) if mesh is None else all_reduces(engine)
+            other = ", ".join(f"{n} {dtype}" for dtype, n in sorted(others.items())) or "none"
             rows.append(
                 [
                     name,
@@ -108,8 +111,8 @@ def main() -> None:
                     f"{total / 2**20:.1f}",
                     f"{mine / 2**20:.1f}",
                     f"{total / mine:.0f}",
-                    "-" if mesh is None else over_model,
-                    "-" if mesh is None else f"{others} ({others_kinds or 'none'})",
+                    "-" if mesh is None else " + ".join(map(str, sums)),
+                    "-" if mesh is None else other,
                 ]
             )
             del engine
@@ -122,8 +125,8 @@ def main() -> None:
         "KV MiB in all",
         "KV MiB on one device",
         "ratio",
-        "f32 all-reduces over model groups per step",
-        "other all-reduces",
+        "f32 all-reduces over model groups, per loop body",
+        "other all-reduces in the loop",
     ]
     print(markdown_table(header, rows))
 
