@@ -32,6 +32,23 @@ CASES = {
 FAST = ("plain", "ngram", "eagle-tree", "draft-tensor-parallel")
 
 
+def _grid(fast: set[tuple[str, str]]) -> list:
+    """Every (proposer, mesh) pair, those outside `fast` marked slow: the default set runs each
+    fast proposer on one of the meshes and each mesh with several proposers (make test-all runs all)."""
+    return [
+        pytest.param(name, mesh, id=f"{name}-{mesh}", marks=() if (name, mesh) in fast else pytest.mark.slow)
+        for name in CASES
+        for mesh in MESHES
+    ]
+
+
+DENSE_FAST = {("plain", "model2"), ("ngram", "data2-model2"), ("eagle-tree", "data2-model2")}
+DENSE_FAST |= {("draft-tensor-parallel", "model2")}
+# pages: the preemption check (plain) and the heavier proposers on data groups
+PAGES_FAST = {("plain", "data2-model2"), ("ngram", "model2"), ("eagle-tree", "data2-model2")}
+PAGES_FAST |= {("draft-tensor-parallel", "data2-model2")}
+
+
 def _requests(vocab: int) -> list[Request]:
     prompts = [[t % vocab for t in p] for p in _prompts(3, 4)]
     prompts.append([int(t) for t in np.random.default_rng(5).integers(0, vocab, 40)])
@@ -55,8 +72,7 @@ def _drafts_accepted_part_of_the_time(finals) -> bool:
     return 0 < accepted < drafted
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+@pytest.mark.parametrize(("name", "mesh_name"), _grid(DENSE_FAST))
 def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name, mesh_name):
     """Greedy and seeded sampled requests, one in chunks, added at random moments: tokens and
     accepted drafts by position equal one device's engine's. (A sampled row could differ at a
@@ -81,8 +97,7 @@ def test_the_engine_on_a_mesh_gives_one_devices_tokens_and_accepted_drafts(name,
 POOLS = {"model2": 9, "data2-model2": 16}
 
 
-@pytest.mark.parametrize("mesh_name", list(MESHES))
-@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+@pytest.mark.parametrize(("name", "mesh_name"), _grid(PAGES_FAST))
 def test_pages_on_a_mesh_give_one_devices_tokens_and_accepted_drafts(name, mesh_name):
     """The engine on pages on a mesh: the pool split by kv head over "model" (each device every
     page of its half of the heads) and, on data 2, by page over "data" (each group a pool of its

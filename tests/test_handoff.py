@@ -84,7 +84,10 @@ def _split(target, proposer, through_bytes=False):
     return decode, through
 
 
-@pytest.mark.parametrize("name", [n if n in FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+# (plain is the default set's in test_engine_mesh and the paged decode side's below: slow here)
+@pytest.mark.parametrize(
+    "name", [n if n in FAST and n != "plain" else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+)
 def test_every_proposer_through_the_split_equals_the_colocated_engine(name):
     """Greedy and seeded sampled requests, one with a 40-token prompt (in chunks on the prefill
     side), added at random moments: tokens and accepted drafts by position equal the colocated
@@ -124,7 +127,9 @@ def test_rows_through_bytes_equal_the_colocated_engine(name):
     assert len(short.prefill_bytes(requests[1])) < len(encode_row(short.prefill(requests[1]))) / 2
 
 
-@pytest.mark.parametrize("name", ["ngram", "eagle-tree", pytest.param("draft-model", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "name", ["eagle-tree", *(pytest.param(n, marks=pytest.mark.slow) for n in ("ngram", "draft-model"))]
+)
 def test_a_paged_decode_engine_admits_handed_over_rows_into_its_pages(name):
     """A decode engine on pages on data 2 x model 2 takes each handed-over row's cache into pages of
     its slot's data group's pool, no cached pages shared (the row brings its whole cache): the
