@@ -42,11 +42,19 @@ def _grid(fast: set[tuple[str, str]]) -> list:
     ]
 
 
-DENSE_FAST = {("plain", "model2"), ("ngram", "data2-model2"), ("eagle-tree", "data2-model2")}
-DENSE_FAST |= {("draft-tensor-parallel", "model2")}
+DENSE_FAST = {
+    ("plain", "model2"),
+    ("ngram", "data2-model2"),
+    ("eagle-tree", "data2-model2"),
+    ("draft-tensor-parallel", "model2"),
+}
 # pages: the preemption check (plain) and the heavier proposers on data groups
-PAGES_FAST = {("plain", "data2-model2"), ("ngram", "model2"), ("eagle-tree", "data2-model2")}
-PAGES_FAST |= {("draft-tensor-parallel", "data2-model2")}
+PAGES_FAST = {
+    ("plain", "data2-model2"),
+    ("ngram", "model2"),
+    ("eagle-tree", "data2-model2"),
+    ("draft-tensor-parallel", "data2-model2"),
+}
 
 
 def _requests(vocab: int) -> list[Request]:

@@ -84,7 +84,8 @@ def _split(target, proposer, through_bytes=False):
     return decode, through
 
 
-# (plain is the default set's in test_engine_mesh and the paged decode side's below: slow here)
+# (plain through the split, tokens against the colocated engine's, is the default set's in the
+# failed-transfer test below: slow here)
 @pytest.mark.parametrize(
     "name", [n if n in FAST and n != "plain" else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
 )
