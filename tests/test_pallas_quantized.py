@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import types
 
@@ -145,6 +146,30 @@ def test_tiles_hold_whole_groups():
     q6, _ = case("Q6_K", seed=0)  # 16 inputs a group
     rows, columns, groups = pallas_quantized.tiles(q6, "tpu")
     assert groups == rows // 16 and (groups % 8 == 0 or rows == 512) and columns == 48  # the whole axis
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_tile_named_gives_the_same_product(implementation):
+    """`tile=` (what the accelerator benchmark compares on a device) replaces the largest tile
+    that fits; the product stays the float64 one, and a tile the kernel cannot take is refused by
+    name. The weight is 512 x 256 in groups of 32: [256, 256] stored."""
+    floats = np.random.default_rng(2).standard_normal((512, 256)).astype(np.float32)
+    w = jax.tree.map(jnp.asarray, quantize(floats, "int4", 32))
+    reference = np.asarray(dequantize(w), np.float64)
+    x = np.random.default_rng(3).standard_normal((3, 512)).astype(np.float32)
+    small = (128, 128) if implementation == "tpu" else (16, 32)
+    assert pallas_quantized.tiles(w, implementation, small) == (*small, small[0] * 2 // 32)
+    assert pallas_quantized.tiles(w, implementation, small) != pallas_quantized.tiles(w, implementation)
+    got = pallas_quantized.quantized_matmul(
+        jnp.asarray(x), w, implementation=implementation, interpret=True, tile=small
+    )
+    assert_close(got, x.astype(np.float64) @ reference, what=f"tile {small}")
+    bad = (96, 128) if implementation == "cuda" else (96, 256)  # not a power of two / not a multiple of 128
+    refused = rf"tile=\(96, {bad[1]}\) does not fit values \(256, 256\) in 16 groups"
+    with pytest.raises(ValueError, match=refused):
+        pallas_quantized.quantized_matmul(jnp.asarray(x), w, implementation=implementation, tile=bad)
+    with pytest.raises(ValueError, match=r"tile=\(512, 128\) does not fit"):  # more rows than stored
+        pallas_quantized.quantized_matmul(jnp.asarray(x), w, implementation=implementation, tile=(512, 128))
 
 
 def test_bad_input_is_refused_by_name():
@@ -288,6 +313,57 @@ def test_the_loop_with_interpreted_kernels_equals_xla(name, kind, kernels, batch
     assert summary["num_accepted_tokens"] == reference["num_accepted_tokens"]
     if proposer is not None and batch == 4:  # ragged: some drafts accepted, some rejected
         assert 0 < reference["acceptance_rate"] < 1, reference
+
+
+def every_proposer_case(name: str):
+    """(the float target, a proposer) for every kind of proposer state (test_engine_pages's cases);
+    Medusa and the MLP speculator with untrained heads (training them is not the point here)."""
+    from test_engine_pages import PREFIX_CASES, TARGET
+
+    if name == "medusa-tree":
+        head = specjax.models.MedusaHead.init(TARGET, num_heads=2)
+        return TARGET, specjax.Medusa(head, tree=specjax.TokenTree.top_k((2, 2)))
+    return PREFIX_CASES[name]()
+
+
+EVERY_PROPOSER = (
+    "ngram",
+    "eagle-tree",
+    "draft-model",
+    "draft-from-target",
+    "self-draft",
+    "eagle3",
+    "mtp",
+    "dflash",
+    "medusa-tree",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EVERY_PROPOSER)
+def test_every_proposer_on_a_quantized_target_equals_xla(name, monkeypatch):
+    """Each kind of proposer (its own cache, features, trees, MTP layers, DFlash blocks) drafting
+    for a target quantized to int4 (groups of 32): with the GPU's kernels interpreted, the tokens
+    and accepted drafts of a ragged batch of 4 are XLA's."""
+    target, proposer = every_proposer_case(name)
+    quantized = quantize_params(target.params, "int4", 32)  # (an MTP target's own layers kept)
+    model = dataclasses.replace(target, params=quantized, name=f"{target.name}-int4")
+    traced = []
+    kernel = pallas_quantized.quantized_matmul
+    monkeypatch.setattr(
+        pallas_quantized,
+        "quantized_matmul",
+        lambda *a, **k: traced.append(k["implementation"]) or kernel(*a, **k),
+    )
+    clear_compiled_programs()
+    options = dict(proposer=proposer, max_new_tokens=12)
+    want = specjax.generate(model, PROMPTS, kernels="xla", **options)
+    got = specjax.generate(model, PROMPTS, kernels="pallas:cuda", **options)
+    assert traced and set(traced) == {"cuda"}
+    assert got.tokens == want.tokens
+    np.testing.assert_array_equal(got.metrics.accepted_at, want.metrics.accepted_at)
+    accepted, drafted = int(np.sum(want.metrics.accepted)), int(np.sum(want.metrics.drafted))
+    assert 0 < accepted < drafted, (accepted, drafted)  # acceptance ragged across the batch
 
 
 # ---------------------------------------------------------------------------------------------

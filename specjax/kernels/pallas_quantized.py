@@ -32,7 +32,9 @@ partial sums (float32, [splits, rows, D_out]) are added after the call, so that 
 column blocks (a down projection at one row) still keeps every multiprocessor busy. Triton wants
 power-of-two tiles: weights whose shapes have none (`unsupported` names why) run XLA's form.
 
-Block sizes are not tuned on hardware yet: no GPU or TPU timing of these kernels exists.
+Block sizes are not tuned on hardware yet: no GPU or TPU timing of these kernels exists. The
+prepared device run (benchmarks/accelerator_step.py) times the default tiles and others
+(`quantized_matmul(tile=)`) against bfloat16 products, to choose them from.
 
 Letters: M rows of x, D_in and D_out the weight's inputs and outputs, G groups along D_in, P the
 packed (stored) rows: D_in at 8 bits, D_in / 2 at 4.
@@ -69,12 +71,15 @@ def quantized_matmul(
     implementation: str,
     interpret=False,
     out_dtype=None,
+    tile: tuple[int, int] | None = None,
 ) -> jax.Array:
     """x [..., D_in] @ W [D_in, D_out] (W a 2-D QuantizedWeight of int8 or 4-bit values) through
     the `implementation`'s kernel ("tpu" or "cuda"; `interpret`: in Pallas' interpreter, which
     is how a CPU host checks them): [..., D_out] in `out_dtype` (default x's dtype), accumulated
     in float32. Float32 x multiplies at float32 precision; bfloat16 or float16 x multiplies the
-    tile dequantized to its dtype, as XLA's "in_product" form does."""
+    tile dequantized to its dtype, as XLA's "in_product" form does. `tile` (stored rows,
+    output columns) replaces the largest candidate that fits (`tiles`): how
+    benchmarks/accelerator_step.py compares tiles on a device."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"quantized_matmul: implementation is {implementation!r}; allowed: {IMPLEMENTATIONS}"
@@ -82,6 +87,12 @@ def quantized_matmul(
     reason = unsupported(w, implementation, interpret)
     if reason is not None:
         raise ValueError(f"quantized_matmul: the weight does not fit the {implementation} kernel: {reason}")
+    blocks = tiles(w, implementation, tile)
+    if blocks is None:
+        raise ValueError(
+            f"quantized_matmul: tile={tile!r} does not fit values {w.values.shape} in "
+            f"{w.scales.shape[0]} groups on {implementation}: {tile_rule(implementation)}"
+        )
     d_in, d_out = w.shape
     if x.shape[-1] != d_in:
         raise ValueError(f"quantized_matmul: x has {x.shape[-1]} features, the weight {d_in} inputs")
@@ -98,7 +109,6 @@ def quantized_matmul(
         values = lax.bitcast_convert_type(w.values, jnp.int8)
     else:
         inputs, values = [flat], w.values
-    blocks = tiles(w, implementation)
     run = _tpu_product if implementation == "tpu" else _gpu_product
     out = run(inputs, values, w.scales, w.offsets, block_rows=block_rows, blocks=blocks, interpret=interpret)
     return out[:rows].reshape(*x.shape[:-1], d_out).astype(out_dtype)
@@ -138,12 +148,27 @@ def unsupported(w, implementation: str, interpret=False) -> str | None:
     return None
 
 
+def tile_rule(implementation: str) -> str:
+    """What a tile asked for by name (`quantized_matmul(tile=)`) must be on `implementation`."""
+    shape = "powers of two of at least 16" if implementation == "cuda" else "multiples of 128 or whole axes"
+    return (
+        f"a tile is (stored rows, output columns), {shape}, dividing the values' axes, its rows "
+        "holding whole groups"
+    )
+
+
 @functools.cache
-def _tiles(packed: int, d_out: int, groups: int, offsets: bool, implementation: str):
+def _tiles(packed: int, d_out: int, groups: int, offsets: bool, implementation: str, tile=None):
     """(stored rows, columns, groups) per tile, or None; see `tiles`."""
     per_group = packed // groups
     scaled_after = groups == 1 and not offsets  # a scale per output channel, applied once at the end
     on_tpu = implementation == "tpu"
+    input_blocks, output_blocks = INPUT_BLOCKS[implementation], OUTPUT_BLOCKS[implementation]
+    if tile is not None:
+        legal = (_legal_block(b, axis, implementation) for b, axis in zip(tile, (packed, d_out), strict=True))
+        if not all(legal):
+            return None
+        input_blocks, output_blocks = (tile[0],), (tile[1],)
 
     def fits(block):
         if packed % block:
@@ -155,22 +180,30 @@ def _tiles(packed: int, d_out: int, groups: int, offsets: bool, implementation: 
         # TPU: a block of scales [groups per tile, columns] has a multiple of 8 rows, or all of them
         return not on_tpu or (block // per_group) % 8 == 0 or block == packed
 
-    inputs = next(
-        (b for b in INPUT_BLOCKS[implementation] if fits(b)), packed if on_tpu and fits(packed) else None
-    )
-    outputs = next((b for b in OUTPUT_BLOCKS[implementation] if d_out % b == 0), d_out if on_tpu else None)
+    whole = tile is None and on_tpu  # a whole axis is always a legal TPU block
+    inputs = next((b for b in input_blocks if fits(b)), packed if whole and fits(packed) else None)
+    outputs = next((b for b in output_blocks if d_out % b == 0), d_out if whole else None)
     if inputs is None or outputs is None:
         return None
     return inputs, outputs, (1 if scaled_after else inputs // per_group)
 
 
-def tiles(w: QuantizedWeight, implementation: str):
+def _legal_block(block: int, axis: int, implementation: str) -> bool:
+    """Whether a block of `block` along an axis of `axis` is one `tile_rule` allows."""
+    if implementation == "cuda":
+        return block >= 16 and block & (block - 1) == 0
+    return block % 128 == 0 or block == axis
+
+
+def tiles(w: QuantizedWeight, implementation: str, tile: tuple[int, int] | None = None):
     """(stored rows, output columns, groups) of one tile of w on `implementation`, or None where
     no tile fits: TPU tiles are multiples of (8, 128) or whole axes (a whole axis is always a
     legal block), Triton's powers of two; a tile holds whole groups unless w has one group and no
-    offsets (its scale then applies after the product)."""
+    offsets (its scale then applies after the product). The largest candidate of INPUT_BLOCKS x
+    OUTPUT_BLOCKS that fits, or `tile` (stored rows, columns) where it fits (`tile_rule`)."""
     packed, d_out = w.values.shape
-    return _tiles(packed, d_out, w.scales.shape[0], w.offsets is not None, implementation)
+    tile = None if tile is None else tuple(tile)
+    return _tiles(packed, d_out, w.scales.shape[0], w.offsets is not None, implementation, tile)
 
 
 def _precision(dtype):
