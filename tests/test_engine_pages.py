@@ -51,9 +51,10 @@ def _all_pages_back(engine: Engine) -> None:
     [
         None,
         specjax.NGram(k=3),
-        pytest.param(
+        pytest.param(  # (a head on pages: the default set's on a mesh, tests/test_engine_mesh.py)
             specjax.Eagle(first_layer_eagle(TARGET), k=3, tree=specjax.TokenTree.top_k((2, 2, 1))),
             id="eagle-tree",
+            marks=pytest.mark.slow,
         ),
         pytest.param(specjax.DraftModel(NOISY_DRAFT, k=3), id="draft", marks=pytest.mark.slow),
         pytest.param(specjax.SelfDraft(layers=1, k=3), id="self-draft", marks=pytest.mark.slow),

@@ -84,10 +84,14 @@ def _split(target, proposer, through_bytes=False):
     return decode, through
 
 
-# (plain through the split, tokens against the colocated engine's, is the default set's in the
-# failed-transfer test below: slow here)
+# Slow here: plain (the default set's in the failed-transfer test below, tokens against the
+# colocated engine's) and eagle-tree (a head's features through the split: the default set's in
+# the two tests after this one, through bytes and into pages).
+SPLIT_FAST = tuple(n for n in FAST if n not in ("plain", "eagle-tree"))
+
+
 @pytest.mark.parametrize(
-    "name", [n if n in FAST and n != "plain" else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+    "name", [n if n in SPLIT_FAST else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
 )
 def test_every_proposer_through_the_split_equals_the_colocated_engine(name):
     """Greedy and seeded sampled requests, one with a 40-token prompt (in chunks on the prefill
