@@ -173,6 +173,15 @@ def noisy(model: Model, noise: float = 0.05, seed: int = 1) -> Model:
     return Model(model.config, jax.tree.unflatten(treedef, out), name=f"{model.name}-noisy")
 
 
+def failed(error: Exception) -> str:
+    """A table cell for a case that raised. On a lent device every case runs once, in a few
+    minutes all told: a kernel that does not compile there (a tile too large for Triton's
+    registers, say) is a finding to record, and the cases after it still run."""
+    print(f"failed: {type(error).__name__}: {error}", flush=True)
+    first_line = next(iter(str(error).splitlines()), "")
+    return f"failed: {type(error).__name__}: {first_line[:160]}"
+
+
 def against_xla(model: Model, proposers: dict, kernels: str) -> list[list]:
     """[proposer, rows with "xla"'s tokens, rows with plain decoding's ("-" for a forced, lossy
     proposer), drafts accepted, drafted] of each of `proposers` (the first: plain decoding) on
@@ -180,8 +189,12 @@ def against_xla(model: Model, proposers: dict, kernels: str) -> list[list]:
     rows, plain = [], None
     for name, proposer in proposers.items():
         options = dict(proposer=proposer, max_new_tokens=40, matmul_precision="highest")
-        device = specjax.generate(model, CHECK_PROMPTS, kernels=kernels, **options)
-        xla = specjax.generate(model, CHECK_PROMPTS, kernels="xla", **options)
+        try:
+            device = specjax.generate(model, CHECK_PROMPTS, kernels=kernels, **options)
+            xla = specjax.generate(model, CHECK_PROMPTS, kernels="xla", **options)
+        except Exception as error:  # recorded, and the next proposer runs (`failed`)
+            rows.append([name, failed(error), "-", "-", "-"])
+            continue
         plain = xla.tokens if plain is None else plain
         same_as_xla = sum(a == b for a, b in zip(device.tokens, xla.tokens, strict=True))
         same_as_plain = sum(a == b for a, b in zip(device.tokens, plain, strict=True))
@@ -307,8 +320,12 @@ def time_products(args) -> dict[str, list[list]]:
         for kind, weights in cases.items():
             nbytes_each = sum(a.nbytes for a in jax.tree.leaves(weights[0]))
             for name, form in product_forms(kind, implementation, interpret).items():
-                us = time_chain(form, x, weights, args.repeats)
                 tile = pallas_quantized.tiles(weights[0], implementation)[:2] if name == "pallas" else "-"
+                try:
+                    us = time_chain(form, x, weights, args.repeats)
+                except Exception as error:  # recorded, and the next form runs (`failed`)
+                    products.append([rows_n, kind, name, str(tile), failed(error), "-"])
+                    continue
                 products.append([rows_n, kind, name, str(tile), us, nbytes_each / us / 1e3])
                 print(products[-1], flush=True)
         for kind in ("int8", "int4-g32") if rows_n in args.tile_rows else ():
@@ -321,7 +338,11 @@ def time_products(args) -> dict[str, list[list]]:
                     interpret=interpret,
                     tile=tile,
                 )
-                tiles.append([rows_n, kind, str(tile), time_chain(form, x, cases[kind], args.repeats)])
+                try:
+                    us = time_chain(form, x, cases[kind], args.repeats)
+                except Exception as error:  # recorded, and the next tile runs (`failed`)
+                    us = failed(error)
+                tiles.append([rows_n, kind, str(tile), us])
                 print(tiles[-1], flush=True)
     return {"products": products, "tiles": tiles}
 
@@ -404,7 +425,11 @@ def time_steps(args) -> list[list]:
             if time.perf_counter() - start > args.budget_s:
                 print(f"budget of {args.budget_s} s spent: stopping", flush=True)
                 return rows
-            ms = step_ms(models[weights], batch, proposer_name, kernels, layers, args)
+            try:
+                ms = step_ms(models[weights], batch, proposer_name, kernels, layers, args)
+            except Exception as error:  # recorded, and the next case runs (`failed`)
+                rows.append([weights, batch, proposer_name, kernels, layers, failed(error), "-", "-"])
+                continue
             gb_s = read_gb[weights] / ms * 1e3
             rows.append([weights, batch, proposer_name, kernels, layers, ms, batch * 1e3 / ms, gb_s])
             print(rows[-1], flush=True)
@@ -418,7 +443,7 @@ def goals(products: list[list], steps: list[list]) -> list[list]:
     """Each goal that what ran can decide: [what, measured ratio, goal, met?]. Products through
     the Pallas kernel at its default tile; steps with the first kernels and layers timed."""
     rows = []
-    product_us = {(r[0], r[1], r[2]): r[4] for r in products}
+    product_us = {(r[0], r[1], r[2]): r[4] for r in products if isinstance(r[4], float)}
     for (rows_n, kind, form), us in product_us.items():
         base = product_us.get((rows_n, "bfloat16", "dot"))
         if form == "pallas" and kind in PRODUCT_GOALS and base and rows_n in (1, 8):
@@ -433,7 +458,8 @@ def goals(products: list[list], steps: list[list]) -> list[list]:
             )
     step = {}  # (weights, batch, proposer) -> ms, of the first kernels and layers timed
     for weights, batch, proposer, _kernels, _layers, ms, *_ in steps:
-        step.setdefault((weights, batch, proposer), ms)
+        if isinstance(ms, float):
+            step.setdefault((weights, batch, proposer), ms)
     for weights, goal in STEP_GOALS.items():
         if (weights, 1, "plain") in step and ("bfloat16", 1, "plain") in step:
             ratio = step[weights, 1, "plain"] / step["bfloat16", 1, "plain"]

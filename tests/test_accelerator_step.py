@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 import json
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,7 @@ def test_goals_are_the_issues_ratios(accelerator_step):
         product(8, "int4-g32", "pallas", 30.0),
         product(40, "bfloat16", "dot", 100.0),
         product(40, "int8", "pallas", 100.0),  # no goal at a verify pass's rows
+        product(8, "int8", "pallas", "failed: ValueError: no tile"),  # a case that raised: undecided
     ]
     steps = [
         step("bfloat16", 1, "plain", 5.0),
@@ -51,6 +53,8 @@ def test_goals_are_the_issues_ratios(accelerator_step):
         step("int8", 8, "plain", 4.0),
         step("int8", 8, "verify-k4", 5.0),
         step("int4", 8, "verify-k4", 9.0),  # its plain step at 8 did not run: undecided
+        step("bfloat16", 8, "plain", "failed: RuntimeError"),
+        step("bfloat16", 8, "verify-k4", 6.0),  # against a plain step that raised: undecided
     ]
     decided = {
         what: (round(ratio, 6), goal, met)
@@ -124,3 +128,31 @@ def test_the_prepared_run_works_on_a_cpu(accelerator_step, tmp_path):
         "int4 verify of 5 tokens / plain step, batch 8",
     ]
     assert "Issue 67's timing goals" in (tmp_path / "accelerator_step.md").read_text()
+
+
+def test_a_case_that_raises_is_recorded_and_the_next_runs(accelerator_step, monkeypatch):
+    """One failing case (a kernel that does not compile on the device, say) becomes a cell naming
+    the error; the other cases still run."""
+    calls = []
+
+    def step_ms(model, batch, proposer_name, *rest):
+        calls.append((batch, proposer_name))
+        if proposer_name == "plain":
+            raise RuntimeError("Triton: out of registers\nmore detail")
+        return 2.0
+
+    monkeypatch.setattr(accelerator_step, "step_ms", step_ms)
+    monkeypatch.setattr(
+        accelerator_step, "timing_model", lambda size, weights: accelerator_step.check_model(64)
+    )
+    args = types.SimpleNamespace(
+        cases=["bfloat16/1/plain", "bfloat16/8/verify-k4"],
+        kernels=["auto"],
+        layers=["unrolled"],
+        budget_s=1e9,
+        size="tiny",
+    )
+    rows = accelerator_step.time_steps(args)
+    assert calls == [(1, "plain"), (8, "verify-k4")]
+    assert rows[0][5] == "failed: RuntimeError: Triton: out of registers"
+    assert rows[1][5] == 2.0
