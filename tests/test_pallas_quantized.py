@@ -168,6 +168,11 @@ def test_a_tile_named_gives_the_same_product(implementation):
     refused = rf"tile=\(96, {bad[1]}\) does not fit values \(256, 256\) in 16 groups"
     with pytest.raises(ValueError, match=refused):
         pallas_quantized.quantized_matmul(jnp.asarray(x), w, implementation=implementation, tile=bad)
+    for odd in [(0, 128), (128,), (128.0, 128)]:
+        with pytest.raises(
+            ValueError, match=r"tile must be \(stored rows, output columns\), two positive ints"
+        ):
+            pallas_quantized.quantized_matmul(jnp.asarray(x), w, implementation=implementation, tile=odd)
     with pytest.raises(ValueError, match=r"tile=\(512, 128\) does not fit"):  # more rows than stored
         pallas_quantized.quantized_matmul(jnp.asarray(x), w, implementation=implementation, tile=(512, 128))
 

@@ -202,7 +202,10 @@ def tiles(w: QuantizedWeight, implementation: str, tile: tuple[int, int] | None 
     offsets (its scale then applies after the product). The largest candidate of INPUT_BLOCKS x
     OUTPUT_BLOCKS that fits, or `tile` (stored rows, columns) where it fits (`tile_rule`)."""
     packed, d_out = w.values.shape
-    tile = None if tile is None else tuple(tile)
+    if tile is not None:
+        tile = tuple(tile)
+        if len(tile) != 2 or not all(isinstance(b, int) and b > 0 for b in tile):
+            raise ValueError(f"tile must be (stored rows, output columns), two positive ints; got {tile!r}")
     return _tiles(packed, d_out, w.scales.shape[0], w.offsets is not None, implementation, tile)
 
 
