@@ -29,7 +29,6 @@ CASES = {
     **PREFIX_CASES,
     "draft-tensor-parallel": lambda: (TARGET, specjax.DraftModel(NOISY_DRAFT, k=3, tensor_parallel=True)),
 }
-FAST = ("plain", "ngram", "eagle-tree", "draft-tensor-parallel")
 
 
 def _grid(fast: set[tuple[str, str]]) -> list:

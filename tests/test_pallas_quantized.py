@@ -321,8 +321,9 @@ def test_the_loop_with_interpreted_kernels_equals_xla(name, kind, kernels, batch
 
 
 def every_proposer_case(name: str):
-    """(the float target, a proposer) for every kind of proposer state (test_engine_pages's cases);
-    Medusa and the MLP speculator with untrained heads (training them is not the point here)."""
+    """(the float target, a proposer) for every kind of proposer state (test_engine_pages's cases),
+    Medusa with an untrained head (training one is not the point here). The MLP speculator, which
+    those cases train for 300 steps, is left out: it drafts like Medusa's heads, from features."""
     from test_engine_pages import PREFIX_CASES, TARGET
 
     if name == "medusa-tree":
